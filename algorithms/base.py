@@ -1,0 +1,130 @@
+"""The small interface every aggregation rule implements.
+
+An algorithm sees tensors and data, never a socket: the node hands it the
+models that arrived for a round, keyed by peer name, and takes back a new
+model plus the weights and diagnostics it wants in the metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+State = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class PeerModel:
+    """One model received for a round: its weights and how much data trained it."""
+
+    state: State
+    n_samples: int
+
+
+@dataclass(frozen=True)
+class Context:
+    """What an algorithm may know about the node it runs in."""
+
+    node: str
+    seed: int
+    num_classes: int
+    body_keys: tuple[str, ...]
+    head_keys: tuple[str, ...]
+
+
+@dataclass
+class Aggregate:
+    """The outcome of one aggregation: the node's next model and what to record."""
+
+    state: State
+    weights: dict[str, float]
+    diagnostics: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class NoParams:
+    pass
+
+
+class PeerAlgorithm:
+    """Base for peer-side rules: by default fetch everyone, publish the whole model."""
+
+    name = "base"
+    Params: type = NoParams
+
+    def __init__(self, params: Any, context: Context) -> None:
+        self.params = params
+        self.context = context
+
+    def wanted_peers(self, round_no: int, offered: list[str]) -> list[str]:
+        """Which of the peers that announced a model this round to download."""
+        return list(offered)
+
+    def aggregate(
+        self, round_no: int, own: PeerModel, received: dict[str, PeerModel], data: Any
+    ) -> Aggregate:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able algorithm state for the node's checkpoint."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def weighted_average(states: dict[str, State], weights: dict[str, float]) -> State:
+    """Average float tensors by weight into new tensors; integer buffers come from the
+    first state (averaging a BatchNorm step counter means nothing)."""
+    names = list(states)
+    first = states[names[0]]
+    result: State = {}
+    for key, tensor in first.items():
+        if not tensor.is_floating_point():
+            result[key] = tensor.clone()
+            continue
+        total = torch.zeros_like(tensor)
+        for name in names:
+            total.add_(states[name][key], alpha=weights[name])
+        result[key] = total
+    return result
+
+
+def parse_params(cls: type, raw: dict[str, Any], prefix: str = "algorithm") -> Any:
+    """Build a Params dataclass from user values; errors name the field and what is allowed."""
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in known:
+            allowed = ", ".join(known) or "none"
+            raise ValueError(f"{prefix}.{key}: unknown parameter; allowed: {allowed}")
+    hints = typing.get_type_hints(cls)
+    values = {key: _coerce(f"{prefix}.{key}", value, hints[key]) for key, value in raw.items()}
+    try:
+        return cls(**values)
+    except ValueError as err:  # a Params __post_init__ check
+        raise ValueError(f"{prefix}.{err}") from None
+
+
+def _coerce(field_name: str, value: Any, hint: Any) -> Any:
+    """Accept a value for a typed field: ints for floats, a literal from its choices."""
+    if typing.get_origin(hint) is typing.Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            raise ValueError(f"{field_name}: got {value!r}; allowed: {', '.join(map(str, choices))}")
+        return value
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(hint):
+            return None
+        hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, bool, str) and (
+        not isinstance(value, hint) or (hint is int and isinstance(value, bool))
+    ):
+        raise ValueError(f"{field_name}: got {value!r}; expected {hint.__name__}")
+    return value

@@ -1,0 +1,5 @@
+"""The `meshfl` command."""
+
+
+def main(argv=None) -> int:
+    return 0

@@ -1,0 +1,421 @@
+"""A node's presence in the mesh: membership, gossip and blob exchange over one transport.
+
+The endpoint runs a worker thread that decodes every incoming message, keeps the
+peer table, answers `hello` and `fetch`, and sends heartbeats. The node talks to
+it from its own thread: publish a blob, look at what peers announced, fetch the
+blobs it chooses, wait for them until a deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter, defaultdict, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .gossip import BlobStore, Offer, OfferBook
+from .identity import Identity, node_id
+from .membership import ALIVE, LEFT, PeerEntry, PeerTable
+from .transport import Received, Transport, TransportOptions
+from .wire import Blob, Decoder, Limits, Message, Rejected, encode, new_instance
+
+log = logging.getLogger("meshfl.endpoint")
+
+
+class Refused(Exception):
+    """The mesh refused this process (its key is already live elsewhere)."""
+
+
+@dataclass(frozen=True)
+class EndpointSettings:
+    name: str
+    listen: str  # where the ROUTER binds
+    advertise: str = ""  # where peers dial us; default: `listen`
+    heartbeat_interval: float = 1.0
+    peer_timeout: float = 5.0
+    store_bytes: int = 1 << 30
+    max_inflight: int = 2  # blob fetches outstanding per peer
+    allowlist: frozenset[bytes] | None = None  # closed mesh: the only keys allowed
+    limits: Limits = Limits()
+    transport: TransportOptions = TransportOptions()
+
+    @property
+    def address(self) -> str:
+        return self.advertise or self.listen
+
+
+@dataclass
+class FetchRecord:
+    """One blob fetched: kept so tests and metrics can say exactly what was pulled."""
+
+    origin: str
+    round: int
+    kind: str
+    size: int
+    holder: str
+
+
+@dataclass
+class _Fetches:
+    """Fetch requests per holder, at most `cap` in flight each; the rest wait their turn."""
+
+    cap: int
+    in_flight: dict[bytes, set[bytes]] = field(default_factory=lambda: defaultdict(set))
+    waiting: dict[bytes, deque[bytes]] = field(default_factory=lambda: defaultdict(deque))
+
+    def request(self, holder: bytes, digest: bytes) -> bool:
+        """Queue a fetch; True when it may be sent now."""
+        if len(self.in_flight[holder]) < self.cap:
+            self.in_flight[holder].add(digest)
+            return True
+        self.waiting[holder].append(digest)
+        return False
+
+    def done(self, digest: bytes) -> list[tuple[bytes, bytes]]:
+        """Mark a digest arrived; return the (holder, digest) fetches now allowed out."""
+        released = []
+        for holder, digests in self.in_flight.items():
+            if digest in digests:
+                digests.discard(digest)
+                if self.waiting[holder]:
+                    follower = self.waiting[holder].popleft()
+                    digests.add(follower)
+                    released.append((holder, follower))
+        return released
+
+
+class Endpoint:
+    def __init__(
+        self, identity: Identity, mesh_id: bytes, settings: EndpointSettings,
+        schema: bytes | None = None,
+    ) -> None:
+        self.identity = identity
+        self.mesh_id = mesh_id
+        self.settings = settings
+        self.instance = new_instance()
+        self.round = 0
+        self.table = PeerTable(settings.peer_timeout)
+        self.store = BlobStore(settings.store_bytes)
+        self.offer_book = OfferBook()
+        self.decoder = Decoder(mesh_id, settings.limits, schema, self._admit, self._accept)
+        self.received: Counter[str] = Counter()  # messages delivered, by kind
+        self.fetch_log: list[FetchRecord] = []
+        self._fetches = _Fetches(settings.max_inflight)
+        self._inboxes: dict[str, queue.Queue[Message]] = defaultdict(queue.Queue)
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
+        self._send_lock = threading.Lock()
+        # Start from wall-clock nanoseconds so a restarted node's numbers keep rising.
+        self._seq = time.time_ns()
+        self._logged: set[tuple[bytes, str]] = set()
+        self._joined = threading.Event()
+        self._refusal = ""
+        self._stopping = threading.Event()
+        self.transport = Transport(settings.listen, settings.transport)
+        self._worker = threading.Thread(target=self._work, name=f"mesh {settings.name}",
+                                         daemon=True)
+
+    @property
+    def id(self) -> str:
+        return self.identity.id
+
+    # --- the node's side --------------------------------------------------
+
+    def start(self, bootstrap: Iterable[str] = ()) -> None:
+        """Start serving and say hello to every bootstrap address (any one is enough)."""
+        self._worker.start()
+        targets = [address for address in bootstrap if address != self.settings.address]
+        for address in targets:
+            self._send(address, "hello", self._hello_body())
+        if not targets:
+            self._joined.set()
+
+    def wait_joined(self, timeout: float) -> bool:
+        """True once a peer answered our hello; raises Refused if the mesh refused us."""
+        self._joined.wait(timeout)
+        if self._refusal:
+            raise Refused(self._refusal)
+        return self._joined.is_set()
+
+    def set_round(self, round_no: int) -> None:
+        self.round = round_no
+        with self._lock:
+            self.offer_book.forget_before(round_no)
+
+    def peers(self) -> list[PeerEntry]:
+        with self._lock:
+            return [PeerEntry(**vars(entry)) for entry in self.table.entries.values()]
+
+    def alive_peers(self) -> list[PeerEntry]:
+        return [entry for entry in self.peers() if entry.state == ALIVE]
+
+    def wait_for_peers(self, count: int, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while len(self.table.alive()) < count:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._changed.wait(left)
+        return True
+
+    def publish(self, blob: Blob) -> None:
+        """Hold `blob` for fetching and announce it to every live peer."""
+        with self._lock:
+            self.store.put(blob)
+            targets = [entry.address for entry in self.table.alive()]
+        body = {"origin": blob.origin, "round": blob.round, "kind": blob.kind,
+                "digest": blob.digest, "size": blob.size}
+        for address in targets:
+            self._send(address, "announce", body)
+
+    def offers(self, round_no: int, kind: str | None = None) -> list[Offer]:
+        with self._lock:
+            return list(self.offer_book.for_round(round_no, kind))
+
+    def wait_offers(self, round_no: int, kind: str | None, origins: set[bytes],
+                    deadline: float) -> list[Offer]:
+        """Offers of the round, waiting until every origin in `origins` announced or the
+        monotonic `deadline` passes."""
+        with self._changed:
+            while True:
+                offers = self.offer_book.for_round(round_no, kind)
+                if origins <= {offer.origin for offer in offers}:
+                    return list(offers)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return list(offers)
+                self._changed.wait(min(left, 0.5))
+
+    def fetch(self, offers: Sequence[Offer]) -> None:
+        """Ask for these blobs, from their origin when it is alive, else another holder."""
+        sends = []
+        with self._lock:
+            for offer in offers:
+                if offer.digest in self.store:
+                    continue
+                holder = self._pick_holder(offer)
+                if holder is not None and self._fetches.request(holder.public_key, offer.digest):
+                    sends.append((holder.address, offer.digest))
+        for address, digest in sends:
+            self._send(address, "fetch", {"digest": digest})
+
+    def wait_blobs(self, digests: Iterable[bytes], deadline: float) -> dict[bytes, Blob]:
+        """The blobs among `digests` that arrived by the monotonic `deadline`."""
+        wanted = set(digests)
+        with self._changed:
+            while True:
+                have = {d: blob for d in wanted if (blob := self.store.get(d)) is not None}
+                left = deadline - time.monotonic()
+                if len(have) == len(wanted) or left <= 0:
+                    return have
+                self._changed.wait(min(left, 0.5))
+
+    def send_blob(self, public_key: bytes, kind: str, blob: Blob, body: dict | None = None) -> bool:
+        """Send a blob straight to one peer (the coordinator's upload / personal)."""
+        with self._lock:
+            entry = self.table.get(public_key)
+        if entry is None:
+            return False
+        self._send(entry.address, kind, body or {}, blob)
+        return True
+
+    def send_to(self, public_key: bytes, kind: str, body: dict[str, Any]) -> bool:
+        with self._lock:
+            entry = self.table.get(public_key)
+        if entry is None:
+            return False
+        self._send(entry.address, kind, body)
+        return True
+
+    def next_message(self, kind: str, timeout: float) -> Message | None:
+        """The next message of a direct kind (upload, personal, status...), or None."""
+        try:
+            return self._inboxes[kind].get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "bytes_in": self.transport.bytes_in, "bytes_out": self.transport.bytes_out,
+                "rejections": dict(self.decoder.rejections), "received": dict(self.received),
+                "dropped": sum(self.transport.dropped.values()),
+                "fetched": len(self.fetch_log),
+            }
+
+    def close(self) -> None:
+        """Say bye to every live peer, then stop."""
+        if self._stopping.is_set():
+            return
+        for entry in self.alive_peers():
+            self._send(entry.address, "bye", {})
+        self._stopping.set()
+        if self._worker.is_alive():
+            self._worker.join(timeout=5)
+        self.transport.close()
+
+    # --- sending ----------------------------------------------------------
+
+    def _hello_body(self) -> dict[str, Any]:
+        return {"name": self.settings.name, "addr": self.settings.address}
+
+    def _send(self, address: str, kind: str, body: dict[str, Any],
+              blob: Blob | None = None) -> None:
+        # Numbering and queueing under one lock: messages leave in sequence order.
+        with self._send_lock:
+            self._seq += 1
+            frames = encode(self.identity, self.mesh_id, kind, self._seq, self.round, body,
+                            instance=self.instance, blob=blob)
+            self.transport.send(address, frames)
+
+    def _pick_holder(self, offer: Offer) -> PeerEntry | None:
+        candidates = [self.table.get(key) for key in [offer.origin, *offer.holders]]
+        alive = [entry for entry in candidates if entry is not None and entry.state == ALIVE]
+        return alive[0] if alive else None
+
+    # --- the worker thread -----------------------------------------------------
+
+    def _work(self) -> None:
+        next_beat = time.monotonic()
+        while not self._stopping.is_set():
+            try:
+                received = self.transport.inbox.get(timeout=0.05)
+            except queue.Empty:
+                received = None
+            if received is not None:
+                self._handle_frames(received)
+            if time.monotonic() >= next_beat:
+                next_beat = time.monotonic() + self.settings.heartbeat_interval
+                self._beat()
+
+    def _beat(self) -> None:
+        with self._lock:
+            for entry in self.table.expire():
+                log.warning("%s: peer %s (%s) is down", self.settings.name, entry.name,
+                            entry.address)
+            targets = [e.address for e in self.table.entries.values() if e.state != LEFT]
+            self._changed.notify_all()
+        for address in targets:
+            self._send(address, "heartbeat", self._hello_body())
+
+    def _handle_frames(self, received: Received) -> None:
+        with self._lock:
+            try:
+                message = self.decoder.decode(received.frames)
+            except Rejected as rejection:
+                self._log_rejection(received.routing_id, rejection)
+                if rejection.reason == "duplicate_key" and rejection.message is not None:
+                    self._refuse(rejection.message)
+                return
+            self.received[message.kind] += 1
+            handler = getattr(self, f"_on_{message.kind}", self._on_direct)
+            handler(message)
+            self._changed.notify_all()
+
+    def _log_rejection(self, routing_id: bytes, rejection: Rejected) -> None:
+        # Once per peer connection and reason: a flood must not flood the log too.
+        key = (routing_id, rejection.reason)
+        if key not in self._logged:
+            self._logged.add(key)
+            log.warning("%s: dropped a message (%s) from connection %s; further ones are "
+                        "only counted", self.settings.name, rejection, routing_id.hex())
+
+    def _admit(self, message: Message) -> str | None:
+        allowlist = self.settings.allowlist
+        if allowlist is not None and message.sender not in allowlist \
+                and message.sender != self.identity.public_key:
+            return "unknown_sender"
+        return None
+
+    def _accept(self, message: Message) -> str | None:
+        if message.sender == self.identity.public_key:
+            return "duplicate_key" if message.instance != self.instance else None
+        address = message.body.get("addr") if message.kind in ("hello", "heartbeat") else None
+        if self.table.conflicting_instance(message.sender, message.instance, address):
+            return "duplicate_key"
+        return None
+
+    def _refuse(self, message: Message) -> None:
+        address = message.body.get("addr")
+        if message.kind == "hello" and isinstance(address, str):
+            live = self.table.get(message.sender)
+            where = live.address if live else self.settings.address
+            self._send(address, "refuse",
+                       {"reason": f"key {node_id(message.sender)} is already live at {where}"})
+
+    # --- one handler per kind ----------------------------------------------
+
+    def _on_hello(self, message: Message) -> None:
+        name, address = message.body["name"], message.body["addr"]
+        if self.table.upsert(message.sender, name, address, message.instance):
+            log.info("%s: %s joined from %s", self.settings.name, name, address)
+        self.table.heard_from(message.sender, message.round)
+        me = {"name": self.settings.name, "addr": self.settings.address,
+              "key": self.identity.public_key}
+        listed = [entry.describe() for entry in self.table.alive()]
+        self._send(address, "peers", {"peers": [me, *listed]})
+
+    def _on_peers(self, message: Message) -> None:
+        for item in message.body["peers"]:
+            if not (isinstance(item, dict) and isinstance(item.get("key"), bytes)
+                    and isinstance(item.get("addr"), str) and isinstance(item.get("name"), str)):
+                continue
+            key, address = item["key"], item["addr"]
+            if key == message.sender:
+                self.table.upsert(key, item["name"], address, message.instance)
+                self.table.heard_from(key, message.round)
+            elif key != self.identity.public_key and self.table.get(key) is None:
+                self._send(address, "hello", self._hello_body())
+        self._joined.set()
+
+    def _on_refuse(self, message: Message) -> None:
+        if not self._joined.is_set():
+            self._refusal = str(message.body["reason"])
+            self._joined.set()
+
+    def _on_heartbeat(self, message: Message) -> None:
+        if self.table.heard_from(message.sender, message.round) is None:
+            name, address = message.body.get("name"), message.body.get("addr")
+            if isinstance(name, str) and isinstance(address, str):
+                self.table.upsert(message.sender, name, address, message.instance)
+
+    def _on_bye(self, message: Message) -> None:
+        entry = self.table.mark_left(message.sender)
+        if entry is not None:
+            log.info("%s: %s left", self.settings.name, entry.name)
+            self.transport.forget(entry.address)
+
+    def _on_announce(self, message: Message) -> None:
+        self.table.heard_from(message.sender, message.round)
+        body = message.body
+        offer = Offer(body["origin"], body["round"], body["kind"], body["digest"], body["size"])
+        self.offer_book.add(offer, message.sender)
+
+    def _on_fetch(self, message: Message) -> None:
+        entry = self.table.heard_from(message.sender, message.round)
+        blob = self.store.get(message.body["digest"])
+        if entry is None or blob is None:
+            self.received["fetch_miss"] += 1
+            return
+        self._send(entry.address, "blob", {}, blob)
+
+    def _on_blob(self, message: Message) -> None:
+        entry = self.table.heard_from(message.sender, message.round)
+        blob = message.blob
+        assert blob is not None
+        self.store.put(blob)
+        holder = entry.name if entry else node_id(message.sender)
+        self.fetch_log.append(FetchRecord(blob.origin_id, blob.round, blob.kind, blob.size, holder))
+        for holder_key, digest in self._fetches.done(blob.digest):
+            target = self.table.get(holder_key)
+            if target is not None:
+                self._send(target.address, "fetch", {"digest": digest})
+
+    def _on_direct(self, message: Message) -> None:
+        self.table.heard_from(message.sender, message.round)
+        self._inboxes[message.kind].put(message)

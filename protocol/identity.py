@@ -1,0 +1,99 @@
+"""Ed25519 identities: a node *is* its public key.
+
+The node id is derived from the public key, so it cannot be self-declared: a
+message claiming an id must carry the key that hashes to it and a signature
+that key made.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import (
+    Ed25519PrivateKey,
+    Ed25519PublicKey,
+)
+
+PUBLIC_KEY_BYTES = 32
+SIGNATURE_BYTES = 64
+
+
+class KeyFileError(Exception):
+    """A key file that cannot be used; the message is one line for the user."""
+
+
+def node_id(public_key: bytes) -> str:
+    """The self-certifying id of a node: hex of sha256(raw public key)[:16]."""
+    return hashlib.sha256(public_key).digest()[:16].hex()
+
+
+def verify(public_key: bytes, signature: bytes, data: bytes) -> bool:
+    """True when `signature` is `public_key`'s Ed25519 signature of `data`."""
+    try:
+        Ed25519PublicKey.from_public_bytes(public_key).verify(signature, data)
+    except (InvalidSignature, ValueError):
+        return False
+    return True
+
+
+class Identity:
+    """A private key and what follows from it."""
+
+    def __init__(self, private_key: Ed25519PrivateKey) -> None:
+        self._private_key = private_key
+        self.public_key: bytes = private_key.public_key().public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw
+        )
+        self.id: str = node_id(self.public_key)
+
+    @classmethod
+    def generate(cls) -> Identity:
+        return cls(Ed25519PrivateKey.generate())
+
+    @classmethod
+    def load(cls, path: str | Path) -> Identity:
+        try:
+            pem = Path(path).read_bytes()
+            key = serialization.load_pem_private_key(pem, password=None)
+        except OSError as err:
+            raise KeyFileError(f"cannot read key file {path}: {err.strerror}") from None
+        except (ValueError, TypeError):
+            raise KeyFileError(f"key file {path} is not an unencrypted PEM private key") from None
+        if not isinstance(key, Ed25519PrivateKey):
+            raise KeyFileError(f"key file {path} holds a {type(key).__name__}, not an Ed25519 key")
+        return cls(key)
+
+    @classmethod
+    def load_or_create(cls, path: str | Path) -> Identity:
+        """The key at `path`, written there first if there is none yet."""
+        if Path(path).exists():
+            return cls.load(path)
+        identity = cls.generate()
+        identity.save(path)
+        return identity
+
+    def save(self, path: str | Path) -> None:
+        """Write the key as PEM, readable by the owner only; never overwrite a key."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pem = self._private_key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+        try:
+            # O_EXCL: two processes racing to create the same key must not both win.
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            raise KeyFileError(f"{path} already exists; refusing to overwrite a key") from None
+        except OSError as err:
+            raise KeyFileError(f"cannot write key file {path}: {err.strerror}") from None
+        with os.fdopen(fd, "wb") as out:
+            out.write(pem)
+
+    def sign(self, data: bytes) -> bytes:
+        return self._private_key.sign(data)

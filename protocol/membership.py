@@ -1,0 +1,93 @@
+"""Who is in the mesh: the peer table, timed on the receiver's own monotonic clock."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .identity import node_id
+
+ALIVE, DOWN, LEFT = "alive", "down", "left"
+
+
+@dataclass
+class PeerEntry:
+    public_key: bytes
+    name: str
+    address: str
+    instance: bytes
+    last_seen: float = field(default_factory=time.monotonic)
+    state: str = ALIVE
+    round: int = 0
+
+    @property
+    def id(self) -> str:
+        return node_id(self.public_key)
+
+    def describe(self) -> dict[str, object]:
+        """The entry as it travels in a `peers` message."""
+        return {"name": self.name, "addr": self.address, "key": self.public_key}
+
+
+class PeerTable:
+    """Peers keyed by public key. Not thread-safe: the endpoint's worker owns it."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.entries: dict[bytes, PeerEntry] = {}
+
+    def alive(self) -> list[PeerEntry]:
+        return [entry for entry in self.entries.values() if entry.state == ALIVE]
+
+    def get(self, public_key: bytes) -> PeerEntry | None:
+        return self.entries.get(public_key)
+
+    def heard_from(self, public_key: bytes, round_no: int) -> PeerEntry | None:
+        """Note a valid message from a known peer; a down peer that speaks is alive again."""
+        entry = self.entries.get(public_key)
+        if entry is not None:
+            entry.last_seen = time.monotonic()
+            entry.round = max(entry.round, round_no)
+            if entry.state == DOWN:
+                entry.state = ALIVE
+        return entry
+
+    def upsert(self, public_key: bytes, name: str, address: str, instance: bytes) -> bool:
+        """Add or refresh a peer; True when it is new or came back."""
+        entry = self.entries.get(public_key)
+        if entry is None:
+            self.entries[public_key] = PeerEntry(public_key, name, address, instance)
+            return True
+        came_back = entry.state != ALIVE or entry.instance != instance
+        entry.name, entry.address, entry.instance = name, address, instance
+        entry.state, entry.last_seen = ALIVE, time.monotonic()
+        return came_back
+
+    def conflicting_instance(self, public_key: bytes, instance: bytes, address: str | None) -> str:
+        """The address where another live process already uses this key, or ''.
+
+        A node restarted on the same address is the same node coming back: its old
+        process must be dead, since the port could not be bound otherwise.
+        """
+        entry = self.entries.get(public_key)
+        if entry is None or entry.state != ALIVE or entry.instance == instance:
+            return ""
+        if address is not None and address == entry.address:
+            return ""
+        return entry.address
+
+    def mark_left(self, public_key: bytes) -> PeerEntry | None:
+        entry = self.entries.get(public_key)
+        if entry is not None:
+            entry.state = LEFT
+        return entry
+
+    def expire(self) -> list[PeerEntry]:
+        """Mark peers silent for longer than the timeout as down; return them."""
+        now = time.monotonic()
+        expired = [
+            entry for entry in self.alive() if now - entry.last_seen > self.timeout
+        ]
+        for entry in expired:
+            entry.state = DOWN
+        return expired

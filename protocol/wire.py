@@ -1,0 +1,364 @@
+"""The message format: one ZeroMQ multipart message per message.
+
+    frame 0      msgpack [header: bin, signature: bin]   (the envelope)
+    frames 1..n  raw array bytes, C order, little endian
+
+`header` is a msgpack map; `signature` is the sender's Ed25519 signature of
+HEADER_CONTEXT + header, so the exact signed bytes travel on the wire and no
+canonical re-encoding is needed. The header carries the sha256 of frames 1..n.
+Blobs add a record signed by their origin, so a relayed blob stays verifiable.
+protocol/WIRE.md is the full specification; this module implements it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from .identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, node_id, verify
+
+PROTOCOL_VERSION = 1
+HEADER_CONTEXT = b"meshfl/1 header\n"
+RECORD_CONTEXT = b"meshfl/1 blob\n"
+DIGEST_BYTES = 32
+MESH_ID_BYTES = 16
+INSTANCE_BYTES = 8
+
+KINDS = (
+    "hello", "peers", "refuse", "heartbeat", "bye", "announce", "fetch", "blob",
+    "upload", "personal", "status", "status_reply",
+)
+BLOB_KINDS = ("blob", "upload", "personal")  # kinds whose frames are a signed blob
+
+DTYPES = {  # wire name -> numpy dtype; nothing else is ever decoded
+    "float16": np.dtype("<f2"), "float32": np.dtype("<f4"), "float64": np.dtype("<f8"),
+    "int8": np.dtype("i1"), "uint8": np.dtype("u1"), "int16": np.dtype("<i2"),
+    "int32": np.dtype("<i4"), "int64": np.dtype("<i8"), "bool": np.dtype("?"),
+}
+
+REJECTION_REASONS = (
+    "oversize", "too_many_frames", "bad_msgpack", "bad_header", "wrong_mesh",
+    "unknown_sender", "duplicate_key", "replay", "bad_signature", "digest_mismatch",
+    "bad_origin_signature", "forbidden_dtype", "shape_mismatch", "schema_mismatch",
+)
+
+
+class Rejected(Exception):
+    """A message the decoder refused; `reason` is one of REJECTION_REASONS."""
+
+    def __init__(self, reason: str, detail: str = "", message: Message | None = None) -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+        self.message = message  # set when the rejected message was authentic (signature ok)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on what a node will parse; everything beyond is rejected unread."""
+
+    max_message_bytes: int = 256 << 20
+    max_frames: int = 4096
+    max_envelope_bytes: int = 1 << 20
+    max_str: int = 1 << 16
+    max_items: int = 1 << 16
+
+    def unpacker_options(self) -> dict[str, int]:
+        return dict(
+            max_bin_len=self.max_envelope_bytes, max_str_len=self.max_str,
+            max_array_len=self.max_items, max_map_len=self.max_items, max_ext_len=0,
+        )
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+    def packed(self) -> list[Any]:
+        return [self.name, self.dtype, list(self.shape), self.nbytes]
+
+
+@dataclass
+class Blob:
+    """Arrays signed by their origin; `frames` are the raw bytes, one per tensor."""
+
+    origin: bytes
+    round: int
+    kind: str
+    schema: bytes
+    digest: bytes
+    index: list[TensorInfo]
+    meta: dict[str, Any]
+    record: bytes
+    signature: bytes
+    frames: list[Any] = field(repr=False)
+
+    @property
+    def size(self) -> int:
+        return sum(info.nbytes for info in self.index)
+
+    @property
+    def origin_id(self) -> str:
+        return node_id(self.origin)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The tensors as read-only numpy views of the received bytes (no copy)."""
+        return {
+            info.name: np.frombuffer(frame, dtype=DTYPES[info.dtype]).reshape(info.shape)
+            for info, frame in zip(self.index, self.frames, strict=True)
+        }
+
+
+@dataclass
+class Message:
+    kind: str
+    sender: bytes
+    seq: int
+    round: int
+    instance: bytes
+    body: dict[str, Any]
+    blob: Blob | None = None
+
+    @property
+    def sender_id(self) -> str:
+        return node_id(self.sender)
+
+
+def frames_digest(frames: Sequence[Any]) -> bytes:
+    """sha256 over the concatenated frames, without concatenating them."""
+    digest = hashlib.sha256()
+    for frame in frames:
+        digest.update(frame)
+    return digest.digest()
+
+
+def wire_dtype(array: np.ndarray) -> str:
+    for name, dtype in DTYPES.items():
+        if array.dtype == dtype:
+            return name
+    raise ValueError(f"dtype {array.dtype} cannot travel; allowed: {', '.join(DTYPES)}")
+
+
+def make_blob(
+    identity: Identity, round_no: int, kind: str, arrays: Mapping[str, np.ndarray],
+    schema: bytes = b"", meta: Mapping[str, Any] | None = None,
+) -> Blob:
+    """Sign `arrays` as a blob of `identity`; hashes the bytes once, copies them never
+    (unless an array is not C-contiguous little-endian)."""
+    frames, index = [], []
+    for name, array in arrays.items():
+        dtype = wire_dtype(array)
+        array = np.ascontiguousarray(array, dtype=DTYPES[dtype])
+        frames.append(memoryview(array).cast("B"))
+        index.append(TensorInfo(name, dtype, tuple(array.shape), array.nbytes))
+    digest = frames_digest(frames)
+    meta = dict(meta or {})
+    record = msgpack.packb(
+        [identity.public_key, round_no, kind, schema, digest, [i.packed() for i in index], meta]
+    )
+    signature = identity.sign(RECORD_CONTEXT + record)
+    return Blob(identity.public_key, round_no, kind, schema, digest, index, meta, record,
+                signature, frames)
+
+
+def blob_body(blob: Blob) -> dict[str, Any]:
+    return {"record": blob.record, "sig": blob.signature}
+
+
+def encode(
+    identity: Identity, mesh_id: bytes, kind: str, seq: int, round_no: int,
+    body: Mapping[str, Any], *, instance: bytes, blob: Blob | None = None,
+) -> list[Any]:
+    """Frames of one signed message. For blob kinds pass `blob`: its digest is reused."""
+    frames = blob.frames if blob is not None else []
+    if blob is not None:
+        body = {**body, **blob_body(blob)}
+    header = msgpack.packb({
+        "v": PROTOCOL_VERSION, "mesh": mesh_id, "kind": kind, "from": identity.public_key,
+        "inst": instance, "seq": seq, "round": round_no, "body": dict(body),
+        "digest": blob.digest if blob is not None else frames_digest(frames),
+    })
+    envelope = msgpack.packb([header, identity.sign(HEADER_CONTEXT + header)])
+    return [envelope, *frames]
+
+
+def new_instance() -> bytes:
+    return os.urandom(INSTANCE_BYTES)
+
+
+# Each header field: (msgpack type, exact length for bytes or None).
+_HEADER_FIELDS: dict[str, tuple[type, int | None]] = {
+    "v": (int, None), "mesh": (bytes, MESH_ID_BYTES), "kind": (str, None),
+    "from": (bytes, PUBLIC_KEY_BYTES), "inst": (bytes, INSTANCE_BYTES), "seq": (int, None),
+    "round": (int, None), "body": (dict, None), "digest": (bytes, DIGEST_BYTES),
+}
+
+# Required body fields per kind (extra fields are allowed, for forward compatibility).
+_BODY_FIELDS: dict[str, dict[str, tuple[type, int | None]]] = {
+    "hello": {"name": (str, None), "addr": (str, None)},
+    "peers": {"peers": (list, None)},
+    "refuse": {"reason": (str, None)},
+    "heartbeat": {}, "bye": {}, "status": {}, "status_reply": {"status": (dict, None)},
+    "announce": {"origin": (bytes, PUBLIC_KEY_BYTES), "round": (int, None), "kind": (str, None),
+                 "digest": (bytes, DIGEST_BYTES), "size": (int, None)},
+    "fetch": {"digest": (bytes, DIGEST_BYTES)},
+    **{kind: {"record": (bytes, None), "sig": (bytes, SIGNATURE_BYTES)} for kind in BLOB_KINDS},
+}
+
+
+def _check_fields(where: str, values: Any, fields: Mapping[str, tuple[type, int | None]]) -> None:
+    if not isinstance(values, dict):
+        raise Rejected("bad_header", f"{where} is not a map")
+    for name, (kind, length) in fields.items():
+        value = values.get(name)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise Rejected("bad_header", f"{where}.{name} missing or not {kind.__name__}")
+        if length is not None and len(value) != length:
+            raise Rejected("bad_header", f"{where}.{name} must be {length} bytes")
+
+
+MessageCheck = Callable[["Message"], "str | None"]
+
+
+class Decoder:
+    """Checks an incoming message step by step, in the order WIRE.md fixes, and counts
+    every rejection by reason. Not thread-safe: one decoder per receiving thread."""
+
+    def __init__(
+        self, mesh_id: bytes, limits: Limits = Limits(), schema: bytes | None = None,
+        admit: MessageCheck | None = None, accept: MessageCheck | None = None,
+    ) -> None:
+        self.mesh_id = mesh_id
+        self.limits = limits
+        self.schema = schema  # the model schema blobs must match (None: don't check)
+        # Hooks returning a rejection reason or None: `admit` before the signature is
+        # checked (is this sender allowed at all), `accept` after it (is this process
+        # the live holder of its key), so only authentic messages can be refused.
+        self.admit = admit
+        self.accept = accept
+        self.last_seq: dict[bytes, int] = {}
+        self.rejections: Counter[str] = Counter()
+
+    def decode(self, frames: Sequence[Any]) -> Message:
+        try:
+            return self._decode(frames)
+        except Rejected as rejection:
+            self.rejections[rejection.reason] += 1
+            raise
+
+    def _decode(self, frames: Sequence[Any]) -> Message:
+        buffers = [memoryview(frame) for frame in frames]
+        self._check_size(buffers)
+        header_bytes, signature, header = self._unpack_envelope(buffers[0])
+        message = self._check_header(header)
+        if header["mesh"] != self.mesh_id:
+            raise Rejected("wrong_mesh")
+        if self.admit is not None and (reason := self.admit(message)):
+            raise Rejected(reason)
+        if message.seq <= self.last_seq.get(message.sender, -1):
+            raise Rejected("replay", f"seq {message.seq}")
+        if not verify(message.sender, signature, HEADER_CONTEXT + header_bytes):
+            raise Rejected("bad_signature")
+        if self.accept is not None and (reason := self.accept(message)):
+            raise Rejected(reason, message=message)
+        # Only now, with the signature checked, may the sender's counter move.
+        self.last_seq[message.sender] = message.seq
+        data = buffers[1:]
+        if frames_digest(data) != header["digest"]:
+            raise Rejected("digest_mismatch")
+        if message.kind in BLOB_KINDS:
+            message.blob = self._check_blob(message.body, header["digest"], data)
+        elif data:
+            raise Rejected("bad_header", f"{message.kind} carries no frames")
+        return message
+
+    def _check_size(self, buffers: list[memoryview]) -> None:
+        if len(buffers) > self.limits.max_frames + 1:
+            raise Rejected("too_many_frames", f"{len(buffers)} frames")
+        if not buffers:
+            raise Rejected("bad_header", "empty message")
+        total = sum(buffer.nbytes for buffer in buffers)
+        limits = self.limits
+        if total > limits.max_message_bytes or buffers[0].nbytes > limits.max_envelope_bytes:
+            raise Rejected("oversize", f"{total} bytes")
+
+    def _unpack(self, data: Any) -> Any:
+        try:
+            options = self.limits.unpacker_options()
+            return msgpack.unpackb(data, raw=False, strict_map_key=True, **options)
+        except Exception as err:  # msgpack raises many types on hostile input
+            raise Rejected("bad_msgpack", type(err).__name__) from None
+
+    def _unpack_envelope(self, envelope: memoryview) -> tuple[bytes, bytes, dict[str, Any]]:
+        outer = self._unpack(envelope)
+        if not (isinstance(outer, list) and len(outer) == 2
+                and all(isinstance(part, bytes) for part in outer)):
+            raise Rejected("bad_header", "envelope is not [header, signature]")
+        header_bytes, signature = outer
+        if len(signature) != SIGNATURE_BYTES:
+            raise Rejected("bad_header", "signature length")
+        return header_bytes, signature, self._unpack(header_bytes)
+
+    def _check_header(self, header: Any) -> Message:
+        _check_fields("header", header, _HEADER_FIELDS)
+        if header["v"] != PROTOCOL_VERSION:
+            raise Rejected("bad_header", f"version {header['v']}")
+        kind = header["kind"]
+        if kind not in _BODY_FIELDS:
+            raise Rejected("bad_header", f"unknown kind {kind[:32]!r}")
+        if header["seq"] < 0 or header["round"] < 0:
+            raise Rejected("bad_header", "negative seq or round")
+        _check_fields(f"{kind}.body", header["body"], _BODY_FIELDS[kind])
+        return Message(kind, header["from"], header["seq"], header["round"], header["inst"],
+                       header["body"])
+
+    def _check_blob(self, body: dict[str, Any], digest: bytes, frames: list[memoryview]) -> Blob:
+        record = self._unpack(body["record"])
+        if not (isinstance(record, list) and len(record) == 7):
+            raise Rejected("bad_header", "blob record is not a 7-item array")
+        origin, round_no, kind, schema, record_digest, raw_index, meta = record
+        if not (isinstance(origin, bytes) and len(origin) == PUBLIC_KEY_BYTES
+                and isinstance(round_no, int) and not isinstance(round_no, bool) and round_no >= 0
+                and isinstance(kind, str) and isinstance(schema, bytes)
+                and isinstance(record_digest, bytes) and isinstance(raw_index, list)
+                and isinstance(meta, dict)):
+            raise Rejected("bad_header", "blob record fields")
+        if record_digest != digest:
+            raise Rejected("digest_mismatch", "record digest differs from the frames'")
+        if not verify(origin, body["sig"], RECORD_CONTEXT + body["record"]):
+            raise Rejected("bad_origin_signature")
+        index = [self._tensor_info(entry) for entry in raw_index]
+        if len(index) != len(frames):
+            raise Rejected("shape_mismatch", f"{len(index)} tensors, {len(frames)} frames")
+        for info, frame in zip(index, frames, strict=True):
+            if frame.nbytes != info.nbytes:
+                raise Rejected("shape_mismatch", f"{info.name}: {frame.nbytes} bytes")
+        if self.schema is not None and schema != self.schema:
+            raise Rejected("schema_mismatch")
+        return Blob(origin, round_no, kind, schema, digest, index, meta, body["record"],
+                    body["sig"], list(frames))
+
+    @staticmethod
+    def _tensor_info(entry: Any) -> TensorInfo:
+        if not (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], str)
+                and isinstance(entry[1], str) and isinstance(entry[2], list)
+                and isinstance(entry[3], int)):
+            raise Rejected("bad_header", "tensor index entry")
+        name, dtype, shape, nbytes = entry
+        if dtype not in DTYPES:
+            raise Rejected("forbidden_dtype", dtype[:32])
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+            raise Rejected("shape_mismatch", f"{name}: shape")
+        if int(np.prod(shape, dtype=object)) * DTYPES[dtype].itemsize != nbytes:
+            raise Rejected("shape_mismatch", f"{name}: shape and length disagree")
+        return TensorInfo(name, dtype, tuple(shape), nbytes)
