@@ -101,7 +101,8 @@ def parse_params(cls: type, raw: dict[str, Any], prefix: str = "algorithm") -> A
     for key in raw:
         if key not in known:
             allowed = ", ".join(known) or "none"
-            raise ValueError(f"{prefix}.{key}: unknown parameter; allowed: {allowed}")
+            raise ValueError(f"{prefix}.{key}: got {raw[key]!r} for an unknown parameter; "
+                             f"allowed: {allowed}")
     hints = typing.get_type_hints(cls)
     values = {key: _coerce(f"{prefix}.{key}", value, hints[key]) for key, value in raw.items()}
     try:
@@ -115,7 +116,8 @@ def _coerce(field_name: str, value: Any, hint: Any) -> Any:
     if typing.get_origin(hint) is typing.Literal:
         choices = typing.get_args(hint)
         if value not in choices:
-            raise ValueError(f"{field_name}: got {value!r}; allowed: {', '.join(map(str, choices))}")
+            allowed = ", ".join(map(str, choices))
+            raise ValueError(f"{field_name}: got {value!r}; allowed: {allowed}")
         return value
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         if value is None and type(None) in typing.get_args(hint):

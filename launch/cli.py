@@ -1,5 +1,164 @@
-"""The `meshfl` command."""
+"""The `meshfl` command: launch a local mesh, run one node, join a mesh, make keys."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+EXIT_USAGE = 2
 
 
-def main(argv=None) -> int:
+class UserError(Exception):
+    """A mistake the user can fix: printed as one line, exit code 2."""
+
+
+def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE",
+                        help="peers.yaml with the mesh settings and peers (default: built-in "
+                             "demo settings)")
+    parser.add_argument("--algorithm", help="aggregation rule, e.g. fedavg, local")
+    parser.add_argument("--dataset", help="digits (embedded), mnist, fmnist, usps, cifar10, "
+                        "mnistm, femnist, office, synthetic, digit5, npz:PATH")
+    parser.add_argument("--data-root", metavar="DIR",
+                        help="folder holding the dataset in its standard layout")
+    parser.add_argument("--partition", help="iid, dirichlet:<alpha>, pathological:<labels>, "
+                        "groups:<s>, clusters:<k>[:noisy], domains")
+    parser.add_argument("--samples-per-node", type=int, metavar="N",
+                        help="cap on each node's shard")
+    parser.add_argument("--rounds", type=int, help="number of rounds")
+    parser.add_argument("--seed", type=int, help="seed of every random choice")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        dest="assignments",
+                        help="set any config field, e.g. --set lr=0.1 --set algorithm.gamma=2 "
+                             "(repeatable)")
+
+
+def _named_overrides(args: argparse.Namespace) -> list[str]:
+    named = {"algorithm": "algorithm", "dataset": "data.dataset", "data_root": "data.root",
+             "partition": "data.partition", "samples_per_node": "data.samples_per_node",
+             "rounds": "rounds", "seed": "seed"}
+    return [f"{key}={getattr(args, flag)}" for flag, key in named.items()
+            if getattr(args, flag, None) is not None]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="meshfl",
+        description="A peer-to-peer network for personalized federated learning. Every node "
+                    "is its own process with its own data; nodes gossip signed models over "
+                    "ZeroMQ and each decides whom to learn from.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log more")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    launch = commands.add_parser(
+        "launch", help="start N local nodes and show their progress",
+        description="Start N node processes on this machine, show their progress, print a "
+                    "result table and write per-node metrics and summary.json to --out.")
+    _add_config_flags(launch)
+    launch.add_argument("--nodes", type=int, help="number of local nodes (default 4, or the "
+                        "peers of --config)")
+    launch.add_argument("--out", metavar="DIR", help="run folder (default runs/<time>-<rule>)")
+    launch.add_argument("--quiet", action="store_true", help="no live progress line")
+
+    node = commands.add_parser(
+        "node", help="run one node of a peers.yaml mesh (one per LAN machine)",
+        description="Run the peer NAME of --config; it binds its listen address and dials "
+                    "the other peers listed there.")
+    _add_config_flags(node)
+    node.add_argument("--name", required=True, help="this node's name in the config's peers")
+    node.add_argument("--out", metavar="DIR", default="runs/node",
+                      help="folder for <name>/metrics.jsonl and the checkpoint")
+    node.add_argument("--key", metavar="PEM", help="private key (default: the peer's `key`, "
+                      "else <out>/keys/<name>.pem, created on first start)")
+    node.add_argument("--local-nodes", type=int, default=1,
+                      help="node processes sharing this machine's cores")
+
+    join = commands.add_parser(
+        "join", help="join a running mesh through any one of its addresses",
+        description="Join the mesh at ADDR (tcp://HOST:PORT of any member). The mesh settings "
+                    "come from --config (the run folder's config.yaml for a `meshfl launch` "
+                    "mesh) and must match the mesh's, or its members ignore this node.")
+    join.add_argument("address", metavar="ADDR", help="tcp://HOST:PORT of any mesh member")
+    _add_config_flags(join)
+    join.add_argument("--name", help="this node's name (default joiner-<port>)")
+    join.add_argument("--listen", metavar="ADDR", help="where to bind (default: this host's "
+                      "address towards ADDR, on a free port)")
+    join.add_argument("--out", metavar="DIR", default="runs/join", help="output folder")
+    join.add_argument("--key", metavar="PEM", help="private key (created if missing)")
+
+    keygen = commands.add_parser(
+        "keygen", help="write a new Ed25519 node key",
+        description="Write a new Ed25519 private key as PEM (mode 0600) and print the node id "
+                    "and public key; never overwrites an existing file.")
+    keygen.add_argument("path", metavar="PATH")
+
+    bench = commands.add_parser("bench", help="measure the wire protocol's throughput")
+    bench.add_argument("what", choices=["wire"], help="what to measure")
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose or args.command in ("node", "join")
+                        else logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    handlers: dict[str, Callable[[argparse.Namespace], int]] = {
+        "launch": _launch, "node": _node, "join": _join, "keygen": _keygen, "bench": _bench,
+    }
+    try:
+        return handlers[args.command](args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as err:  # user mistakes become one line; anything else is a bug
+        if _is_user_error(err):
+            print(f"meshfl: error: {err}", file=sys.stderr)
+            return EXIT_USAGE
+        raise
+
+
+def _is_user_error(err: Exception) -> bool:
+    from meshfl.node.errors import USER_ERRORS
+
+    return isinstance(err, (UserError, *USER_ERRORS))
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from .local import launch_local
+
+    return launch_local(args)
+
+
+def _node(args: argparse.Namespace) -> int:
+    from .local import run_named_node
+
+    return run_named_node(args)
+
+
+def _join(args: argparse.Namespace) -> int:
+    from .local import run_joiner
+
+    return run_joiner(args)
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    from meshfl.protocol.identity import Identity
+
+    identity = Identity.generate()
+    identity.save(args.path)
+    print(f"wrote {Path(args.path)} (mode 0600)")
+    print(f"node id:    {identity.id}")
+    print(f"public key: {identity.public_key.hex()}")
     return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .bench import main_wire
+
+    return main_wire(args.rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -39,6 +39,7 @@ class EndpointSettings:
     peer_timeout: float = 5.0
     store_bytes: int = 1 << 30
     max_inflight: int = 2  # blob fetches outstanding per peer
+    fetch_timeout: float = 30.0  # an unanswered fetch frees its in-flight slot after this
     allowlist: frozenset[bytes] | None = None  # closed mesh: the only keys allowed
     limits: Limits = Limits()
     transport: TransportOptions = TransportOptions()
@@ -61,16 +62,27 @@ class FetchRecord:
 
 @dataclass
 class _Fetches:
-    """Fetch requests per holder, at most `cap` in flight each; the rest wait their turn."""
+    """Fetch requests per holder, at most `cap` in flight each; the rest wait their turn.
+
+    A request unanswered for `stale_after` seconds (the blob was lost or rejected)
+    frees its slot, so one bad blob cannot block a holder for good.
+    """
 
     cap: int
-    in_flight: dict[bytes, set[bytes]] = field(default_factory=lambda: defaultdict(set))
+    stale_after: float
+    in_flight: dict[bytes, dict[bytes, float]] = field(default_factory=lambda: defaultdict(dict))
     waiting: dict[bytes, deque[bytes]] = field(default_factory=lambda: defaultdict(deque))
 
     def request(self, holder: bytes, digest: bytes) -> bool:
         """Queue a fetch; True when it may be sent now."""
-        if len(self.in_flight[holder]) < self.cap:
-            self.in_flight[holder].add(digest)
+        slots = self.in_flight[holder]
+        now = time.monotonic()
+        for stale in [d for d, sent in slots.items() if now - sent > self.stale_after]:
+            del slots[stale]
+        if digest in slots or digest in self.waiting[holder]:
+            return False
+        if len(slots) < self.cap:
+            slots[digest] = now
             return True
         self.waiting[holder].append(digest)
         return False
@@ -78,13 +90,11 @@ class _Fetches:
     def done(self, digest: bytes) -> list[tuple[bytes, bytes]]:
         """Mark a digest arrived; return the (holder, digest) fetches now allowed out."""
         released = []
-        for holder, digests in self.in_flight.items():
-            if digest in digests:
-                digests.discard(digest)
-                if self.waiting[holder]:
-                    follower = self.waiting[holder].popleft()
-                    digests.add(follower)
-                    released.append((holder, follower))
+        for holder, slots in self.in_flight.items():
+            if slots.pop(digest, None) is not None and self.waiting[holder]:
+                follower = self.waiting[holder].popleft()
+                slots[follower] = time.monotonic()
+                released.append((holder, follower))
         return released
 
 
@@ -104,7 +114,7 @@ class Endpoint:
         self.decoder = Decoder(mesh_id, settings.limits, schema, self._admit, self._accept)
         self.received: Counter[str] = Counter()  # messages delivered, by kind
         self.fetch_log: list[FetchRecord] = []
-        self._fetches = _Fetches(settings.max_inflight)
+        self._fetches = _Fetches(settings.max_inflight, settings.fetch_timeout)
         self._inboxes: dict[str, queue.Queue[Message]] = defaultdict(queue.Queue)
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
@@ -334,7 +344,10 @@ class Endpoint:
 
     def _accept(self, message: Message) -> str | None:
         if message.sender == self.identity.public_key:
-            return "duplicate_key" if message.instance != self.instance else None
+            # Our twin's `refuse` is signed with our own key: it is the answer we wait for.
+            if message.instance == self.instance or message.kind == "refuse":
+                return None
+            return "duplicate_key"
         address = message.body.get("addr") if message.kind in ("hello", "heartbeat") else None
         if self.table.conflicting_instance(message.sender, message.instance, address):
             return "duplicate_key"

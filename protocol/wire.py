@@ -158,8 +158,10 @@ def make_blob(
     frames, index = [], []
     for name, array in arrays.items():
         dtype = wire_dtype(array)
-        array = np.ascontiguousarray(array, dtype=DTYPES[dtype])
-        frames.append(memoryview(array).cast("B"))
+        # ascontiguousarray turns a 0-d array into shape (1,): keep the original shape.
+        array = np.ascontiguousarray(array, dtype=DTYPES[dtype]).reshape(array.shape)
+        # A flat uint8 view, not memoryview.cast: cast refuses shapes with a zero in them.
+        frames.append(memoryview(array.reshape(-1).view(np.uint8)))
         index.append(TensorInfo(name, dtype, tuple(array.shape), array.nbytes))
     digest = frames_digest(frames)
     meta = dict(meta or {})
@@ -257,7 +259,8 @@ class Decoder:
             raise
 
     def _decode(self, frames: Sequence[Any]) -> Message:
-        buffers = [memoryview(frame) for frame in frames]
+        # Read-only: a zmq.Frame is writable, yet a verified blob must not change in place.
+        buffers = [memoryview(frame).toreadonly() for frame in frames]
         self._check_size(buffers)
         header_bytes, signature, header = self._unpack_envelope(buffers[0])
         message = self._check_header(header)

@@ -1,0 +1,256 @@
+"""Running nodes: N local processes with live progress, one named node, a joiner."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from meshfl.node import config as cfgmod
+from meshfl.node.data import load_node_data
+from meshfl.node.runtime import Node, NodeOptions
+
+from .cli import UserError
+
+
+def resolve_config(args: argparse.Namespace) -> cfgmod.MeshConfig:
+    cfg = cfgmod.load_config(args.config)
+    cfg = cfgmod.apply_overrides(cfg, _named(args) + list(args.assignments))
+    cfgmod.validate(cfg)
+    return cfg
+
+
+def _named(args: argparse.Namespace) -> list[str]:
+    from .cli import _named_overrides
+
+    return _named_overrides(args)
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """Ports the OS calls free right now (held open together so they differ)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket()
+            sock.bind((host, 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+# --- meshfl launch ------------------------------------------------------------
+
+
+def launch_local(args: argparse.Namespace) -> int:
+    cfg = resolve_config(args)
+    if args.nodes is not None or args.config is None:
+        count = args.nodes if args.nodes is not None else len(cfg.peers)
+        if count < 1:
+            raise UserError(f"--nodes: got {count}; allowed: 1 or more")
+        peers = [replace(peer, listen=f"tcp://127.0.0.1:{port}")
+                 for peer, port in zip(cfgmod.local_peers(count), free_ports(count), strict=True)]
+        cfg = replace(cfg, peers=peers)
+    cfgmod.validate(cfg)
+    _check_data(cfg)
+    out = Path(args.out or _default_run_dir(cfg))
+    out.mkdir(parents=True, exist_ok=True)
+    config_path = out / "config.yaml"
+    cfgmod.save_config(cfg, config_path)
+    processes = {peer.name: _spawn_node(config_path, peer.name, out, len(cfg.peers))
+                 for peer in cfg.peers}
+    print(f"meshfl: {len(processes)} nodes, {cfg.algorithm.name} on {cfg.data.dataset} "
+          f"({cfg.data.partition}), {cfg.rounds} rounds -> {out}")
+    print(f"meshfl: join this mesh with: meshfl join {cfg.peers[0].listen} "
+          f"--config {config_path}")
+    try:
+        failed = _watch(processes, out, cfg.rounds, quiet=args.quiet)
+    finally:
+        _stop(processes.values())
+    if failed:
+        for name, line in failed.items():
+            print(f"meshfl: error: node {name}: {line}", file=sys.stderr)
+        return 2 if all(line.startswith("meshfl: error") or "error" in line
+                        for line in failed.values()) else 1
+    summary = write_summary(cfg, out)
+    print_table(summary)
+    return 0
+
+
+def _default_run_dir(cfg: cfgmod.MeshConfig) -> str:
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    return os.path.join("runs", f"{stamp}-{cfg.algorithm.name}-{cfg.data.dataset}")
+
+
+def _check_data(cfg: cfgmod.MeshConfig) -> None:
+    """Load the first node's data here, so a wrong path fails once, before any process."""
+    data = cfgmod.data_for(cfg, cfg.peers[0])
+    load_node_data(data.dataset, data.root, data.partition, len(cfg.peers), 0, cfg.seed,
+                   data.samples_per_node, tuple(data.split))
+
+
+def _spawn_node(config_path: Path, name: str, out: Path, local_nodes: int) -> subprocess.Popen:
+    node_dir = out / name
+    node_dir.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "meshfl.launch.cli", "node", "--config", str(config_path),
+               "--name", name, "--out", str(out), "--local-nodes", str(local_nodes)]
+    with open(node_dir / "node.log", "ab") as log_file:
+        return subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def last_record(path: Path) -> dict[str, Any] | None:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line being written right now
+    return None
+
+
+def _watch(processes: dict[str, subprocess.Popen], out: Path, rounds: int,
+           quiet: bool) -> dict[str, str]:
+    """Show progress until every node exits; return {name: last log line} of failures."""
+    live = sys.stdout.isatty() and not quiet
+    shown_round = 0
+    while any(process.poll() is None for process in processes.values()):
+        time.sleep(0.5)
+        records = {name: last_record(out / name / "metrics.jsonl") for name in processes}
+        done = [r["round"] for r in records.values() if r] or [0]
+        if live:
+            accuracies = " ".join(f"{name}:{r['test_acc']:.2f}" for name, r in records.items()
+                                  if r)
+            print(f"\r  round {min(done)}/{rounds}  {accuracies}   ", end="", flush=True)
+        elif not quiet and min(done) > shown_round:
+            shown_round = min(done)
+            print(f"  round {shown_round}/{rounds} done by every node", flush=True)
+    if live:
+        print()
+    return {name: _last_line(out / name / "node.log") for name, process in processes.items()
+            if process.returncode != 0}
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+    except OSError:
+        return "no log"
+    return lines[-1] if lines else "exited without a word"
+
+
+def _stop(processes) -> None:
+    for process in processes:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def write_summary(cfg: cfgmod.MeshConfig, out: Path) -> dict[str, Any]:
+    nodes = []
+    for peer in cfg.peers:
+        record = last_record(out / peer.name / "metrics.jsonl")
+        if record is not None:
+            nodes.append({"name": peer.name, "test_acc": record["test_acc"],
+                          "val_acc": record["val_acc"], "n_train": record["n_train"],
+                          "round": record["round"]})
+    accuracies = [node["test_acc"] for node in nodes]
+    summary = {
+        "algorithm": cfg.algorithm.name, "dataset": cfg.data.dataset,
+        "partition": cfg.data.partition, "rounds": cfg.rounds, "seed": cfg.seed,
+        "nodes": nodes,
+        "mean_test_acc": statistics.fmean(accuracies) if accuracies else None,
+        "std_test_acc": statistics.pstdev(accuracies) if accuracies else None,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def print_table(summary: dict[str, Any]) -> None:
+    print(f"\n{'node':<12}{'rounds':>7}{'n_train':>9}{'val_acc':>9}{'test_acc':>10}")
+    for node in summary["nodes"]:
+        print(f"{node['name']:<12}{node['round']:>7}{node['n_train']:>9}"
+              f"{node['val_acc']:>9.3f}{node['test_acc']:>10.3f}")
+    if summary["mean_test_acc"] is not None:
+        print(f"{'mean (std)':<37}{summary['mean_test_acc']:>7.3f} "
+              f"({summary['std_test_acc']:.3f})")
+
+
+# --- meshfl node / meshfl join ----------------------------------------------------
+
+
+def run_named_node(args: argparse.Namespace) -> int:
+    cfg = resolve_config(args)
+    peer = cfgmod.peer_by_name(cfg, args.name)
+    out = Path(args.out)
+    index = cfg.peers.index(peer)
+    others = [p.listen for p in cfg.peers if p.name != peer.name]
+    options = NodeOptions(
+        config=cfg, name=peer.name, listen=peer.listen, out_dir=out / peer.name,
+        key_path=Path(args.key or peer.key or out / "keys" / f"{peer.name}.pem"),
+        node_index=index, num_nodes=len(cfg.peers), bootstrap=others,
+        local_nodes=args.local_nodes)
+    return _run(options)
+
+
+def run_joiner(args: argparse.Namespace) -> int:
+    cfg = resolve_config(args)
+    host = _host_towards(args.address)
+    listen = args.listen or f"tcp://{host}:{free_ports(1, host)[0]}"
+    name = args.name or f"joiner-{listen.rsplit(':', 1)[1]}"
+    out = Path(args.out)
+    options = NodeOptions(
+        config=cfg, name=name, listen=listen, out_dir=out / name,
+        key_path=Path(args.key or out / "keys" / f"{name}.pem"),
+        node_index=len(cfg.peers), num_nodes=len(cfg.peers) + 1, bootstrap=[args.address],
+        joining=True)
+    config_hint = f" --config {args.config}" if args.config else ""
+    print(f"meshfl: {name} joining through {args.address}; the next node can join with: "
+          f"meshfl join {listen}{config_hint}", flush=True)
+    return _run(options)
+
+
+def _host_towards(address: str) -> str:
+    """Our own address on the interface that reaches `address` (no packet is sent)."""
+    host = address.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect((host, 9))
+        return probe.getsockname()[0]
+    except OSError as err:
+        raise UserError(f"cannot reach {address}: {err.strerror}") from None
+    finally:
+        probe.close()
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _run(options: NodeOptions) -> int:
+    # SIGTERM (from `meshfl launch` or a service manager) ends the node like Ctrl-C:
+    # it says bye; the last finished round is already checkpointed.
+    signal.signal(signal.SIGTERM, _interrupt)
+    Node(options).run()
+    return 0

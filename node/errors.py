@@ -1,0 +1,13 @@
+"""The exceptions that mean "the user can fix this": one line, exit code 2."""
+
+from meshfl.protocol.endpoint import Refused
+from meshfl.protocol.identity import KeyFileError
+from meshfl.protocol.transport import TransportError
+
+from .config import ConfigError
+from .data import DataError
+from .models import ModelError
+
+USER_ERRORS: tuple[type[Exception], ...] = (
+    ConfigError, DataError, ModelError, KeyFileError, TransportError, Refused,
+)

@@ -1,0 +1,241 @@
+"""One peer process: the round loop of DESIGN.md.
+
+    train → publish → wait for the announced blobs it wants (until the round's
+    deadline) → aggregate → evaluate → metrics line → checkpoint → next round
+
+There is no barrier: a node goes on with whatever arrived by the deadline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import torch
+
+from meshfl.algorithms import Context, PeerModel, algorithm_class, parse_params
+from meshfl.algorithms.base import weighted_average
+from meshfl.protocol.endpoint import Endpoint, EndpointSettings
+from meshfl.protocol.identity import Identity
+from meshfl.protocol.wire import Blob, make_blob
+
+from . import config as cfgmod
+from .checkpoint import MetricsLog, load_checkpoint, save_checkpoint
+from .data import NodeData, load_node_data
+from .models import body_keys, build_model, head_keys, model_schema
+from .trainer import evaluate, set_torch_threads, state_to_arrays, train_local
+
+log = logging.getLogger("meshfl.node")
+
+MODEL_KIND = "model"
+
+
+@dataclass
+class NodeOptions:
+    """How this process takes part: which peer it is and where it writes."""
+
+    config: cfgmod.MeshConfig
+    name: str
+    listen: str
+    out_dir: Path
+    key_path: Path
+    node_index: int
+    num_nodes: int
+    bootstrap: list[str] = field(default_factory=list)
+    local_nodes: int = 1
+    joining: bool = False  # a late joiner starts from the mesh's current round
+
+
+def schema_digest(schema: list[tuple[str, str, tuple[int, ...]]]) -> bytes:
+    return hashlib.sha256(msgpack.packb([list(item) for item in schema])).digest()
+
+
+def mesh_id(cfg: cfgmod.MeshConfig, schema: bytes) -> bytes:
+    """16 bytes every peer derives alike from the settings they must share."""
+    settings = json.dumps(cfgmod.shared_settings(cfg), sort_keys=True).encode()
+    return hashlib.sha256(settings + schema).digest()[:16]
+
+
+def tensors_from_blob(blob: Blob) -> dict[str, torch.Tensor]:
+    # One copy: the received bytes are read-only ZeroMQ buffers.
+    return {name: torch.from_numpy(np.array(array)) for name, array in blob.arrays().items()}
+
+
+class Node:
+    def __init__(self, options: NodeOptions) -> None:
+        self.options = options
+        cfg = options.config
+        self.cfg = cfg
+        self.threads = set_torch_threads(options.local_nodes)
+        data_cfg = cfgmod.data_for(cfg, cfgmod.PeerConfig(options.name, options.listen))
+        data_cfg = self._own_data(data_cfg)
+        self.data: NodeData = load_node_data(
+            data_cfg.dataset, data_cfg.root, data_cfg.partition, options.num_nodes,
+            options.node_index, cfg.seed, data_cfg.samples_per_node, tuple(data_cfg.split))
+        self.model = build_model(cfg.model.name, self.data.input_shape, self.data.num_classes,
+                                 cfg.model.head, seed=cfg.seed)
+        self.schema = schema_digest(model_schema(self.model))
+        self.algorithm = algorithm_class(cfg.algorithm.name)(
+            parse_params(cfg.algorithm.name, cfg.algorithm.params),
+            Context(options.name, cfg.seed, self.data.num_classes,
+                    tuple(body_keys(self.model)), tuple(head_keys(self.model))))
+        self.identity = Identity.load_or_create(options.key_path)
+        self.endpoint = Endpoint(self.identity, mesh_id(cfg, self.schema), self._settings(),
+                                 schema=self.schema)
+        options.out_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics = MetricsLog(options.out_dir / "metrics.jsonl")
+        self.checkpoint_path = options.out_dir / "checkpoint.pt"
+
+    def _own_data(self, data_cfg: cfgmod.DataConfig) -> cfgmod.DataConfig:
+        for peer in self.cfg.peers:
+            if peer.name == self.options.name:
+                return cfgmod.data_for(self.cfg, peer)
+        return data_cfg
+
+    def _settings(self) -> EndpointSettings:
+        cfg = self.cfg
+        allowlist = None
+        if cfg.closed:
+            allowlist = frozenset(bytes.fromhex(p.public_key) for p in cfg.peers if p.public_key)
+        return EndpointSettings(
+            name=self.options.name, listen=self.options.listen,
+            heartbeat_interval=cfg.heartbeat_interval, peer_timeout=cfg.peer_timeout,
+            allowlist=allowlist)
+
+    # --- the run ----------------------------------------------------------
+
+    def run(self) -> None:
+        first_round = self._resume()
+        self.endpoint.start(self.options.bootstrap)
+        try:
+            self.endpoint.wait_joined(timeout=self.cfg.round_timeout)
+            if self.options.joining and first_round == 1:
+                first_round = self._catch_up()
+            for round_no in range(first_round, self.cfg.rounds + 1):
+                self._round(round_no)
+            self._linger()
+        finally:
+            self.endpoint.close()
+
+    def _resume(self) -> int:
+        state = load_checkpoint(self.checkpoint_path)
+        if state is None:
+            self.metrics.keep_until(0)
+            return 1
+        self.model.load_state_dict(state["model"])
+        self.algorithm.load_state_dict(json.loads(state["algorithm"]))
+        known = [p["addr"] for p in json.loads(state["peers"]) if p["addr"] != self.options.listen]
+        self.options.bootstrap = list(dict.fromkeys([*self.options.bootstrap, *known]))
+        self.metrics.keep_until(state["round"])
+        log.info("%s: resumed from the checkpoint of round %d", self.options.name, state["round"])
+        return state["round"] + 1
+
+    def _catch_up(self) -> int:
+        """A late joiner takes the mesh's current round and starts from the average of
+        the models it receives for it."""
+        peers = self.endpoint.alive_peers()
+        current = max((peer.round for peer in peers), default=0)
+        if current < 1:
+            return 1
+        deadline = time.monotonic() + self.cfg.round_timeout
+        blobs = self._collect(current, {peer.public_key for peer in peers}, deadline, all_=True)
+        if blobs:
+            states = {name: tensors_from_blob(blob) for name, blob in blobs.items()}
+            uniform = {name: 1 / len(states) for name in states}
+            self.model.load_state_dict(weighted_average(states, uniform))
+        log.info("%s: joined at round %d from %d models", self.options.name, current + 1,
+                 len(blobs))
+        return current + 1
+
+    def _round(self, round_no: int) -> None:
+        seconds: dict[str, float] = {}
+        bytes_before = self.endpoint.stats()
+        self.endpoint.set_round(round_no)
+        clock = time.perf_counter()
+        train_loss = train_local(
+            self.model, self.data.x_train, self.data.y_train, self.cfg.local_epochs,
+            self.cfg.batch_size, self.cfg.optimizer, self.cfg.lr,
+            seed=self.cfg.seed * 100_003 + self.options.node_index * 1009 + round_no,
+            momentum=self.cfg.momentum)
+        seconds["train"] = time.perf_counter() - clock
+
+        clock = time.perf_counter()
+        # A copy: the blob is served for rounds to come while the model trains on.
+        arrays = {key: array.copy() for key, array in state_to_arrays(self.model).items()}
+        own_blob = make_blob(self.identity, round_no, MODEL_KIND, arrays, self.schema,
+                             {"n": len(self.data.y_train)})
+        self.endpoint.publish(own_blob)
+        deadline = time.monotonic() + self.cfg.round_timeout
+        alive = {peer.public_key for peer in self.endpoint.alive_peers()}
+        blobs = self._collect(round_no, alive, deadline)
+        seconds["communicate"] = time.perf_counter() - clock
+
+        clock = time.perf_counter()
+        received = self._peer_models(blobs)
+        own = PeerModel({k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                        len(self.data.y_train))
+        outcome = self.algorithm.aggregate(round_no, own, received, self.data)
+        self.model.load_state_dict(outcome.state)
+        seconds["aggregate"] = time.perf_counter() - clock
+
+        clock = time.perf_counter()
+        val = evaluate(self.model, self.data.x_val, self.data.y_val, self.data.num_classes)
+        test = evaluate(self.model, self.data.x_test, self.data.y_test, self.data.num_classes)
+        seconds["evaluate"] = time.perf_counter() - clock
+
+        after = self.endpoint.stats()
+        self.metrics.append({
+            "round": round_no, "node": self.options.name, "train_loss": train_loss,
+            "val_loss": val.loss, "val_acc": val.accuracy,
+            "test_loss": test.loss, "test_acc": test.accuracy,
+            "weights": outcome.weights, "diagnostics": outcome.diagnostics,
+            "received": sorted(received), "peers_alive": len(alive),
+            "bytes_in": after["bytes_in"] - bytes_before["bytes_in"],
+            "bytes_out": after["bytes_out"] - bytes_before["bytes_out"],
+            "rejections": after["rejections"], "seconds": seconds,
+            "n_train": len(self.data.y_train),
+        })
+        self._save(round_no)
+
+    def _collect(self, round_no: int, origins: set[bytes], deadline: float,
+                 all_: bool = False) -> dict[str, Blob]:
+        """The blobs of round `round_no` this node wants, by peer name, as they stand at
+        the deadline."""
+        offers = self.endpoint.wait_offers(round_no, MODEL_KIND, origins, deadline)
+        names = {peer.public_key: peer.name for peer in self.endpoint.peers()}
+        offers = [o for o in offers if o.origin in names and o.origin != self.identity.public_key]
+        by_name = {names[offer.origin]: offer for offer in offers}
+        wanted = list(by_name) if all_ else self.algorithm.wanted_peers(round_no, sorted(by_name))
+        chosen = [by_name[name] for name in wanted if name in by_name]
+        self.endpoint.fetch(chosen)
+        arrived = self.endpoint.wait_blobs([offer.digest for offer in chosen], deadline)
+        return {names[o.origin]: arrived[o.digest] for o in chosen if o.digest in arrived}
+
+    @staticmethod
+    def _peer_models(blobs: dict[str, Blob]) -> dict[str, PeerModel]:
+        return {name: PeerModel(tensors_from_blob(blob), int(blob.meta.get("n", 1)))
+                for name, blob in sorted(blobs.items())}
+
+    def _save(self, round_no: int) -> None:
+        peers = [{"name": p.name, "addr": p.address, "key": p.public_key.hex()}
+                 for p in self.endpoint.peers()]
+        save_checkpoint(self.checkpoint_path, {
+            "round": round_no, "model": self.model.state_dict(),
+            "algorithm": json.dumps(self.algorithm.state_dict()), "peers": json.dumps(peers),
+        })
+
+    def _linger(self) -> None:
+        """Keep serving our last blob until every live peer is past the final round, so
+        a slower peer is not left waiting for it."""
+        self.endpoint.set_round(self.cfg.rounds + 1)
+        deadline = time.monotonic() + self.cfg.round_timeout
+        while time.monotonic() < deadline:
+            if all(peer.round > self.cfg.rounds for peer in self.endpoint.alive_peers()):
+                return
+            time.sleep(0.1)

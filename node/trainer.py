@@ -1,0 +1,272 @@
+"""Local training, evaluation and the conversions between models, arrays and averages.
+
+Datasets are small and held in memory as whole tensors, so batches are cut from
+a seeded index permutation: no DataLoader, no worker processes, and the same
+seed gives the same batches on every run.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from itertools import islice
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional
+
+OPTIMIZERS: tuple[str, ...] = ("sgd", "adam")
+
+_interop_threads_set = False
+
+
+def set_torch_threads(local_nodes: int) -> int:
+    """Share this machine's cores among ``local_nodes`` node processes; return threads per node.
+
+    Without this every node process would start one thread per core and the
+    nodes would fight over the CPUs.
+    """
+    global _interop_threads_set
+    if local_nodes < 1:
+        raise ValueError(f"local_nodes must be at least 1, got {local_nodes}")
+    threads = max(1, (os.cpu_count() or 1) // local_nodes)
+    torch.set_num_threads(threads)
+    if not _interop_threads_set:
+        # Inter-op parallelism only serves graph-mode models; eager training does not
+        # use it. torch allows setting it once, before any parallel work has started.
+        try:
+            torch.set_num_interop_threads(1)
+        except RuntimeError:
+            pass  # parallel work already ran in this process: the setting is frozen
+        _interop_threads_set = True
+    return threads
+
+
+def make_optimizer(
+    name: str,
+    params: Iterable[nn.Parameter],
+    lr: float,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+) -> torch.optim.Optimizer:
+    """A fresh optimizer; ``momentum`` applies to SGD only (Adam keeps its own moments)."""
+    if lr <= 0:
+        raise ValueError(f"learning rate must be positive, got {lr}")
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+    raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    first_parameter = next(model.parameters(), None)
+    return first_parameter.device if first_parameter is not None else torch.device("cpu")
+
+
+def _shuffled_batches(
+    num_samples: int, epochs: int, batch_size: int, seed: int
+) -> Iterator[torch.Tensor]:
+    """Index batches of a fresh permutation per epoch, the last batch of an epoch may be short.
+
+    A private generator makes the order depend on ``seed`` alone, not on whatever
+    else drew random numbers in this process.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(epochs):
+        yield from torch.randperm(num_samples, generator=generator).split(batch_size)
+
+
+def train_local(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    epochs: int,
+    batch_size: int,
+    optimizer: str,
+    lr: float,
+    seed: int,
+    momentum: float = 0.0,
+    max_steps: int | None = None,
+    weight_decay: float = 0.0,
+    before_step: Callable[[int], None] | None = None,
+) -> float:
+    """Train ``model`` in place with cross-entropy; return the mean loss per sample seen.
+
+    The optimizer is fresh per call: its momentum or Adam moments belong to the
+    weights of the last round, which aggregation has since replaced.
+    ``max_steps`` caps optimizer steps over all epochs (Fed-Influence's ``m`` local
+    steps). ``before_step(i)`` runs before step ``i`` (0-based) while the model still
+    holds the weights that step starts from (Fed-Influence samples gradients there).
+    """
+    if len(x) == 0:
+        raise ValueError("no training samples: the node's train split is empty")
+    if len(x) != len(y):
+        raise ValueError(f"x has {len(x)} samples but y has {len(y)}")
+    if epochs < 0 or batch_size < 1:
+        raise ValueError(f"need epochs >= 0 and batch_size >= 1, got {epochs} and {batch_size}")
+    device = _model_device(model)
+    x, y = x.to(device), y.to(device=device, dtype=torch.long)
+    optim = make_optimizer(
+        optimizer, model.parameters(), lr, momentum=momentum, weight_decay=weight_decay
+    )
+    batches = islice(_shuffled_batches(len(x), epochs, batch_size, seed), max_steps)
+    model.train()
+    loss_sum, samples_seen = 0.0, 0
+    for step, batch in enumerate(batches):
+        batch = batch.to(device)
+        if before_step is not None:
+            before_step(step)
+        optim.zero_grad(set_to_none=True)
+        loss = functional.cross_entropy(model(x[batch]), y[batch])
+        loss.backward()
+        optim.step()
+        loss_sum += loss.item() * len(batch)
+        samples_seen += len(batch)
+    return loss_sum / samples_seen if samples_seen else math.nan
+
+
+@dataclass
+class Evaluation:
+    loss: float
+    accuracy: float
+    per_class_accuracy: list[float | None]  # None for a class with no samples
+    n: int
+
+
+def evaluate(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_classes: int, batch_size: int = 512
+) -> Evaluation:
+    """Mean cross-entropy, accuracy and per-class accuracy; leaves the model's mode as it was."""
+    if len(x) != len(y):
+        raise ValueError(f"x has {len(x)} samples but y has {len(y)}")
+    device = _model_device(model)
+    y = y.to(device=device, dtype=torch.long)
+    if len(y) and (int(y.min()) < 0 or int(y.max()) >= num_classes):
+        raise ValueError(
+            f"labels must lie in [0, {num_classes}), got {int(y.min())}..{int(y.max())}"
+        )
+    was_training = model.training
+    model.eval()
+    loss_sum = 0.0
+    correct = torch.zeros(num_classes, dtype=torch.long, device=device)
+    try:
+        with torch.no_grad():
+            for start in range(0, len(x), batch_size):
+                logits = model(x[start : start + batch_size].to(device))
+                labels = y[start : start + batch_size]
+                loss_sum += functional.cross_entropy(logits, labels, reduction="sum").item()
+                hits = labels[logits.argmax(dim=1) == labels]
+                correct += torch.bincount(hits, minlength=num_classes)
+    finally:
+        model.train(was_training)
+    counts = torch.bincount(y, minlength=num_classes).tolist()
+    per_class = [
+        hit / count if count else None for hit, count in zip(correct.tolist(), counts, strict=True)
+    ]
+    n = len(y)
+    if n == 0:
+        return Evaluation(math.nan, math.nan, per_class, 0)
+    return Evaluation(loss_sum / n, int(correct.sum()) / n, per_class, n)
+
+
+def state_to_arrays(model: nn.Module) -> dict[str, np.ndarray]:
+    """The state dict as numpy arrays, float entries as float32, integer buffers as they are.
+
+    Zero-copy for float32 tensors on the CPU: the arrays share memory with the
+    model, so encode or copy them before the model trains again.
+    """
+    arrays = {}
+    for key, tensor in model.state_dict().items():
+        tensor = tensor.detach()
+        if tensor.is_floating_point():
+            tensor = tensor.to(torch.float32)
+        arrays[key] = tensor.cpu().numpy()
+    return arrays
+
+
+def _checked_tensor(key: str, target: torch.Tensor, array: np.ndarray) -> torch.Tensor:
+    if tuple(array.shape) != tuple(target.shape):
+        raise ValueError(
+            f"state entry {key!r}: array shape {tuple(array.shape)} does not match "
+            f"the model's {tuple(target.shape)}"
+        )
+    if target.is_floating_point() != (array.dtype.kind == "f"):
+        raise ValueError(
+            f"state entry {key!r}: array dtype {array.dtype} does not fit the model's "
+            f"{str(target.dtype).removeprefix('torch.')}"
+        )
+    if not array.dtype.isnative:
+        raise ValueError(f"state entry {key!r}: array is not in native byte order")
+    with warnings.catch_warnings():
+        # Arrays decoded from received frames are read-only; torch warns because the
+        # tensor could be written through, but it is only read here, copied into the model.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array)
+
+
+def arrays_to_state(
+    model: nn.Module, arrays: Mapping[str, np.ndarray], keys: list[str] | None = None
+) -> None:
+    """Copy ``arrays`` into the model in place.
+
+    With ``keys=None`` the arrays must be the whole state, no more and no less.
+    With ``keys`` only those entries are loaded (e.g. the head out of a full model);
+    each must exist in both the model and ``arrays``.
+    """
+    state = model.state_dict()
+    if keys is None:
+        missing, extra = set(state) - set(arrays), set(arrays) - set(state)
+        if missing or extra:
+            raise ValueError(
+                f"arrays do not match the model: missing {sorted(missing)}, "
+                f"unexpected {sorted(extra)}"
+            )
+        keys = list(state)
+    unknown = [key for key in keys if key not in state or key not in arrays]
+    if unknown:
+        raise ValueError(f"keys not in both the model and the arrays: {unknown}")
+    sources = {key: _checked_tensor(key, state[key], arrays[key]) for key in keys}
+    # Everything is checked before anything is written, so a bad blob never half-loads.
+    with torch.no_grad():
+        for key, source in sources.items():
+            state[key].copy_(source)
+
+
+def average_states(
+    states: list[dict[str, torch.Tensor]], weights: list[float]
+) -> dict[str, torch.Tensor]:
+    """Weighted mean of float entries (weights are normalised to sum to 1).
+
+    Integer buffers, such as BatchNorm's ``num_batches_tracked``, are not averaged:
+    they are copied from the first state.
+    """
+    if not states or len(states) != len(weights):
+        raise ValueError(
+            f"need one weight per state, got {len(states)} states, {len(weights)} weights"
+        )
+    if any(weight < 0 for weight in weights) or sum(weights) <= 0:
+        raise ValueError(f"weights must be non-negative with a positive sum, got {weights}")
+    for state in states[1:]:
+        if state.keys() != states[0].keys():
+            raise ValueError("states to average have different keys")
+        for key, tensor in state.items():
+            # add_ would silently broadcast a wrongly shaped entry, so check first.
+            if tensor.shape != states[0][key].shape:
+                raise ValueError(f"state entry {key!r} differs in shape between the states")
+    total = float(sum(weights))
+    fractions = [weight / total for weight in weights]
+    averaged = {}
+    for key, first in states[0].items():
+        if not first.is_floating_point():
+            averaged[key] = first.detach().clone()
+            continue
+        mean = first.detach() * fractions[0]
+        for state, fraction in zip(states[1:], fractions[1:], strict=True):
+            mean.add_(state[key].detach(), alpha=fraction)
+        averaged[key] = mean
+    return averaged

@@ -1,0 +1,324 @@
+"""The mesh configuration: loading, overrides, validation messages, round trips."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+import meshfl.algorithms
+from meshfl.node.config import (
+    AlgorithmConfig,
+    ConfigError,
+    DataConfig,
+    DataOverride,
+    MeshConfig,
+    PeerConfig,
+    apply_overrides,
+    data_for,
+    load_config,
+    local_peers,
+    peer_by_name,
+    save_config,
+    shared_settings,
+    to_dict,
+    validate,
+)
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "peers.yaml"
+KEY_A = "0123456789abcdef" * 4
+KEY_B = "fedcba9876543210" * 4
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "mesh.yaml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def config_error(action) -> str:
+    """The message of the ConfigError `action` raises, checked to be one line."""
+    with pytest.raises(ConfigError) as caught:
+        action()
+    message = str(caught.value)
+    assert "\n" not in message
+    return message
+
+
+def overridden(*assignments: str) -> MeshConfig:
+    """The defaults with `assignments` applied, validated."""
+    cfg = apply_overrides(MeshConfig(), list(assignments))
+    validate(cfg)
+    return cfg
+
+
+# --------------------------------------------------------------------------- defaults
+
+
+def test_defaults_are_the_embedded_four_node_demo():
+    cfg = MeshConfig()
+    validate(cfg)
+    assert load_config(None) == cfg
+    assert (cfg.data.dataset, cfg.algorithm.name, cfg.model.name) == ("digits", "fedavg", "mlp")
+    assert [peer.name for peer in cfg.peers] == ["node0", "node1", "node2", "node3"]
+
+
+def test_example_peers_yaml_loads_and_validates():
+    cfg = load_config(EXAMPLE)
+    validate(cfg)
+    assert cfg.mesh == "demo"
+    assert (cfg.data.dataset, cfg.algorithm.name, cfg.model.name) == ("digits", "fedavg", "mlp")
+    assert [(peer.name, peer.listen) for peer in cfg.peers] == [
+        (f"node{index}", f"tcp://127.0.0.1:{7700 + index}") for index in range(4)
+    ]
+
+
+def test_empty_file_and_partial_sections_keep_defaults(tmp_path):
+    assert load_config(write(tmp_path, "")) == MeshConfig()
+    cfg = load_config(write(tmp_path, "data:\n  partition: dirichlet:0.5\nlr: 1e-3\n"))
+    assert cfg.data == DataConfig(partition="dirichlet:0.5")
+    assert cfg.lr == 0.001  # YAML 1.1 reads `1e-3` as a string; a number is meant
+    assert cfg.peers == MeshConfig().peers
+
+
+def test_algorithm_parameters_sit_beside_its_name(tmp_path):
+    cfg = load_config(write(tmp_path, "algorithm:\n  name: fedc2i\n  gamma: 5\n"))
+    assert cfg.algorithm == AlgorithmConfig(name="fedc2i", params={"gamma": 5})
+    assert load_config(write(tmp_path, "algorithm: local\n")).algorithm == AlgorithmConfig("local")
+
+
+# --------------------------------------------------------------------------- overrides
+
+
+def test_overrides_set_params_nested_fields_and_floats_without_mutating():
+    original = MeshConfig()
+    before = to_dict(original)
+    cfg = apply_overrides(
+        original, ["algorithm.gamma=2", "data.partition=dirichlet:0.5", "lr=0.1", "rounds=3"]
+    )
+    assert cfg.algorithm.params == {"gamma": 2}
+    assert cfg.data.partition == "dirichlet:0.5"
+    assert cfg.lr == 0.1 and isinstance(cfg.lr, float)
+    assert cfg.rounds == 3
+    assert to_dict(original) == before
+    assert original.algorithm.params == {}
+
+
+def test_changing_the_algorithm_drops_the_old_parameters():
+    cfg = apply_overrides(MeshConfig(), ["algorithm=fedc2i", "algorithm.gamma=2"])
+    assert cfg.algorithm == AlgorithmConfig(name="fedc2i", params={"gamma": 2})
+    assert apply_overrides(cfg, ["algorithm.name=fedavg"]).algorithm == AlgorithmConfig()
+    # Naming the algorithm it already is keeps its parameters.
+    assert apply_overrides(cfg, ["algorithm=fedc2i"]).algorithm == cfg.algorithm
+
+
+def test_overrides_address_peers_by_index_or_name():
+    cfg = apply_overrides(
+        MeshConfig(),
+        ["peers.0.listen=tcp://10.0.0.5:7700", "peers.node2.data.dataset=npz:/data/shard.npz"],
+    )
+    assert cfg.peers[0].listen == "tcp://10.0.0.5:7700"
+    assert cfg.peers[2].data == DataOverride(dataset="npz:/data/shard.npz")
+    assert MeshConfig().peers[2].data is None
+
+
+def test_an_empty_value_sets_null():
+    cfg = apply_overrides(MeshConfig(), ["data.root=/data", "data.samples_per_node=50"])
+    assert apply_overrides(cfg, ["data.root="]).data.root is None
+
+
+# --------------------------------------------------------------------------- mistakes
+
+BAD_OVERRIDES = [
+    # (assignments, the field the message names, the bad value it shows)
+    (["algorithm=nosuchrule"], "'algorithm.name'", "'nosuchrule'"),
+    (["data.partition=dirichlet:x"], "'data.partition'", "dirichlet:x"),
+    (["data.dataset=nosuchdata"], "'data.dataset'", "nosuchdata"),
+    (["lr=-0.1"], "'lr'", "-0.1"),
+    (["lr=.inf"], "'lr'", "inf"),
+    (["rounds=0"], "'rounds'", "0"),
+    (["rounds=ten"], "'rounds'", "'ten'"),
+    (["closed=1"], "'closed'", "1"),
+    (["momentum=1.5"], "'momentum'", "1.5"),
+    (["round_timeout=0"], "'round_timeout'", "0"),
+    (["peer_timeout=0.5"], "'peer_timeout'", "0.5"),
+    (["model.name=nosuchnet"], "'model.name'", "'nosuchnet'"),
+    (["model.head=middle"], "'model.head'", "'middle'"),
+    (["optimizer=nosuchopt"], "'optimizer'", "'nosuchopt'"),
+    (["mesh=my mesh"], "'mesh'", "'my mesh'"),
+    (["peers.0.listen=127.0.0.1:7700"], "'peers.0.listen'", "'127.0.0.1:7700'"),
+    (["peers.0.listen=tcp://127.0.0.1:70000"], "'peers.0.listen'", "70000"),
+    (["peers.0.listen=tcp://bad_host:7700"], "'peers.0.listen'", "bad_host"),
+    (["peers.1.listen=tcp://127.0.0.1:7700"], "'peers.1.listen'", "7700"),
+    (["peers.1.name=node0"], "'peers.1.name'", "'node0'"),
+    (["peers.0.name=../escape"], "'peers.0.name'", "'../escape'"),
+    (["data.split=[0.5, 0.2, 0.2]"], "'data.split'", "[0.5, 0.2, 0.2]"),
+    (["data.split=[0.8, 0.2, 0.0]"], "'data.split'", "0.0"),
+    (["data.split=[0.5, 0.5]"], "'data.split'", "[0.5, 0.5]"),
+    (["peers.0.public_key=" + "zz" * 32], "'peers.0.public_key'", "zz"),
+    (["peers.0.public_key=abc123"], "'peers.0.public_key'", "'abc123'"),
+    ([f"peers.0.public_key={KEY_A}", f"peers.1.public_key={KEY_A}"], "'peers.1.public_key'", KEY_A),
+    (["closed=true"], "'peers.0.public_key'", "None"),
+    (["peers=[]", "closed=true"], "'closed'", "True"),
+    (["peers.1.data.partition=dirichlet:x"], "'peers.1.data.partition'", "dirichlet:x"),
+    (["nosuchkey=1"], "'nosuchkey'", "allowed: mesh, algorithm"),
+    (["data.nosuchkey=1"], "'data.nosuchkey'", "allowed: dataset, root"),
+    (["nosuch.deeper=1"], "'nosuch.deeper'", "unknown"),
+    (["lr.deeper=1"], "'lr.deeper'", "unknown"),
+    (["peers.9.listen=tcp://127.0.0.1:1"], "'peers.9'", "node3"),
+]
+
+
+@pytest.mark.parametrize("assignments, field_name, value_text", BAD_OVERRIDES)
+def test_each_mistake_names_the_field_and_the_value(assignments, field_name, value_text):
+    message = config_error(lambda: overridden(*assignments))
+    assert f"config field {field_name}" in message
+    assert value_text in message
+    assert "allowed" in message or "unknown" in message
+
+
+def test_a_bad_algorithm_parameter_names_it():
+    message = config_error(lambda: overridden("algorithm.no_such_param=3"))
+    assert "'algorithm.no_such_param'" in message
+
+
+def test_an_override_without_equals_sign_is_refused():
+    assert "'lr'" in config_error(lambda: apply_overrides(MeshConfig(), ["lr"]))
+
+
+def test_an_unknown_top_level_key_in_the_file_lists_the_allowed_ones(tmp_path):
+    message = config_error(lambda: load_config(write(tmp_path, "colsed: true\n")))
+    assert "'colsed'" in message and "closed" in message and "peer_timeout" in message
+
+
+def test_an_unknown_peer_key_is_named_with_its_peer(tmp_path):
+    text = "peers:\n  - name: a\n    listen: tcp://127.0.0.1:7700\n    adress: x\n"
+    assert "'peers.0.adress'" in config_error(lambda: load_config(write(tmp_path, text)))
+    missing = "peers:\n  - name: a\n"
+    assert "'peers.0.listen'" in config_error(lambda: load_config(write(tmp_path, missing)))
+
+
+def test_a_yaml_syntax_error_gives_the_file_and_line(tmp_path):
+    path = write(tmp_path, "mesh: demo\npeers: [\n  - name: a\n")
+    message = config_error(lambda: load_config(path))
+    assert str(path) in message and "line" in message
+
+
+def test_a_duplicate_key_is_refused_not_overwritten(tmp_path):
+    message = config_error(lambda: load_config(write(tmp_path, "lr: 0.1\nrounds: 2\nlr: 0.2\n")))
+    assert "duplicate key 'lr'" in message and "line 3" in message
+
+
+def test_a_missing_file_or_a_list_is_one_line(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    assert str(missing) in config_error(lambda: load_config(missing))
+    assert "mapping" in config_error(lambda: load_config(write(tmp_path, "- a\n- b\n")))
+
+
+def test_configs_built_in_code_are_type_checked():
+    message = config_error(lambda: validate(MeshConfig(rounds="3")))  # type: ignore[arg-type]
+    assert "'rounds'" in message and "'3'" in message
+    bad_peer = PeerConfig(name="a", listen=7700)  # type: ignore[arg-type]
+    assert "'peers.0.listen'" in config_error(lambda: validate(MeshConfig(peers=[bad_peer])))
+
+
+# --------------------------------------------------------------------------- round trip
+
+
+def rich_config() -> MeshConfig:
+    """A config using every kind of field: params, a peer data override, keys, IPv6."""
+    cfg = apply_overrides(
+        MeshConfig(),
+        [
+            "mesh=lab",
+            "algorithm.gamma=5",
+            "algorithm.ratios=[0.5, 1.5]",
+            "data.samples_per_node=120",
+            "data.root=/data",
+            "lr=1e-05",
+            "closed=true",
+            f"peers.0.public_key={KEY_A}",
+            f"peers.1.public_key={KEY_B}",
+            "peers.1.key=/keys/b.pem",
+            "peers.1.listen=tcp://[::1]:7800",
+            "peers.1.data={dataset: 'npz:/data/b.npz', split: [0.5, 0.25, 0.25]}",
+        ],
+    )
+    return dataclasses.replace(cfg, peers=cfg.peers[:2])
+
+
+def test_save_then_load_gives_an_equal_config(tmp_path):
+    cfg = rich_config()
+    save_config(cfg, tmp_path / "resolved.yaml")
+    assert load_config(tmp_path / "resolved.yaml") == cfg
+
+
+def test_to_dict_is_plain_yaml_and_loads_back(tmp_path):
+    cfg = rich_config()
+    text = yaml.safe_dump(to_dict(cfg))  # plain types only, or safe_dump would refuse
+    assert load_config(write(tmp_path, text)) == cfg
+    assert to_dict(cfg)["algorithm"] == {"name": "fedavg", "gamma": 5, "ratios": [0.5, 1.5]}
+
+
+# --------------------------------------------------------------------------- using a config
+
+
+def test_a_peer_data_override_merges_over_the_mesh_wide_data():
+    cfg = rich_config()
+    assert data_for(cfg, cfg.peers[0]) == cfg.data
+    own = data_for(cfg, cfg.peers[1])
+    assert (own.dataset, own.split) == ("npz:/data/b.npz", (0.5, 0.25, 0.25))
+    assert (own.root, own.samples_per_node) == ("/data", 120)
+    # A mesh-wide change still reaches the fields the peer did not set.
+    moved = apply_overrides(cfg, ["data.partition=dirichlet:0.1"])
+    assert data_for(moved, moved.peers[1]).partition == "dirichlet:0.1"
+
+
+def test_peer_by_name_lists_the_known_names():
+    cfg = MeshConfig()
+    assert peer_by_name(cfg, "node2").listen == "tcp://127.0.0.1:7702"
+    message = config_error(lambda: peer_by_name(cfg, "node9"))
+    assert "'node9'" in message and "node0, node1, node2, node3" in message
+
+
+def test_local_peers_use_consecutive_ports():
+    assert [peer.listen for peer in local_peers(2, base_port=9000)] == [
+        "tcp://127.0.0.1:9000",
+        "tcp://127.0.0.1:9001",
+    ]
+    assert local_peers(1, host="::1")[0].listen == "tcp://[::1]:7700"
+    validate(MeshConfig(peers=local_peers(1, host="::1")))
+    assert "0" in config_error(lambda: local_peers(0))
+    assert "65535" in config_error(lambda: local_peers(2, base_port=65535))
+
+
+@dataclasses.dataclass(frozen=True)
+class _GammaParams:
+    gamma: float = 5.0
+
+
+def _parse_gamma(name: str, params: dict) -> _GammaParams:
+    return _GammaParams(**{key: float(value) for key, value in params.items()})
+
+
+def test_shared_settings_hold_what_peers_must_agree_on(monkeypatch):
+    monkeypatch.setattr(meshfl.algorithms, "parse_params", _parse_gamma)
+    cfg = apply_overrides(MeshConfig(), ["algorithm=rule"])
+    assert shared_settings(cfg) == {
+        "mesh": "demo",
+        "algorithm": {"name": "rule", "params": {"gamma": 5.0}},
+        "model": {"name": "mlp", "head": "last"},
+    }
+    # Spelling out a default does not split a mesh.
+    assert shared_settings(apply_overrides(cfg, ["algorithm.gamma=5"])) == shared_settings(cfg)
+    local_choices = ["rounds=3", "lr=0.5", "data.partition=dirichlet:1", "peers=[]", "seed=4"]
+    assert shared_settings(apply_overrides(cfg, local_choices)) == shared_settings(cfg)
+    for changed in ("mesh=other", "algorithm.gamma=2", "model.head=fc"):
+        assert shared_settings(apply_overrides(cfg, [changed])) != shared_settings(cfg)
+
+
+def test_shared_settings_reject_bad_algorithm_parameters():
+    cfg = apply_overrides(MeshConfig(), ["algorithm.no_such_param=1"])
+    assert "'algorithm.no_such_param'" in config_error(lambda: shared_settings(cfg))

@@ -1,0 +1,240 @@
+"""Local training learns, is reproducible, and states survive the trip through numpy."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from sklearn.datasets import load_digits
+from torch import nn
+
+from meshfl.node.models import build_model
+from meshfl.node.trainer import (
+    arrays_to_state,
+    average_states,
+    evaluate,
+    make_optimizer,
+    set_torch_threads,
+    state_to_arrays,
+    train_local,
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _few_threads():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def digits() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    images, labels = load_digits(return_X_y=True)
+    x = torch.tensor(images / 16.0, dtype=torch.float32).reshape(-1, 1, 8, 8)
+    y = torch.tensor(labels)
+    return x[:600], y[:600], x[600:900], y[600:900]
+
+
+def _same_weights(first: nn.Module, second: nn.Module) -> bool:
+    return all(
+        torch.equal(a, b)
+        for a, b in zip(first.state_dict().values(), second.state_dict().values(), strict=True)
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "optimizer", "lr", "momentum"),
+    [("mlp", "sgd", 0.05, 0.9), ("cnn", "adam", 3e-3, 0.0)],
+)
+def test_training_lowers_loss_and_beats_chance(digits, name, optimizer, lr, momentum):
+    x_train, y_train, x_test, y_test = digits
+    model = build_model(name, (1, 8, 8), num_classes=10, seed=0)
+    before = evaluate(model, x_test, y_test, num_classes=10)
+    first_epoch_loss = train_local(
+        model, x_train, y_train, 1, 32, optimizer, lr, seed=0, momentum=momentum
+    )
+    later_loss = train_local(
+        model, x_train, y_train, 6, 32, optimizer, lr, seed=1, momentum=momentum
+    )
+    after = evaluate(model, x_test, y_test, num_classes=10)
+    assert later_loss < 0.5 * first_epoch_loss
+    assert after.loss < 0.5 * before.loss
+    assert after.accuracy > 0.75  # chance is 0.1
+    assert after.n == len(y_test)
+
+
+def test_same_seed_gives_identical_weights_and_another_seed_does_not(digits):
+    x_train, y_train, _, _ = digits
+
+    def trained(seed: int) -> nn.Module:
+        model = build_model("alexnet", (1, 8, 8), num_classes=10, seed=0)
+        train_local(model, x_train[:128], y_train[:128], 1, 32, "sgd", 0.05, seed, momentum=0.9)
+        return model
+
+    assert _same_weights(trained(seed=5), trained(seed=5))
+    assert not _same_weights(trained(seed=5), trained(seed=6))
+
+
+def test_max_steps_caps_steps_across_epochs_and_hook_sees_each_step(digits):
+    x_train, y_train, _, _ = digits
+    model = build_model("logreg", (1, 8, 8), num_classes=10)
+    weights_before_each_step = []
+    train_local(
+        model,
+        x_train,
+        y_train,
+        epochs=3,
+        batch_size=100,
+        optimizer="sgd",
+        lr=0.1,
+        seed=0,
+        max_steps=8,
+        before_step=lambda step: weights_before_each_step.append(model.head.weight.clone()),
+    )
+    assert len(weights_before_each_step) == 8  # 6 batches per epoch, stopped inside epoch 2
+    assert not torch.equal(weights_before_each_step[0], weights_before_each_step[1])
+    assert not torch.equal(weights_before_each_step[-1], model.head.weight)
+
+
+def test_evaluate_restores_training_mode_and_leaves_batchnorm_alone(digits):
+    _, _, x_test, y_test = digits
+    model = build_model("alexnet", (1, 8, 8), num_classes=10)
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    evaluate(model, x_test, y_test, num_classes=10, batch_size=64)
+    assert model.training
+    assert all(torch.equal(before[key], value) for key, value in model.state_dict().items())
+    model.eval()
+    evaluate(model, x_test, y_test, num_classes=10)
+    assert not model.training
+
+
+def test_per_class_accuracy_on_a_crafted_case():
+    # Logits are the input itself, so each row's prediction is chosen by hand.
+    model = nn.Sequential(nn.Identity())
+    model.register_parameter("unused", nn.Parameter(torch.zeros(1)))
+    predictions = torch.tensor([0, 0, 1, 1, 1, 3])
+    labels = torch.tensor([0, 1, 1, 1, 0, 3])
+    logits = nn.functional.one_hot(predictions, num_classes=4).float() * 10
+    result = evaluate(model, logits, labels, num_classes=4, batch_size=4)
+    assert result.n == 6
+    assert result.accuracy == pytest.approx(4 / 6)
+    assert result.per_class_accuracy == [0.5, pytest.approx(2 / 3), None, 1.0]
+    expected_loss = nn.functional.cross_entropy(logits, labels).item()
+    assert result.loss == pytest.approx(expected_loss, rel=1e-6)
+
+
+def test_evaluate_on_nothing_reports_nan_instead_of_crashing():
+    model = build_model("logreg", (4,), num_classes=3)
+    result = evaluate(model, torch.zeros(0, 4), torch.zeros(0, dtype=torch.long), num_classes=3)
+    assert result.n == 0 and math.isnan(result.accuracy)
+    assert result.per_class_accuracy == [None, None, None]
+
+
+def test_arrays_round_trip_and_integer_buffers_keep_their_dtype():
+    source = build_model("alexnet", (1, 8, 8), num_classes=10, seed=1)
+    source.train()
+    source(torch.randn(4, 1, 8, 8))  # move BatchNorm statistics off their defaults
+    arrays = state_to_arrays(source)
+    assert arrays["body.bn1.weight"].dtype == np.float32
+    assert arrays["body.bn1.num_batches_tracked"].dtype == np.int64
+    assert int(arrays["body.bn1.num_batches_tracked"]) == 1
+
+    target = build_model("alexnet", (1, 8, 8), num_classes=10, seed=2)
+    frozen = {key: value.copy() for key, value in arrays.items()}
+    for value in frozen.values():
+        value.flags.writeable = False  # like arrays decoded straight from wire frames
+    arrays_to_state(target, frozen)
+    assert _same_weights(source, target)
+
+
+def test_state_to_arrays_shares_memory_with_the_model():
+    model = build_model("logreg", (4,), num_classes=3)
+    arrays = state_to_arrays(model)
+    with torch.no_grad():
+        model.head.bias.fill_(7.0)
+    assert np.all(arrays["head.bias"] == 7.0)
+
+
+def test_loading_only_the_head_leaves_the_body_untouched():
+    model = build_model("cnn", (1, 8, 8), num_classes=10, seed=1)
+    donor = build_model("cnn", (1, 8, 8), num_classes=10, seed=2)
+    body_before = {key: value.clone() for key, value in model.body.state_dict().items()}
+    arrays_to_state(model, state_to_arrays(donor), keys=["head.weight", "head.bias"])
+    assert torch.equal(model.head.weight, donor.head.weight)
+    body_after = model.body.state_dict()
+    assert all(torch.equal(value, body_after[key]) for key, value in body_before.items())
+
+
+def test_mismatched_arrays_are_rejected_before_anything_is_written():
+    model = build_model("mlp", (8,), num_classes=3)
+    arrays = state_to_arrays(model)
+    bad_shape = {key: value.copy() for key, value in arrays.items()}
+    bad_shape["head.weight"] = np.zeros((3, 99), dtype=np.float32)
+    bad_shape["body.fc0.weight"] = np.full_like(arrays["body.fc0.weight"], 5.0)
+    untouched = model.body.fc0.weight.clone()
+    with pytest.raises(ValueError, match="head.weight.*shape"):
+        arrays_to_state(model, bad_shape)
+    assert torch.equal(model.body.fc0.weight, untouched)
+    with pytest.raises(ValueError, match="missing"):
+        arrays_to_state(model, {"head.weight": arrays["head.weight"]})
+    with pytest.raises(ValueError, match="not in both"):
+        arrays_to_state(model, arrays, keys=["head.nonexistent"])
+    with pytest.raises(ValueError, match="dtype"):
+        arrays_to_state(model, {"head.bias": np.zeros(3, dtype=np.int64)}, keys=["head.bias"])
+
+
+def test_average_states_is_the_weighted_mean_and_keeps_integer_buffers():
+    states = []
+    for seed, steps in [(1, 3), (2, 5), (3, 7)]:
+        model = build_model("alexnet", (1, 8, 8), num_classes=4, seed=seed)
+        for _ in range(steps):
+            model(torch.randn(2, 1, 8, 8))
+        states.append({key: value.clone() for key, value in model.state_dict().items()})
+    weights = [1.0, 2.0, 5.0]
+    averaged = average_states(states, weights)
+    for key, value in averaged.items():
+        if value.is_floating_point():
+            manual = sum(w * state[key] for w, state in zip(weights, states, strict=True)) / 8.0
+            torch.testing.assert_close(value, manual)
+        else:
+            assert torch.equal(value, states[0][key])
+    assert int(averaged["body.bn1.num_batches_tracked"]) == 3
+    # The result is new memory: changing it must not touch the inputs.
+    averaged["head.bias"].add_(1.0)
+    averaged["body.bn1.num_batches_tracked"].add_(1)
+    assert int(states[0]["body.bn1.num_batches_tracked"]) == 3
+    assert not torch.equal(averaged["head.bias"], states[0]["head.bias"])
+
+
+def test_average_states_rejects_inconsistent_input():
+    state = {"w": torch.ones(3)}
+    with pytest.raises(ValueError, match="one weight per state"):
+        average_states([state, state], [1.0])
+    with pytest.raises(ValueError, match="positive sum"):
+        average_states([state], [0.0])
+    with pytest.raises(ValueError, match="shape"):
+        average_states([state, {"w": torch.ones(1)}], [1.0, 1.0])
+    with pytest.raises(ValueError, match="different keys"):
+        average_states([state, {"v": torch.ones(3)}], [1.0, 1.0])
+
+
+def test_make_optimizer_names_the_choices_on_a_typo():
+    parameters = [nn.Parameter(torch.zeros(2))]
+    assert isinstance(make_optimizer("sgd", parameters, 0.1, momentum=0.9), torch.optim.SGD)
+    assert isinstance(make_optimizer("adam", parameters, 1e-3), torch.optim.Adam)
+    with pytest.raises(ValueError, match="sgd, adam"):
+        make_optimizer("adagrad", parameters, 0.1)
+
+
+def test_set_torch_threads_divides_the_cores():
+    previous = torch.get_num_threads()
+    try:
+        threads = set_torch_threads(local_nodes=10_000)
+        assert threads == 1 and torch.get_num_threads() == 1
+        with pytest.raises(ValueError):
+            set_torch_threads(0)
+    finally:
+        torch.set_num_threads(previous)
