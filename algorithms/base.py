@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,13 +29,22 @@ class PeerModel:
 
 @dataclass(frozen=True)
 class Context:
-    """What an algorithm may know about the node it runs in."""
+    """What an algorithm may know about, and do in, the node it runs in.
+
+    `new_model` builds the node's architecture (weights to be loaded), `train` runs the
+    node's local training recipe on given tensors (the mesh's optimizer, lr and batch
+    size) and returns the mean loss: algorithms that score or train models (influence,
+    Shapley values, lazy models) use them without reaching into the node.
+    """
 
     node: str
     seed: int
     num_classes: int
     body_keys: tuple[str, ...]
     head_keys: tuple[str, ...]
+    batch_size: int = 32
+    new_model: Callable[[], torch.nn.Module] | None = None
+    train: Callable[..., float] | None = None
 
 
 @dataclass
@@ -51,8 +61,19 @@ class NoParams:
     pass
 
 
+MODEL = "model"  # the kind of blob every node publishes unless its rule says otherwise
+
+# received[kind][peer] = that peer's blob of that kind for the round
+Received = dict[str, dict[str, PeerModel]]
+
+
 class PeerAlgorithm:
-    """Base for peer-side rules: by default fetch everyone, publish the whole model."""
+    """Base for peer-side rules: publish the whole model, fetch everyone's, aggregate.
+
+    A round at a node: local training, then `publish` (the blobs to announce, by
+    kind), then `wanted` (whose announced blobs to download), then `aggregate`
+    with what arrived by the round's deadline.
+    """
 
     name = "base"
     Params: type = NoParams
@@ -61,13 +82,15 @@ class PeerAlgorithm:
         self.params = params
         self.context = context
 
-    def wanted_peers(self, round_no: int, offered: list[str]) -> list[str]:
-        """Which of the peers that announced a model this round to download."""
-        return list(offered)
+    def publish(self, round_no: int, state: State, data: Any) -> dict[str, State]:
+        """The blobs to announce this round, by kind; `state` is the freshly trained model."""
+        return {MODEL: state}
 
-    def aggregate(
-        self, round_no: int, own: PeerModel, received: dict[str, PeerModel], data: Any
-    ) -> Aggregate:
+    def wanted(self, round_no: int, offered: dict[str, list[str]]) -> dict[str, list[str]]:
+        """Per kind, which of the peers that announced a blob this round to download."""
+        return {MODEL: list(offered.get(MODEL, []))}
+
+    def aggregate(self, round_no: int, own: PeerModel, received: Received, data: Any) -> Aggregate:
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import Aggregate, PeerAlgorithm, PeerModel, weighted_average
+from .base import MODEL, Aggregate, PeerAlgorithm, PeerModel, Received, weighted_average
 
 
 class Local(PeerAlgorithm):
@@ -12,12 +12,10 @@ class Local(PeerAlgorithm):
 
     name = "local"
 
-    def wanted_peers(self, round_no: int, offered: list[str]) -> list[str]:
-        return []
+    def wanted(self, round_no: int, offered: dict[str, list[str]]) -> dict[str, list[str]]:
+        return {}
 
-    def aggregate(
-        self, round_no: int, own: PeerModel, received: dict[str, PeerModel], data: Any
-    ) -> Aggregate:
+    def aggregate(self, round_no: int, own: PeerModel, received: Received, data: Any) -> Aggregate:
         return Aggregate(state=own.state, weights={self.context.node: 1.0})
 
 
@@ -26,10 +24,9 @@ class FedAvg(PeerAlgorithm):
 
     name = "fedavg"
 
-    def aggregate(
-        self, round_no: int, own: PeerModel, received: dict[str, PeerModel], data: Any
-    ) -> Aggregate:
-        models = {self.context.node: own, **received}
+    def aggregate(self, round_no: int, own: PeerModel, received: Received, data: Any) -> Aggregate:
+        # One order for every node, so that over a full mesh all compute the same bits.
+        models = dict(sorted({self.context.node: own, **received.get(MODEL, {})}.items()))
         total = sum(model.n_samples for model in models.values())
         weights = {name: model.n_samples / total for name, model in models.items()}
         state = weighted_average({name: models[name].state for name in models}, weights)

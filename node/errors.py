@@ -7,7 +7,8 @@ from meshfl.protocol.transport import TransportError
 from .config import ConfigError
 from .data import DataError
 from .models import ModelError
+from .runtime import JoinError
 
 USER_ERRORS: tuple[type[Exception], ...] = (
-    ConfigError, DataError, ModelError, KeyFileError, TransportError, Refused,
+    ConfigError, DataError, ModelError, KeyFileError, TransportError, Refused, JoinError,
 )

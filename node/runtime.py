@@ -20,8 +20,9 @@ import numpy as np
 import torch
 
 from meshfl.algorithms import Context, PeerModel, algorithm_class, parse_params
-from meshfl.algorithms.base import weighted_average
+from meshfl.algorithms.base import MODEL, weighted_average
 from meshfl.protocol.endpoint import Endpoint, EndpointSettings
+from meshfl.protocol.gossip import Offer
 from meshfl.protocol.identity import Identity
 from meshfl.protocol.wire import Blob, make_blob
 
@@ -33,7 +34,11 @@ from .trainer import evaluate, set_torch_threads, state_to_arrays, train_local
 
 log = logging.getLogger("meshfl.node")
 
-MODEL_KIND = "model"
+MODEL_KIND = MODEL
+
+
+class JoinError(Exception):
+    """Nobody answered a joining node; one line for the user."""
 
 
 @dataclass
@@ -84,13 +89,25 @@ class Node:
         self.algorithm = algorithm_class(cfg.algorithm.name)(
             parse_params(cfg.algorithm.name, cfg.algorithm.params),
             Context(options.name, cfg.seed, self.data.num_classes,
-                    tuple(body_keys(self.model)), tuple(head_keys(self.model))))
+                    tuple(body_keys(self.model)), tuple(head_keys(self.model)),
+                    batch_size=cfg.batch_size, new_model=self._new_model, train=self._train))
         self.identity = Identity.load_or_create(options.key_path)
         self.endpoint = Endpoint(self.identity, mesh_id(cfg, self.schema), self._settings(),
                                  schema=self.schema)
         options.out_dir.mkdir(parents=True, exist_ok=True)
         self.metrics = MetricsLog(options.out_dir / "metrics.jsonl")
         self.checkpoint_path = options.out_dir / "checkpoint.pt"
+
+    def _new_model(self) -> torch.nn.Module:
+        return build_model(self.cfg.model.name, self.data.input_shape, self.data.num_classes,
+                           self.cfg.model.head, seed=self.cfg.seed)
+
+    def _train(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int,
+               seed: int, max_steps: int | None = None) -> float:
+        """The node's local training recipe, for algorithms that train models of their own."""
+        return train_local(model, x, y, epochs, self.cfg.batch_size, self.cfg.optimizer,
+                           self.cfg.lr, seed=seed, momentum=self.cfg.momentum,
+                           max_steps=max_steps)
 
     def _own_data(self, data_cfg: cfgmod.DataConfig) -> cfgmod.DataConfig:
         for peer in self.cfg.peers:
@@ -114,7 +131,10 @@ class Node:
         first_round = self._resume()
         self.endpoint.start(self.options.bootstrap)
         try:
-            self.endpoint.wait_joined(timeout=self.cfg.round_timeout)
+            joined = self.endpoint.wait_joined(timeout=self.cfg.round_timeout)
+            if self.options.joining and not joined:
+                raise JoinError(f"no mesh member answered at {', '.join(self.options.bootstrap)} "
+                                f"within {self.cfg.round_timeout:g} s (round_timeout)")
             if self.options.joining and first_round == 1:
                 first_round = self._catch_up()
             for round_no in range(first_round, self.cfg.rounds + 1):
@@ -144,7 +164,8 @@ class Node:
         if current < 1:
             return 1
         deadline = time.monotonic() + self.cfg.round_timeout
-        blobs = self._collect(current, {peer.public_key for peer in peers}, deadline, all_=True)
+        blobs = self._collect(current, {MODEL_KIND}, {peer.public_key for peer in peers},
+                              deadline, everything=True).get(MODEL_KIND, {})
         if blobs:
             states = {name: tensors_from_blob(blob) for name, blob in blobs.items()}
             uniform = {name: 1 / len(states) for name in states}
@@ -166,20 +187,18 @@ class Node:
         seconds["train"] = time.perf_counter() - clock
 
         clock = time.perf_counter()
-        # A copy: the blob is served for rounds to come while the model trains on.
-        arrays = {key: array.copy() for key, array in state_to_arrays(self.model).items()}
-        own_blob = make_blob(self.identity, round_no, MODEL_KIND, arrays, self.schema,
-                             {"n": len(self.data.y_train)})
-        self.endpoint.publish(own_blob)
+        publications = self.algorithm.publish(round_no, self._state_copy(), self.data)
+        for kind, state in publications.items():
+            self.endpoint.publish(make_blob(self.identity, round_no, kind, state_to_arrays(state),
+                                            self.schema, {"n": len(self.data.y_train)}))
         deadline = time.monotonic() + self.cfg.round_timeout
         alive = {peer.public_key for peer in self.endpoint.alive_peers()}
-        blobs = self._collect(round_no, alive, deadline)
+        blobs = self._collect(round_no, set(publications), alive, deadline)
         seconds["communicate"] = time.perf_counter() - clock
 
         clock = time.perf_counter()
-        received = self._peer_models(blobs)
-        own = PeerModel({k: v.detach().clone() for k, v in self.model.state_dict().items()},
-                        len(self.data.y_train))
+        received = {kind: self._peer_models(by_peer) for kind, by_peer in blobs.items()}
+        own = PeerModel(self._state_copy(), len(self.data.y_train))
         outcome = self.algorithm.aggregate(round_no, own, received, self.data)
         self.model.load_state_dict(outcome.state)
         seconds["aggregate"] = time.perf_counter() - clock
@@ -195,7 +214,8 @@ class Node:
             "val_loss": val.loss, "val_acc": val.accuracy,
             "test_loss": test.loss, "test_acc": test.accuracy,
             "weights": outcome.weights, "diagnostics": outcome.diagnostics,
-            "received": sorted(received), "peers_alive": len(alive),
+            "received": sorted(received.get(MODEL_KIND, {})), "peers_alive": len(alive),
+            "fetched": {kind: sorted(models) for kind, models in received.items()},
             "bytes_in": after["bytes_in"] - bytes_before["bytes_in"],
             "bytes_out": after["bytes_out"] - bytes_before["bytes_out"],
             "rejections": after["rejections"], "seconds": seconds,
@@ -203,19 +223,30 @@ class Node:
         })
         self._save(round_no)
 
-    def _collect(self, round_no: int, origins: set[bytes], deadline: float,
-                 all_: bool = False) -> dict[str, Blob]:
-        """The blobs of round `round_no` this node wants, by peer name, as they stand at
-        the deadline."""
-        offers = self.endpoint.wait_offers(round_no, MODEL_KIND, origins, deadline)
+    def _collect(self, round_no: int, kinds: set[str], origins: set[bytes], deadline: float,
+                 everything: bool = False) -> dict[str, dict[str, Blob]]:
+        """The blobs of round `round_no` this node wants, by kind and peer name, as they
+        stand at the deadline."""
+        offers = self.endpoint.wait_offers(round_no, kinds, origins, deadline)
         names = {peer.public_key: peer.name for peer in self.endpoint.peers()}
-        offers = [o for o in offers if o.origin in names and o.origin != self.identity.public_key]
-        by_name = {names[offer.origin]: offer for offer in offers}
-        wanted = list(by_name) if all_ else self.algorithm.wanted_peers(round_no, sorted(by_name))
-        chosen = [by_name[name] for name in wanted if name in by_name]
-        self.endpoint.fetch(chosen)
-        arrived = self.endpoint.wait_blobs([offer.digest for offer in chosen], deadline)
-        return {names[o.origin]: arrived[o.digest] for o in chosen if o.digest in arrived}
+        offered: dict[str, dict[str, Offer]] = {}
+        for offer in offers:
+            if offer.origin in names and offer.origin != self.identity.public_key:
+                offered.setdefault(offer.kind, {})[names[offer.origin]] = offer
+        listing = {kind: sorted(by_name) for kind, by_name in offered.items()}
+        wanted = listing if everything else self.algorithm.wanted(round_no, listing)
+        chosen = {(kind, name): offered[kind][name] for kind, names_ in wanted.items()
+                  for name in names_ if name in offered.get(kind, {})}
+        self.endpoint.fetch(list(chosen.values()))
+        arrived = self.endpoint.wait_blobs([offer.digest for offer in chosen.values()], deadline)
+        blobs: dict[str, dict[str, Blob]] = {}
+        for (kind, name), offer in chosen.items():
+            if offer.digest in arrived:
+                blobs.setdefault(kind, {})[name] = arrived[offer.digest]
+        return blobs
+
+    def _state_copy(self) -> dict[str, torch.Tensor]:
+        return {key: value.detach().clone() for key, value in self.model.state_dict().items()}
 
     @staticmethod
     def _peer_models(blobs: dict[str, Blob]) -> dict[str, PeerModel]:

@@ -174,14 +174,16 @@ def evaluate(
     return Evaluation(loss_sum / n, int(correct.sum()) / n, per_class, n)
 
 
-def state_to_arrays(model: nn.Module) -> dict[str, np.ndarray]:
-    """The state dict as numpy arrays, float entries as float32, integer buffers as they are.
+def state_to_arrays(source: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """A model's (or a state dict's) tensors as numpy arrays, float entries as float32,
+    integer buffers as they are.
 
     Zero-copy for float32 tensors on the CPU: the arrays share memory with the
-    model, so encode or copy them before the model trains again.
+    tensors, so encode or copy them before the model trains again.
     """
+    state = source.state_dict() if isinstance(source, nn.Module) else source
     arrays = {}
-    for key, tensor in model.state_dict().items():
+    for key, tensor in state.items():
         tensor = tensor.detach()
         if tensor.is_floating_point():
             tensor = tensor.to(torch.float32)

@@ -187,15 +187,18 @@ class Endpoint:
         with self._lock:
             return list(self.offer_book.for_round(round_no, kind))
 
-    def wait_offers(self, round_no: int, kind: str | None, origins: set[bytes],
+    def wait_offers(self, round_no: int, kinds: set[str], origins: set[bytes],
                     deadline: float) -> list[Offer]:
-        """Offers of the round, waiting until every origin in `origins` announced or the
-        monotonic `deadline` passes."""
+        """Offers of the round, waiting until every origin in `origins` that is still
+        alive announced a blob of each of `kinds`, or the monotonic `deadline` passes."""
         with self._changed:
             while True:
-                offers = self.offer_book.for_round(round_no, kind)
-                if origins <= {offer.origin for offer in offers}:
-                    return list(offers)
+                offers = [o for o in self.offer_book.for_round(round_no) if o.kind in kinds]
+                alive = {entry.public_key for entry in self.table.alive()}
+                announced = {(offer.origin, offer.kind) for offer in offers}
+                if all((origin, kind) in announced for origin in origins & alive
+                       for kind in kinds):
+                    return offers
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return list(offers)
@@ -322,6 +325,8 @@ class Endpoint:
                 if rejection.reason == "duplicate_key" and rejection.message is not None:
                     self._refuse(rejection.message)
                 return
+            if message.sender == self.identity.public_key and message.instance == self.instance:
+                return  # sent to ourselves (some hello or peer list gave out our address)
             self.received[message.kind] += 1
             handler = getattr(self, f"_on_{message.kind}", self._on_direct)
             handler(message)

@@ -1,0 +1,80 @@
+"""Start and watch real `meshfl node` / `meshfl join` processes for multi-process tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def write_config(path: Path, count: int, **settings: Any) -> dict[str, Any]:
+    """A loopback mesh of `count` digits nodes with fast timeouts, as peers.yaml."""
+    config = {
+        "mesh": "test", "rounds": 6, "round_timeout": 10.0, "heartbeat_interval": 0.3,
+        "peer_timeout": 1.5, "data": {"dataset": "digits"},
+        "peers": [{"name": f"node{i}", "listen": f"tcp://127.0.0.1:{port}"}
+                  for i, port in enumerate(free_ports(count))],
+        **settings,
+    }
+    path.write_text(yaml.safe_dump(config))
+    return config
+
+
+def meshfl(*args: str, log: Path | None = None) -> subprocess.Popen:
+    """Start `meshfl ARGS` in its own process group (so a kill takes all of it)."""
+    output = open(log, "ab") if log else subprocess.DEVNULL
+    return subprocess.Popen([sys.executable, "-m", "meshfl.launch.cli", *args],
+                            stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def start_node(config: Path, name: str, out: Path) -> subprocess.Popen:
+    (out / name).mkdir(parents=True, exist_ok=True)
+    return meshfl("node", "--config", str(config), "--name", name, "--out", str(out),
+                  "--local-nodes", "3", log=out / name / "node.log")
+
+
+def records(out: Path, name: str) -> list[dict[str, Any]]:
+    path = out / name / "metrics.jsonl"
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    return [json.loads(line) for line in lines if line.endswith("}")]
+
+
+def wait_until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def wait_round(out: Path, name: str, round_no: int, timeout: float) -> None:
+    wait_until(lambda: any(r["round"] >= round_no for r in records(out, name)), timeout,
+               f"{name} to finish round {round_no}")
+
+
+def stop(processes: list[subprocess.Popen]) -> None:
+    for process in processes:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)

@@ -1,0 +1,74 @@
+"""Every class of user mistake ends in one clear line on stderr and exit code 2."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tests.nodes import write_config
+
+
+def run_meshfl(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "meshfl.launch.cli", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=120)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("meshfl: error: ")
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+@pytest.mark.parametrize("flags, fragments", [
+    (["--algorithm", "fedmagic"], ["algorithm", "fedmagic", "fedavg"]),
+    (["--partition", "dirichlet:x"], ["data.partition", "dirichlet:x"]),
+    (["--dataset", "mnist", "--data-root", "/nonexistent/meshfl-data"], ["mnist", "--data-root"]),
+    (["--set", "lr=-1"], ["lr", "-1"]),
+    (["--set", "algorithm.gamma=2"], ["algorithm.gamma"]),
+])
+def test_launch_mistakes(tmp_path, flags, fragments):
+    result = run_meshfl("launch", "--out", str(tmp_path / "run"), *flags)
+    assert_one_line_error(result, *fragments)
+
+
+def test_port_in_use(tmp_path):
+    config = tmp_path / "peers.yaml"
+    cfg = write_config(config, 2)
+    host, port = cfg["peers"][0]["listen"].removeprefix("tcp://").split(":")
+    with socket.socket() as squatter:
+        squatter.bind((host, int(port)))
+        squatter.listen()
+        result = run_meshfl("node", "--config", str(config), "--name", "node0",
+                            "--out", str(tmp_path))
+    assert_one_line_error(result, "port in use", port)
+
+
+def test_unreadable_key(tmp_path):
+    config = tmp_path / "peers.yaml"
+    write_config(config, 2)
+    key = tmp_path / "broken.pem"
+    key.write_text("not a key\n")
+    result = run_meshfl("node", "--config", str(config), "--name", "node0",
+                        "--out", str(tmp_path), "--key", str(key))
+    assert_one_line_error(result, str(key), "PEM")
+
+
+def test_unknown_node_name(tmp_path):
+    config = tmp_path / "peers.yaml"
+    write_config(config, 2)
+    result = run_meshfl("node", "--config", str(config), "--name", "nobody")
+    assert_one_line_error(result, "nobody", "node0")
+
+
+def test_keygen_refuses_to_overwrite(tmp_path):
+    key = tmp_path / "node.pem"
+    first = run_meshfl("keygen", str(key))
+    assert first.returncode == 0 and "public key:" in first.stdout
+    assert key.stat().st_mode & 0o777 == 0o600
+    assert_one_line_error(run_meshfl("keygen", str(key)), "refusing to overwrite")

@@ -1,0 +1,82 @@
+"""Real node processes on loopback: FedAvg agreement, crash and resume, a late joiner."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from tests.nodes import meshfl, records, start_node, stop, wait_round, write_config
+
+
+def final_model(out, name):
+    return torch.load(out / name / "checkpoint.pt", weights_only=True)["model"]
+
+
+def test_fedavg_round_over_full_mesh_leaves_every_node_with_the_same_model(tmp_path):
+    config = tmp_path / "peers.yaml"
+    write_config(config, 3, rounds=2)
+    processes = [start_node(config, f"node{i}", tmp_path) for i in range(3)]
+    try:
+        for process in processes:
+            assert process.wait(timeout=90) == 0
+    finally:
+        stop(processes)
+    last = [records(tmp_path, f"node{i}")[-1] for i in range(3)]
+    for record in last:
+        assert record["round"] == 2
+        assert len(record["received"]) == 2, "every node aggregated the whole mesh"
+        assert sum(record["weights"].values()) == pytest.approx(1.0)
+    models = [final_model(tmp_path, f"node{i}") for i in range(3)]
+    for model in models[1:]:
+        for key, tensor in models[0].items():
+            assert torch.equal(tensor, model[key]), key
+
+
+def test_a_killed_node_resumes_from_its_checkpoint_while_the_others_finish(tmp_path):
+    config = tmp_path / "peers.yaml"
+    write_config(config, 3, rounds=12, local_epochs=15)
+    processes = [start_node(config, f"node{i}", tmp_path) for i in range(3)]
+    try:
+        wait_round(tmp_path, "node2", 3, timeout=90)
+        os.killpg(processes[2].pid, signal.SIGKILL)
+        processes[2].wait(timeout=10)
+        killed_at = records(tmp_path, "node2")[-1]["round"]
+        for process in processes[:2]:
+            assert process.wait(timeout=120) == 0, "the others finish on their deadlines"
+        processes[2] = start_node(config, "node2", tmp_path)
+        assert processes[2].wait(timeout=90) == 0
+    finally:
+        stop(processes)
+    for name in ("node0", "node1"):
+        rounds = records(tmp_path, name)
+        assert [r["round"] for r in rounds] == list(range(1, 13))
+        assert "node2" not in rounds[-1]["received"]
+    resumed = records(tmp_path, "node2")
+    assert [r["round"] for r in resumed] == list(range(1, 13)), "no round lost or repeated"
+    log = (tmp_path / "node2" / "node.log").read_text()
+    assert f"resumed from the checkpoint of round {killed_at}" in log
+
+
+def test_a_node_joining_mid_run_takes_part_in_the_next_rounds(tmp_path):
+    config = tmp_path / "peers.yaml"
+    cfg = write_config(config, 3, rounds=20, local_epochs=40)
+    processes = [start_node(config, f"node{i}", tmp_path) for i in range(3)]
+    try:
+        wait_round(tmp_path, "node0", 2, timeout=90)
+
+        joiner = meshfl("join", cfg["peers"][1]["listen"], "--config", str(config),
+                        "--name", "late", "--out", str(tmp_path), log=tmp_path / "late.log")
+        processes.append(joiner)
+        for process in processes:
+            assert process.wait(timeout=150) == 0
+    finally:
+        stop(processes)
+    joined = records(tmp_path, "late")
+    assert joined and joined[0]["round"] > 1, "the joiner starts at the mesh's round"
+    assert joined[-1]["round"] == 20
+    assert set(joined[-1]["received"]) == {"node0", "node1", "node2"}
+    later = [r for r in records(tmp_path, "node0") if r["round"] > joined[0]["round"]]
+    assert later and all("late" in r["received"] for r in later)
