@@ -1,15 +1,32 @@
-"""Aggregation rules, one module per paper plus the baselines; no networking inside."""
+"""Aggregation rules, one module per paper plus the baselines; no networking inside.
+
+Every module of this package that defines a `PeerAlgorithm` subclass with a `name`
+contributes that rule: adding a file adds a rule, with no list to keep in step.
+"""
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from typing import Any
 
-from .base import Aggregate, Context, PeerAlgorithm, PeerModel
+from .base import MODEL, Aggregate, Context, PeerAlgorithm, PeerModel, Received
 from .base import parse_params as _parse_into
-from .baselines import FedAvg, Local
 
-ALGORITHMS: dict[str, type[PeerAlgorithm]] = {cls.name: cls for cls in (Local, FedAvg)}
-ALGORITHM_NAMES: tuple[str, ...] = tuple(ALGORITHMS)
+
+def _discover() -> dict[str, type[PeerAlgorithm]]:
+    rules: dict[str, type[PeerAlgorithm]] = {}
+    for module_info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"{__name__}.{module_info.name}")
+        for value in vars(module).values():
+            if (isinstance(value, type) and issubclass(value, PeerAlgorithm)
+                    and value.__module__ == module.__name__ and value.name != "base"):
+                rules[value.name] = value
+    return rules
+
+
+ALGORITHMS: dict[str, type[PeerAlgorithm]] = _discover()
+ALGORITHM_NAMES: tuple[str, ...] = tuple(sorted(ALGORITHMS))
 
 
 def algorithm_class(name: str) -> type[PeerAlgorithm]:
@@ -24,6 +41,6 @@ def parse_params(name: str, params: dict[str, Any]) -> Any:
 
 
 __all__ = [
-    "ALGORITHMS", "ALGORITHM_NAMES", "Aggregate", "Context", "PeerAlgorithm", "PeerModel",
-    "algorithm_class", "parse_params",
+    "ALGORITHMS", "ALGORITHM_NAMES", "MODEL", "Aggregate", "Context", "PeerAlgorithm",
+    "PeerModel", "Received", "algorithm_class", "parse_params",
 ]

@@ -95,6 +95,20 @@ def build_parser() -> argparse.ArgumentParser:
                     "and public key; never overwrites an existing file.")
     keygen.add_argument("path", metavar="PATH")
 
+    experiment = commands.add_parser(
+        "experiment", help="run a named experiment and print its results table",
+        description="Run every variant of a named experiment for each seed as a local mesh "
+                    "and print the per-node test accuracy table (also OUT/table.md). "
+                    "Finished runs are kept and skipped on a rerun.")
+    experiment.add_argument("name", nargs="?", metavar="NAME", help="experiment name")
+    experiment.add_argument("--list", action="store_true", help="list the experiments")
+    experiment.add_argument("--data-root", metavar="DIR", help="dataset folder")
+    experiment.add_argument("--seeds", metavar="S1,S2", help="override the seeds")
+    experiment.add_argument("--out", metavar="DIR",
+                            help="output folder (default runs/experiments/NAME)")
+    experiment.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                            dest="assignments", help="override any config field of every run")
+
     bench = commands.add_parser("bench", help="measure the wire protocol's throughput")
     bench.add_argument("what", choices=["wire"], help="what to measure")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark")
@@ -107,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                         else logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     handlers: dict[str, Callable[[argparse.Namespace], int]] = {
         "launch": _launch, "node": _node, "join": _join, "keygen": _keygen, "bench": _bench,
+        "experiment": _experiment,
     }
     try:
         return handlers[args.command](args)
@@ -152,6 +167,12 @@ def _keygen(args: argparse.Namespace) -> int:
     print(f"node id:    {identity.id}")
     print(f"public key: {identity.public_key.hex()}")
     return 0
+
+
+def _experiment(args: argparse.Namespace) -> int:
+    from .experiments import run_experiment
+
+    return run_experiment(args)
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -57,35 +57,45 @@ def launch_local(args: argparse.Namespace) -> int:
     cfg = resolve_config(args)
     if args.nodes is not None or args.config is None:
         count = args.nodes if args.nodes is not None else len(cfg.peers)
-        if count < 1:
-            raise UserError(f"--nodes: got {count}; allowed: 1 or more")
-        peers = [replace(peer, listen=f"tcp://127.0.0.1:{port}")
-                 for peer, port in zip(cfgmod.local_peers(count), free_ports(count), strict=True)]
-        cfg = replace(cfg, peers=peers)
+        cfg = with_local_peers(cfg, count)
+    out = Path(args.out or _default_run_dir(cfg))
+    summary = run_mesh(cfg, out, quiet=args.quiet)
+    print_table(summary)
+    return 0
+
+
+def with_local_peers(cfg: cfgmod.MeshConfig, count: int) -> cfgmod.MeshConfig:
+    """`cfg` with `count` peers on free loopback ports."""
+    if count < 1:
+        raise UserError(f"--nodes: got {count}; allowed: 1 or more")
+    peers = [replace(peer, listen=f"tcp://127.0.0.1:{port}")
+             for peer, port in zip(cfgmod.local_peers(count), free_ports(count), strict=True)]
+    return replace(cfg, peers=peers)
+
+
+def run_mesh(cfg: cfgmod.MeshConfig, out: Path, quiet: bool = False) -> dict[str, Any]:
+    """Run every peer of `cfg` as a local process until all finish; write and return the
+    summary. A node that fails turns into a UserError naming it and its last log line."""
     cfgmod.validate(cfg)
     _check_data(cfg)
-    out = Path(args.out or _default_run_dir(cfg))
     out.mkdir(parents=True, exist_ok=True)
     config_path = out / "config.yaml"
     cfgmod.save_config(cfg, config_path)
     processes = {peer.name: _spawn_node(config_path, peer.name, out, len(cfg.peers))
                  for peer in cfg.peers}
-    print(f"meshfl: {len(processes)} nodes, {cfg.algorithm.name} on {cfg.data.dataset} "
-          f"({cfg.data.partition}), {cfg.rounds} rounds -> {out}")
-    print(f"meshfl: join this mesh with: meshfl join {cfg.peers[0].listen} "
-          f"--config {config_path}")
+    if not quiet:
+        print(f"meshfl: {len(processes)} nodes, {cfg.algorithm.name} on {cfg.data.dataset} "
+              f"({cfg.data.partition}), {cfg.rounds} rounds -> {out}")
+        print(f"meshfl: join this mesh with: meshfl join {cfg.peers[0].listen} "
+              f"--config {config_path}")
     try:
-        failed = _watch(processes, out, cfg.rounds, quiet=args.quiet)
+        failed = _watch(processes, out, cfg.rounds, quiet=quiet)
     finally:
         _stop(processes.values())
     if failed:
-        for name, line in failed.items():
-            print(f"meshfl: error: node {name}: {line}", file=sys.stderr)
-        return 2 if all(line.startswith("meshfl: error") or "error" in line
-                        for line in failed.values()) else 1
-    summary = write_summary(cfg, out)
-    print_table(summary)
-    return 0
+        name, line = next(iter(failed.items()))
+        raise UserError(f"node {name} failed: {line.removeprefix('meshfl: error: ')}")
+    return write_summary(cfg, out)
 
 
 def _default_run_dir(cfg: cfgmod.MeshConfig) -> str:
@@ -170,9 +180,11 @@ def write_summary(cfg: cfgmod.MeshConfig, out: Path) -> dict[str, Any]:
     for peer in cfg.peers:
         record = last_record(out / peer.name / "metrics.jsonl")
         if record is not None:
+            info_path = out / peer.name / "info.json"
+            info = json.loads(info_path.read_text()) if info_path.exists() else {}
             nodes.append({"name": peer.name, "test_acc": record["test_acc"],
                           "val_acc": record["val_acc"], "n_train": record["n_train"],
-                          "round": record["round"]})
+                          "round": record["round"], "data": info.get("data", {})})
     accuracies = [node["test_acc"] for node in nodes]
     summary = {
         "algorithm": cfg.algorithm.name, "dataset": cfg.data.dataset,

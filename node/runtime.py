@@ -129,6 +129,10 @@ class Node:
 
     def run(self) -> None:
         first_round = self._resume()
+        (self.options.out_dir / "info.json").write_text(json.dumps({
+            "name": self.options.name, "id": self.identity.id, "listen": self.options.listen,
+            "public_key": self.identity.public_key.hex(), "data": self.data.info,
+        }, indent=2) + "\n")
         self.endpoint.start(self.options.bootstrap)
         try:
             joined = self.endpoint.wait_joined(timeout=self.cfg.round_timeout)
