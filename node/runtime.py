@@ -167,6 +167,7 @@ class Node:
         current = max((peer.round for peer in peers), default=0)
         if current < 1:
             return 1
+        self.endpoint.set_round(current)
         deadline = time.monotonic() + self.cfg.round_timeout
         blobs = self._collect(current, {MODEL_KIND}, {peer.public_key for peer in peers},
                               deadline, everything=True).get(MODEL_KIND, {})

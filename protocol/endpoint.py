@@ -87,6 +87,9 @@ class _Fetches:
         self.waiting[holder].append(digest)
         return False
 
+    def requested(self, digest: bytes) -> bool:
+        return any(digest in slots for slots in self.in_flight.values())
+
     def done(self, digest: bytes) -> list[tuple[bytes, bytes]]:
         """Mark a digest arrived; return the (holder, digest) fetches now allowed out."""
         released = []
@@ -409,8 +412,13 @@ class Endpoint:
             self.transport.forget(entry.address)
 
     def _on_announce(self, message: Message) -> None:
-        self.table.heard_from(message.sender, message.round)
+        # Offers are kept from known peers and for a window of rounds only, so an
+        # announcing stranger cannot grow the offer book without bound.
+        known = self.table.heard_from(message.sender, message.round) is not None
         body = message.body
+        if not known or body["round"] > self.round + self.offer_book.keep_rounds:
+            self.received["ignored_announce"] += 1
+            return
         offer = Offer(body["origin"], body["round"], body["kind"], body["digest"], body["size"])
         self.offer_book.add(offer, message.sender)
 
@@ -426,6 +434,10 @@ class Endpoint:
         entry = self.table.heard_from(message.sender, message.round)
         blob = message.blob
         assert blob is not None
+        if not self._fetches.requested(blob.digest):
+            # Only what we asked for: unsolicited blobs must not push ours out of the store.
+            self.received["unrequested_blob"] += 1
+            return
         self.store.put(blob)
         holder = entry.name if entry else node_id(message.sender)
         self.fetch_log.append(FetchRecord(blob.origin_id, blob.round, blob.kind, blob.size, holder))

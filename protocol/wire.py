@@ -153,8 +153,8 @@ def make_blob(
     identity: Identity, round_no: int, kind: str, arrays: Mapping[str, np.ndarray],
     schema: bytes = b"", meta: Mapping[str, Any] | None = None,
 ) -> Blob:
-    """Sign `arrays` as a blob of `identity`; hashes the bytes once, copies them never
-    (unless an array is not C-contiguous little-endian)."""
+    """Sign `arrays` as a blob of `identity`; hashes the bytes once and copies them only
+    when an array is not C-contiguous."""
     frames, index = [], []
     for name, array in arrays.items():
         dtype = wire_dtype(array)

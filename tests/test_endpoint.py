@@ -1,0 +1,637 @@
+"""A live Endpoint over real ZeroMQ sockets on loopback.
+
+Hostile and broken messages are crafted by hand and sent from a raw DEALER; the
+test side binds its own ROUTER to receive what the endpoint answers, so it can tell
+that the node is still serving after each rejection.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import socket
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from meshfl.protocol.endpoint import Endpoint, EndpointSettings, FetchRecord, Refused
+from meshfl.protocol.gossip import Offer
+from meshfl.protocol.identity import Identity, verify
+from meshfl.protocol.membership import ALIVE, DOWN, LEFT
+from meshfl.protocol.transport import TransportError
+from meshfl.protocol.wire import (
+    HEADER_CONTEXT,
+    RECORD_CONTEXT,
+    REJECTION_REASONS,
+    Blob,
+    Decoder,
+    Limits,
+    Message,
+    encode,
+    frames_digest,
+    make_blob,
+    new_instance,
+)
+
+MESH = hashlib.sha256(b"endpoint test mesh").digest()[:16]
+OTHER_MESH = hashlib.sha256(b"some other mesh").digest()[:16]
+SCHEMA = hashlib.sha256(b"model schema").digest()
+SMALL = Limits(max_message_bytes=64 << 10, max_frames=4, max_envelope_bytes=16 << 10)
+WAIT = 5.0  # the longest any single step may take before the test fails
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def poll_until(condition: Callable[[], bool], timeout: float = WAIT, step: float = 0.01) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(step)
+    return True
+
+
+@pytest.fixture
+def context():
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+@pytest.fixture
+def make_endpoint():
+    """Endpoints on free loopback ports, closed after the test."""
+    made: list[Endpoint] = []
+
+    def make(name: str = "node", identity: Identity | None = None,
+             schema: bytes | None = SCHEMA, **settings) -> Endpoint:
+        identity = identity or Identity.generate()
+        for _ in range(5):  # a port found free can be taken before we bind it
+            listen = f"tcp://127.0.0.1:{free_port()}"
+            try:
+                endpoint = Endpoint(identity, MESH, EndpointSettings(name, listen, **settings),
+                                    schema=schema)
+            except TransportError:
+                continue
+            made.append(endpoint)
+            return endpoint
+        raise RuntimeError("no free port")
+
+    yield make
+    for endpoint in reversed(made):
+        endpoint.close()
+
+
+class RawPeer:
+    """A peer driven by hand: a DEALER to the endpoint, a ROUTER for its answers."""
+
+    def __init__(self, context: zmq.Context, target: str, identity: Identity | None = None,
+                 name: str = "raw") -> None:
+        self.identity = identity or Identity.generate()
+        self.name = name
+        self.instance = new_instance()
+        self.seq = time.time_ns()
+        self.inbox = context.socket(zmq.ROUTER)
+        self.inbox.setsockopt(zmq.LINGER, 0)
+        self.inbox.bind("tcp://127.0.0.1:*")
+        self.address = self.inbox.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.out = context.socket(zmq.DEALER)
+        self.out.setsockopt(zmq.LINGER, 0)
+        self.out.connect(target)
+        self.decoder = Decoder(MESH)
+        self.pending: list[Message] = []
+
+    @property
+    def public_key(self) -> bytes:
+        return self.identity.public_key
+
+    def frames(self, kind: str, body: dict, *, identity: Identity | None = None,
+               mesh: bytes = MESH, round_no: int = 0, blob: Blob | None = None) -> list:
+        self.seq += 1
+        return [bytes(frame) for frame in encode(
+            identity or self.identity, mesh, kind, self.seq, round_no, body,
+            instance=self.instance, blob=blob)]
+
+    def hello(self) -> list:
+        return self.frames("hello", {"name": self.name, "addr": self.address})
+
+    def send(self, frames: list) -> None:
+        self.out.send_multipart(frames)
+
+    def _receive(self, timeout: float) -> bool:
+        if not self.inbox.poll(max(timeout, 0) * 1000):
+            return False
+        _, *frames = self.inbox.recv_multipart()
+        self.pending.append(self.decoder.decode(frames))
+        return True
+
+    def expect(self, kind: str, timeout: float = WAIT) -> Message:
+        deadline = time.monotonic() + timeout
+        while True:
+            for at, message in enumerate(self.pending):
+                if message.kind == kind:
+                    return self.pending.pop(at)
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._receive(left):
+                raise AssertionError(f"no {kind!r} from the endpoint within {timeout}s")
+
+    def collect(self, kind: str, duration: float) -> list[Message]:
+        """Everything of `kind` that arrives within `duration`."""
+        deadline = time.monotonic() + duration
+        while (left := deadline - time.monotonic()) > 0:
+            self._receive(left)
+        got = [message for message in self.pending if message.kind == kind]
+        self.pending = [message for message in self.pending if message.kind != kind]
+        return got
+
+    def join(self) -> Message:
+        """Say hello and wait for the peer table: proof the endpoint is serving."""
+        self.send(self.hello())
+        return self.expect("peers")
+
+
+# --- crafting one bad message per rejection reason -----------------------------------
+# Each craft_* function returns the frames of one message that must be rejected for its
+# reason, and nothing else wrong with it (signed by an allowed key, fresh sequence number).
+
+
+@dataclass
+class Scene:
+    endpoint: Endpoint
+    raw: RawPeer  # allowed in the closed mesh
+    origin: Identity  # allowed too: the origin of blobs `raw` relays
+    stranger: Identity  # not in the allowlist
+
+
+def small_blob(origin: Identity, schema: bytes = SCHEMA, **arrays: np.ndarray) -> Blob:
+    arrays = arrays or {"w": np.arange(4, dtype=np.float32)}
+    return make_blob(origin, 1, "model", arrays, schema=schema)
+
+
+def hand_made_blob(origin: Identity, frames: list[bytes], index: list) -> Blob:
+    """A blob honestly signed by `origin` whose tensor index is written by hand."""
+    digest = frames_digest(frames)
+    record = msgpack.packb([origin.public_key, 1, "model", SCHEMA, digest, index, {}])
+    return Blob(origin.public_key, 1, "model", SCHEMA, digest, [], {}, record,
+                origin.sign(RECORD_CONTEXT + record), frames)
+
+
+def blob_message(scene: Scene, blob: Blob) -> list:
+    return scene.raw.frames("blob", {}, round_no=blob.round, blob=blob)
+
+
+def resign(identity: Identity, header: dict) -> list:
+    header_bytes = msgpack.packb(header)
+    return [msgpack.packb([header_bytes, identity.sign(HEADER_CONTEXT + header_bytes)])]
+
+
+def valid_header(scene: Scene, kind: str = "heartbeat", body: dict | None = None) -> dict:
+    header_bytes, _ = msgpack.unpackb(scene.raw.frames(kind, body or {})[0])
+    return msgpack.unpackb(header_bytes)
+
+
+def craft_oversize(scene):
+    big = np.zeros(20_000, dtype=np.float32)  # 80 kB > 64 kB: honest, just too big
+    return blob_message(scene, small_blob(scene.raw.identity, w=big))
+
+
+def craft_too_many_frames(scene):
+    arrays = {f"t{i}": np.zeros(2, dtype=np.float32) for i in range(6)}  # 7 frames > 1 + 4
+    return blob_message(scene, small_blob(scene.raw.identity, **arrays))
+
+
+def craft_bad_msgpack(scene):
+    return [b"\xc1"]  # 0xc1 is never used by msgpack
+
+
+def craft_truncated_envelope(scene):
+    return [scene.raw.hello()[0][:-20]]
+
+
+def craft_bad_header_field(scene):
+    header = valid_header(scene)
+    header["seq"] = str(header["seq"])
+    return resign(scene.raw.identity, header)
+
+
+def craft_bad_header_kind(scene):
+    header = valid_header(scene)
+    header["kind"] = "gimme_your_keys"
+    return resign(scene.raw.identity, header)
+
+
+def craft_bad_header_body(scene):
+    header = valid_header(scene, "announce", {"origin": scene.raw.public_key, "round": 1})
+    return resign(scene.raw.identity, header)  # announce without kind/digest/size
+
+
+def craft_wrong_mesh(scene):
+    return scene.raw.frames("heartbeat", {}, mesh=OTHER_MESH)
+
+
+def craft_unknown_sender(scene):
+    body = {"name": "intruder", "addr": scene.raw.address}
+    return scene.raw.frames("hello", body, identity=scene.stranger)
+
+
+def craft_replay(scene):
+    beat = scene.raw.frames("heartbeat", {})
+    scene.raw.send(beat)  # the first copy is fine...
+    scene.raw.join()
+    return list(beat)  # ...the identical second one is a replay
+
+
+def craft_bad_signature(scene):
+    header_bytes, _ = msgpack.unpackb(scene.raw.frames("heartbeat", {})[0])
+    forged = scene.stranger.sign(HEADER_CONTEXT + header_bytes)
+    return [msgpack.packb([header_bytes, forged])]
+
+
+def craft_bad_origin_signature(scene):
+    # `raw` relays a blob claiming `origin` made it, but `raw` signed the record itself.
+    genuine = small_blob(scene.origin)
+    forged = dataclasses.replace(
+        genuine, signature=scene.raw.identity.sign(RECORD_CONTEXT + genuine.record))
+    return blob_message(scene, forged)
+
+
+def craft_digest_mismatch(scene):
+    frames = blob_message(scene, small_blob(scene.origin))
+    frames[1] = bytes([frames[1][0] ^ 0xFF]) + frames[1][1:]
+    return frames
+
+
+def craft_forbidden_dtype(scene):
+    blob = hand_made_blob(scene.origin, [bytes(16)], [["w", "complex64", [2], 16]])
+    return blob_message(scene, blob)
+
+
+def craft_shape_mismatch(scene):
+    # The index says four float32 (16 bytes); the frame holds 20.
+    blob = hand_made_blob(scene.origin, [bytes(20)], [["w", "float32", [4], 16]])
+    return blob_message(scene, blob)
+
+
+def craft_schema_mismatch(scene):
+    return blob_message(scene, small_blob(scene.origin, schema=b"another model"))
+
+
+def craft_duplicate_key(scene):
+    # Signed with the endpoint's own key by another process (another instance).
+    return encode(scene.endpoint.identity, MESH, "heartbeat", time.time_ns(), 0,
+                  {"name": "twin", "addr": scene.raw.address}, instance=new_instance())
+
+
+CRAFTS = {
+    "oversize": craft_oversize,
+    "too_many_frames": craft_too_many_frames,
+    "bad_msgpack": craft_bad_msgpack,
+    "bad_msgpack-truncated": craft_truncated_envelope,
+    "bad_header": craft_bad_header_field,
+    "bad_header-unknown_kind": craft_bad_header_kind,
+    "bad_header-body": craft_bad_header_body,
+    "wrong_mesh": craft_wrong_mesh,
+    "unknown_sender": craft_unknown_sender,
+    "replay": craft_replay,
+    "bad_signature": craft_bad_signature,
+    "bad_origin_signature": craft_bad_origin_signature,
+    "digest_mismatch": craft_digest_mismatch,
+    "forbidden_dtype": craft_forbidden_dtype,
+    "shape_mismatch": craft_shape_mismatch,
+    "schema_mismatch": craft_schema_mismatch,
+    "duplicate_key": craft_duplicate_key,
+}
+
+
+def test_every_rejection_reason_has_a_crafted_message():
+    assert {case.split("-")[0] for case in CRAFTS} == set(REJECTION_REASONS)
+
+
+def delivered(endpoint: Endpoint) -> dict:
+    """Everything a rejected message must not change."""
+    with endpoint._lock:
+        return {
+            "received": Counter(endpoint.received),
+            "store": sorted(endpoint.store._blobs),
+            "store_bytes": endpoint.store.bytes,
+            "offers": sorted(endpoint.offer_book._offers),
+            "fetched": list(endpoint.fetch_log),
+            "direct": {kind: box.qsize() for kind, box in endpoint._inboxes.items()},
+            "peers": sorted(entry.public_key for entry in endpoint.table.entries.values()),
+        }
+
+
+@pytest.fixture
+def scene(context, make_endpoint):
+    raw_identity, origin, stranger = Identity.generate(), Identity.generate(), Identity.generate()
+    endpoint = make_endpoint(
+        "target", allowlist=frozenset({raw_identity.public_key, origin.public_key}),
+        limits=SMALL)
+    endpoint.start()
+    raw = RawPeer(context, endpoint.settings.listen, raw_identity)
+    raw.join()
+    return Scene(endpoint, raw, origin, stranger)
+
+
+@pytest.mark.parametrize("case", list(CRAFTS))
+def test_rejected_message_is_counted_and_dropped_and_the_node_keeps_serving(scene, case):
+    reason = case.split("-")[0]
+    endpoint, raw = scene.endpoint, scene.raw
+    bad = CRAFTS[case](scene)  # crafted now: its sequence number is the newest
+    rejections_before = Counter(endpoint.decoder.rejections)
+    before = delivered(endpoint)
+
+    raw.send(bad)
+    peers = raw.join()  # still serving: a valid hello sent afterwards is answered
+
+    assert Counter(endpoint.decoder.rejections) - rejections_before == Counter({reason: 1})
+    assert sum(endpoint.decoder.rejections.values()) == sum(rejections_before.values()) + 1
+    after = delivered(endpoint)
+    assert after["received"] - before["received"] == Counter({"hello": 1})
+    assert {k: v for k, v in after.items() if k != "received"} == \
+           {k: v for k, v in before.items() if k != "received"}
+    assert endpoint.stats()["rejections"][reason] >= 1
+    listed = {item["key"] for item in peers.body["peers"]}
+    assert scene.stranger.public_key not in listed
+    assert endpoint.identity.public_key in listed and raw.public_key in listed
+
+
+def test_replayed_frames_are_handled_once(scene):
+    beat = scene.raw.frames("heartbeat", {})
+    received = scene.endpoint.received["heartbeat"]
+    for _ in range(3):
+        scene.raw.send(beat)
+    scene.raw.join()
+    assert scene.endpoint.received["heartbeat"] == received + 1
+    assert scene.endpoint.decoder.rejections["replay"] == 2
+
+
+def test_rejections_are_logged_once_per_connection_and_reason(context, make_endpoint, caplog):
+    caplog.set_level(logging.WARNING, logger="meshfl.endpoint")
+    endpoint = make_endpoint("target")
+    endpoint.start()
+    raw = RawPeer(context, endpoint.settings.listen)
+    raw.join()
+    bad = raw.frames("heartbeat", {}, mesh=OTHER_MESH)
+
+    def logged() -> int:
+        return sum(1 for record in caplog.records
+                   if record.name == "meshfl.endpoint" and "(wrong_mesh)" in record.getMessage())
+
+    for _ in range(5):
+        raw.send(bad)
+    raw.join()
+    assert endpoint.decoder.rejections["wrong_mesh"] == 5
+    assert logged() == 1
+
+    other = RawPeer(context, endpoint.settings.listen)  # a second connection logs again
+    other.send(bad)
+    other.join()
+    assert endpoint.decoder.rejections["wrong_mesh"] == 6
+    assert logged() == 2
+
+
+# --- membership ---------------------------------------------------------------------
+
+
+def test_a_second_process_with_a_live_key_is_refused(make_endpoint):
+    identity = Identity.generate()
+    live = make_endpoint("live", identity)
+    live.start()
+    twin = make_endpoint("twin", identity)
+    twin.start([live.settings.listen])
+    with pytest.raises(Refused, match=identity.id):
+        twin.wait_joined(WAIT)
+    assert live.decoder.rejections["duplicate_key"] == 1
+    assert live.peers() == []
+
+
+def test_a_twin_joining_through_another_peer_is_refused(make_endpoint):
+    identity = Identity.generate()
+    live = make_endpoint("live", identity)
+    live.start()
+    friend = make_endpoint("friend")
+    friend.start([live.settings.listen])
+    assert friend.wait_joined(WAIT)
+    assert live.wait_for_peers(1, WAIT) and friend.wait_for_peers(1, WAIT)
+
+    twin = make_endpoint("twin", identity)
+    twin.start([friend.settings.listen])
+    with pytest.raises(Refused, match=live.settings.listen):
+        twin.wait_joined(WAIT)
+    # The friend still knows the key at the live process's address.
+    (entry,) = friend.peers()
+    assert (entry.public_key, entry.address, entry.state) == (
+        identity.public_key, live.settings.listen, ALIVE)
+    assert entry.instance == live.instance
+
+
+def test_wait_joined_is_false_when_nobody_answers(make_endpoint):
+    lonely = make_endpoint("lonely")
+    lonely.start([f"tcp://127.0.0.1:{free_port()}"])
+    assert lonely.wait_joined(0.3) is False
+
+
+def test_a_silent_peer_is_marked_down_within_timeout_plus_one_interval(context, make_endpoint):
+    interval, timeout = 0.1, 0.8
+    endpoint = make_endpoint("watcher", heartbeat_interval=interval, peer_timeout=timeout)
+    endpoint.start()
+    raw = RawPeer(context, endpoint.settings.listen)
+    sent = time.monotonic()
+    raw.join()
+    answered = time.monotonic()
+
+    def state() -> str:
+        return next(e.state for e in endpoint.peers() if e.public_key == raw.public_key)
+
+    assert state() == ALIVE
+    assert poll_until(lambda: state() == DOWN, timeout + interval + 2.0)
+    down = time.monotonic()
+    assert down - sent >= timeout  # not before the timeout...
+    assert down - answered <= timeout + interval + 0.5  # ...and not much after it
+    assert raw.public_key not in [e.public_key for e in endpoint.alive_peers()]
+
+    raw.send(raw.frames("heartbeat", {}))  # a down peer that speaks is alive again
+    assert poll_until(lambda: state() == ALIVE)
+
+
+def test_bye_marks_a_peer_left(make_endpoint):
+    first = make_endpoint("first", peer_timeout=60.0)
+    first.start()
+    second = make_endpoint("second", peer_timeout=60.0)
+    second.start([first.settings.listen])
+    assert second.wait_joined(WAIT) and first.wait_for_peers(1, WAIT)
+    second.close()
+
+    def state() -> str:
+        return next(e.state for e in first.peers() if e.public_key == second.identity.public_key)
+
+    assert poll_until(lambda: state() == LEFT, 2.0)
+    assert first.alive_peers() == []
+
+
+def test_a_node_never_becomes_its_own_peer(context, make_endpoint):
+    endpoint = make_endpoint("target")
+    endpoint.start()
+    own = endpoint.settings.listen
+    raw = RawPeer(context, own)
+    # A hello whose answer address is the node's own, and a peer list that points a
+    # stranger's key there: the node ends up talking to itself, and must not mind.
+    raw.send(raw.frames("hello", {"name": "liar", "addr": own}))
+    ghost = {"name": "ghost", "addr": own, "key": Identity.generate().public_key}
+    raw.send(raw.frames("peers", {"peers": [ghost]}))
+    raw.join()
+
+    def knows_itself() -> bool:
+        return endpoint.identity.public_key in [e.public_key for e in endpoint.peers()]
+
+    assert not poll_until(knows_itself, 0.5)
+    assert [e.public_key for e in endpoint.peers()] == [raw.public_key]
+    assert endpoint.wait_for_peers(2, 0.1) is False
+
+
+def test_peers_learn_each_other_through_one_bootstrap(make_endpoint):
+    hub = make_endpoint("hub")
+    hub.start()
+    spokes = [make_endpoint(f"spoke{i}") for i in range(3)]
+    for spoke in spokes:
+        spoke.start([hub.settings.listen])
+    for endpoint in [hub, *spokes]:
+        assert endpoint.wait_for_peers(3, WAIT), endpoint.settings.name
+    keys = {e.identity.public_key for e in [hub, *spokes]}
+    for endpoint in [hub, *spokes]:
+        alive = {e.public_key for e in endpoint.alive_peers()}
+        assert alive == keys - {endpoint.identity.public_key}
+
+
+# --- gossip -------------------------------------------------------------------------
+
+
+def joined_pair(make_endpoint, **settings) -> tuple[Endpoint, Endpoint]:
+    first = make_endpoint("a", **settings)
+    first.start()
+    second = make_endpoint("b", **settings)
+    second.start([first.settings.listen])
+    assert second.wait_joined(WAIT)
+    assert first.wait_for_peers(1, WAIT) and second.wait_for_peers(1, WAIT)
+    return first, second
+
+
+def model_arrays(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"w": rng.standard_normal((64, 32)).astype(np.float32),
+            "b": rng.standard_normal(64).astype(np.float32),
+            "steps": np.array(seed, dtype=np.int64)}
+
+
+def test_publish_announce_fetch_delivers_the_verified_blob(make_endpoint):
+    a, b = joined_pair(make_endpoint)
+    arrays = model_arrays(1)
+    blob = make_blob(a.identity, 1, "model", arrays, schema=SCHEMA, meta={"samples": 10})
+    a.publish(blob)
+
+    asked = time.monotonic()
+    offers = b.wait_offers(1, {"model"}, {a.identity.public_key}, asked + WAIT)
+    assert time.monotonic() - asked < WAIT / 2  # returns once the origin announced
+    assert [(o.origin, o.round, o.kind, o.digest, o.size, o.holders) for o in offers] == [
+        (a.identity.public_key, 1, "model", blob.digest, blob.size, [a.identity.public_key])]
+    assert b.offers(1, "head") == []
+
+    b.fetch(offers)
+    got = b.wait_blobs([blob.digest], time.monotonic() + WAIT)
+    assert list(got) == [blob.digest]
+    fetched = got[blob.digest]
+    assert fetched.origin == a.identity.public_key and fetched.meta == {"samples": 10}
+    assert verify(a.identity.public_key, fetched.signature, RECORD_CONTEXT + fetched.record)
+    assert frames_digest(fetched.frames) == blob.digest
+    for name, array in fetched.arrays().items():
+        np.testing.assert_array_equal(array, arrays[name])
+        assert array.shape == arrays[name].shape
+    assert b.fetch_log == [FetchRecord(a.id, 1, "model", blob.size, "a")]
+    assert b.stats()["fetched"] == 1 and a.received["fetch"] == 1
+
+    b.fetch(offers)  # already held: nothing is fetched again
+    assert not poll_until(lambda: a.received["fetch"] > 1, 0.3)
+
+
+def test_a_node_serves_a_blob_it_fetched_to_a_third_node(make_endpoint):
+    origin, relay = joined_pair(make_endpoint)
+    blob = make_blob(origin.identity, 2, "model", model_arrays(2), schema=SCHEMA)
+    origin.set_round(2)
+    origin.publish(blob)
+    offers = relay.wait_offers(2, {"model"}, {origin.identity.public_key},
+                               time.monotonic() + WAIT)
+    relay.fetch(offers)
+    assert blob.digest in relay.wait_blobs([blob.digest], time.monotonic() + WAIT)
+
+    origin.close()  # the origin is gone; only the relay holds the blob now
+    assert poll_until(lambda: relay.alive_peers() == [])
+    late = make_endpoint("late")
+    late.start([relay.settings.listen])
+    assert late.wait_joined(WAIT) and late.wait_for_peers(1, WAIT)
+    assert origin.identity.public_key not in [e.public_key for e in late.peers()]
+
+    late.fetch([Offer(origin.identity.public_key, 2, "model", blob.digest, blob.size,
+                      holders=[relay.identity.public_key])])
+    got = late.wait_blobs([blob.digest], time.monotonic() + WAIT)
+    assert list(got) == [blob.digest]
+    relayed = got[blob.digest]
+    # Sent by the relay, still signed by the origin, and checked by late's decoder.
+    assert relayed.origin == origin.identity.public_key
+    assert verify(origin.identity.public_key, relayed.signature, RECORD_CONTEXT + relayed.record)
+    for name, array in relayed.arrays().items():
+        np.testing.assert_array_equal(array, model_arrays(2)[name])
+    assert late.fetch_log == [FetchRecord(origin.id, 2, "model", blob.size, "b")]
+    assert late.decoder.rejections == {}
+
+
+def test_fetches_in_flight_per_peer_are_capped(context, make_endpoint):
+    endpoint = make_endpoint("puller", max_inflight=2, heartbeat_interval=5.0)
+    endpoint.start()
+    holder = RawPeer(context, endpoint.settings.listen, name="holder")
+    holder.join()
+    blobs = [small_blob(holder.identity, w=np.full(64, i, dtype=np.float32)) for i in range(5)]
+    by_digest = {blob.digest: blob for blob in blobs}
+    for blob in blobs:
+        holder.send(holder.frames("announce", {
+            "origin": blob.origin, "round": 1, "kind": "model", "digest": blob.digest,
+            "size": blob.size}, round_no=1))
+    holder.join()
+    offers = endpoint.offers(1, "model")
+    assert len(offers) == 5
+
+    endpoint.fetch(offers)
+    asked = [m.body["digest"] for m in holder.collect("fetch", 0.5)]
+    assert len(asked) == 2  # the cap, and not one more while none is answered
+    with endpoint._lock:
+        assert len(endpoint._fetches.in_flight[holder.public_key]) == 2
+        assert len(endpoint._fetches.waiting[holder.public_key]) == 3
+
+    served: list[bytes] = []
+    while asked:
+        digest = asked.pop(0)
+        holder.send(holder.frames("blob", {}, round_no=1, blob=by_digest[digest]))
+        served.append(digest)
+        more = [m.body["digest"] for m in holder.collect("fetch", 0.3)]
+        assert len(more) == (1 if len(served) + len(asked) < 5 else 0)
+        asked += more
+        assert len(asked) <= 2
+    assert sorted(served) == sorted(by_digest)  # each asked for exactly once
+
+    got = endpoint.wait_blobs(by_digest, time.monotonic() + WAIT)
+    assert set(got) == set(by_digest)
+    assert len(endpoint.fetch_log) == 5
+    with endpoint._lock:
+        assert not endpoint._fetches.in_flight[holder.public_key]
+        assert not endpoint._fetches.waiting[holder.public_key]
