@@ -10,7 +10,16 @@ import importlib
 import pkgutil
 from typing import Any
 
-from .base import MODEL, Aggregate, Context, PeerAlgorithm, PeerModel, Received
+from .base import (
+    MODEL,
+    Aggregate,
+    Context,
+    CoordinatorAlgorithm,
+    PeerAlgorithm,
+    PeerModel,
+    Received,
+    Upload,
+)
 from .base import parse_params as _parse_into
 
 
@@ -21,12 +30,18 @@ def _discover() -> dict[str, type[PeerAlgorithm]]:
         for value in vars(module).values():
             if (isinstance(value, type) and issubclass(value, PeerAlgorithm)
                     and value.__module__ == module.__name__ and value.name != "base"):
+                # PeerAlgorithm subclasses include the coordinator rules.
                 rules[value.name] = value
     return rules
 
 
 ALGORITHMS: dict[str, type[PeerAlgorithm]] = _discover()
 ALGORITHM_NAMES: tuple[str, ...] = tuple(sorted(ALGORITHMS))
+
+
+def is_coordinated(name: str) -> bool:
+    """True for server-centric rules, which need the mesh's coordinator node."""
+    return issubclass(algorithm_class(name), CoordinatorAlgorithm)
 
 
 def algorithm_class(name: str) -> type[PeerAlgorithm]:
@@ -41,6 +56,7 @@ def parse_params(name: str, params: dict[str, Any]) -> Any:
 
 
 __all__ = [
-    "ALGORITHMS", "ALGORITHM_NAMES", "MODEL", "Aggregate", "Context", "PeerAlgorithm",
-    "PeerModel", "Received", "algorithm_class", "parse_params",
+    "ALGORITHMS", "ALGORITHM_NAMES", "MODEL", "Aggregate", "Context", "CoordinatorAlgorithm",
+    "PeerAlgorithm", "PeerModel", "Received", "Upload", "algorithm_class", "is_coordinated",
+    "parse_params",
 ]

@@ -31,10 +31,11 @@ class PeerModel:
 class Context:
     """What an algorithm may know about, and do in, the node it runs in.
 
-    `new_model` builds the node's architecture (weights to be loaded), `train` runs the
-    node's local training recipe on given tensors (the mesh's optimizer, lr and batch
-    size) and returns the mean loss: algorithms that score or train models (influence,
-    Shapley values, lazy models) use them without reaching into the node.
+    `new_model` builds the node's architecture (weights to be loaded);
+    `train(model, x, y, epochs, seed=, max_steps=)` runs the node's local training
+    recipe (the mesh's optimizer, lr and batch size; epochs None: the mesh's
+    local_epochs) and returns the mean loss. Algorithms that score or train models
+    (influence, Shapley values, lazy models) use them without reaching into the node.
     """
 
     node: str
@@ -45,6 +46,7 @@ class Context:
     batch_size: int = 32
     new_model: Callable[[], torch.nn.Module] | None = None
     train: Callable[..., float] | None = None
+    data: Any = None  # the node's own data (the coordinator's: a held-out evaluation shard)
 
 
 @dataclass
@@ -94,11 +96,58 @@ class PeerAlgorithm:
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-able algorithm state for the node's checkpoint."""
+        """Algorithm state for the node's checkpoint: plain values and tensors."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+
+@dataclass(frozen=True)
+class Upload:
+    """What a client sent the coordinator for a round: its trained model, how much data
+    trained it, and the rule's extra tensors (e.g. per-step gradients)."""
+
+    state: State
+    n_samples: int
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class CoordinatorAlgorithm(PeerAlgorithm):
+    """Base for server-centric rules run by the mesh's coordinator node.
+
+    A round: the coordinator sends each chosen client the model to start from
+    (`model_for`), each client runs `client_update` on its own data and uploads,
+    and the coordinator aggregates what arrived by the deadline. The same class
+    runs on both sides: clients only call `client_update`.
+    """
+
+    coordinated = True
+
+    def clients_for_round(self, round_no: int, clients: list[str]) -> list[str]:
+        """Who trains this round (default: every client that is alive)."""
+        return list(clients)
+
+    def model_for(self, round_no: int, client: str, initial: State) -> State:
+        """The model `client` starts round `round_no` from (`initial`: the mesh's
+        common initial model, for clients the rule has no model for yet)."""
+        raise NotImplementedError
+
+    def weights_for(self, client: str) -> dict[str, float]:
+        """Which clients' models shaped `client`'s model, for its metrics."""
+        return {client: 1.0}
+
+    def aggregate_uploads(self, round_no: int, uploads: dict[str, Upload]) -> dict[str, Any]:
+        """Fold the round's uploads into the rule's state; return diagnostics."""
+        raise NotImplementedError
+
+    def client_update(self, round_no: int, model: torch.nn.Module, data: Any
+                      ) -> tuple[float, dict[str, torch.Tensor]]:
+        """On the client: train `model` in place; return (mean loss, extra tensors to
+        upload). Default: the node's own local training, no extras."""
+        assert self.context.train is not None
+        seed = self.context.seed * 100_003 + round_no
+        return self.context.train(model, data.x_train, data.y_train, None, seed=seed), {}
 
 
 def weighted_average(states: dict[str, State], weights: dict[str, float]) -> State:

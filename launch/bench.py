@@ -19,16 +19,26 @@ raw
 The two sides overlap their work the way ZeroMQ allows: ``send_multipart(copy=False)``
 returns as soon as the message is queued, so the sender hashes blob i+1 while ZeroMQ's
 I/O thread writes blob i to the socket; the receiver's I/O thread reads blob i+1 into
-memory while the receiver hashes blob i (hashlib releases the GIL on large buffers).
+memory while the receiver's main thread verifies blob i (hashlib releases the GIL on
+large buffers). A separate verifying thread on the receiver would add only a hand-off:
+ZeroMQ's I/O thread already is the thread that receives ahead.
 
-A throughput is the bytes of tensor data that arrived and were processed after a
-warm-up, over the receiver's time from the end of the warm-up to the end of the last
-blob. MB means 2**20 bytes. Each figure is the median over the repetitions; the two paths
-alternate within a repetition so that a noisy neighbour hurts both alike. The ratio is a
-statement about CPU as much as about the protocol: both sides hash every byte once, so
-the signed path needs about two cores' worth of sha256 more than the raw one, and on a
-machine with few cores the ratio is bounded by that (``--detail`` prints how many cores
-each path kept busy, which shows when a path is CPU-bound).
+A throughput is the tensor bytes that arrived and were processed after a warm-up, over
+the receiver's time from the end of the warm-up to the end of the last blob. MB means
+2**20 bytes. Each figure is the median over the repetitions; the two paths alternate
+within a repetition so that a noisy neighbour hurts both alike. ``--detail`` adds, per
+path, the CPU milliseconds per MB of each process and of its main thread, and the
+throughput the machine's cores would allow at that cost.
+
+What bounds the ratio: the signed path must run sha256 over every byte twice (once on
+each side), which costs about 0.6 to 0.9 CPU ms per MB per side, while moving the bytes
+over loopback costs only about 0.4 ms per MB for both sides together. On a machine with
+two cores the signed path is CPU-bound at 2 cores / (about 2 ms per MB), near 0.9 GB/s,
+whereas raw loopback runs at 2.5 to 4 GB/s without using both cores; the ratio then
+stays near 0.2 to 0.35 however the work is overlapped (measured on the 2-core
+development VM; the signed path reached about 95 % of its CPU ceiling). More cores
+raise the ceiling; a single sha256 stream per side (about 1.5 to 1.8 GB/s there) is the
+next limit.
 """
 
 from __future__ import annotations
@@ -168,8 +178,8 @@ def _drain(sock: zmq.Socket, path: str, size: int, mesh_id: bytes) -> dict[str, 
             message = decoder.decode(frames)  # raises Rejected: a bench bug, not noise
             assert message.blob is not None
             got = sum(array.nbytes for array in message.blob.arrays().values())
-        else:
-            got = sum(len(frame) for frame in frames)
+        else:  # the same views of the received bytes that blob.arrays() gives
+            got = sum(np.frombuffer(frame, dtype="<f4").nbytes for frame in frames)
         if got != size:
             raise BenchError(f"received {got} bytes of tensors, expected {size}")
         received += 1
@@ -264,14 +274,32 @@ def _one_stream(sender: _Child, receiver: _Child, path: str, size: int,
     return {**got, **sent}
 
 
-def bench_wire(sizes_mb: Sequence[float] = (1, 10, 100), seconds_per_size: float = 1.5,
+def _blob_bytes(size_mb: float) -> int:
+    """Whole float32 values, split evenly over the tensors of a blob."""
+    unit = 4 * TENSORS_PER_BLOB
+    return max(unit, int(size_mb * MIB) // unit * unit)
+
+
+def bench_wire(sizes_mb: Sequence[float] = (1, 10, 100), seconds_per_size: float = 8.0,
                repeats: int = 3) -> list[dict[str, Any]]:
-    """Signed-blob against raw ZeroMQ throughput per blob size (module docstring: what
-    exactly). `seconds_per_size` is the length of each timed stream; a size runs
-    2 * `repeats` of them. One dict per size: size_mb, signed_mb_s, raw_mb_s, ratio (medians),
-    the per-repetition figures and the cores each path kept busy."""
+    """Signed-blob against raw ZeroMQ throughput per blob size; the module docstring says
+    exactly what is measured. Each size gets `seconds_per_size` of timed streaming, split
+    evenly over its 2 * `repeats` streams (each stream still carries at least
+    MIN_TIMED_MESSAGES blobs after WARMUP_MESSAGES of warm-up).
+
+    One dict per size: size_mb, signed_mb_s, raw_mb_s (medians, MB = 2**20 bytes), ratio
+    (signed_mb_s / raw_mb_s), signed_runs and raw_runs (every repetition), cores, and per
+    path the CPU milliseconds per MB spent by the sender and the receiver process and by
+    their main threads (`{path}_sender_ms_per_mb`, ...). Raises ValueError on bad
+    arguments and BenchError when a child process fails.
+    """
     if repeats < 1 or seconds_per_size <= 0 or not sizes_mb or min(sizes_mb) <= 0:
         raise ValueError("sizes, seconds and repeats must be positive")
+    largest = wire.Limits().max_message_bytes - wire.Limits().max_envelope_bytes
+    if max(_blob_bytes(size_mb) for size_mb in sizes_mb) > largest:
+        raise ValueError(f"a blob may hold at most {largest / MIB:g} MB "
+                         "(wire.Limits.max_message_bytes, less the envelope)")
+    seconds = seconds_per_size / (2 * repeats)
     cores = len(os.sched_getaffinity(0))
     context = multiprocessing.get_context("spawn")
     receiver = _Child(context, _receiver, "bench receiver")
@@ -279,15 +307,12 @@ def bench_wire(sizes_mb: Sequence[float] = (1, 10, 100), seconds_per_size: float
     results = []
     try:
         for size_mb in sizes_mb:
-            # Whole float32 values, split evenly over the tensors.
-            size = max(4 * TENSORS_PER_BLOB,
-                       int(size_mb * MIB) // (4 * TENSORS_PER_BLOB) * (4 * TENSORS_PER_BLOB))
+            size = _blob_bytes(size_mb)
             runs: dict[str, list[dict[str, float]]] = {path: [] for path in PATHS}
             for repeat in range(repeats):
                 order = PATHS if repeat % 2 == 0 else PATHS[::-1]
                 for path in order:
-                    runs[path].append(_one_stream(sender, receiver, path, size,
-                                                  seconds_per_size))
+                    runs[path].append(_one_stream(sender, receiver, path, size, seconds))
             signed = statistics.median(run["mb_s"] for run in runs["signed"])
             raw = statistics.median(run["mb_s"] for run in runs["raw"])
             results.append({
@@ -352,17 +377,18 @@ def main_wire(argv: list[str]) -> int:
                              "1,10,100)")
     parser.add_argument("--repeats", type=_positive(int), default=3,
                         help="repetitions per size; the median is reported (default: 3)")
-    parser.add_argument("--seconds", type=_positive(float), default=1.5,
-                        help="length of each timed stream in seconds (default: 1.5)")
+    parser.add_argument("--seconds", type=_positive(float), default=8.0,
+                        help="seconds of timed streaming per size, shared by the repetitions "
+                             "of both paths (default: 8)")
     parser.add_argument("--detail", action="store_true",
-                        help="also print every repetition and the cores each path kept busy")
+                        help="also print every repetition and where the CPU time went")
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_:
         return int(exit_.code or 0)
     try:
         results = bench_wire(args.sizes, args.seconds, args.repeats)
-    except BenchError as err:
+    except (BenchError, ValueError) as err:
         print(f"meshfl bench wire: {err}", file=sys.stderr)
         return 1
     for row in results:

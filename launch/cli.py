@@ -76,6 +76,19 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--local-nodes", type=int, default=1,
                       help="node processes sharing this machine's cores")
 
+    coordinator = commands.add_parser(
+        "coordinator", help="run the coordinator node of a server-centric mesh",
+        description="Run the coordinator of --config (its `coordinator:` address) for the "
+                    "server-centric rules; clients upload to it and it answers each with its "
+                    "personalized model. Restarted, it resumes from its checkpoint.")
+    _add_config_flags(coordinator)
+    coordinator.add_argument("--out", metavar="DIR", default="runs/node",
+                             help="folder for coordinator/metrics.jsonl and the checkpoint")
+    coordinator.add_argument("--key", metavar="PEM", help="private key (default: "
+                             "<out>/keys/coordinator.pem, created on first start)")
+    coordinator.add_argument("--local-nodes", type=int, default=1,
+                             help="node processes sharing this machine's cores")
+
     join = commands.add_parser(
         "join", help="join a running mesh through any one of its addresses",
         description="Join the mesh at ADDR (tcp://HOST:PORT of any member). The mesh settings "
@@ -117,11 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose or args.command in ("node", "join")
-                        else logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    quiet_command = args.command not in ("node", "join", "coordinator")
+    logging.basicConfig(level=logging.WARNING if quiet_command and not args.verbose
+                        else logging.INFO, format="%(asctime)s %(name)s %(message)s")
     handlers: dict[str, Callable[[argparse.Namespace], int]] = {
-        "launch": _launch, "node": _node, "join": _join, "keygen": _keygen, "bench": _bench,
-        "experiment": _experiment,
+        "launch": _launch, "node": _node, "coordinator": _coordinator, "join": _join,
+        "keygen": _keygen, "bench": _bench, "experiment": _experiment,
     }
     try:
         return handlers[args.command](args)
@@ -150,6 +164,12 @@ def _node(args: argparse.Namespace) -> int:
     from .local import run_named_node
 
     return run_named_node(args)
+
+
+def _coordinator(args: argparse.Namespace) -> int:
+    from .local import run_coordinator
+
+    return run_coordinator(args)
 
 
 def _join(args: argparse.Namespace) -> int:

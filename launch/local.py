@@ -17,16 +17,18 @@ from pathlib import Path
 from typing import Any
 
 from meshfl.node import config as cfgmod
+from meshfl.node.coordinator import COORDINATOR, needs_coordinator, node_class
 from meshfl.node.data import load_node_data
-from meshfl.node.runtime import Node, NodeOptions
+from meshfl.node.runtime import NodeOptions
 
 from .cli import UserError
 
 
-def resolve_config(args: argparse.Namespace) -> cfgmod.MeshConfig:
+def resolve_config(args: argparse.Namespace, check: bool = True) -> cfgmod.MeshConfig:
     cfg = cfgmod.load_config(args.config)
     cfg = cfgmod.apply_overrides(cfg, _named(args) + list(args.assignments))
-    cfgmod.validate(cfg)
+    if check:
+        cfgmod.validate(cfg)
     return cfg
 
 
@@ -54,7 +56,7 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 
 
 def launch_local(args: argparse.Namespace) -> int:
-    cfg = resolve_config(args)
+    cfg = resolve_config(args, check=False)  # run_mesh checks it with its local addresses
     if args.nodes is not None or args.config is None:
         count = args.nodes if args.nodes is not None else len(cfg.peers)
         cfg = with_local_peers(cfg, count)
@@ -65,12 +67,15 @@ def launch_local(args: argparse.Namespace) -> int:
 
 
 def with_local_peers(cfg: cfgmod.MeshConfig, count: int) -> cfgmod.MeshConfig:
-    """`cfg` with `count` peers on free loopback ports."""
+    """`cfg` with `count` peers (and a coordinator) on free loopback ports."""
     if count < 1:
         raise UserError(f"--nodes: got {count}; allowed: 1 or more")
+    *ports, coordinator_port = free_ports(count + 1)
     peers = [replace(peer, listen=f"tcp://127.0.0.1:{port}")
-             for peer, port in zip(cfgmod.local_peers(count), free_ports(count), strict=True)]
-    return replace(cfg, peers=peers)
+             for peer, port in zip(cfgmod.local_peers(count), ports, strict=True)]
+    coordinator = f"tcp://127.0.0.1:{coordinator_port}"
+    return replace(cfg, peers=peers,
+                   coordinator=coordinator if needs_coordinator(cfg.algorithm.name) else None)
 
 
 def run_mesh(cfg: cfgmod.MeshConfig, out: Path, quiet: bool = False) -> dict[str, Any]:
@@ -81,8 +86,10 @@ def run_mesh(cfg: cfgmod.MeshConfig, out: Path, quiet: bool = False) -> dict[str
     out.mkdir(parents=True, exist_ok=True)
     config_path = out / "config.yaml"
     cfgmod.save_config(cfg, config_path)
-    processes = {peer.name: _spawn_node(config_path, peer.name, out, len(cfg.peers))
-                 for peer in cfg.peers}
+    names = [peer.name for peer in cfg.peers]
+    if cfg.coordinator is not None:
+        names.append(COORDINATOR)
+    processes = {name: _spawn_node(config_path, name, out, len(names)) for name in names}
     if not quiet:
         print(f"meshfl: {len(processes)} nodes, {cfg.algorithm.name} on {cfg.data.dataset} "
               f"({cfg.data.partition}), {cfg.rounds} rounds -> {out}")
@@ -113,8 +120,9 @@ def _check_data(cfg: cfgmod.MeshConfig) -> None:
 def _spawn_node(config_path: Path, name: str, out: Path, local_nodes: int) -> subprocess.Popen:
     node_dir = out / name
     node_dir.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "meshfl.launch.cli", "node", "--config", str(config_path),
-               "--name", name, "--out", str(out), "--local-nodes", str(local_nodes)]
+    role = ["coordinator"] if name == COORDINATOR else ["node", "--name", name]
+    command = [sys.executable, "-m", "meshfl.launch.cli", *role, "--config", str(config_path),
+               "--out", str(out), "--local-nodes", str(local_nodes)]
     with open(node_dir / "node.log", "ab") as log_file:
         return subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -214,14 +222,33 @@ def run_named_node(args: argparse.Namespace) -> int:
     cfg = resolve_config(args)
     peer = cfgmod.peer_by_name(cfg, args.name)
     out = Path(args.out)
-    index = cfg.peers.index(peer)
     others = [p.listen for p in cfg.peers if p.name != peer.name]
     options = NodeOptions(
         config=cfg, name=peer.name, listen=peer.listen, out_dir=out / peer.name,
         key_path=Path(args.key or peer.key or out / "keys" / f"{peer.name}.pem"),
-        node_index=index, num_nodes=len(cfg.peers), bootstrap=others,
-        local_nodes=args.local_nodes)
+        node_index=cfg.peers.index(peer), num_nodes=len(cfg.peers),
+        bootstrap=_with_coordinator(cfg, others), local_nodes=args.local_nodes)
     return _run(options)
+
+
+def run_coordinator(args: argparse.Namespace) -> int:
+    cfg = resolve_config(args)
+    if cfg.coordinator is None or not needs_coordinator(cfg.algorithm.name):
+        raise UserError(f"algorithm {cfg.algorithm.name} runs without a coordinator; a "
+                        "coordinator needs a server-centric algorithm and `coordinator: ADDR`")
+    out = Path(args.out)
+    # The coordinator's own data is a held-out shard (node N of N+1), for the rules that
+    # evaluate on the coordinator.
+    options = NodeOptions(
+        config=cfg, name=COORDINATOR, listen=cfg.coordinator, out_dir=out / COORDINATOR,
+        key_path=Path(args.key or out / "keys" / f"{COORDINATOR}.pem"),
+        node_index=len(cfg.peers), num_nodes=len(cfg.peers) + 1,
+        bootstrap=[p.listen for p in cfg.peers], local_nodes=args.local_nodes)
+    return _run(options, role=COORDINATOR)
+
+
+def _with_coordinator(cfg: cfgmod.MeshConfig, addresses: list[str]) -> list[str]:
+    return [cfg.coordinator, *addresses] if cfg.coordinator else addresses
 
 
 def run_joiner(args: argparse.Namespace) -> int:
@@ -233,8 +260,8 @@ def run_joiner(args: argparse.Namespace) -> int:
     options = NodeOptions(
         config=cfg, name=name, listen=listen, out_dir=out / name,
         key_path=Path(args.key or out / "keys" / f"{name}.pem"),
-        node_index=len(cfg.peers), num_nodes=len(cfg.peers) + 1, bootstrap=[args.address],
-        joining=True)
+        node_index=len(cfg.peers), num_nodes=len(cfg.peers) + 1,
+        bootstrap=_with_coordinator(cfg, [args.address]), joining=True)
     config_hint = f" --config {args.config}" if args.config else ""
     print(f"meshfl: {name} joining through {args.address}; the next node can join with: "
           f"meshfl join {listen}{config_hint}", flush=True)
@@ -260,9 +287,9 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def _run(options: NodeOptions) -> int:
+def _run(options: NodeOptions, role: str = "peer") -> int:
     # SIGTERM (from `meshfl launch` or a service manager) ends the node like Ctrl-C:
     # it says bye; the last finished round is already checkpointed.
     signal.signal(signal.SIGTERM, _interrupt)
-    Node(options).run()
+    node_class(options.config.algorithm.name, role)(options).run()
     return 0

@@ -147,6 +147,9 @@ class MeshConfig:
     heartbeat_interval: float = 1.0
     peer_timeout: float = 5.0
     closed: bool = False
+    # Listen address of the coordinator node; server-centric rules (FedReMa,
+    # Fed-Influence) need one, and `meshfl launch` sets it for a local mesh.
+    coordinator: str | None = None
     peers: list[PeerConfig] = field(default_factory=lambda: local_peers(DEFAULT_LOCAL_PEERS))
 
 
@@ -393,6 +396,7 @@ def validate(cfg: MeshConfig) -> None:
     _check_training(cfg)
     _check_timing(cfg)
     _check_peers(cfg)
+    _check_coordinator(cfg)
 
 
 def _require(path: str, value: Any, ok: bool, allowed: str) -> None:
@@ -493,6 +497,21 @@ def _check_timing(cfg: MeshConfig) -> None:
         cfg.peer_timeout > cfg.heartbeat_interval,
         f"more than heartbeat_interval ({cfg.heartbeat_interval})",
     )
+
+
+def _check_coordinator(cfg: MeshConfig) -> None:
+    from meshfl.algorithms import is_coordinated
+
+    if cfg.coordinator is not None:
+        _require("coordinator", cfg.coordinator,
+                 _listen_identity(cfg.coordinator) is not None, _LISTEN_ALLOWED)
+        clashes = [p.name for p in cfg.peers if p.listen == cfg.coordinator]
+        _require("coordinator", cfg.coordinator, not clashes,
+                 f"an address no peer listens on (peer {', '.join(clashes)} does)")
+    elif is_coordinated(cfg.algorithm.name):
+        _require("coordinator", None, False,
+                 f"the coordinator's tcp://HOST:PORT: algorithm {cfg.algorithm.name} runs "
+                 "on a coordinator node")
 
 
 def _check_peers(cfg: MeshConfig) -> None:

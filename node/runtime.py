@@ -90,7 +90,8 @@ class Node:
             parse_params(cfg.algorithm.name, cfg.algorithm.params),
             Context(options.name, cfg.seed, self.data.num_classes,
                     tuple(body_keys(self.model)), tuple(head_keys(self.model)),
-                    batch_size=cfg.batch_size, new_model=self._new_model, train=self._train))
+                    batch_size=cfg.batch_size, new_model=self._new_model, train=self._train,
+                    data=self.data))
         self.identity = Identity.load_or_create(options.key_path)
         self.endpoint = Endpoint(self.identity, mesh_id(cfg, self.schema), self._settings(),
                                  schema=self.schema)
@@ -102,9 +103,10 @@ class Node:
         return build_model(self.cfg.model.name, self.data.input_shape, self.data.num_classes,
                            self.cfg.model.head, seed=self.cfg.seed)
 
-    def _train(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int,
-               seed: int, max_steps: int | None = None) -> float:
+    def _train(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+               epochs: int | None, seed: int, max_steps: int | None = None) -> float:
         """The node's local training recipe, for algorithms that train models of their own."""
+        epochs = self.cfg.local_epochs if epochs is None else epochs
         return train_local(model, x, y, epochs, self.cfg.batch_size, self.cfg.optimizer,
                            self.cfg.lr, seed=seed, momentum=self.cfg.momentum,
                            max_steps=max_steps)
@@ -139,13 +141,17 @@ class Node:
             if self.options.joining and not joined:
                 raise JoinError(f"no mesh member answered at {', '.join(self.options.bootstrap)} "
                                 f"within {self.cfg.round_timeout:g} s (round_timeout)")
-            if self.options.joining and first_round == 1:
-                first_round = self._catch_up()
-            for round_no in range(first_round, self.cfg.rounds + 1):
-                self._round(round_no)
-            self._linger()
+            self._run_rounds(first_round)
         finally:
             self.endpoint.close()
+
+    def _run_rounds(self, first_round: int) -> None:
+        """The peer role: gossip rounds until the last, then serve the last blob a while."""
+        if self.options.joining and first_round == 1:
+            first_round = self._catch_up()
+        for round_no in range(first_round, self.cfg.rounds + 1):
+            self._round(round_no)
+        self._linger()
 
     def _resume(self) -> int:
         state = load_checkpoint(self.checkpoint_path)
@@ -153,7 +159,7 @@ class Node:
             self.metrics.keep_until(0)
             return 1
         self.model.load_state_dict(state["model"])
-        self.algorithm.load_state_dict(json.loads(state["algorithm"]))
+        self.algorithm.load_state_dict(state["algorithm"])
         known = [p["addr"] for p in json.loads(state["peers"]) if p["addr"] != self.options.listen]
         self.options.bootstrap = list(dict.fromkeys([*self.options.bootstrap, *known]))
         self.metrics.keep_until(state["round"])
@@ -263,7 +269,7 @@ class Node:
                  for p in self.endpoint.peers()]
         save_checkpoint(self.checkpoint_path, {
             "round": round_no, "model": self.model.state_dict(),
-            "algorithm": json.dumps(self.algorithm.state_dict()), "peers": json.dumps(peers),
+            "algorithm": self.algorithm.state_dict(), "peers": json.dumps(peers),
         })
 
     def _linger(self) -> None:

@@ -1,0 +1,324 @@
+"""FedC²I (paper 000): client- and class-level influence, computed by every peer on its own.
+
+At node m, with M = m plus every peer whose round-t model arrived (K models), on one
+random batch B of m's train split:
+
+* client level (Eq. 4-6): θ^{-i} is the uniform mean of the other K-1 bodies, l^{-i} the
+  loss of (θ^{-i}, φ_m) on B, λ_i = (l^{-i})^γ / Σ_k (l^{-k})^γ and θ̄_m = Σ_i λ_i θ_i.
+  Removing an influential peer hurts, so a large l^{-i} gives peer i a large weight.
+* class level (Eq. 7-10): φ_c^{-i} is the mean of the other peers' class vectors c
+  (weight row and bias entry); putting it in place of row c of φ_m, on features of m's
+  own body, gives l^{i,-c}; Λ[i, c] normalizes those losses over i like Eq. 5, and
+  φ̄_{m,c} = Σ_i Λ[i, c] φ_{i,c} (the paper prints φ_{m,c} in the sum, a no-op typo).
+
+The body and the head each follow one of three rules (`influence`, `fedavg`, `local`):
+the paper's ablations FedC²I−λ, −Λ/l and −Λ/g are cells of that grid.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.nn import functional
+
+from .base import (
+    MODEL,
+    Aggregate,
+    Context,
+    PeerAlgorithm,
+    PeerModel,
+    Received,
+    State,
+    weighted_average,
+)
+
+PartRule = Literal["influence", "fedavg", "local"]
+PART_RULES: tuple[str, ...] = ("influence", "fedavg", "local")
+
+
+# --------------------------------------------------------------------------- pure rules
+
+
+def influence_weights(losses: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Eq. 5 (a vector of K losses) and Eq. 9 (a K x C matrix, per column):
+    loss^γ normalized to sum to 1 over the first dimension, in float64.
+
+    Computed as softmax(γ·log loss), the same ratio without overflow for a large γ.
+    γ = 0 gives uniform weights, whatever the losses.
+    """
+    losses = losses.detach().to(torch.float64)
+    if gamma == 0:
+        return torch.full_like(losses, 1.0 / losses.shape[0])
+    # A zero loss would give log 0 = -inf; the smallest normal float keeps it finite.
+    logs = losses.clamp_min(torch.finfo(torch.float64).tiny).log()
+    return torch.softmax(gamma * logs, dim=0)
+
+
+def leave_one_out_means(stacked: torch.Tensor) -> torch.Tensor:
+    """out[i] = mean of stacked[j] over j != i (Eq. 4, Eq. 7), for K >= 2 stacked entries.
+
+    One sum minus each entry, in float64 so the subtraction loses nothing visible in float32.
+    """
+    count = stacked.shape[0]
+    if count < 2:
+        raise ValueError(f"leave-one-out means need at least 2 entries, got {count}")
+    wide = stacked.to(torch.float64)
+    return ((wide.sum(dim=0, keepdim=True) - wide) / (count - 1)).to(stacked.dtype)
+
+
+def leave_one_out_bodies(bodies: list[State]) -> list[State]:
+    """θ^{-i} for every i (Eq. 4): each float entry averaged over the other bodies.
+
+    Integer entries (BatchNorm step counters) are left out: they are not averaged, the
+    caller takes them from its own model.
+    """
+    float_keys = [key for key, tensor in bodies[0].items() if tensor.is_floating_point()]
+    means = {key: leave_one_out_means(torch.stack([body[key] for body in bodies]))
+             for key in float_keys}
+    return [{key: means[key][index] for key in float_keys} for index in range(len(bodies))]
+
+
+def class_losses_vectorized(features: torch.Tensor, heads_weight: torch.Tensor,
+                            heads_bias: torch.Tensor, own_weight: torch.Tensor,
+                            own_bias: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """l^{i,-c} for all K peers and C classes (K x C), from one batch of features.
+
+    heads_weight (K, C, D) and heads_bias (K, C) are the K heads; own_weight (C, D) and
+    own_bias (C,) the node's. Replacing class row c changes only logit column c, so
+    every candidate's logits are the own logits with column c swapped for
+    features · φ_c^{-i}: one (N, K, C) product gives all swapped columns at once.
+    """
+    loo_weight = leave_one_out_means(heads_weight)
+    loo_bias = leave_one_out_means(heads_bias)
+    own_logits = features @ own_weight.T + own_bias  # (N, C)
+    swapped_columns = torch.einsum("nd,kcd->nkc", features, loo_weight) + loo_bias
+    samples, peers, classes = swapped_columns.shape
+    # logits[n, i, c, j]: the swapped value where j == c, the own logit everywhere else.
+    is_swapped = torch.eye(classes, dtype=torch.bool, device=features.device)
+    logits = torch.where(is_swapped, swapped_columns.unsqueeze(-1), own_logits[:, None, None, :])
+    per_sample = functional.cross_entropy(
+        logits.reshape(-1, classes), labels.repeat_interleave(peers * classes),
+        reduction="none")
+    return per_sample.view(samples, peers, classes).mean(dim=0)
+
+
+def class_losses_naive(features: torch.Tensor, heads_weight: torch.Tensor,
+                       heads_bias: torch.Tensor, own_weight: torch.Tensor,
+                       own_bias: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The reference for `class_losses_vectorized`: builds each of the K·C modified heads,
+    row c replaced by the mean of the others' rows c, and scores it on the features."""
+    peers, classes, _ = heads_weight.shape
+    losses = torch.empty(peers, classes, dtype=features.dtype)
+    for i in range(peers):
+        others = [j for j in range(peers) if j != i]
+        for c in range(classes):
+            weight, bias = own_weight.clone(), own_bias.clone()
+            weight[c] = heads_weight[others, c].mean(dim=0)
+            bias[c] = heads_bias[others, c].mean(dim=0)
+            logits = functional.linear(features, weight, bias)
+            losses[i, c] = functional.cross_entropy(logits, labels)
+    return losses
+
+
+def body_losses(model: nn.Module, own_state: State, loo_bodies: list[State],
+                x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """l^{-i} (Eq. 4-5): the loss on (x, y) of each θ^{-i} under the node's own head.
+
+    `model` is scratch space: it is overwritten with own_state plus each body in turn.
+    Evaluation mode, so no BatchNorm statistic moves while scoring.
+    """
+    losses = torch.empty(len(loo_bodies))
+    model.eval()
+    with torch.no_grad():
+        for index, body in enumerate(loo_bodies):
+            model.load_state_dict({**own_state, **body})
+            losses[index] = functional.cross_entropy(model(x), y)
+    return losses
+
+
+def influence_head(heads_weight: torch.Tensor, heads_bias: torch.Tensor,
+                   matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. 10 with its typo fixed: φ̄_c = Σ_i Λ[i, c] φ_{i,c}, for weight rows and biases."""
+    weights = matrix.to(heads_weight.dtype)
+    return (torch.einsum("kc,kcd->cd", weights, heads_weight),
+            (weights * heads_bias).sum(dim=0))
+
+
+# --------------------------------------------------------------------------- the measurement
+
+
+@dataclass
+class Influence:
+    """What one round's measurement found; a field is None when its rule did not need it."""
+
+    vector: torch.Tensor | None = None  # λ, (K,)
+    batch_losses: torch.Tensor | None = None  # l^{-i}, (K,)
+    matrix: torch.Tensor | None = None  # Λ, (K, C)
+    seconds: float = 0.0
+
+
+def measure_influence(model: nn.Module, states: list[State], own_index: int, body_keys: list[str],
+                      head_weight_key: str, head_bias_key: str, x: torch.Tensor, y: torch.Tensor,
+                      gamma: float, vector: bool = True, matrix: bool = True,
+                      naive: bool = False) -> Influence:
+    """λ and/or Λ of the node at `own_index` among `states`, on the batch (x, y).
+
+    `model` (the node's architecture, with a `body` and a one-layer `head`) is scratch
+    space. `naive` scores the class level with `class_losses_naive`, for tests and the
+    overhead benchmark.
+    """
+    started = time.perf_counter()
+    own_state = states[own_index]
+    result = Influence()
+    if vector:
+        bodies = [{key: state[key] for key in body_keys} for state in states]
+        result.batch_losses = body_losses(model, own_state, leave_one_out_bodies(bodies), x, y)
+        result.vector = influence_weights(result.batch_losses, gamma)
+    if matrix:
+        model.eval()
+        with torch.no_grad():
+            model.load_state_dict(own_state)
+            features = model.body(x)  # the one feature pass: m's own current body
+            class_losses = class_losses_naive if naive else class_losses_vectorized
+            losses = class_losses(
+                features, torch.stack([state[head_weight_key] for state in states]),
+                torch.stack([state[head_bias_key] for state in states]),
+                own_state[head_weight_key], own_state[head_bias_key], y)
+        result.matrix = influence_weights(losses, gamma)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def influence_batch(x: torch.Tensor, y: torch.Tensor, size: int,
+                    seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One random batch B of `size` samples (all of them if fewer), drawn without replacement."""
+    generator = torch.Generator().manual_seed(seed)
+    chosen = torch.randperm(len(y), generator=generator)[:size]
+    return x[chosen], y[chosen].long()
+
+
+def round_seed(seed: int, node: str, round_no: int) -> int:
+    """A seed for node `node`'s batch in round `round_no`, stable across processes
+    (Python's own str hash is salted per process)."""
+    digest = hashlib.sha256(f"fedc2i/{seed}/{node}/{round_no}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1  # manual_seed takes up to 2**63 - 1
+
+
+# --------------------------------------------------------------------------- the rule
+
+
+class FedC2I(PeerAlgorithm):
+    """Personalized aggregation by influence vector (body) and influence matrix (head)."""
+
+    name = "fedc2i"
+
+    @dataclass(frozen=True)
+    class Params:
+        gamma: float = 5.0  # sensitivity to influence; 0 gives uniform weights (paper: 5)
+        body: PartRule = "influence"
+        head: PartRule = "influence"
+
+        def __post_init__(self) -> None:
+            if not (math.isfinite(self.gamma) and self.gamma >= 0):
+                raise ValueError(f"gamma: got {self.gamma!r}; allowed: a finite number >= 0")
+            for part in ("body", "head"):
+                if getattr(self, part) not in PART_RULES:
+                    raise ValueError(f"{part}: got {getattr(self, part)!r}; "
+                                     f"allowed: {', '.join(PART_RULES)}")
+
+    def __init__(self, params: Any, context: Context) -> None:
+        super().__init__(params, context)
+        self.head_weight_key, self.head_bias_key = _class_vector_keys(context.head_keys)
+        if context.new_model is None:
+            raise ValueError("fedc2i scores models on local data: the node must pass "
+                             "Context.new_model")
+        self._scratch: nn.Module | None = None
+
+    def aggregate(self, round_no: int, own: PeerModel, received: Received, data: Any) -> Aggregate:
+        me = self.context.node
+        # One order for every node; the snapshot is read, never written.
+        models = dict(sorted({me: own, **received.get(MODEL, {})}.items()))
+        names = list(models)
+        if len(models) == 1:
+            return Aggregate(state=own.state, weights={me: 1.0},
+                             diagnostics={"influence_vector": {me: 1.0}, "influence_seconds": 0.0})
+        x, y = influence_batch(data.x_train, data.y_train, self.context.batch_size,
+                               round_seed(self.context.seed, me, round_no))
+        states = [models[name].state for name in names]
+        float_body_keys = [key for key in self.context.body_keys
+                           if own.state[key].is_floating_point()]
+        influence = measure_influence(
+            self._model(), states, names.index(me), float_body_keys, self.head_weight_key,
+            self.head_bias_key, x, y, self.params.gamma,
+            vector=self.params.body == "influence", matrix=self.params.head == "influence")
+        body_weights = self._body_weights(models, influence)
+        state = {key: tensor.clone() for key, tensor in own.state.items()}  # integers stay own
+        if self.params.body != "local":  # local: the own body bit for bit, not 1·own + 0·peers
+            state.update(weighted_average(
+                {name: _pick(models[name].state, float_body_keys) for name in names},
+                body_weights))
+        state.update(self._head(models, influence))
+        return Aggregate(state=state, weights=body_weights,
+                         diagnostics=_diagnostics(names, influence))
+
+    def _model(self) -> nn.Module:
+        if self._scratch is None:
+            self._scratch = self.context.new_model()
+        return self._scratch
+
+    def _body_weights(self, models: dict[str, PeerModel], influence: Influence) -> dict[str, float]:
+        rule = self.params.body
+        if rule == "influence":
+            return dict(zip(models, influence.vector.tolist(), strict=True))
+        if rule == "fedavg":
+            return _sample_weights(models)
+        return {name: float(name == self.context.node) for name in models}
+
+    def _head(self, models: dict[str, PeerModel], influence: Influence) -> State:
+        rule, keys = self.params.head, (self.head_weight_key, self.head_bias_key)
+        if rule == "local":
+            return {}
+        states = {name: _pick(model.state, keys) for name, model in models.items()}
+        if rule == "fedavg":
+            return weighted_average(states, _sample_weights(models))
+        weight, bias = influence_head(
+            torch.stack([state[self.head_weight_key] for state in states.values()]),
+            torch.stack([state[self.head_bias_key] for state in states.values()]),
+            influence.matrix)
+        return {self.head_weight_key: weight, self.head_bias_key: bias}
+
+
+def _class_vector_keys(head_keys: tuple[str, ...]) -> tuple[str, str]:
+    """The weight and bias keys of a head that is one linear layer (model.head=last)."""
+    weights = [key for key in head_keys if key.endswith(".weight")]
+    biases = [key for key in head_keys if key.endswith(".bias")]
+    if len(head_keys) != 2 or len(weights) != 1 or len(biases) != 1:
+        raise ValueError("fedc2i reads class vectors as the rows of one linear head "
+                         f"(model.head=last); this model's head has {list(head_keys)}")
+    return weights[0], biases[0]
+
+
+def _pick(state: State, keys: list[str] | tuple[str, ...]) -> State:
+    return {key: state[key] for key in keys}
+
+
+def _sample_weights(models: dict[str, PeerModel]) -> dict[str, float]:
+    total = sum(model.n_samples for model in models.values())
+    return {name: model.n_samples / total for name, model in models.items()}
+
+
+def _diagnostics(names: list[str], influence: Influence) -> dict[str, Any]:
+    """JSON-able: λ and l^{-i} per peer, Λ as a row of C values per peer."""
+    found: dict[str, Any] = {"influence_seconds": influence.seconds}
+    if influence.vector is not None:
+        found["influence_vector"] = dict(zip(names, influence.vector.tolist(), strict=True))
+        found["batch_losses"] = dict(zip(names, influence.batch_losses.tolist(), strict=True))
+    if influence.matrix is not None:
+        found["influence_matrix"] = dict(zip(names, influence.matrix.tolist(), strict=True))
+    return found

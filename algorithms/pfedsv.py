@@ -1,0 +1,438 @@
+"""pFedSV (paper 004, ALGORITHMS.md): every peer scores the peers it downloads by their
+Shapley value in a coalition game played on its own validation split.
+
+A round at node i:
+
+1. `wanted`: pull the blobs of the top-k peers by the relevance vector ρ (ties broken
+   at random, seeded; a peer never scored has ρ = 0, so it ranks above peers that
+   proved harmful). Nothing else is downloaded.
+2. `aggregate`: S = {i} ∪ the peers whose blobs arrived. v(X) = accuracy on i's val
+   split of the uniform average of the models in X, v(∅) = 0, cached per subset.
+   Shapley values are exact for |S| <= 8, else Monte Carlo over 3|S| permutations.
+   ρ_j ← α ρ_j + (1 − α) SV_j for the peers in S; weights w_j = max(SV_j, 0) / d_j,
+   d_j = ‖θ_i − θ_j‖ (self: the smallest peer distance in S), normalized; when no
+   weight is positive the node keeps its own model.
+3. Dynamic k for the next round: see `scores_settled` and `dynamic_k`.
+
+Shared body (paper §5.1): every node publishes its body and its head as two blobs,
+pulls every body and only the top-k heads. Bodies are sample-weighted averaged over
+the mesh; the heads are the players, each one scored on top of that averaged body.
+Bytes: a node downloads (n−1)·|body| + k·|head|, against k·(|body| + |head|) for
+whole-model pFedSV and (n−1)·(|body| + |head|) for FedAvg. Without a server that
+averages the bodies (the paper's setting, where one global body is downloaded), the
+option therefore saves (n−1−k)·|head| against FedAvg but costs (n−1−k)·|body| more
+than whole-model pFedSV; it pays off against FedAvg only when heads are large.
+
+DP (paper §5.2): the published update relative to the start-of-round model is clipped
+to norm C = dp_clip, and N(0, σ²C²) noise (σ = dp_sigma) is added to every coordinate
+before publishing. The node's own, unnoised model stays local and takes part in its
+own coalition game.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .base import MODEL, Aggregate, PeerAlgorithm, PeerModel, Received, State, weighted_average
+
+BODY, HEAD = "body", "head"
+EXACT_SHAPLEY_MAX_PLAYERS = 8  # 2^8 utilities cost less than sampling 3|S| permutations
+PERMUTATIONS_PER_PLAYER = 3  # the paper's R = 3|S|
+
+# Distinct random streams per purpose, so that e.g. a change in selection draws does
+# not shift the Monte Carlo permutations of the same round.
+_STREAM_SELECT, _STREAM_SHAPLEY, _STREAM_DP = 1, 2, 3
+
+Coalition = frozenset[str]
+Utility = Callable[[Coalition], float]
+
+
+@dataclass(frozen=True)
+class PFedSVParams:
+    alpha: float = 0.5  # EMA factor of the relevance vector (the paper leaves it open)
+    k: int = 5  # downloads per round while the scores have not settled
+    k_min: int = 1
+    k_max: int = 5
+    distance: bool = True  # divide Shapley values by the model distance (Eq. 6)
+    shared_body: bool = False
+    dp_clip: float | None = None  # C: norm bound of the published update; None: no DP
+    dp_sigma: float = 0.0  # σ: noise std is σ·C
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.alpha < 1.0:
+            raise ValueError(f"alpha: got {self.alpha!r}; allowed: 0 <= alpha < 1")
+        if self.k_min < 1:
+            raise ValueError(f"k_min: got {self.k_min!r}; allowed: an integer >= 1")
+        if self.k_max < self.k_min:
+            raise ValueError(f"k_max: got {self.k_max!r}; allowed: an integer >= k_min "
+                             f"({self.k_min})")
+        if not self.k_min <= self.k <= self.k_max:
+            raise ValueError(f"k: got {self.k!r}; allowed: k_min <= k <= k_max "
+                             f"({self.k_min}..{self.k_max})")
+        if self.dp_clip is not None and not (self.dp_clip > 0 and math.isfinite(self.dp_clip)):
+            raise ValueError(f"dp_clip: got {self.dp_clip!r}; allowed: a finite number > 0 "
+                             "or null (no DP)")
+        if not (self.dp_sigma >= 0 and math.isfinite(self.dp_sigma)):
+            raise ValueError(f"dp_sigma: got {self.dp_sigma!r}; allowed: a finite number >= 0")
+        if self.dp_sigma > 0 and self.dp_clip is None:
+            raise ValueError(f"dp_sigma: got {self.dp_sigma!r}; allowed: 0 unless dp_clip is "
+                             "set (the noise scale is dp_sigma * dp_clip)")
+
+
+# --------------------------------------------------------------------------- Shapley values
+
+
+def cached_utility(utility: Utility) -> Utility:
+    """`utility` evaluated once per coalition, with v(∅) = 0 by definition."""
+    cache: dict[Coalition, float] = {frozenset(): 0.0}
+
+    def value(coalition: Coalition) -> float:
+        if coalition not in cache:
+            cache[coalition] = float(utility(coalition))
+        return cache[coalition]
+
+    return value
+
+
+def exact_shapley(players: Sequence[str], utility: Utility) -> dict[str, float]:
+    """φ_p = Σ_{X ⊆ N∖{p}} |X|!(n−|X|−1)!/n! · (v(X ∪ {p}) − v(X)), over all subsets."""
+    n = len(players)
+    factor = [math.factorial(size) * math.factorial(n - size - 1) / math.factorial(n)
+              for size in range(n)]
+    values = {player: 0.0 for player in players}
+    for player in players:
+        others = [other for other in players if other != player]
+        for size in range(n):
+            for subset in itertools.combinations(others, size):
+                without = frozenset(subset)
+                gain = utility(without | {player}) - utility(without)
+                values[player] += factor[size] * gain
+    return values
+
+
+def monte_carlo_shapley(players: Sequence[str], utility: Utility, rounds: int,
+                        rng: np.random.Generator) -> dict[str, float]:
+    """The mean marginal contribution of each player over `rounds` random orders
+    (paper Algorithm 2); unbiased, and exact in the limit."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    totals = {player: 0.0 for player in players}
+    for _ in range(rounds):
+        coalition: Coalition = frozenset()
+        before = utility(coalition)
+        for index in rng.permutation(len(players)):
+            coalition = coalition | {players[index]}
+            after = utility(coalition)
+            totals[players[index]] += after - before
+            before = after
+    return {player: total / rounds for player, total in totals.items()}
+
+
+def shapley_values(players: Sequence[str], utility: Utility,
+                   rng: np.random.Generator) -> dict[str, float]:
+    """Exact for small coalitions, Monte Carlo with R = 3|S| permutations above."""
+    if len(players) <= EXACT_SHAPLEY_MAX_PLAYERS:
+        return exact_shapley(players, utility)
+    return monte_carlo_shapley(players, utility, PERMUTATIONS_PER_PLAYER * len(players), rng)
+
+
+# --------------------------------------------------------------------------- weights
+
+
+def shapley_weights(shapley: dict[str, float], own: str,
+                    distances: dict[str, float] | None = None) -> dict[str, float]:
+    """Normalized w_j ∝ max(SV_j, 0) / d_j (Eq. 6 and 7); {} when no weight is positive.
+
+    `distances` holds d_j = ‖θ_own − θ_j‖ for the peers; None drops the division. The
+    own model is at distance 0 from itself, which would swamp every peer, so it takes
+    the smallest peer distance instead (ALGORITHMS.md's interpretation). A zero
+    distance (an identical model) is floored so that it wins without dividing by zero.
+    """
+    raw = {}
+    for player, value in shapley.items():
+        if value <= 0:
+            continue
+        if distances is None:
+            raw[player] = value
+        else:
+            raw[player] = value / max(_distance_of(player, own, distances), 1e-12)
+    total = sum(raw.values())
+    if not raw or not total > 0:
+        return {}
+    return {player: weight / total for player, weight in raw.items()}
+
+
+def _distance_of(player: str, own: str, distances: dict[str, float]) -> float:
+    if player != own:
+        return distances[player]
+    peer_distances = [d for peer, d in distances.items() if peer != own]
+    return min(peer_distances) if peer_distances else 1.0  # alone: any constant will do
+
+
+def model_distance(first: State, second: State, keys: Iterable[str] | None = None) -> float:
+    """‖first − second‖ over the floating-point entries (integer buffers mean no distance)."""
+    total = 0.0
+    for key in keys if keys is not None else first:
+        if first[key].is_floating_point():
+            total += float((first[key].double() - second[key].double()).pow(2).sum())
+    return math.sqrt(total)
+
+
+# --------------------------------------------------------------------------- top-k and k
+
+
+def select_top_k(scores: dict[str, float], candidates: Sequence[str], k: int,
+                 rng: np.random.Generator) -> list[str]:
+    """The `k` candidates with the highest score, best first; equal scores in random
+    order. A candidate without a score counts 0: above every peer that proved harmful."""
+    ordered = sorted(candidates)  # the draw must not depend on the caller's order
+    tie_breaks = dict(zip(ordered, rng.random(len(ordered)), strict=True))
+    ranked = sorted(ordered, key=lambda peer: (-scores.get(peer, 0.0), tie_breaks[peer]))
+    return ranked[:max(k, 0)]
+
+
+def positive_peers(scores: dict[str, float]) -> frozenset[str]:
+    return frozenset(peer for peer, score in scores.items() if score > 0)
+
+
+def scores_settled(candidates: Iterable[str], explored: Iterable[str],
+                   positive_now: frozenset[str], positive_before: frozenset[str]) -> bool:
+    """The scores have settled when every peer on offer has been scored at least once
+    (no unknown 0 left that could still turn out relevant) and the set of peers with a
+    positive score came out of the last update unchanged."""
+    return set(candidates) <= set(explored) and positive_now == positive_before
+
+
+def dynamic_k(scores: dict[str, float], settled: bool, start_k: int, k_min: int,
+              k_max: int) -> int:
+    """Once settled, k = #peers with a positive score, clamped to [k_min, k_max]; until
+    then (first rounds, a newcomer, a relevant peer turning negative) the start k, so
+    the node explores."""
+    if not settled:
+        return start_k
+    return min(max(len(positive_peers(scores)), k_min), k_max)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+             batch_size: int = 1024) -> float:
+    """Share of `x` that `model` labels as `y`; 0 for an empty split."""
+    if len(y) == 0:
+        return 0.0
+    model.eval()
+    correct = 0
+    with torch.no_grad():
+        for start in range(0, len(y), batch_size):
+            logits = model(x[start:start + batch_size])
+            correct += int((logits.argmax(dim=1) == y[start:start + batch_size]).sum())
+    return correct / len(y)
+
+
+def uniform_average(states: Sequence[State]) -> State:
+    named = {str(index): state for index, state in enumerate(states)}
+    return weighted_average(named, {name: 1 / len(named) for name in named})
+
+
+def state_bytes(state: State) -> int:
+    return sum(tensor.numel() * tensor.element_size() for tensor in state.values())
+
+
+def clip_and_noise(state: State, reference: State, clip: float, sigma: float,
+                   generator: torch.Generator) -> tuple[State, float]:
+    """reference + clip(state − reference, C) + N(0, σ²C²) per float coordinate; returns
+    the noised state and the update's norm before clipping."""
+    float_keys = [key for key, tensor in state.items() if tensor.is_floating_point()]
+    update = {key: state[key] - reference[key] for key in float_keys}
+    norm = math.sqrt(sum(float(delta.double().pow(2).sum()) for delta in update.values()))
+    scale = min(1.0, clip / norm) if norm > 0 else 1.0
+    noised = dict(state)
+    for key in float_keys:
+        noise = torch.randn(update[key].shape, generator=generator, dtype=update[key].dtype)
+        noised[key] = reference[key] + update[key] * scale + noise * (sigma * clip)
+    return noised, norm
+
+
+def _name_tag(name: str) -> int:
+    """A stable number for a node name (Python's hash() changes between processes)."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "little")
+
+
+# --------------------------------------------------------------------------- the rule
+
+
+class PFedSV(PeerAlgorithm):
+    """Shapley-value coalitions with dynamic top-k downloads, computed by every peer."""
+
+    name = "pfedsv"
+    Params = PFedSVParams
+
+    def __init__(self, params: PFedSVParams, context: Any) -> None:
+        super().__init__(params, context)
+        self.relevance: dict[str, float] = {}
+        self.k = params.k
+        self.explored: set[str] = set()
+        self.positive_before: frozenset[str] = frozenset()
+        self._offered: list[str] = []  # the scored kind's offers of the current round
+        self._selected: list[str] = []
+        self._round_start: State | None = None  # DP reference: the model a round starts from
+        self._dp_update_norm: float | None = None
+
+    @property
+    def scored_kind(self) -> str:
+        return HEAD if self.params.shared_body else MODEL
+
+    def _rng(self, round_no: int, stream: int) -> np.random.Generator:
+        return np.random.default_rng(
+            [self.context.seed, _name_tag(self.context.node), round_no, stream])
+
+    # --- publish and pull ---------------------------------------------------
+
+    def publish(self, round_no: int, state: State, data: Any) -> dict[str, State]:
+        if self.params.dp_clip is not None:
+            state = self._privatized(round_no, state)
+        if not self.params.shared_body:
+            return {MODEL: state}
+        return {BODY: {key: state[key] for key in self.context.body_keys},
+                HEAD: {key: state[key] for key in self.context.head_keys}}
+
+    def _privatized(self, round_no: int, state: State) -> State:
+        reference = self._round_start
+        if reference is None:
+            # Round 1 starts from the seeded initial model every peer can rebuild. After
+            # a resume or a late join the true start is unknown here, so the update is
+            # measured from that initial model: larger, hence more clipped, never leaky.
+            reference = self.context.new_model().state_dict()
+        generator = torch.Generator().manual_seed(
+            int(self._rng(round_no, _STREAM_DP).integers(2**63)))
+        noised, self._dp_update_norm = clip_and_noise(
+            state, reference, self.params.dp_clip, self.params.dp_sigma, generator)
+        return noised
+
+    def wanted(self, round_no: int, offered: dict[str, list[str]]) -> dict[str, list[str]]:
+        self._offered = list(offered.get(self.scored_kind, []))
+        self._selected = select_top_k(self.relevance, self._offered, self.k,
+                                      self._rng(round_no, _STREAM_SELECT))
+        pulls = {self.scored_kind: self._selected}
+        if self.params.shared_body:
+            pulls[BODY] = list(offered.get(BODY, []))  # the body is averaged over the mesh
+        return pulls
+
+    # --- aggregate ----------------------------------------------------------
+
+    def aggregate(self, round_no: int, own: PeerModel, received: Received, data: Any) -> Aggregate:
+        me = self.context.node
+        players_states, base = self._players(own, received)
+        players = [me, *sorted(name for name in players_states if name != me)]
+
+        clock = time.perf_counter()
+        evaluations = [0]
+        model = self.context.new_model()
+
+        def coalition_accuracy(coalition: Coalition) -> float:
+            evaluations[0] += 1
+            model.load_state_dict(uniform_average([players_states[p] for p in sorted(coalition)]))
+            return accuracy(model, data.x_val, data.y_val)
+
+        shapley = shapley_values(players, cached_utility(coalition_accuracy),
+                                 self._rng(round_no, _STREAM_SHAPLEY))
+        shapley_seconds = time.perf_counter() - clock
+
+        self._update_relevance(shapley)
+        distances = None
+        if self.params.distance:
+            distances = {peer: model_distance(players_states[me], players_states[peer])
+                         for peer in players if peer != me}
+        weights = shapley_weights(shapley, me, distances)
+        if weights:
+            state = weighted_average({p: players_states[p] for p in weights}, weights)
+        else:
+            weights, state = {me: 1.0}, players_states[me]
+        state = {**state, **base}  # shared body: the mesh-averaged body under the new head
+
+        k_used, self.k = self.k, self._next_k()
+        if self.params.dp_clip is not None:
+            self._round_start = state
+        diagnostics = {
+            "shapley": shapley,
+            "relevance": dict(sorted(self.relevance.items())),
+            "k": k_used, "k_next": self.k,
+            "selected": list(self._selected),
+            "downloaded": sorted(received.get(self.scored_kind, {})),
+            "bytes_downloaded": sum(state_bytes(peer.state) for by_peer in received.values()
+                                    for peer in by_peer.values()),
+            "shapley_seconds": shapley_seconds,
+            "utility_evaluations": evaluations[0],
+            **self._mode_diagnostics(received),
+        }
+        return Aggregate(state=state, weights=dict(sorted(weights.items())),
+                         diagnostics=diagnostics)
+
+    def _players(self, own: PeerModel, received: Received) -> tuple[dict[str, State], State]:
+        """Each player's model as the coalition game sees it, and the part of the new
+        state that does not depend on the game (shared body: the averaged body)."""
+        me = self.context.node
+        if not self.params.shared_body:
+            return {me: own.state, **{p: m.state for p, m in received.get(MODEL, {}).items()}}, {}
+        body = self._mesh_body(own, received.get(BODY, {}))
+        heads = {me: {key: own.state[key] for key in self.context.head_keys},
+                 **{peer: blob.state for peer, blob in received.get(HEAD, {}).items()}}
+        return {player: {**body, **head} for player, head in heads.items()}, body
+
+    def _mesh_body(self, own: PeerModel, bodies: dict[str, PeerModel]) -> State:
+        """Sample-weighted average of the own body and every body received (FedAvg)."""
+        me = self.context.node
+        parts = dict(sorted({me: PeerModel({key: own.state[key] for key in self.context.body_keys},
+                                           own.n_samples), **bodies}.items()))
+        total = sum(part.n_samples for part in parts.values())
+        return weighted_average({name: part.state for name, part in parts.items()},
+                                {name: part.n_samples / total for name, part in parts.items()})
+
+    def _update_relevance(self, shapley: dict[str, float]) -> None:
+        alpha = self.params.alpha
+        for peer, value in shapley.items():
+            if peer == self.context.node:
+                continue  # a node never downloads itself: its own score would go unused
+            self.relevance[peer] = alpha * self.relevance.get(peer, 0.0) + (1 - alpha) * value
+            self.explored.add(peer)
+
+    def _next_k(self) -> int:
+        positive_now = positive_peers(self.relevance)
+        settled = scores_settled(self._offered, self.explored, positive_now,
+                                 self.positive_before)
+        self.positive_before = positive_now
+        return dynamic_k(self.relevance, settled, self.params.k, self.params.k_min,
+                         self.params.k_max)
+
+    def _mode_diagnostics(self, received: Received) -> dict[str, Any]:
+        extra: dict[str, Any] = {}
+        if self.params.shared_body:
+            extra["bodies"] = sorted(received.get(BODY, {}))
+        if self.params.dp_clip is not None:
+            extra["dp"] = {"clip": self.params.dp_clip, "sigma": self.params.dp_sigma,
+                           "update_norm": self._dp_update_norm}
+        return extra
+
+    # --- checkpoint ---------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"relevance": dict(sorted(self.relevance.items())), "k": self.k,
+                "explored": sorted(self.explored),
+                "positive_before": sorted(self.positive_before)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.relevance = {str(peer): float(score)
+                          for peer, score in state.get("relevance", {}).items()}
+        self.k = int(state.get("k", self.params.k))
+        self.explored = set(state.get("explored", []))
+        self.positive_before = frozenset(state.get("positive_before", []))

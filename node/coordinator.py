@@ -1,0 +1,199 @@
+"""Both sides of a coordinated round, for the server-centric rules (FedReMa, Fed-Influence).
+
+    coordinator: send each chosen client its `personal` model for round t
+    client:      evaluate it (the outcome of round t-1), train, `upload` for round t
+    coordinator: aggregate the uploads that arrived by the deadline; checkpoint
+
+The coordinator is a node of the same mesh, with the same keys and signatures.
+Both sides checkpoint every round. A client whose coordinator is away keeps
+training locally and takes up the next `personal` model it receives, so a
+coordinator that restarts from its checkpoint picks the mesh up where it was.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from meshfl.algorithms import CoordinatorAlgorithm, Upload, is_coordinated
+from meshfl.protocol.wire import Message, make_blob
+
+from .runtime import Node, tensors_from_blob
+from .trainer import evaluate, state_to_arrays
+
+log = logging.getLogger("meshfl.coordinator")
+
+COORDINATOR = "coordinator"
+EXTRA = "extra/"  # prefix of an upload's extra tensors (gradients and the like)
+
+
+def _split_upload(tensors: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    state = {k: v for k, v in tensors.items() if not k.startswith(EXTRA)}
+    extras = {k.removeprefix(EXTRA): v for k, v in tensors.items() if k.startswith(EXTRA)}
+    return state, extras
+
+
+class CoordinatorNode(Node):
+    """Runs the rule's server side; its metrics go to <out>/coordinator/metrics.jsonl."""
+
+    algorithm: CoordinatorAlgorithm
+
+    def _run_rounds(self, first_round: int) -> None:
+        self.endpoint.wait_for_peers(len(self.cfg.peers), timeout=self.cfg.round_timeout)
+        initial = self._new_model().state_dict()
+        for round_no in range(first_round, self.cfg.rounds + 1):
+            self._coordinate(round_no, initial)
+        final_round = self.cfg.rounds + 1
+        for peer in self.endpoint.alive_peers():
+            self._send_personal(peer.public_key, peer.name, final_round, initial, train=False)
+        self._wait_for_clients_to_leave()
+
+    def _coordinate(self, round_no: int, initial: dict[str, torch.Tensor]) -> None:
+        self.endpoint.set_round(round_no)
+        before = self.endpoint.stats()
+        clock = time.perf_counter()
+        clients = {peer.name: peer.public_key for peer in self.endpoint.alive_peers()}
+        chosen = self.algorithm.clients_for_round(round_no, sorted(clients))
+        for name in chosen:
+            self._send_personal(clients[name], name, round_no, initial, train=True)
+        uploads = self._collect_uploads(round_no, {clients[name]: name for name in chosen})
+        seconds = {"wait": time.perf_counter() - clock}
+        clock = time.perf_counter()
+        diagnostics = self.algorithm.aggregate_uploads(round_no, uploads)
+        seconds["aggregate"] = time.perf_counter() - clock
+        after = self.endpoint.stats()
+        self.metrics.append({
+            "round": round_no, "clients": chosen, "uploaded": sorted(uploads),
+            "diagnostics": diagnostics, "seconds": seconds,
+            "bytes_in": after["bytes_in"] - before["bytes_in"],
+            "bytes_out": after["bytes_out"] - before["bytes_out"],
+        })
+        self._save(round_no)
+
+    def _send_personal(self, key: bytes, name: str, round_no: int,
+                       initial: dict[str, torch.Tensor], train: bool) -> None:
+        state = self.algorithm.model_for(round_no, name, initial)
+        arrays = {k: a.copy() for k, a in state_to_arrays(state).items()}
+        meta = {"round": round_no, "train": train, "weights": self.algorithm.weights_for(name)}
+        blob = make_blob(self.identity, round_no, "personal", arrays, self.schema, meta)
+        self.endpoint.send_blob(key, "personal", blob)
+
+    def _collect_uploads(self, round_no: int, expected: dict[bytes, str]) -> dict[str, Upload]:
+        uploads: dict[str, Upload] = {}
+        deadline = time.monotonic() + self.cfg.round_timeout
+        while len(uploads) < len(expected) and (left := deadline - time.monotonic()) > 0:
+            message = self.endpoint.next_message("upload", timeout=min(left, 0.5))
+            if message is None or message.blob is None or message.sender not in expected:
+                continue
+            if message.blob.meta.get("round") != round_no:
+                continue  # a late upload of an earlier round: that round is closed
+            state, extras = _split_upload(tensors_from_blob(message.blob))
+            uploads[expected[message.sender]] = Upload(
+                state, int(message.blob.meta.get("n", 1)), extras)
+        return uploads
+
+    def _wait_for_clients_to_leave(self) -> None:
+        deadline = time.monotonic() + self.cfg.round_timeout
+        while self.endpoint.alive_peers() and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
+@dataclass
+class _RoundInFlight:
+    """A client's round between its upload and the coordinator's answer."""
+
+    round: int
+    train_loss: float
+    seconds: dict[str, float]
+    bytes_before: dict[str, Any] = field(default_factory=dict)
+
+
+class ClientNode(Node):
+    """A peer of a coordinated mesh: trains when the coordinator hands it a model."""
+
+    algorithm: CoordinatorAlgorithm
+
+    def _run_rounds(self, first_round: int) -> None:
+        self.last_written = first_round - 1
+        in_flight: _RoundInFlight | None = None
+        away_logged = False
+        while True:
+            message = self.endpoint.next_message("personal", timeout=self.cfg.round_timeout)
+            if message is None or not self._from_coordinator(message):
+                if not away_logged:
+                    log.warning("%s: no word from the coordinator; training locally until it "
+                                "is back", self.options.name)
+                    away_logged = True
+                self._train_locally()
+                continue
+            away_logged = False
+            meta = message.blob.meta
+            self.model.load_state_dict(tensors_from_blob(message.blob))
+            if in_flight is not None and meta["round"] > in_flight.round:
+                self._record(in_flight, meta.get("weights", {}))
+            if not meta["train"]:
+                return
+            in_flight = self._train_and_upload(meta["round"], message.sender)
+
+    def _from_coordinator(self, message: Message) -> bool:
+        entry = next((p for p in self.endpoint.peers() if p.public_key == message.sender), None)
+        return (entry is not None and entry.address == self.cfg.coordinator
+                and message.blob is not None)
+
+    def _train_locally(self) -> None:
+        """While the coordinator is away, the time still goes into the own model."""
+        self._train(self.model, self.data.x_train, self.data.y_train, None,
+                    seed=self.cfg.seed * 100_003 + self.options.node_index)
+
+    def _train_and_upload(self, round_no: int, coordinator: bytes) -> _RoundInFlight:
+        self.endpoint.set_round(round_no)
+        before = self.endpoint.stats()
+        clock = time.perf_counter()
+        train_loss, extras = self.algorithm.client_update(round_no, self.model, self.data)
+        seconds = {"train": time.perf_counter() - clock}
+        arrays = {k: a.copy() for k, a in state_to_arrays(self.model).items()}
+        arrays.update({EXTRA + k: v.detach().cpu().numpy() for k, v in extras.items()})
+        meta = {"round": round_no, "n": len(self.data.y_train)}
+        self.endpoint.send_blob(coordinator, "upload",
+                                make_blob(self.identity, round_no, "upload", arrays,
+                                          self.schema, meta))
+        return _RoundInFlight(round_no, train_loss, seconds, before)
+
+    def _record(self, done: _RoundInFlight, weights: dict[str, float]) -> None:
+        """Evaluate the coordinator's answer to round `done.round` and write its line."""
+        if done.round <= self.last_written:
+            return
+        clock = time.perf_counter()
+        val = evaluate(self.model, self.data.x_val, self.data.y_val, self.data.num_classes)
+        test = evaluate(self.model, self.data.x_test, self.data.y_test, self.data.num_classes)
+        after = self.endpoint.stats()
+        self.metrics.append({
+            "round": done.round, "node": self.options.name, "train_loss": done.train_loss,
+            "val_loss": val.loss, "val_acc": val.accuracy, "test_loss": test.loss,
+            "test_acc": test.accuracy, "weights": weights, "diagnostics": {},
+            "bytes_in": after["bytes_in"] - done.bytes_before["bytes_in"],
+            "bytes_out": after["bytes_out"] - done.bytes_before["bytes_out"],
+            "rejections": after["rejections"],
+            "seconds": {**done.seconds, "evaluate": time.perf_counter() - clock},
+            "n_train": len(self.data.y_train),
+        })
+        self.last_written = done.round
+        self._save(done.round)
+
+
+def needs_coordinator(algorithm_name: str) -> bool:
+    return is_coordinated(algorithm_name)
+
+
+def node_class(algorithm_name: str, role: str) -> type[Node]:
+    """The runtime for a rule and a role: gossip peer, coordinated client, coordinator."""
+    if not needs_coordinator(algorithm_name):
+        return Node
+    return CoordinatorNode if role == COORDINATOR else ClientNode
+
+
+__all__ = ["COORDINATOR", "ClientNode", "CoordinatorNode", "needs_coordinator", "node_class"]
