@@ -40,8 +40,9 @@ ALGORITHM_NAMES: tuple[str, ...] = tuple(sorted(ALGORITHMS))
 
 
 def is_coordinated(name: str) -> bool:
-    """True for server-centric rules, which need the mesh's coordinator node."""
-    return issubclass(algorithm_class(name), CoordinatorAlgorithm)
+    """True for server-centric rules, which need the mesh's coordinator node. An unknown
+    name is not coordinated: config validation reports it with the allowed names."""
+    return name in ALGORITHMS and issubclass(ALGORITHMS[name], CoordinatorAlgorithm)
 
 
 def algorithm_class(name: str) -> type[PeerAlgorithm]:

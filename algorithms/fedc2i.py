@@ -61,15 +61,12 @@ def influence_weights(losses: torch.Tensor, gamma: float) -> torch.Tensor:
 
 
 def leave_one_out_means(stacked: torch.Tensor) -> torch.Tensor:
-    """out[i] = mean of stacked[j] over j != i (Eq. 4, Eq. 7), for K >= 2 stacked entries.
-
-    One sum minus each entry, in float64 so the subtraction loses nothing visible in float32.
-    """
+    """out[i] = mean of stacked[j] over j != i (Eq. 4, Eq. 7), for K >= 2 stacked entries:
+    one sum minus each entry, not K sums of K-1."""
     count = stacked.shape[0]
     if count < 2:
         raise ValueError(f"leave-one-out means need at least 2 entries, got {count}")
-    wide = stacked.to(torch.float64)
-    return ((wide.sum(dim=0, keepdim=True) - wide) / (count - 1)).to(stacked.dtype)
+    return (stacked.sum(dim=0, keepdim=True) - stacked) / (count - 1)
 
 
 def leave_one_out_bodies(bodies: list[State]) -> list[State]:
@@ -108,21 +105,27 @@ def class_losses_vectorized(features: torch.Tensor, heads_weight: torch.Tensor,
     return per_sample.view(samples, peers, classes).mean(dim=0)
 
 
-def class_losses_naive(features: torch.Tensor, heads_weight: torch.Tensor,
-                       heads_bias: torch.Tensor, own_weight: torch.Tensor,
-                       own_bias: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The reference for `class_losses_vectorized`: builds each of the K·C modified heads,
-    row c replaced by the mean of the others' rows c, and scores it on the features."""
+def class_losses_naive(model: nn.Module, heads_weight: torch.Tensor, heads_bias: torch.Tensor,
+                       x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The reference for `class_losses_vectorized`, read literally from the paper: for each
+    of the K·C candidates, put row c of the own head (which `model` holds, with the own
+    body) to the mean of the other peers' rows c and run the whole model on the batch.
+    `model` is left as it came."""
     peers, classes, _ = heads_weight.shape
-    losses = torch.empty(peers, classes, dtype=features.dtype)
-    for i in range(peers):
-        others = [j for j in range(peers) if j != i]
-        for c in range(classes):
-            weight, bias = own_weight.clone(), own_bias.clone()
-            weight[c] = heads_weight[others, c].mean(dim=0)
-            bias[c] = heads_bias[others, c].mean(dim=0)
-            logits = functional.linear(features, weight, bias)
-            losses[i, c] = functional.cross_entropy(logits, labels)
+    head = model.head
+    own_weight, own_bias = head.weight.detach().clone(), head.bias.detach().clone()
+    losses = torch.empty(peers, classes, dtype=own_weight.dtype)
+    with torch.no_grad():
+        for i in range(peers):
+            others = [j for j in range(peers) if j != i]
+            for c in range(classes):
+                head.weight.copy_(own_weight)
+                head.bias.copy_(own_bias)
+                head.weight[c] = heads_weight[others, c].mean(dim=0)
+                head.bias[c] = heads_bias[others, c].mean(dim=0)
+                losses[i, c] = functional.cross_entropy(model(x), labels)
+        head.weight.copy_(own_weight)
+        head.bias.copy_(own_bias)
     return losses
 
 
@@ -170,8 +173,8 @@ def measure_influence(model: nn.Module, states: list[State], own_index: int, bod
     """λ and/or Λ of the node at `own_index` among `states`, on the batch (x, y).
 
     `model` (the node's architecture, with a `body` and a one-layer `head`) is scratch
-    space. `naive` scores the class level with `class_losses_naive`, for tests and the
-    overhead benchmark.
+    space. `naive` scores the class level with `class_losses_naive` (K·C model passes),
+    for tests and the overhead benchmark.
     """
     started = time.perf_counter()
     own_state = states[own_index]
@@ -181,15 +184,17 @@ def measure_influence(model: nn.Module, states: list[State], own_index: int, bod
         result.batch_losses = body_losses(model, own_state, leave_one_out_bodies(bodies), x, y)
         result.vector = influence_weights(result.batch_losses, gamma)
     if matrix:
+        heads_weight = torch.stack([state[head_weight_key] for state in states])
+        heads_bias = torch.stack([state[head_bias_key] for state in states])
         model.eval()
         with torch.no_grad():
-            model.load_state_dict(own_state)
-            features = model.body(x)  # the one feature pass: m's own current body
-            class_losses = class_losses_naive if naive else class_losses_vectorized
-            losses = class_losses(
-                features, torch.stack([state[head_weight_key] for state in states]),
-                torch.stack([state[head_bias_key] for state in states]),
-                own_state[head_weight_key], own_state[head_bias_key], y)
+            model.load_state_dict(own_state)  # m's own current body and head
+            if naive:
+                losses = class_losses_naive(model, heads_weight, heads_bias, x, y)
+            else:
+                losses = class_losses_vectorized(  # the one feature pass
+                    model.body(x), heads_weight, heads_bias, own_state[head_weight_key],
+                    own_state[head_bias_key], y)
         result.matrix = influence_weights(losses, gamma)
     result.seconds = time.perf_counter() - started
     return result
@@ -258,12 +263,15 @@ class FedC2I(PeerAlgorithm):
             self.head_bias_key, x, y, self.params.gamma,
             vector=self.params.body == "influence", matrix=self.params.head == "influence")
         body_weights = self._body_weights(models, influence)
-        state = {key: tensor.clone() for key, tensor in own.state.items()}  # integers stay own
+        mixed: State = {}
         if self.params.body != "local":  # local: the own body bit for bit, not 1·own + 0·peers
-            state.update(weighted_average(
+            mixed.update(weighted_average(
                 {name: _pick(models[name].state, float_body_keys) for name in names},
                 body_weights))
-        state.update(self._head(models, influence))
+        mixed.update(self._head(models, influence))
+        # Integer buffers and the parts a rule keeps local are copies of the own entries.
+        state = {key: mixed[key] if key in mixed else tensor.clone()
+                 for key, tensor in own.state.items()}
         return Aggregate(state=state, weights=body_weights,
                          diagnostics=_diagnostics(names, influence))
 

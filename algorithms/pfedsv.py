@@ -12,7 +12,11 @@ A round at node i:
    ρ_j ← α ρ_j + (1 − α) SV_j for the peers in S; weights w_j = max(SV_j, 0) / d_j,
    d_j = ‖θ_i − θ_j‖ (self: the smallest peer distance in S), normalized; when no
    weight is positive the node keeps its own model.
-3. Dynamic k for the next round: see `scores_settled` and `dynamic_k`.
+3. Dynamic k for the next round. The scores have *settled* when every peer on offer
+   has been scored at least once and the set of peers with ρ > 0 came out of this
+   update unchanged; then k = #peers with ρ > 0, clamped to [k_min, k_max]. Until
+   then (first rounds, a newcomer, a relevant peer turning negative) k = the start k,
+   so the node keeps exploring (`scores_settled`, `dynamic_k`).
 
 Shared body (paper §5.1): every node publishes its body and its head as two blobs,
 pulls every body and only the top-k heads. Bodies are sample-weighted averaged over
@@ -22,6 +26,8 @@ whole-model pFedSV and (n−1)·(|body| + |head|) for FedAvg. Without a server t
 averages the bodies (the paper's setting, where one global body is downloaded), the
 option therefore saves (n−1−k)·|head| against FedAvg but costs (n−1−k)·|body| more
 than whole-model pFedSV; it pays off against FedAvg only when heads are large.
+All players share one body, so the game computes its features once and runs only
+the averaged heads per coalition.
 
 DP (paper §5.2): the published update relative to the start-of-round model is clipped
 to norm C = dp_clip, and N(0, σ²C²) noise (σ = dp_sigma) is added to every coordinate
@@ -42,7 +48,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from .base import MODEL, Aggregate, PeerAlgorithm, PeerModel, Received, State, weighted_average
+from .base import (
+    MODEL,
+    Aggregate,
+    Context,
+    PeerAlgorithm,
+    PeerModel,
+    Received,
+    State,
+    weighted_average,
+)
 
 BODY, HEAD = "body", "head"
 EXACT_SHAPLEY_MAX_PLAYERS = 8  # 2^8 utilities cost less than sampling 3|S| permutations
@@ -277,7 +292,7 @@ class PFedSV(PeerAlgorithm):
     name = "pfedsv"
     Params = PFedSVParams
 
-    def __init__(self, params: PFedSVParams, context: Any) -> None:
+    def __init__(self, params: PFedSVParams, context: Context) -> None:
         super().__init__(params, context)
         self.relevance: dict[str, float] = {}
         self.k = params.k
@@ -309,9 +324,10 @@ class PFedSV(PeerAlgorithm):
     def _privatized(self, round_no: int, state: State) -> State:
         reference = self._round_start
         if reference is None:
-            # Round 1 starts from the seeded initial model every peer can rebuild. After
-            # a resume or a late join the true start is unknown here, so the update is
-            # measured from that initial model: larger, hence more clipped, never leaky.
+            # Round 1 starts from the seeded initial model every peer can rebuild. A late
+            # joiner's true start (the average it caught up from) is unknown here, so its
+            # first update is measured from that initial model: larger, hence more
+            # clipped, never leaky.
             reference = self.context.new_model().state_dict()
         generator = torch.Generator().manual_seed(
             int(self._rng(round_no, _STREAM_DP).integers(2**63)))
@@ -331,52 +347,85 @@ class PFedSV(PeerAlgorithm):
     # --- aggregate ----------------------------------------------------------
 
     def aggregate(self, round_no: int, own: PeerModel, received: Received, data: Any) -> Aggregate:
-        me = self.context.node
         players_states, base = self._players(own, received)
-        players = [me, *sorted(name for name in players_states if name != me)]
-
-        clock = time.perf_counter()
-        evaluations = [0]
-        model = self.context.new_model()
-
-        def coalition_accuracy(coalition: Coalition) -> float:
-            evaluations[0] += 1
-            model.load_state_dict(uniform_average([players_states[p] for p in sorted(coalition)]))
-            return accuracy(model, data.x_val, data.y_val)
-
-        shapley = shapley_values(players, cached_utility(coalition_accuracy),
-                                 self._rng(round_no, _STREAM_SHAPLEY))
-        shapley_seconds = time.perf_counter() - clock
-
-        self._update_relevance(shapley)
-        distances = None
-        if self.params.distance:
-            distances = {peer: model_distance(players_states[me], players_states[peer])
-                         for peer in players if peer != me}
-        weights = shapley_weights(shapley, me, distances)
-        if weights:
-            state = weighted_average({p: players_states[p] for p in weights}, weights)
-        else:
-            weights, state = {me: 1.0}, players_states[me]
+        game = self._play(round_no, players_states, data)
+        self._update_relevance(game["shapley"])
+        weights, state = self._combine(game["shapley"], players_states)
         state = {**state, **base}  # shared body: the mesh-averaged body under the new head
-
         k_used, self.k = self.k, self._next_k()
         if self.params.dp_clip is not None:
             self._round_start = state
         diagnostics = {
-            "shapley": shapley,
+            **game,
             "relevance": dict(sorted(self.relevance.items())),
             "k": k_used, "k_next": self.k,
             "selected": list(self._selected),
             "downloaded": sorted(received.get(self.scored_kind, {})),
             "bytes_downloaded": sum(state_bytes(peer.state) for by_peer in received.values()
                                     for peer in by_peer.values()),
-            "shapley_seconds": shapley_seconds,
-            "utility_evaluations": evaluations[0],
             **self._mode_diagnostics(received),
         }
         return Aggregate(state=state, weights=dict(sorted(weights.items())),
                          diagnostics=diagnostics)
+
+    def _play(self, round_no: int, players_states: dict[str, State], data: Any) -> dict[str, Any]:
+        """Shapley values of the coalition game on the own val split, with its cost and
+        v({i}), v(S) (whether the coalition beats the own model at all)."""
+        me = self.context.node
+        players = [me, *sorted(name for name in players_states if name != me)]
+        evaluations = 0
+        accuracy_of = self._accuracy_on_val(players_states, data)
+
+        def coalition_accuracy(coalition: Coalition) -> float:
+            nonlocal evaluations
+            evaluations += 1
+            return accuracy_of(uniform_average([players_states[p] for p in sorted(coalition)]))
+
+        clock = time.perf_counter()
+        utility = cached_utility(coalition_accuracy)
+        shapley = shapley_values(players, utility, self._rng(round_no, _STREAM_SHAPLEY))
+        return {"shapley": shapley, "shapley_seconds": time.perf_counter() - clock,
+                "utility_evaluations": evaluations, "v_own": utility(frozenset([me])),
+                "v_coalition": utility(frozenset(players))}
+
+    def _accuracy_on_val(self, players_states: dict[str, State],
+                         data: Any) -> Callable[[State], float]:
+        """state -> val accuracy. With a shared body every player has the same body, so
+        its features are computed once and each coalition only runs its averaged head:
+        the same values at a fraction of the cost."""
+        model = self.context.new_model()
+        x_val, y_val = data.x_val, data.y_val
+        split = self.params.shared_body and hasattr(model, "body") and hasattr(model, "head")
+        if not split or len(y_val) == 0:
+            def whole_model(state: State) -> float:
+                model.load_state_dict(state)
+                return accuracy(model, x_val, y_val)
+            return whole_model
+        model.load_state_dict(players_states[self.context.node])  # any player: one body
+        model.eval()
+        with torch.no_grad():
+            features = model.body(x_val)
+        prefix = "head."  # head_keys are the model's state keys under its `head` module
+
+        def head_only(state: State) -> float:
+            model.head.load_state_dict({key.removeprefix(prefix): state[key]
+                                        for key in self.context.head_keys})
+            return accuracy(model.head, features, y_val)
+        return head_only
+
+    def _combine(self, shapley: dict[str, float],
+                 players_states: dict[str, State]) -> tuple[dict[str, float], State]:
+        """The normalized Shapley weights and the weighted average of the snapshot; the own
+        model alone when no weight is positive."""
+        me = self.context.node
+        distances = None
+        if self.params.distance:
+            distances = {peer: model_distance(players_states[me], players_states[peer])
+                         for peer in players_states if peer != me}
+        weights = shapley_weights(shapley, me, distances)
+        if not weights:
+            return {me: 1.0}, players_states[me]
+        return weights, weighted_average({p: players_states[p] for p in weights}, weights)
 
     def _players(self, own: PeerModel, received: Received) -> tuple[dict[str, State], State]:
         """Each player's model as the coalition game sees it, and the part of the new
@@ -426,9 +475,14 @@ class PFedSV(PeerAlgorithm):
     # --- checkpoint ---------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        return {"relevance": dict(sorted(self.relevance.items())), "k": self.k,
-                "explored": sorted(self.explored),
-                "positive_before": sorted(self.positive_before)}
+        """Plain values (JSON-able), plus under DP the round-start model that the next
+        published update is measured from, so a resumed node clips the true update."""
+        state: dict[str, Any] = {
+            "relevance": dict(sorted(self.relevance.items())), "k": self.k,
+            "explored": sorted(self.explored), "positive_before": sorted(self.positive_before)}
+        if self._round_start is not None:
+            state["dp_round_start"] = self._round_start
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.relevance = {str(peer): float(score)
@@ -436,3 +490,4 @@ class PFedSV(PeerAlgorithm):
         self.k = int(state.get("k", self.params.k))
         self.explored = set(state.get("explored", []))
         self.positive_before = frozenset(state.get("positive_before", []))
+        self._round_start = state.get("dp_round_start")

@@ -1,0 +1,421 @@
+"""pFedLIA (paper 003, ALGORITHMS.md): every peer clusters the mesh on its own, once, by
+the lazy influence of each peer's data on its own validation split.
+
+The schedule at node i, by round number (the same for every node, so every node
+publishes the same kinds in a round and nobody waits on a kind a peer never sends):
+
+1. Rounds 1..W (`warmup`): FedAvg over the whole mesh. The model after round W's
+   aggregation is θ_0, the anchor (W = 0: the mesh's seeded initial model).
+2. Round W+1: node j trains θ̃_j from θ_0 for `lazy_epochs` epochs of the node's own
+   training recipe on one seeded batch Z_j of `lazy_batch` samples of its train split,
+   and publishes it as kind "lazy" beside its model. Node i fetches every lazy blob and
+   scores I(i,j) = Σ_{z ∈ val_i} [L(z, θ_0) − L(z, θ̃_j)] (Eq. 1; self included), splits
+   the scores by 2-means (seeded, n_init = 10) and keeps the higher-mean cluster, plus
+   itself, as its group. It fetches every model in this round and averages its group's.
+3. Rounds > W+1: FedAvg over the group only (groups may be asymmetric). Only the group's
+   models are downloaded.
+
+Peers that arrive late. From round W+1 on every node keeps announcing its lazy model
+(kind "lazy") and its anchor θ_0 (kind "anchor") every round: an announcement is a
+digest, and a blob travels only when someone asks for it, so this costs announces, not
+bytes. A node that has never scored a peer asks for that peer's lazy blob, scores it
+against its own θ_0 and puts it in its group when the score is nearer the beneficial
+2-means center than the other one: clustering is not redone, the newcomer is placed on
+the existing split. A newcomer (or any node without θ_0, e.g. one that joined during the
+lazy round) fetches every anchor in its first round, takes their average as θ_0 (over a
+full mesh the anchors are bit-identical), trains its own lazy model from it, scores
+every lazy blob on offer and fits its own split. In that first round it cannot have a
+lazy model or an anchor yet, but it must still announce both kinds (peers wait for
+every kind they publish); it announces a one-number placeholder ("not ready"), which
+peers skip and ask for again next round. So a newcomer is in its own group after its
+first round and is scored by everybody one round later.
+
+Ground truth (diagnostics and the Oracle). A simulated `clusters:<k>` node knows its own
+generating cluster (data.info["true_cluster"]) and nothing about anyone else's. Every
+node therefore publishes that number as a tiny blob of kind "truth" (-1 when its data has
+none) every round; each peer fetches it once per peer. This works for joiners and for
+any naming, unlike guessing the cluster from a name like "node7" and the partition rule.
+With it each node records the precision and recall of its group against its true
+cluster, and `oracle: true` replaces the lazy phase by the true clusters: from round W+1
+a node's group is the peers that reported its own true cluster. The warm-up is kept so
+that the Oracle differs from pFedLIA only in how the groups are found.
+
+Stamps. The mesh names a blob by the sha256 of its tensors alone, and offers, the blob
+store and fetches are keyed by that digest. Blobs with equal tensors are therefore one
+blob to a node, whoever published them and for whichever round: two nodes of the same
+true cluster publish the same "truth", all anchors are bit-identical after a full-mesh
+warm-up, and a lazy model republished next round is the same bytes. The round's wait
+(every alive peer announced every kind) would then never be met. So every blob of the
+kinds above carries a stamp, (a tag of its origin's name, the round), that makes its
+digest its own; receivers drop it. It costs 16 bytes per blob and would be unneeded if
+blobs were named by their signed record (origin, round, kind, digest).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.nn import functional
+
+from .base import (
+    MODEL,
+    Aggregate,
+    Context,
+    NoParams,
+    PeerAlgorithm,
+    PeerModel,
+    Received,
+    State,
+    weighted_average,
+)
+from .baselines import FedAvg
+
+LAZY, ANCHOR, TRUTH = "lazy", "anchor", "truth"
+NOT_READY_KEY = "pfedlia.not_ready"  # the placeholder a node announces before it has θ_0
+STAMP_KEY = "pfedlia.stamp"  # (origin tag, round): see "Stamps" above
+TRUTH_KEY = "true_cluster"
+UNKNOWN_CLUSTER = -1
+KMEANS_RESTARTS = 10
+
+
+@dataclass(frozen=True)
+class PFedLIAParams:
+    warmup: int = 20  # W: FedAvg rounds over the whole mesh before the lazy phase
+    lazy_epochs: int = 5  # k: epochs over Z_j that turn θ_0 into θ̃_j
+    lazy_batch: int = 100  # |Z_j|
+    oracle: bool = False  # group by the true clusters instead of lazy influence
+
+    def __post_init__(self) -> None:
+        if self.warmup < 0:
+            raise ValueError(f"warmup: got {self.warmup!r}; allowed: an integer >= 0")
+        if self.lazy_epochs < 1:
+            raise ValueError(f"lazy_epochs: got {self.lazy_epochs!r}; allowed: an integer >= 1")
+        if self.lazy_batch < 1:
+            raise ValueError(f"lazy_batch: got {self.lazy_batch!r}; allowed: an integer >= 1")
+
+
+# --------------------------------------------------------------------------- lazy influence
+
+
+def validation_loss_sum(model: torch.nn.Module, state: State, x: torch.Tensor,
+                        y: torch.Tensor, batch_size: int = 1024) -> float:
+    """Σ_z L(z, state) over (x, y): cross-entropy summed, not averaged, as in Eq. 1."""
+    model.load_state_dict(state)
+    model.eval()
+    total = 0.0
+    with torch.no_grad():
+        for start in range(0, len(y), batch_size):
+            logits = model(x[start:start + batch_size])
+            total += float(functional.cross_entropy(logits, y[start:start + batch_size],
+                                                    reduction="sum"))
+    return total
+
+
+def lazy_influence_scores(model: torch.nn.Module, anchor: State, lazy_models: Mapping[str, State],
+                          x_val: torch.Tensor, y_val: torch.Tensor) -> dict[str, float]:
+    """I(i,j) = Σ_{z∈val_i} [L(z,θ_0) − L(z,θ̃_j)] for every lazy model θ̃_j given: positive
+    when j's few steps from θ_0 lowered i's validation loss."""
+    anchor_loss = validation_loss_sum(model, anchor, x_val, y_val)
+    return {peer: anchor_loss - validation_loss_sum(model, state, x_val, y_val)
+            for peer, state in sorted(lazy_models.items())}
+
+
+def train_lazy_model(model: torch.nn.Module, anchor: State, x: torch.Tensor, y: torch.Tensor,
+                     batch: int, epochs: int, train: Any, seed: int) -> State:
+    """θ̃: `epochs` epochs of the node's training recipe `train`, from θ_0, on one seeded
+    draw Z of `batch` training samples (all of them when the split is smaller)."""
+    chosen = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))[:batch]
+    model.load_state_dict(anchor)
+    train(model, x[chosen], y[chosen], epochs, seed=seed)
+    return {key: value.detach().clone() for key, value in model.state_dict().items()}
+
+
+# --------------------------------------------------------------------------- 2-means
+
+
+@dataclass(frozen=True)
+class Split:
+    """The two 1-D 2-means centers a node fitted once; later peers go to the nearer one."""
+
+    beneficial_center: float
+    other_center: float
+
+    def is_beneficial(self, score: float) -> bool:
+        if not math.isfinite(score):
+            return False
+        # Ties go to the beneficial side: equal distance means no evidence of harm.
+        return abs(score - self.beneficial_center) <= abs(score - self.other_center)
+
+
+def two_means_split(scores: Mapping[str, float], seed: int) -> tuple[set[str], Split]:
+    """2-means on the 1-D scores; returns the cluster with the higher mean and the centers.
+
+    A non-finite score (a lazy model whose loss blew up) is left out of the fit and is
+    never beneficial. With fewer than two distinct finite scores there is nothing to
+    split: every finite score counts as beneficial.
+    """
+    # scikit-learn is slow to import and only this needs it. One thread: for a score per
+    # peer OpenMP's thread start-up costs more than the fit, and the cores belong to the
+    # mesh's node processes (threadpoolctl comes with scikit-learn).
+    from sklearn.cluster import KMeans
+    from threadpoolctl import threadpool_limits
+
+    finite = {peer: score for peer, score in scores.items() if math.isfinite(score)}
+    if len(set(finite.values())) < 2:
+        center = next(iter(finite.values()), 0.0)
+        return set(finite), Split(center, -math.inf)
+    peers = sorted(finite)
+    values = np.array([[finite[peer]] for peer in peers], dtype=np.float64)
+    with threadpool_limits(limits=1):
+        kmeans = KMeans(n_clusters=2, n_init=KMEANS_RESTARTS, random_state=seed).fit(values)
+    centers = kmeans.cluster_centers_.ravel()
+    best = int(np.argmax(centers))
+    beneficial = {peer for peer, label in zip(peers, kmeans.labels_, strict=True)
+                  if label == best}
+    return beneficial, Split(float(centers[best]), float(centers[1 - best]))
+
+
+# --------------------------------------------------------------------------- ground truth
+
+
+def precision_recall(node: str, group: Iterable[str], truths: Mapping[str, int]
+                     ) -> dict[str, float | None]:
+    """The group's peers (self left out: it is in both by construction) against the
+    known peers with the node's true cluster. None where a denominator is empty."""
+    own = truths[node]
+    chosen = {peer for peer in group if peer != node and peer in truths}
+    relevant = {peer for peer, cluster in truths.items() if peer != node and cluster == own}
+    hits = len(chosen & relevant)
+    return {"precision": hits / len(chosen) if chosen else None,
+            "recall": hits / len(relevant) if relevant else None}
+
+
+def groups_ari(groups: Mapping[str, Iterable[str]], truth: Mapping[str, int]) -> float:
+    """Adjusted Rand index of the groups against the true clusters, over the nodes that
+    have both (1: every node chose exactly its true cluster; about 0: chance).
+
+    Groups may be asymmetric, so they are not turned into one partition (any such
+    labelling hides choices: with each node's group as its label, or with components
+    of mutual membership, a node that wrongly takes in peers who do not take it back
+    still scores 1). Instead every ordered pair (i, j), i ≠ j, counts as "together"
+    when j is in i's group, and the ARI is evaluated on those pair counts by its
+    pair-counting form 2(tp·tn − fn·fp) / ((tp+fn)(fn+tn) + (tp+fp)(fp+tn)), which
+    is the formula behind sklearn's adjusted_rand_score. When the groups do form a
+    partition the two agree exactly.
+    """
+    nodes = sorted(node for node in groups if node in truth)
+    if not nodes:
+        raise ValueError("groups_ari: no node has both a group and a true cluster")
+    members = {node: set(groups[node]) for node in nodes}
+    tp = fp = fn = tn = 0
+    for node in nodes:
+        for peer in nodes:
+            if peer == node:
+                continue
+            together, truly = peer in members[node], truth[peer] == truth[node]
+            tp += together and truly
+            fp += together and not truly
+            fn += truly and not together
+            tn += not truly and not together
+    if fn == 0 and fp == 0:
+        return 1.0  # also every case where the denominator below is 0
+    return 2.0 * (tp * tn - fn * fp) / ((tp + fn) * (fn + tn) + (tp + fp) * (fp + tn))
+
+
+# --------------------------------------------------------------------------- the rule
+
+
+def _name_tag(name: str) -> int:
+    """A stable 63-bit number for a node name (Python's hash() changes between processes)."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") >> 1
+
+
+def stamped(state: State, origin: str, round_no: int) -> State:
+    """`state` plus the (origin, round) stamp that keeps its digest its own."""
+    return {**state, STAMP_KEY: torch.tensor([_name_tag(origin), round_no])}
+
+
+def contents(blob: PeerModel) -> State | None:
+    """A received blob's tensors without the stamp; None for a "not ready" placeholder."""
+    if NOT_READY_KEY in blob.state:
+        return None
+    return {key: value for key, value in blob.state.items() if key != STAMP_KEY}
+
+
+NOT_READY: State = {NOT_READY_KEY: torch.zeros(1)}
+
+
+class PFedLIA(PeerAlgorithm):
+    """Warm-up FedAvg, one lazy-influence clustering per node, then FedAvg in the group."""
+
+    name = "pfedlia"
+    Params = PFedLIAParams
+
+    def __init__(self, params: PFedLIAParams, context: Context) -> None:
+        super().__init__(params, context)
+        info = getattr(context.data, "info", None) or {}
+        own_cluster = int(info.get(TRUTH_KEY, UNKNOWN_CLUSTER))
+        if params.oracle and own_cluster == UNKNOWN_CLUSTER:
+            raise ValueError("algorithm.oracle: got true; allowed: true only with a partition "
+                             "that has true clusters (clusters:<k>), and this node has none")
+        self.truths: dict[str, int] = {context.node: own_cluster}
+        self.anchor: State | None = None  # θ_0
+        self.lazy_model: State | None = None  # θ̃ of this node
+        self.scores: dict[str, float] = {}  # I(self, peer), self included
+        self.split: Split | None = None
+        self.group: set[str] | None = None  # None until this node has clustered
+        self._fedavg = FedAvg(NoParams(), context)
+        self._newly_scored: list[str] = []
+
+    @property
+    def node(self) -> str:
+        return self.context.node
+
+    def _after_warmup(self, round_no: int) -> bool:
+        return round_no > self.params.warmup
+
+    # --- publish and pull ---------------------------------------------------
+
+    def publish(self, round_no: int, state: State, data: Any) -> dict[str, State]:
+        extras = {TRUTH: {TRUTH_KEY: torch.tensor([self.truths[self.node]])}}
+        if self._after_warmup(round_no) and not self.params.oracle:
+            if self.anchor is None and self.params.warmup == 0:
+                self.anchor = self._initial_state()
+            self._ensure_lazy_model(data)
+            extras[LAZY] = self.lazy_model if self.lazy_model is not None else NOT_READY
+            extras[ANCHOR] = self.anchor if self.anchor is not None else NOT_READY
+        # Models change every round by training; the other kinds need the stamp.
+        return {MODEL: state, **{kind: stamped(extra, self.node, round_no)
+                                 for kind, extra in extras.items()}}
+
+    def wanted(self, round_no: int, offered: dict[str, list[str]]) -> dict[str, list[str]]:
+        models = offered.get(MODEL, [])
+        if self._after_warmup(round_no) and self.group is not None:
+            models = [peer for peer in models if peer in self.group]
+        pulls = {MODEL: list(models),
+                 TRUTH: [peer for peer in offered.get(TRUTH, []) if peer not in self.truths]}
+        if self._after_warmup(round_no) and not self.params.oracle:
+            pulls[LAZY] = [peer for peer in offered.get(LAZY, []) if peer not in self.scores]
+            if self.anchor is None:
+                pulls[ANCHOR] = list(offered.get(ANCHOR, []))
+        return pulls
+
+    # --- aggregate ----------------------------------------------------------
+
+    def aggregate(self, round_no: int, own: PeerModel, received: Received, data: Any) -> Aggregate:
+        self._learn_truths(received.get(TRUTH, {}))
+        if not self._after_warmup(round_no):
+            outcome = self._fedavg.aggregate(round_no, own, received, data)
+            if round_no == self.params.warmup:
+                self.anchor = {key: value.clone() for key, value in outcome.state.items()}
+            outcome.diagnostics = {"phase": "warmup"}
+            return outcome
+        phase = self._update_group(received, data)
+        models = received.get(MODEL, {})
+        if self.group is not None:
+            models = {peer: model for peer, model in models.items() if peer in self.group}
+        outcome = self._fedavg.aggregate(round_no, own, {MODEL: models}, data)
+        outcome.diagnostics = self._diagnostics(phase)
+        return outcome
+
+    def _update_group(self, received: Received, data: Any) -> str:
+        """Refresh the group from what arrived this round; return the phase it is in."""
+        if self.params.oracle:
+            own = self.truths[self.node]
+            self.group = {peer for peer, cluster in self.truths.items() if cluster == own}
+            return "oracle"
+        if self.anchor is None:
+            self.anchor = self._agreed_anchor(received.get(ANCHOR, {}))
+            if self.anchor is None:
+                return "pending"  # no anchor arrived: average everyone, try next round
+        self._ensure_lazy_model(data)
+        if self.split is not None:
+            self._score(received.get(LAZY, {}), data)
+            return "grouped"
+        self._score(received.get(LAZY, {}), data)
+        return "clustered" if self.split is not None else "alone"
+
+    def _score(self, lazy_blobs: Mapping[str, PeerModel], data: Any) -> None:
+        """Score the lazy models not scored before; fit the split the first time there
+        are scores, else place the new peers on the existing split."""
+        unscored = {peer: state for peer, blob in lazy_blobs.items()
+                    if peer not in self.scores and (state := contents(blob)) is not None}
+        if self.node not in self.scores and self.lazy_model is not None:
+            unscored[self.node] = self.lazy_model
+        new_scores = lazy_influence_scores(self._scratch_model(), self.anchor, unscored,
+                                           data.x_val, data.y_val)
+        self.scores.update(new_scores)
+        self._newly_scored = sorted(new_scores)
+        if self.split is None and len(self.scores) >= 2:
+            beneficial, self.split = two_means_split(self.scores, self.context.seed)
+            self.group = beneficial | {self.node}
+        elif self.split is not None:
+            self.group = (self.group or {self.node}) | {
+                peer for peer, score in new_scores.items() if self.split.is_beneficial(score)}
+        else:
+            self.group = {self.node}  # alone so far: the split waits for a second score
+
+    def _agreed_anchor(self, anchors: Mapping[str, PeerModel]) -> State | None:
+        """θ_0 for a node that missed the warm-up's end: the average of the anchors that
+        arrived (identical over a full mesh; their consensus otherwise)."""
+        ready = {peer: state for peer, blob in anchors.items()
+                 if (state := contents(blob)) is not None}
+        if not ready:
+            return None
+        return weighted_average(ready, {peer: 1 / len(ready) for peer in ready})
+
+    def _ensure_lazy_model(self, data: Any) -> None:
+        if self.lazy_model is not None or self.anchor is None:
+            return
+        assert self.context.train is not None, "the node provides its training recipe"
+        seed = self.context.seed * 100_003 + _name_tag(self.node) % 100_003
+        self.lazy_model = train_lazy_model(
+            self._scratch_model(), self.anchor, data.x_train, data.y_train,
+            self.params.lazy_batch, self.params.lazy_epochs, self.context.train, seed)
+
+    def _learn_truths(self, blobs: Mapping[str, PeerModel]) -> None:
+        for peer, blob in blobs.items():
+            self.truths[peer] = int(blob.state[TRUTH_KEY].reshape(-1)[0])
+
+    def _scratch_model(self) -> torch.nn.Module:
+        assert self.context.new_model is not None, "the node provides its architecture"
+        return self.context.new_model()
+
+    def _initial_state(self) -> State:
+        return {key: value.detach().clone()
+                for key, value in self._scratch_model().state_dict().items()}
+
+    def _diagnostics(self, phase: str) -> dict[str, Any]:
+        diagnostics: dict[str, Any] = {"phase": phase}
+        if not self.params.oracle:
+            diagnostics["lazy_scores"] = dict(sorted(self.scores.items()))
+            diagnostics["newly_scored"] = self._newly_scored
+            self._newly_scored = []
+        if self.group is not None:
+            diagnostics["group"] = sorted(self.group)
+            if self.truths[self.node] != UNKNOWN_CLUSTER:
+                known = {peer: c for peer, c in self.truths.items() if c != UNKNOWN_CLUSTER}
+                diagnostics.update(precision_recall(self.node, self.group, known))
+        return diagnostics
+
+    # --- checkpoint ---------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        split = None if self.split is None else [self.split.beneficial_center,
+                                                 self.split.other_center]
+        return {"anchor": self.anchor, "lazy_model": self.lazy_model, "scores": self.scores,
+                "split": split, "group": None if self.group is None else sorted(self.group),
+                "truths": self.truths}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.anchor, self.lazy_model = state["anchor"], state["lazy_model"]
+        self.scores = dict(state["scores"])
+        self.split = None if state["split"] is None else Split(*state["split"])
+        self.group = None if state["group"] is None else set(state["group"])
+        self.truths = {**state["truths"], **self.truths}  # this run's own data wins
