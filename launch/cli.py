@@ -124,8 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser(
         "bench", help="measure the wire protocol's throughput or an algorithm's overhead")
-    bench.add_argument("what", choices=["wire", "fedc2i"],
-                       help="wire: signed blob MB/s against raw ZeroMQ; fedc2i: influence "
+    bench.add_argument("what", choices=["wire", "fedc2i", "fedinfluence"],
+                       help="fedinfluence: Fed-Influence against exact leave-one-out, "
+                            "cleansing and overhead; wire: signed blob MB/s against raw "
+                            "ZeroMQ; fedc2i: influence "
                             "seconds as a share of local training")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark")
     return parser
@@ -199,6 +201,10 @@ def _experiment(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.what == "fedinfluence":
+        from .bench_fedinfluence import main as main_fedinfluence
+
+        return main_fedinfluence(args.rest)
     if args.what == "fedc2i":
         from .bench_fedc2i import main as main_fedc2i
 

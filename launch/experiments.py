@@ -87,6 +87,13 @@ def _run_once(base: Path, assignments: list[str], nodes: int, run_dir: Path,
     return summary
 
 
+# Scores of how well a rule found who shares data (launch.local.write_summary).
+SCORE_ROWS = {
+    "ari": "ARI of the groups",
+    "own_group_share_ccp": "own-group share of relevant sets in the CCP",
+}
+
+
 def render_table(spec: dict[str, Any], summaries: dict[str, list[dict[str, Any]]],
                  seeds: list[int], args: argparse.Namespace) -> str:
     """Markdown: one row per node (test accuracy in %, mean over seeds), then the mean
@@ -108,6 +115,12 @@ def render_table(spec: dict[str, Any], summaries: dict[str, list[dict[str, Any]]
         spread = statistics.stdev(values) if len(values) > 1 else 0.0
         means.append(f"**{statistics.fmean(values):.1f}** ({spread:.1f})")
     lines.append("| mean (std over seeds) | " + " | ".join(means) + " |")
+    for key, title in SCORE_ROWS.items():
+        scores = [[s[key] for s in summaries[v] if key in s] for v in variants]
+        if any(scores):
+            lines.append(f"| {title} (mean over seeds) | "
+                         + " | ".join(f"{statistics.fmean(x):.3f}" if x else "" for x in scores)
+                         + " |")
     command = f"meshfl experiment {args.name}" + (" --data-root DIR" if args.data_root else "")
     lines += ["", f"Seeds {', '.join(map(str, seeds))}; {spec['nodes']} nodes. "
               f"Caps: {spec['caps']}", f"Regenerate: `{command}`", ""]

@@ -16,6 +16,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from meshfl.algorithms.fedrema import own_group_fraction
+from meshfl.algorithms.pfedlia import groups_ari
 from meshfl.node import config as cfgmod
 from meshfl.node.coordinator import COORDINATOR, needs_coordinator, node_class
 from meshfl.node.data import load_node_data
@@ -184,7 +186,7 @@ def _stop(processes) -> None:
 
 
 def write_summary(cfg: cfgmod.MeshConfig, out: Path) -> dict[str, Any]:
-    nodes = []
+    nodes, groups = [], {}
     for peer in cfg.peers:
         record = last_record(out / peer.name / "metrics.jsonl")
         if record is not None:
@@ -193,6 +195,9 @@ def write_summary(cfg: cfgmod.MeshConfig, out: Path) -> dict[str, Any]:
             nodes.append({"name": peer.name, "test_acc": record["test_acc"],
                           "val_acc": record["val_acc"], "n_train": record["n_train"],
                           "round": record["round"], "data": info.get("data", {})})
+            group = record.get("diagnostics", {}).get("group")  # rules that group (pFedLIA)
+            if group is not None:
+                groups[peer.name] = group
     accuracies = [node["test_acc"] for node in nodes]
     summary = {
         "algorithm": cfg.algorithm.name, "dataset": cfg.data.dataset,
@@ -200,9 +205,37 @@ def write_summary(cfg: cfgmod.MeshConfig, out: Path) -> dict[str, Any]:
         "nodes": nodes,
         "mean_test_acc": statistics.fmean(accuracies) if accuracies else None,
         "std_test_acc": statistics.pstdev(accuracies) if accuracies else None,
+        **_grouping_scores(nodes, groups, out / COORDINATOR / "metrics.jsonl"),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _grouping_scores(nodes: list[dict[str, Any]], groups: dict[str, list[str]],
+                     coordinator_metrics: Path) -> dict[str, Any]:
+    """How well the rule found who shares data, where the partition knows the truth:
+    `ari` of the peers' last groups against the true clusters (pFedLIA), and the share
+    of FedReMa's relevant-set members from the client's own group, per round and mean
+    over the critical co-learning period."""
+    scores: dict[str, Any] = {}
+    truth = {node["name"]: node["data"]["true_cluster"] for node in nodes
+             if "true_cluster" in node["data"]}
+    if groups.keys() & truth.keys():
+        scores["ari"] = groups_ari(groups, truth)
+    group_of = {node["name"]: node["data"]["group"] for node in nodes if "group" in node["data"]}
+    if group_of and coordinator_metrics.exists():
+        shares = {}
+        for line in coordinator_metrics.read_text().splitlines():
+            record = json.loads(line)
+            relevant = record.get("diagnostics", {}).get("relevant_sets")
+            if record.get("diagnostics", {}).get("ccp") and relevant:
+                share = own_group_fraction(relevant, group_of)
+                if share is not None:
+                    shares[str(record["round"])] = share
+        if shares:
+            scores["own_group_share"] = shares
+            scores["own_group_share_ccp"] = statistics.fmean(shares.values())
+    return scores
 
 
 def print_table(summary: dict[str, Any]) -> None:

@@ -136,11 +136,11 @@ class MeshConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rounds: int = 10
-    local_epochs: int = 2
+    local_epochs: int = 4
     batch_size: int = 32
     optimizer: str = "sgd"
-    lr: float = 0.1
-    momentum: float = 0.9
+    lr: float = 0.05
+    momentum: float = 0.5
     weight_decay: float = 0.0
     seed: int = 0
     round_timeout: float = 30.0

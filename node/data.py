@@ -578,10 +578,13 @@ def _pathological_shards(pool: Pool, spec: Partition, num_nodes: int,
 
 def _group_shards(pool: Pool, spec: Partition, num_nodes: int, rng: np.random.Generator,
                   cap: int | None) -> list[Shard]:
-    """FedReMa's label imbalance: node i is in group i % 5, whose dominant labels are
-    {3g, 3g+1, 3g+2} mod num_classes; a share s of a node's samples is drawn IID from the
-    pool (so it also hits dominant labels), the rest evenly from the dominant labels.
-    All nodes get the same size: the cap, or an equal share of the pool."""
+    """FedReMa's label imbalance: node i is in group g = i % 5, whose dominant labels are
+    {2g, 2g+1, 2g+2} mod num_classes: a ring over the ten labels in which neighbouring
+    groups share one label, as FedReMa's own code lays them out (3g would make groups 3
+    and 4 repeat two labels of groups 0 and 1, and "same group" would stop meaning "same
+    data"). A share s of a node's samples is drawn IID from the pool (so it also hits
+    dominant labels), the rest evenly from the dominant labels. All nodes get the same
+    size: the cap, or an equal share of the pool."""
     iid_share = float(spec.param)
     size = cap if cap is not None else len(pool.labels) // num_nodes
     prior = np.bincount(pool.labels, minlength=pool.num_classes) / len(pool.labels)
@@ -589,7 +592,7 @@ def _group_shards(pool: Pool, spec: Partition, num_nodes: int, rng: np.random.Ge
     infos = []
     for node in range(num_nodes):
         group = node % FEDREMA_GROUPS
-        dominant = sorted({(FEDREMA_LABELS_PER_GROUP * group + j) % pool.num_classes
+        dominant = sorted({((FEDREMA_LABELS_PER_GROUP - 1) * group + j) % pool.num_classes
                            for j in range(FEDREMA_LABELS_PER_GROUP)})
         demand[node] = iid_share * size * prior
         demand[node, dominant] += (1 - iid_share) * size / len(dominant)

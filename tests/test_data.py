@@ -257,7 +257,7 @@ def test_groups_dominant_share_is_one_minus_s(data_root: Path, iid_share) -> Non
         group = node % 5
         assert shard.info["group"] == group
         dominant = shard.info["dominant_labels"]
-        assert dominant == sorted({(3 * group + j) % 10 for j in range(3)})
+        assert dominant == sorted({(2 * group + j) % 10 for j in range(3)})  # a ring
         labels = pool.labels[shard.indices]
         share = np.isin(labels, dominant).mean()
         # The IID part is drawn from all classes, dominant ones included.
