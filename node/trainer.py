@@ -237,38 +237,3 @@ def arrays_to_state(
     with torch.no_grad():
         for key, source in sources.items():
             state[key].copy_(source)
-
-
-def average_states(
-    states: list[dict[str, torch.Tensor]], weights: list[float]
-) -> dict[str, torch.Tensor]:
-    """Weighted mean of float entries (weights are normalised to sum to 1).
-
-    Integer buffers, such as BatchNorm's ``num_batches_tracked``, are not averaged:
-    they are copied from the first state.
-    """
-    if not states or len(states) != len(weights):
-        raise ValueError(
-            f"need one weight per state, got {len(states)} states, {len(weights)} weights"
-        )
-    if any(weight < 0 for weight in weights) or sum(weights) <= 0:
-        raise ValueError(f"weights must be non-negative with a positive sum, got {weights}")
-    for state in states[1:]:
-        if state.keys() != states[0].keys():
-            raise ValueError("states to average have different keys")
-        for key, tensor in state.items():
-            # add_ would silently broadcast a wrongly shaped entry, so check first.
-            if tensor.shape != states[0][key].shape:
-                raise ValueError(f"state entry {key!r} differs in shape between the states")
-    total = float(sum(weights))
-    fractions = [weight / total for weight in weights]
-    averaged = {}
-    for key, first in states[0].items():
-        if not first.is_floating_point():
-            averaged[key] = first.detach().clone()
-            continue
-        mean = first.detach() * fractions[0]
-        for state, fraction in zip(states[1:], fractions[1:], strict=True):
-            mean.add_(state[key].detach(), alpha=fraction)
-        averaged[key] = mean
-    return averaged

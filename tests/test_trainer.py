@@ -13,7 +13,6 @@ from torch import nn
 from meshfl.node.models import build_model
 from meshfl.node.trainer import (
     arrays_to_state,
-    average_states,
     evaluate,
     make_optimizer,
     set_torch_threads,
@@ -184,41 +183,6 @@ def test_mismatched_arrays_are_rejected_before_anything_is_written():
         arrays_to_state(model, arrays, keys=["head.nonexistent"])
     with pytest.raises(ValueError, match="dtype"):
         arrays_to_state(model, {"head.bias": np.zeros(3, dtype=np.int64)}, keys=["head.bias"])
-
-
-def test_average_states_is_the_weighted_mean_and_keeps_integer_buffers():
-    states = []
-    for seed, steps in [(1, 3), (2, 5), (3, 7)]:
-        model = build_model("alexnet", (1, 8, 8), num_classes=4, seed=seed)
-        for _ in range(steps):
-            model(torch.randn(2, 1, 8, 8))
-        states.append({key: value.clone() for key, value in model.state_dict().items()})
-    weights = [1.0, 2.0, 5.0]
-    averaged = average_states(states, weights)
-    for key, value in averaged.items():
-        if value.is_floating_point():
-            manual = sum(w * state[key] for w, state in zip(weights, states, strict=True)) / 8.0
-            torch.testing.assert_close(value, manual)
-        else:
-            assert torch.equal(value, states[0][key])
-    assert int(averaged["body.bn1.num_batches_tracked"]) == 3
-    # The result is new memory: changing it must not touch the inputs.
-    averaged["head.bias"].add_(1.0)
-    averaged["body.bn1.num_batches_tracked"].add_(1)
-    assert int(states[0]["body.bn1.num_batches_tracked"]) == 3
-    assert not torch.equal(averaged["head.bias"], states[0]["head.bias"])
-
-
-def test_average_states_rejects_inconsistent_input():
-    state = {"w": torch.ones(3)}
-    with pytest.raises(ValueError, match="one weight per state"):
-        average_states([state, state], [1.0])
-    with pytest.raises(ValueError, match="positive sum"):
-        average_states([state], [0.0])
-    with pytest.raises(ValueError, match="shape"):
-        average_states([state, {"w": torch.ones(1)}], [1.0, 1.0])
-    with pytest.raises(ValueError, match="different keys"):
-        average_states([state, {"v": torch.ones(3)}], [1.0, 1.0])
 
 
 def test_make_optimizer_names_the_choices_on_a_typo():
