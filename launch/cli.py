@@ -36,6 +36,11 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
                              "(repeatable)")
 
 
+def _add_local_nodes(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--local-nodes", type=int, default=1,
+                        help="node processes sharing this machine's cores")
+
+
 def _named_overrides(args: argparse.Namespace) -> list[str]:
     named = {"algorithm": "algorithm", "dataset": "data.dataset", "data_root": "data.root",
              "partition": "data.partition", "samples_per_node": "data.samples_per_node",
@@ -73,8 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="folder for <name>/metrics.jsonl and the checkpoint")
     node.add_argument("--key", metavar="PEM", help="private key (default: the peer's `key`, "
                       "else <out>/keys/<name>.pem, created on first start)")
-    node.add_argument("--local-nodes", type=int, default=1,
-                      help="node processes sharing this machine's cores")
+    _add_local_nodes(node)
 
     coordinator = commands.add_parser(
         "coordinator", help="run the coordinator node of a server-centric mesh",
@@ -86,8 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
                              help="folder for coordinator/metrics.jsonl and the checkpoint")
     coordinator.add_argument("--key", metavar="PEM", help="private key (default: "
                              "<out>/keys/coordinator.pem, created on first start)")
-    coordinator.add_argument("--local-nodes", type=int, default=1,
-                             help="node processes sharing this machine's cores")
+    _add_local_nodes(coordinator)
 
     join = commands.add_parser(
         "join", help="join a running mesh through any one of its addresses",
@@ -101,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "address towards ADDR, on a free port)")
     join.add_argument("--out", metavar="DIR", default="runs/join", help="output folder")
     join.add_argument("--key", metavar="PEM", help="private key (created if missing)")
+    _add_local_nodes(join)
 
     keygen = commands.add_parser(
         "keygen", help="write a new Ed25519 node key",
@@ -122,6 +126,14 @@ def build_parser() -> argparse.ArgumentParser:
     experiment.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                             dest="assignments", help="override any config field of every run")
 
+    report = commands.add_parser(
+        "report", help="draw a finished run's figures and write a markdown summary",
+        description="Read RUN_DIR (the --out folder of `meshfl launch` or `meshfl node`) and "
+                    "write accuracy.png, who-learns-from-whom heatmaps and report.md. Needs "
+                    "matplotlib: pip install 'meshfl[report]'.")
+    report.add_argument("run_dir", metavar="RUN_DIR", help="the run folder")
+    report.add_argument("--out", metavar="DIR", help="where to write (default RUN_DIR/report)")
+
     bench = commands.add_parser(
         "bench", help="measure the wire protocol's throughput or an algorithm's overhead")
     bench.add_argument("what", choices=["wire", "fedc2i", "fedinfluence"],
@@ -141,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     handlers: dict[str, Callable[[argparse.Namespace], int]] = {
         "launch": _launch, "node": _node, "coordinator": _coordinator, "join": _join,
         "keygen": _keygen, "bench": _bench, "experiment": _experiment,
+        "report": _report,
     }
     try:
         return handlers[args.command](args)
@@ -186,6 +199,10 @@ def _join(args: argparse.Namespace) -> int:
 def _keygen(args: argparse.Namespace) -> int:
     from meshfl.protocol.identity import Identity
 
+    if Path(args.path).exists():  # name its public key, which a closed mesh's peers.yaml needs
+        existing = Identity.load(args.path).public_key.hex()
+        raise UserError(f"{args.path} already exists; refusing to overwrite a key (its public "
+                        f"key: {existing})")
     identity = Identity.generate()
     identity.save(args.path)
     print(f"wrote {Path(args.path)} (mode 0600)")
@@ -198,6 +215,12 @@ def _experiment(args: argparse.Namespace) -> int:
     from .experiments import run_experiment
 
     return run_experiment(args)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from .report import run_report
+
+    return run_report(args.run_dir, args.out)
 
 
 def _bench(args: argparse.Namespace) -> int:

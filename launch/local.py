@@ -286,15 +286,24 @@ def _with_coordinator(cfg: cfgmod.MeshConfig, addresses: list[str]) -> list[str]
 
 def run_joiner(args: argparse.Namespace) -> int:
     cfg = resolve_config(args)
-    host = _host_towards(args.address)
-    listen = args.listen or f"tcp://{host}:{free_ports(1, host)[0]}"
+    # A late member listed in peers.yaml (the only way into a closed mesh) joins with
+    # its listed address, key and shard; anyone else is node N of N+1 on a free port.
+    listed = next((peer for peer in cfg.peers if peer.name == args.name), None)
+    if listed is None:
+        host = _host_towards(args.address)
+        listen = args.listen or f"tcp://{host}:{free_ports(1, host)[0]}"
+        key, index, count = None, len(cfg.peers), len(cfg.peers) + 1
+    else:
+        listen, key = args.listen or listed.listen, listed.key
+        index, count = cfg.peers.index(listed), len(cfg.peers)
     name = args.name or f"joiner-{listen.rsplit(':', 1)[1]}"
     out = Path(args.out)
     options = NodeOptions(
         config=cfg, name=name, listen=listen, out_dir=out / name,
-        key_path=Path(args.key or out / "keys" / f"{name}.pem"),
-        node_index=len(cfg.peers), num_nodes=len(cfg.peers) + 1,
-        bootstrap=_with_coordinator(cfg, [args.address]), joining=True)
+        key_path=Path(args.key or key or out / "keys" / f"{name}.pem"),
+        node_index=index, num_nodes=count,
+        bootstrap=_with_coordinator(cfg, [args.address]), joining=True,
+        local_nodes=args.local_nodes)
     config_hint = f" --config {args.config}" if args.config else ""
     print(f"meshfl: {name} joining through {args.address}; the next node can join with: "
           f"meshfl join {listen}{config_hint}", flush=True)
@@ -325,4 +334,19 @@ def _run(options: NodeOptions, role: str = "peer") -> int:
     # it says bye; the last finished round is already checkpointed.
     signal.signal(signal.SIGTERM, _interrupt)
     node_class(options.config.algorithm.name, role)(options).run()
+    _say_finished(options)
     return 0
+
+
+def _say_finished(options: NodeOptions) -> None:
+    """One closing line, so whoever started the node sees how it ended without
+    reading the metrics."""
+    metrics = options.out_dir / "metrics.jsonl"
+    record = last_record(metrics)
+    if record is None:
+        print(f"meshfl: {options.name} ran no round (rounds: {options.config.rounds})",
+              flush=True)
+    elif "test_acc" in record:
+        print(f"meshfl: {options.name} finished round {record['round']}/"
+              f"{options.config.rounds}, test accuracy {record['test_acc']:.3f} ({metrics})",
+              flush=True)

@@ -1,0 +1,445 @@
+"""`meshfl report RUN_DIR`: figures and a short markdown summary of a finished run.
+
+Reads what the nodes wrote (<node>/metrics.jsonl, <node>/info.json, the coordinator's
+metrics and config.yaml) and draws:
+
+* accuracy.png: every node's test accuracy per round, and their mean;
+* matrix-<measure>.png: who learns from whom, one heatmap per measure the algorithm
+  records (aggregation weights, FedC²I influence vectors, pFedSV Shapley values,
+  pFedLIA lazy scores and groups, FedReMa relevant sets). Rows are learners, columns
+  the peers they learn from; nodes are ordered and labelled by their true cluster,
+  group or domain where the partition has one;
+* report.md: the run's settings, a per-node table and what each figure shows.
+
+matplotlib is an optional extra (`pip install meshfl[report]`), imported only here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .cli import UserError
+
+COORDINATOR = "coordinator"  # the folder of the coordinator node (node/coordinator.py)
+# A node's true cluster as its data facts (info.json) name it, by partition.
+TRUTH_KEYS = (("true_cluster", "cluster"), ("group", "group"), ("domain", "domain"))
+MAX_ANNOTATED = 12  # cells carry their value as text up to this many nodes
+
+Rows = dict[str, dict[str, float]]  # learner -> peer -> value
+
+
+# --------------------------------------------------------------------------- reading a run
+
+
+@dataclass
+class Run:
+    folder: Path
+    config: dict[str, Any]
+    records: dict[str, list[dict[str, Any]]]  # node -> its metrics, by round
+    infos: dict[str, dict[str, Any]]
+    coordinator: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def algorithm(self) -> str:
+        algorithm = self.config.get("algorithm", "unknown")
+        return algorithm.get("name", "unknown") if isinstance(algorithm, dict) else algorithm
+
+    def truth(self, node: str) -> tuple[str, Any] | None:
+        """(what, value) of the node's true cluster, group or domain, if the data has one."""
+        data = self.infos.get(node, {}).get("data", {})
+        for key, word in TRUTH_KEYS:
+            if data.get(key) is not None:
+                return word, data[key]
+        return None
+
+
+def read_run(folder: Path) -> Run:
+    if not folder.is_dir():
+        raise UserError(f"RUN_DIR: {folder} is not a folder")
+    records = {path.parent.name: _read_jsonl(path)
+               for path in folder.glob("*/metrics.jsonl") if path.parent.name != COORDINATOR}
+    records = {name: lines for name, lines in records.items() if lines}
+    if not records:
+        raise UserError(f"RUN_DIR: no <node>/metrics.jsonl with a finished round under {folder}; "
+                        "give the --out folder of `meshfl launch` or `meshfl node`")
+    names = sorted(records, key=_natural)
+    return Run(folder=folder, config=_read_config(folder / "config.yaml"),
+               records={name: records[name] for name in names},
+               infos={name: _read_json(folder / name / "info.json") for name in names},
+               coordinator=_read_jsonl(folder / COORDINATOR / "metrics.jsonl"))
+
+
+def _natural(name: str) -> list[Any]:
+    """node2 before node10."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    lines = []
+    for line in path.read_text().splitlines():
+        try:
+            lines.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut short by a killed node
+    return sorted(lines, key=lambda record: record.get("round", 0))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        config = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+# --------------------------------------------------------------------------- measures
+
+
+@dataclass(frozen=True)
+class Measure:
+    """One who-learns-from-whom quantity: per round, a row of values for each learner."""
+
+    key: str
+    title: str  # what the matrix is
+    cell: str  # what one cell means, for the colour bar
+    rows: Callable[[Run], dict[int, Rows]]  # round -> learner -> peer -> value
+    signed: bool = False  # values of both signs: a diverging colour scale around 0
+    absent_is_zero: bool = True  # a peer missing from a row: 0 (not used) or not measured
+    averaged: bool = True  # also show the mean over rounds (not for running totals)
+
+
+def node_rows(extract: Callable[[dict[str, Any]], Any]) -> Callable[[Run], dict[int, Rows]]:
+    """Rows from each node's own metrics: `extract(record)` is that node's row or None."""
+    def rows(run: Run) -> dict[int, Rows]:
+        by_round: dict[int, Rows] = {}
+        for name, records in run.records.items():
+            for record in records:
+                row = extract(record)
+                if row:
+                    by_round.setdefault(record["round"], {})[name] = _as_row(row)
+        return by_round
+    return rows
+
+
+def _as_row(row: dict[str, Any] | list[str]) -> dict[str, float]:
+    """A mapping of peer values, or a list of chosen peers (each counted as 1)."""
+    if isinstance(row, list):
+        return {peer: 1.0 for peer in row}
+    return {peer: float(value) for peer, value in row.items()}
+
+
+def diagnostic(key: str) -> Callable[[dict[str, Any]], Any]:
+    return lambda record: (record.get("diagnostics") or {}).get(key)
+
+
+def relevant_set_rows(run: Run) -> dict[int, Rows]:
+    """FedReMa's relevant sets, chosen by the coordinator in its CCP rounds."""
+    return {record["round"]: {client: _as_row(members) for client, members in sets.items()}
+            for record in run.coordinator
+            if (sets := (record.get("diagnostics") or {}).get("relevant_sets"))}
+
+
+WEIGHTS = Measure(
+    "weights", "Aggregation weights", "weight of the column's model in the row's new model",
+    node_rows(lambda record: record.get("weights")))
+IN_SET = "1: the column is in the row's {0}, 0: it is not"
+MEASURES = {
+    "weights": WEIGHTS,
+    "influence_vector": Measure(
+        "influence_vector", "FedC²I client-level influence λ",
+        "influence λ of the column's model on the row", node_rows(diagnostic("influence_vector"))),
+    "shapley": Measure(
+        "shapley", "pFedSV Shapley values",
+        "Shapley value of the column for the row (> 0: it adds to the row's val accuracy)",
+        node_rows(diagnostic("shapley")), signed=True, absent_is_zero=False),
+    "lazy_scores": Measure(
+        "lazy_scores", "pFedLIA lazy-influence scores",
+        "the column's lazy-influence score, summed over rounds (> 0: it helps the row)",
+        node_rows(diagnostic("lazy_scores")), signed=True, absent_is_zero=False,
+        averaged=False),
+    "group": Measure(
+        "group", "pFedLIA groups found", IN_SET.format("group"),
+        node_rows(diagnostic("group")), averaged=False),
+    "relevant_sets": Measure(
+        "relevant_sets", "FedReMa relevant sets",
+        IN_SET.format("relevant set") + " (mean: the share of rounds it is in it)",
+        relevant_set_rows),
+}
+ALGORITHM_MEASURES = {
+    "fedc2i": ["influence_vector"],
+    "pfedsv": ["shapley", "weights"],
+    "pfedlia": ["lazy_scores", "group", "weights"],
+    "fedrema": ["relevant_sets", "weights"],
+}
+
+
+def measures_for(run: Run) -> list[tuple[Measure, dict[int, Rows]]]:
+    """The algorithm's measures that the run recorded, with their rows: weights for a rule
+    without measures of its own, any measure found where no config names the rule."""
+    if run.algorithm in ALGORITHM_MEASURES:
+        keys = ALGORITHM_MEASURES[run.algorithm]
+    else:
+        keys = ["weights"] if run.config else list(MEASURES)
+    found = []
+    for key in keys:
+        measure = MEASURES[key]
+        rows = measure.rows(run)
+        if rows:
+            found.append((measure, rows))
+    return found
+
+
+# --------------------------------------------------------------------------- matrices
+
+
+@dataclass
+class Matrix:
+    names: list[str]  # row and column order
+    values: list[list[float]]  # nan: not measured
+    caption: str  # which rounds
+
+
+def node_order(run: Run, extra: list[str]) -> list[str]:
+    """Every node (with any named only in rows), grouped by its true cluster if known."""
+    names = list(dict.fromkeys([*run.records, *sorted(extra, key=_natural)]))
+
+    def cluster_first(name: str) -> tuple[str, list[Any]]:
+        truth = run.truth(name)
+        return (str(truth[1]) if truth else "", _natural(name))
+    return sorted(names, key=cluster_first)
+
+
+def final_matrix(run: Run, measure: Measure, by_round: dict[int, Rows]) -> Matrix:
+    """Each learner's row of the last round it recorded one."""
+    last: dict[str, tuple[int, dict[str, float]]] = {}
+    for round_no in sorted(by_round):
+        for learner, row in by_round[round_no].items():
+            last[learner] = (round_no, row)
+    names = node_order(run, _everyone(by_round))
+    rounds = {round_no for round_no, _ in last.values()}
+    caption = f"last round ({rounds.pop()})" if len(rounds) == 1 else "each node's last round"
+    rows = {learner: row for learner, (_, row) in last.items()}
+    return Matrix(names, _grid(names, rows, measure), caption)
+
+
+def mean_matrix(run: Run, measure: Measure, by_round: dict[int, Rows]) -> Matrix:
+    """Each cell's mean over the rounds in which its learner recorded a row."""
+    names = node_order(run, _everyone(by_round))
+    grids = [_grid(names, rows, measure) for rows in by_round.values()]
+    values = [[_nanmean([grid[i][j] for grid in grids]) for j in range(len(names))]
+              for i in range(len(names))]
+    first, last = min(by_round), max(by_round)
+    caption = f"mean over rounds {first}-{last}" if first != last else f"round {first}"
+    return Matrix(names, values, caption)
+
+
+def _everyone(by_round: dict[int, Rows]) -> list[str]:
+    return list({name for rows in by_round.values() for learner, row in rows.items()
+                 for name in (learner, *row)})
+
+
+def _grid(names: list[str], rows: Rows, measure: Measure) -> list[list[float]]:
+    absent = 0.0 if measure.absent_is_zero else math.nan
+    return [[rows[learner].get(peer, absent) if learner in rows else math.nan
+             for peer in names] for learner in names]
+
+
+def _nanmean(values: list[float]) -> float:
+    present = [value for value in values if not math.isnan(value)]
+    return statistics.fmean(present) if present else math.nan
+
+
+# --------------------------------------------------------------------------- drawing
+
+
+def _matplotlib() -> Any:
+    try:
+        import matplotlib
+    except ImportError:
+        raise UserError("meshfl report draws with matplotlib, which is not installed: "
+                        "pip install 'meshfl[report]'") from None
+    matplotlib.use("Agg")  # files only: no display needed
+    from matplotlib.figure import Figure
+
+    return Figure
+
+
+def node_label(run: Run, name: str) -> str:
+    truth = run.truth(name)
+    return f"{name} ({truth[0]} {truth[1]})" if truth else name
+
+
+def draw_accuracy(run: Run, path: Path) -> None:
+    figure = _matplotlib()(figsize=(8, 4.8), layout="constrained")
+    axes = figure.subplots()
+    curves = {name: [(r["round"], r["test_acc"]) for r in records if "test_acc" in r]
+              for name, records in run.records.items()}
+    for name, points in curves.items():
+        axes.plot(*zip(*points, strict=True), marker="o", markersize=3, linewidth=1,
+                  alpha=0.8, label=node_label(run, name))
+    mean = _mean_curve(curves)
+    axes.plot(*zip(*mean, strict=True), color="black", linewidth=2.5, linestyle="--",
+              label="mean over nodes")
+    axes.set(title=f"Test accuracy per round: {_headline(run)}", xlabel="round",
+             ylabel="test accuracy (each node's own test split)", ylim=(0, 1.02))
+    axes.xaxis.get_major_locator().set_params(integer=True)
+    axes.grid(alpha=0.3)
+    columns = 1 if len(curves) <= 12 else 2
+    axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small", ncol=columns)
+    figure.savefig(path, dpi=120)
+
+
+def _mean_curve(curves: dict[str, list[tuple[int, float]]]) -> list[tuple[int, float]]:
+    by_round: dict[int, list[float]] = {}
+    for points in curves.values():
+        for round_no, accuracy in points:
+            by_round.setdefault(round_no, []).append(accuracy)
+    return [(round_no, statistics.fmean(values)) for round_no, values in sorted(by_round.items())]
+
+
+def draw_matrix(run: Run, measure: Measure, by_round: dict[int, Rows], path: Path) -> None:
+    matrices = [final_matrix(run, measure, by_round)]
+    if measure.averaged and len(by_round) > 1:
+        matrices.append(mean_matrix(run, measure, by_round))
+    size = len(matrices[0].names)
+    side = max(4.0, 0.45 * size + 2.5)
+    figure = _matplotlib()(figsize=(side * len(matrices) + 1.2, side), layout="constrained")
+    panels = figure.subplots(1, len(matrices), squeeze=False)[0]
+    scale = _colour_scale(measure, matrices)
+    for axes, matrix in zip(panels, matrices, strict=True):
+        image = _heatmap(axes, run, matrix, scale)
+    figure.colorbar(image, ax=list(panels), shrink=0.8, label=textwrap.fill(measure.cell, 40))
+    figure.suptitle(f"Who learns from whom: {measure.title}\n{_headline(run)}")
+    figure.savefig(path, dpi=120)
+
+
+def _colour_scale(measure: Measure, matrices: list[Matrix]) -> dict[str, Any]:
+    values = [v for matrix in matrices for row in matrix.values for v in row if not math.isnan(v)]
+    if measure.signed:
+        bound = max((abs(v) for v in values), default=1.0) or 1.0
+        return {"cmap": "RdBu", "vmin": -bound, "vmax": bound}  # red hurts, blue helps
+    return {"cmap": "viridis", "vmin": 0.0, "vmax": max(values, default=1.0) or 1.0}
+
+
+def _heatmap(axes: Any, run: Run, matrix: Matrix, scale: dict[str, Any]) -> Any:
+    import numpy as np
+
+    values = np.ma.masked_invalid(np.array(matrix.values, dtype=float))
+    image = axes.imshow(values, **scale)
+    axes.set_facecolor("0.85")  # masked cells: not measured
+    labels = [node_label(run, name) for name in matrix.names]
+    ticks = range(len(labels))
+    axes.set_xticks(ticks, labels, rotation=60, ha="right", fontsize="small")
+    axes.set_yticks(ticks, labels, fontsize="small")
+    unmeasured = any(math.isnan(value) for row in matrix.values for value in row)
+    title = matrix.caption + ("\n(grey: not measured)" if unmeasured else "")
+    axes.set(xlabel="peer learned from (column)", ylabel="learner (row)", title=title)
+    if len(labels) <= MAX_ANNOTATED:
+        _annotate(axes, matrix, image)
+    _cluster_lines(axes, run, matrix.names)
+    return image
+
+
+def _annotate(axes: Any, matrix: Matrix, image: Any) -> None:
+    for i, row in enumerate(matrix.values):
+        for j, value in enumerate(row):
+            if math.isnan(value):
+                continue
+            red, green, blue, _ = image.cmap(image.norm(value))
+            dark = 0.299 * red + 0.587 * green + 0.114 * blue < 0.5
+            axes.text(j, i, _cell_text(value), ha="center", va="center", fontsize="x-small",
+                      color="white" if dark else "black")
+
+
+def _cell_text(value: float) -> str:
+    """Two decimals, but a plain 0 or 1 where a cell is a yes or no."""
+    return str(int(value)) if value in (0.0, 1.0) else f"{value:.2f}"
+
+
+def _cluster_lines(axes: Any, run: Run, names: list[str]) -> None:
+    """Lines between nodes of different true clusters, so blocks stand out."""
+    truths = [run.truth(name) for name in names]
+    for index in range(1, len(names)):
+        if truths[index] and truths[index] != truths[index - 1]:
+            axes.axhline(index - 0.5, color="white", linewidth=2)
+            axes.axvline(index - 0.5, color="white", linewidth=2)
+
+
+def _headline(run: Run) -> str:
+    nodes = f"{len(run.records)} node{'s' if len(run.records) > 1 else ''}"
+    if not run.config:  # `meshfl node` writes no config.yaml
+        return f"{nodes} (no config.yaml in the run folder)"
+    data = run.config.get("data") or {}
+    dataset, partition = data.get("dataset", "?"), data.get("partition", "?")
+    return f"{run.algorithm} on {dataset} ({partition}), {nodes}"
+
+
+# --------------------------------------------------------------------------- the summary
+
+
+def summary_markdown(run: Run, figures: list[tuple[str, str]]) -> str:
+    lines = [f"# Run report: {run.folder.name}", "",
+             _headline(run) + (f", {run.config['rounds']} rounds, seed {run.config.get('seed')}"
+                               if "rounds" in run.config else "") + ".", "",
+             "| node | rounds | first test acc | final test acc | best | val acc | n_train |",
+             "|---|---|---|---|---|---|---|"]
+    finals = []
+    for name, records in run.records.items():
+        scored = [r for r in records if "test_acc" in r]
+        if not scored:
+            continue
+        first, last = scored[0], scored[-1]
+        best = max(r["test_acc"] for r in scored)
+        finals.append(last["test_acc"])
+        lines.append(f"| {node_label(run, name)} | {first['round']}-{last['round']} | "
+                     f"{first['test_acc']:.3f} | {last['test_acc']:.3f} | {best:.3f} | "
+                     f"{last.get('val_acc', math.nan):.3f} | {last.get('n_train', '?')} |")
+    if finals:
+        lines += ["", f"Final test accuracy: mean {statistics.fmean(finals):.3f}, "
+                  f"std {statistics.pstdev(finals):.3f}, min {min(finals):.3f}."]
+    lines += ["", "## Figures", ""]
+    lines += [f"- [{file}]({file}): {caption}" for file, caption in figures]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(run_dir: Path, out: Path | None = None) -> list[Path]:
+    """Draw every figure of the run and write report.md; return the files written."""
+    run = read_run(run_dir)
+    _matplotlib()  # fail before writing anything
+    out = out or run_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    figures = [("accuracy.png", "test accuracy per round, each node and the mean")]
+    draw_accuracy(run, out / "accuracy.png")
+    for measure, by_round in measures_for(run):
+        file = f"matrix-{measure.key}.png"
+        draw_matrix(run, measure, by_round, out / file)
+        figures.append((file, f"{measure.title}; row: learner, column: the peer it learns "
+                              f"from; cell: {measure.cell}"))
+    (out / "report.md").write_text(summary_markdown(run, figures))
+    return [out / file for file, _ in figures] + [out / "report.md"]
+
+
+def run_report(run_dir: str, out: str | None) -> int:
+    written = write_report(Path(run_dir), Path(out) if out else None)
+    for path in written:
+        print(path)
+    return 0

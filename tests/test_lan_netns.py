@@ -1,0 +1,250 @@
+"""Four hosts on a virtual LAN: Linux network namespaces joined by veth pairs and a bridge.
+
+Three hosts run `meshfl node --config peers.yaml --name ...` on their own 10.77.0.x
+address; a fourth joins with `meshfl join` through one of them. The mesh must learn
+(every node ends above a Local model trained on the same data) and no peer table may
+hold a loopback address.
+
+Traffic stays inside: the bridge has no address in the test's own namespace and the
+hosts have no default route, so nothing they send can leave the virtual LAN. Every
+namespace, link and process is named with a per-run token and removed in a `finally`,
+whatever the test's outcome. About 50 s on two idle cores, half of it the Local reference.
+
+The last test needs no namespaces: a late member listed in peers.yaml (the way into a
+closed mesh) joins as its own entry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from meshfl.launch import local
+from meshfl.launch.cli import main
+from meshfl.node import config as cfgmod
+from meshfl.node.data import load_node_data
+from meshfl.node.models import build_model
+from meshfl.node.trainer import evaluate, train_local
+from tests.nodes import records
+
+needs_netns = pytest.mark.skipif(
+    os.name != "posix" or os.geteuid() != 0 or shutil.which("ip") is None,
+    reason="needs root and iproute2 (`ip netns`) to build a virtual LAN of namespaces",
+)
+
+SUBNET = "10.77.0"  # private; only the namespaces of one run ever see it
+PORT = 7700  # the same port on every host, as on real machines
+NAMED = ["alpha", "beta", "gamma"]
+JOINER = "delta"
+# Small shards under mild label skew: too little data to learn alone, so FedAvg clearly
+# beats Local. Many short local epochs at a small step make each round last long
+# enough (a few tenths of a second) for the joiner to start while the mesh runs.
+MESH = {
+    "mesh": "lan-test", "rounds": 20, "local_epochs": 100, "batch_size": 16, "lr": 0.006,
+    "momentum": 0.5, "round_timeout": 10.0, "heartbeat_interval": 0.5, "peer_timeout": 5.0,
+    "data": {"dataset": "digits", "partition": "dirichlet:3.0", "samples_per_node": 150,
+             "split": [0.3, 0.1, 0.6]},
+}
+BUDGET = 240.0  # seconds for the whole mesh, joiner included; about 30 on two idle cores
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
+
+
+class VirtualLan:
+    """Hosts h0..h{n-1}: each a namespace with eth0 at SUBNET.(i+1), all on one bridge."""
+
+    def __init__(self) -> None:
+        token = secrets.token_hex(3)  # interface names must stay within 15 characters
+        self.bridge = f"mfbr{token}"
+        self.prefix = f"mf{token}"
+        self.namespaces: list[str] = []
+        self.processes: list[subprocess.Popen] = []
+
+    def add_host(self) -> str:
+        index = len(self.namespaces)
+        namespace = f"meshfl-test-{self.prefix}-h{index}"
+        outside, inside = f"{self.prefix}o{index}", f"{self.prefix}i{index}"
+        ip("netns", "add", namespace)
+        self.namespaces.append(namespace)
+        ip("link", "add", outside, "type", "veth", "peer", "name", inside)
+        ip("link", "set", outside, "master", self.bridge, "up")
+        ip("link", "set", inside, "netns", namespace)
+        ip("-n", namespace, "link", "set", inside, "name", "eth0")
+        ip("-n", namespace, "addr", "add", f"{self.address(index)}/24", "dev", "eth0")
+        ip("-n", namespace, "link", "set", "eth0", "up")
+        ip("-n", namespace, "link", "set", "lo", "up")
+        return namespace
+
+    @staticmethod
+    def address(index: int) -> str:
+        return f"{SUBNET}.{index + 1}"
+
+    def start(self, index: int, log: Path, *meshfl_args: str) -> subprocess.Popen:
+        """`meshfl ARGS` on host `index`, in its own process group."""
+        command = ["ip", "netns", "exec", self.namespaces[index], sys.executable, "-m",
+                   "meshfl.launch.cli", *meshfl_args]
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as output:
+            process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT,
+                                       start_new_session=True)
+        self.processes.append(process)
+        return process
+
+    def destroy(self) -> None:
+        for process in self.processes:
+            with contextlib.suppress(ProcessLookupError):  # it may end on its own meanwhile
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)
+        for namespace in self.namespaces:
+            subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=10)
+        # Deleting a namespace deletes its veth end and with it the pair.
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, timeout=10)
+
+
+def _end_on_sigterm(signum, frame):
+    raise SystemExit(f"ended by signal {signum}")
+
+
+@pytest.fixture
+def lan():
+    # A SIGTERM (a CI time limit) would end Python without running `finally` and leave
+    # the namespaces behind; as an exception it unwinds through the cleanup below.
+    previous = signal.signal(signal.SIGTERM, _end_on_sigterm)
+    network = VirtualLan()
+    try:
+        ip("link", "add", network.bridge, "type", "bridge")
+        ip("link", "set", network.bridge, "up")
+        yield network
+    finally:
+        network.destroy()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def write_peers(path: Path) -> cfgmod.MeshConfig:
+    peers = [{"name": name, "listen": f"tcp://{VirtualLan.address(index)}:{PORT}"}
+             for index, name in enumerate(NAMED)]
+    path.write_text(yaml.safe_dump({**MESH, "peers": peers}))
+    return cfgmod.load_config(path)
+
+
+def host_dir(root: Path, index: int) -> Path:
+    """Each host writes to its own folder, as separate machines would."""
+    return root / f"host{index}"
+
+
+def node_dir(root: Path, index: int, name: str) -> Path:
+    return host_dir(root, index) / name
+
+
+def run_mesh(lan: VirtualLan, config: Path, root: Path) -> None:
+    nodes = [lan.start(index, node_dir(root, index, name) / "node.log", "node", "--config",
+                       str(config), "--name", name, "--out", str(host_dir(root, index)),
+                       "--local-nodes", "4")
+             for index, name in enumerate(NAMED)]
+    deadline = time.monotonic() + BUDGET
+    wait_for(lambda: records(host_dir(root, 0), NAMED[0]), deadline, "alpha's first round")
+    joiner_index = len(NAMED)
+    joiner = lan.start(joiner_index, node_dir(root, joiner_index, JOINER) / "node.log",
+                       "join", f"tcp://{VirtualLan.address(1)}:{PORT}", "--config", str(config),
+                       "--name", JOINER, "--out", str(host_dir(root, joiner_index)),
+                       "--local-nodes", "4")
+    for process in [*nodes, joiner]:
+        left = max(1.0, deadline - time.monotonic())
+        assert process.wait(timeout=left) == 0, f"exit {process.returncode}: {process.args}"
+
+
+def wait_for(condition, deadline: float, what: str) -> None:
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def peer_addresses(folder: Path) -> list[str]:
+    checkpoint = torch.load(folder / "checkpoint.pt", weights_only=True)
+    return [peer["addr"] for peer in json.loads(checkpoint["peers"])]
+
+
+def host_of(address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    return ipaddress.ip_address(address.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]"))
+
+
+def local_accuracy(cfg: cfgmod.MeshConfig, node_index: int, num_nodes: int) -> float:
+    """Test accuracy of the Local rule on a node's data: its own model, its own
+    rounds of training, no peers."""
+    data_cfg = cfg.data
+    data = load_node_data(data_cfg.dataset, data_cfg.root, data_cfg.partition, num_nodes,
+                          node_index, cfg.seed, data_cfg.samples_per_node, tuple(data_cfg.split))
+    model = build_model(cfg.model.name, data.input_shape, data.num_classes, cfg.model.head,
+                        seed=cfg.seed)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # batches of 16 gain nothing from more; a busy machine loses
+    try:
+        for round_no in range(1, cfg.rounds + 1):
+            train_local(model, data.x_train, data.y_train, cfg.local_epochs, cfg.batch_size,
+                        cfg.optimizer, cfg.lr, seed=node_index * 1009 + round_no,
+                        momentum=cfg.momentum)
+    finally:
+        torch.set_num_threads(threads)
+    return evaluate(model, data.x_test, data.y_test, data.num_classes).accuracy
+
+
+@needs_netns
+def test_three_hosts_and_a_joiner_learn_over_a_virtual_lan(lan, tmp_path):
+    for _ in range(len(NAMED) + 1):
+        namespace = lan.add_host()
+        default_route = subprocess.run(["ip", "-n", namespace, "route", "show", "default"],
+                                       capture_output=True, text=True).stdout.strip()
+        assert not default_route, "a host with a default route could send beyond the LAN"
+    config = tmp_path / "peers.yaml"
+    cfg = write_peers(config)
+    run_mesh(lan, config, tmp_path)
+
+    hosts = {name: index for index, name in enumerate([*NAMED, JOINER])}
+    lan_addresses = {f"tcp://{VirtualLan.address(index)}" for index in hosts.values()}
+    joined = records(host_dir(tmp_path, hosts[JOINER]), JOINER)
+    assert joined and joined[0]["round"] > 1, "the joiner came into a running mesh"
+    assert any(record["received"] for record in joined), "the joiner learned from the mesh"
+    for name, index in hosts.items():
+        folder = node_dir(tmp_path, index, name)
+        last = records(host_dir(tmp_path, index), name)[-1]
+        assert last["round"] == cfg.rounds, f"{name} finished every round"
+        addresses = peer_addresses(folder)
+        assert len(addresses) == len(hosts) - 1, f"{name} knows every other host: {addresses}"
+        assert not any(host_of(address).is_loopback for address in addresses), addresses
+        assert {address.rsplit(":", 1)[0] for address in addresses} < lan_addresses
+        # The joiner's shard is node N of N+1, as `meshfl join` draws it.
+        num_nodes = len(NAMED) + (name == JOINER)
+        alone = local_accuracy(cfg, index, num_nodes)
+        print(f"{name}: mesh {last['test_acc']:.3f}, Local {alone:.3f}")
+        assert last["test_acc"] > alone, f"{name} learned more in the mesh than alone"
+
+
+def test_a_late_member_listed_in_peers_yaml_joins_as_its_entry(tmp_path, monkeypatch):
+    """The way into a closed mesh: `meshfl join --name` of a listed peer takes that
+    peer's address, key and shard, not a free port and shard N of N+1."""
+    started = []
+    monkeypatch.setattr(local, "_run", lambda options: started.append(options) or 0)
+    config = tmp_path / "peers.yaml"
+    write_peers(config)
+    assert main(["join", f"tcp://{VirtualLan.address(0)}:{PORT}", "--config", str(config),
+                 "--name", "gamma", "--set", "peers.gamma.key=keys/gamma.pem"]) == 0
+    (options,) = started
+    assert options.listen == f"tcp://{VirtualLan.address(2)}:{PORT}"
+    assert options.key_path == Path("keys/gamma.pem")
+    assert (options.node_index, options.num_nodes) == (2, len(NAMED))
+    assert options.joining
