@@ -75,10 +75,16 @@ class PeerAlgorithm:
     A round at a node: local training, then `publish` (the blobs to announce, by
     kind), then `wanted` (whose announced blobs to download), then `aggregate`
     with what arrived by the round's deadline.
+
+    The node asks `wanted` again each time more offers arrived, and fetches what it
+    names at once, so within a round a rule's choice must only grow with the offers.
+    A rule that ranks the offers against each other (a top-k) sets `ranks_offers`:
+    it is asked once, when every live peer announced or half the round's time is gone.
     """
 
     name = "base"
     Params: type = NoParams
+    ranks_offers = False
 
     def __init__(self, params: Any, context: Context) -> None:
         self.params = params
@@ -136,6 +142,15 @@ class CoordinatorAlgorithm(PeerAlgorithm):
     def weights_for(self, client: str) -> dict[str, float]:
         """Which clients' models shaped `client`'s model, for its metrics."""
         return {client: 1.0}
+
+    def personal_extras(self, round_no: int, client: str) -> dict[str, torch.Tensor]:
+        """Tensors to send `client` beside its model for round `round_no` (e.g. models it
+        is to score); they reach the client's `receive_extras`. Default: none."""
+        return {}
+
+    def receive_extras(self, round_no: int, extras: dict[str, torch.Tensor]) -> None:
+        """On the client, before `client_update`: the `personal_extras` that came with
+        round `round_no`'s model (empty for most rules and rounds)."""
 
     def aggregate_uploads(self, round_no: int, uploads: dict[str, Upload]) -> dict[str, Any]:
         """Fold the round's uploads into the rule's state; return diagnostics."""

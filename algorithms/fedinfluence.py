@@ -353,7 +353,7 @@ class FedInfluence(CoordinatorAlgorithm):
         diagnostics.update(self._evaluate(round_no))
         seconds["evaluate"] = time.perf_counter() - clock
         if self.params.cleanse_at and round_no == self.params.cleanse_at:
-            diagnostics["cleansed"] = self._cleanse()
+            diagnostics["cleansed"] = self.cleanse()
         diagnostics["seconds"] = seconds
         return diagnostics
 
@@ -480,7 +480,9 @@ class FedInfluence(CoordinatorAlgorithm):
             fil[client], fia[client] = shifted_loss - loss, shifted_accuracy - accuracy
         return fil, fia
 
-    def _cleanse(self) -> list[str]:
+    def cleanse(self) -> list[str]:
+        """Drop `cleanse_fraction` of the clients not yet dropped, by the latest FIL (or at
+        random), from every later round; the round `cleanse_at` calls it."""
         candidates = {name: value for name, value in self.last_fil.items()
                       if name not in self.cleansed}
         if self.params.cleanse_mode == "random":

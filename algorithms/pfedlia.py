@@ -40,15 +40,10 @@ cluster, and `oracle: true` replaces the lazy phase by the true clusters: from r
 a node's group is the peers that reported its own true cluster. The warm-up is kept so
 that the Oracle differs from pFedLIA only in how the groups are found.
 
-Stamps. The mesh names a blob by the sha256 of its tensors alone, and offers, the blob
-store and fetches are keyed by that digest. Blobs with equal tensors are therefore one
-blob to a node, whoever published them and for whichever round: two nodes of the same
-true cluster publish the same "truth", all anchors are bit-identical after a full-mesh
-warm-up, and a lazy model republished next round is the same bytes. The round's wait
-(every alive peer announced every kind) would then never be met. So every blob of the
-kinds above carries a stamp, (a tag of its origin's name, the round), that makes its
-digest its own; receivers drop it. It costs 16 bytes per blob and would be unneeded if
-blobs were named by their signed record (origin, round, kind, digest).
+Equal tensors. Two nodes of the same true cluster publish the same "truth", all anchors
+are bit-identical after a full-mesh warm-up, and a lazy model republished next round is
+the same bytes. They stay distinct blobs all the same: the mesh names a blob by its
+origin's signed record (origin, round, kind and the tensors' digest), not by its tensors.
 """
 
 from __future__ import annotations
@@ -78,7 +73,6 @@ from .baselines import FedAvg
 
 LAZY, ANCHOR, TRUTH = "lazy", "anchor", "truth"
 NOT_READY_KEY = "pfedlia.not_ready"  # the placeholder a node announces before it has θ_0
-STAMP_KEY = "pfedlia.stamp"  # (origin tag, round): see "Stamps" above
 TRUTH_KEY = "true_cluster"
 UNKNOWN_CLUSTER = -1
 KMEANS_RESTARTS = 10
@@ -236,16 +230,16 @@ def _name_tag(name: str) -> int:
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") >> 1
 
 
-def stamped(state: State, origin: str, round_no: int) -> State:
-    """`state` plus the (origin, round) stamp that keeps its digest its own."""
-    return {**state, STAMP_KEY: torch.tensor([_name_tag(origin), round_no])}
+def lazy_seed(seed: int, node: str) -> int:
+    """The seed of node `node`'s draw Z and lazy training: its own, the same on every run."""
+    return seed * 100_003 + _name_tag(node) % 100_003
 
 
 def contents(blob: PeerModel) -> State | None:
-    """A received blob's tensors without the stamp; None for a "not ready" placeholder."""
+    """A received blob's tensors; None for a "not ready" placeholder."""
     if NOT_READY_KEY in blob.state:
         return None
-    return {key: value for key, value in blob.state.items() if key != STAMP_KEY}
+    return blob.state
 
 
 NOT_READY: State = {NOT_READY_KEY: torch.zeros(1)}
@@ -290,9 +284,7 @@ class PFedLIA(PeerAlgorithm):
             self._ensure_lazy_model(data)
             extras[LAZY] = self.lazy_model if self.lazy_model is not None else NOT_READY
             extras[ANCHOR] = self.anchor if self.anchor is not None else NOT_READY
-        # Models change every round by training; the other kinds need the stamp.
-        return {MODEL: state, **{kind: stamped(extra, self.node, round_no)
-                                 for kind, extra in extras.items()}}
+        return {MODEL: state, **extras}
 
     def wanted(self, round_no: int, offered: dict[str, list[str]]) -> dict[str, list[str]]:
         models = offered.get(MODEL, [])
@@ -374,10 +366,10 @@ class PFedLIA(PeerAlgorithm):
         if self.lazy_model is not None or self.anchor is None:
             return
         assert self.context.train is not None, "the node provides its training recipe"
-        seed = self.context.seed * 100_003 + _name_tag(self.node) % 100_003
         self.lazy_model = train_lazy_model(
             self._scratch_model(), self.anchor, data.x_train, data.y_train,
-            self.params.lazy_batch, self.params.lazy_epochs, self.context.train, seed)
+            self.params.lazy_batch, self.params.lazy_epochs, self.context.train,
+            lazy_seed(self.context.seed, self.node))
 
     def _learn_truths(self, blobs: Mapping[str, PeerModel]) -> None:
         for peer, blob in blobs.items():

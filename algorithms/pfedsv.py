@@ -291,6 +291,7 @@ class PFedSV(PeerAlgorithm):
 
     name = "pfedsv"
     Params = PFedSVParams
+    ranks_offers = True  # top-k of the round's offers: asked once, over the whole listing
 
     def __init__(self, params: PFedSVParams, context: Context) -> None:
         super().__init__(params, context)

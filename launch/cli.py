@@ -134,6 +134,17 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir", metavar="RUN_DIR", help="the run folder")
     report.add_argument("--out", metavar="DIR", help="where to write (default RUN_DIR/report)")
 
+    status = commands.add_parser(
+        "status", help="ask a live node for its round, peers, accuracies and rejections",
+        description="Send a signed status request to the node at ADDR and print its answer. "
+                    "Joins nothing; signs with a throwaway key unless --key is given (a "
+                    "closed mesh answers only keys it lists).")
+    status.add_argument("address", metavar="ADDR", help="tcp://HOST:PORT of the node")
+    status.add_argument("--key", metavar="PEM", help="sign with this private key")
+    status.add_argument("--timeout", type=float, default=5.0, metavar="S",
+                        help="seconds to wait for the answer (default 5)")
+    status.add_argument("--json", action="store_true", help="print the answer as JSON")
+
     bench = commands.add_parser(
         "bench", help="measure the wire protocol's throughput or an algorithm's overhead")
     bench.add_argument("what", choices=["wire", "fedc2i", "fedinfluence"],
@@ -153,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     handlers: dict[str, Callable[[argparse.Namespace], int]] = {
         "launch": _launch, "node": _node, "coordinator": _coordinator, "join": _join,
         "keygen": _keygen, "bench": _bench, "experiment": _experiment,
-        "report": _report,
+        "report": _report, "status": _status,
     }
     try:
         return handlers[args.command](args)
@@ -223,6 +234,12 @@ def _report(args: argparse.Namespace) -> int:
     return run_report(args.run_dir, args.out)
 
 
+def _status(args: argparse.Namespace) -> int:
+    from .status import run_status
+
+    return run_status(args)
+
+
 def _bench(args: argparse.Namespace) -> int:
     if args.what == "fedinfluence":
         from .bench_fedinfluence import main as main_fedinfluence
@@ -238,4 +255,8 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the importable module, not this `__main__` copy: the subcommands raise
+    # `meshfl.launch.cli.UserError`, which must be the class `main` catches.
+    from meshfl.launch.cli import main as importable_main
+
+    sys.exit(importable_main())

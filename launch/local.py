@@ -22,6 +22,7 @@ from meshfl.node import config as cfgmod
 from meshfl.node.coordinator import COORDINATOR, needs_coordinator, node_class
 from meshfl.node.data import load_node_data
 from meshfl.node.runtime import NodeOptions
+from meshfl.protocol.transport import host_towards
 
 from .cli import UserError
 
@@ -214,12 +215,14 @@ def write_summary(cfg: cfgmod.MeshConfig, out: Path) -> dict[str, Any]:
 def _grouping_scores(nodes: list[dict[str, Any]], groups: dict[str, list[str]],
                      coordinator_metrics: Path) -> dict[str, Any]:
     """How well the rule found who shares data, where the partition knows the truth:
-    `ari` of the peers' last groups against the true clusters (pFedLIA), and the share
+    `ari` of the peers' last groups against the true clusters (pFedLIA; where the peers
+    record none, the coordinator's last `groups`: pfedlia_central), and the share
     of FedReMa's relevant-set members from the client's own group, per round and mean
     over the critical co-learning period."""
     scores: dict[str, Any] = {}
     truth = {node["name"]: node["data"]["true_cluster"] for node in nodes
              if "true_cluster" in node["data"]}
+    groups = groups or _last_coordinator_groups(coordinator_metrics)
     if groups.keys() & truth.keys():
         scores["ari"] = groups_ari(groups, truth)
     group_of = {node["name"]: node["data"]["group"] for node in nodes if "group" in node["data"]}
@@ -236,6 +239,16 @@ def _grouping_scores(nodes: list[dict[str, Any]], groups: dict[str, list[str]],
             scores["own_group_share"] = shares
             scores["own_group_share_ccp"] = statistics.fmean(shares.values())
     return scores
+
+
+def _last_coordinator_groups(coordinator_metrics: Path) -> dict[str, list[str]]:
+    if not coordinator_metrics.exists():
+        return {}
+    for line in reversed(coordinator_metrics.read_text().splitlines()):
+        groups = json.loads(line).get("diagnostics", {}).get("groups")
+        if groups:
+            return groups
+    return {}
 
 
 def print_table(summary: dict[str, Any]) -> None:
@@ -290,7 +303,7 @@ def run_joiner(args: argparse.Namespace) -> int:
     # its listed address, key and shard; anyone else is node N of N+1 on a free port.
     listed = next((peer for peer in cfg.peers if peer.name == args.name), None)
     if listed is None:
-        host = _host_towards(args.address)
+        host = host_towards(args.address)
         listen = args.listen or f"tcp://{host}:{free_ports(1, host)[0]}"
         key, index, count = None, len(cfg.peers), len(cfg.peers) + 1
     else:
@@ -308,21 +321,6 @@ def run_joiner(args: argparse.Namespace) -> int:
     print(f"meshfl: {name} joining through {args.address}; the next node can join with: "
           f"meshfl join {listen}{config_hint}", flush=True)
     return _run(options)
-
-
-def _host_towards(address: str) -> str:
-    """Our own address on the interface that reaches `address` (no packet is sent)."""
-    host = address.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
-    if host in ("127.0.0.1", "localhost", "::1"):
-        return "127.0.0.1"
-    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        probe.connect((host, 9))
-        return probe.getsockname()[0]
-    except OSError as err:
-        raise UserError(f"cannot reach {address}: {err.strerror}") from None
-    finally:
-        probe.close()
 
 
 def _interrupt(signum: int, frame: Any) -> None:

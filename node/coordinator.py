@@ -8,6 +8,16 @@ The coordinator is a node of the same mesh, with the same keys and signatures.
 Both sides checkpoint every round. A client whose coordinator is away keeps
 training locally and takes up the next `personal` model it receives, so a
 coordinator that restarts from its checkpoint picks the mesh up where it was.
+
+A coordinator that is gone for good must not keep its clients forever: after
+`max(rounds, 3) × round_timeout` seconds without a `personal` message (as long as the
+whole run may take at its deadlines) a client gives up and the process ends with one error
+line and exit status 2 (`CoordinatorGone`). Its metrics and checkpoint stop at the
+last round the coordinator answered; started again, it resumes from there.
+
+A rule may send tensors beside a client's model (`personal_extras`, e.g. models to
+score) and have the client upload tensors beside its own (`client_update`'s extras);
+both travel in the same blob as the model, their names prefixed with `extra/`.
 """
 
 from __future__ import annotations
@@ -28,13 +38,25 @@ from .trainer import evaluate, state_to_arrays
 log = logging.getLogger("meshfl.coordinator")
 
 COORDINATOR = "coordinator"
-EXTRA = "extra/"  # prefix of an upload's extra tensors (gradients and the like)
+EXTRA = "extra/"  # prefix of the rule's extra tensors in an upload or personal blob
+# A client waits this many deadlines at least: a coordinator's wait for its peers at
+# start, one round's full deadline for a slow upload and its aggregation fit in it.
+MIN_PATIENCE_ROUNDS = 3
+
+
+class CoordinatorGone(Exception):
+    """A client heard nothing from its coordinator for its whole patience; one line."""
 
 
 def _split_upload(tensors: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    """(model state, the rule's extras) of an `upload` or `personal` blob's tensors."""
     state = {k: v for k, v in tensors.items() if not k.startswith(EXTRA)}
     extras = {k.removeprefix(EXTRA): v for k, v in tensors.items() if k.startswith(EXTRA)}
     return state, extras
+
+
+def _extra_arrays(extras: dict[str, torch.Tensor]) -> dict[str, Any]:
+    return {EXTRA + k: v.detach().cpu().numpy() for k, v in extras.items()}
 
 
 class CoordinatorNode(Node):
@@ -78,6 +100,7 @@ class CoordinatorNode(Node):
                        initial: dict[str, torch.Tensor], train: bool) -> None:
         state = self.algorithm.model_for(round_no, name, initial)
         arrays = {k: a.copy() for k, a in state_to_arrays(state).items()}
+        arrays.update(_extra_arrays(self.algorithm.personal_extras(round_no, name)))
         meta = {"round": round_no, "train": train, "weights": self.algorithm.weights_for(name)}
         blob = make_blob(self.identity, round_no, "personal", arrays, self.schema, meta)
         self.endpoint.send_blob(key, "personal", blob)
@@ -120,24 +143,40 @@ class ClientNode(Node):
     def _run_rounds(self, first_round: int) -> None:
         self.last_written = first_round - 1
         in_flight: _RoundInFlight | None = None
-        away_logged = False
         while True:
-            message = self.endpoint.next_message("personal", timeout=self.cfg.round_timeout)
-            if message is None or not self._from_coordinator(message):
-                if not away_logged:
-                    log.warning("%s: no word from the coordinator; training locally until it "
-                                "is back", self.options.name)
-                    away_logged = True
-                self._train_locally()
-                continue
-            away_logged = False
+            message = self._next_personal()
             meta = message.blob.meta
-            self.model.load_state_dict(tensors_from_blob(message.blob))
+            state, extras = _split_upload(tensors_from_blob(message.blob))
+            self.model.load_state_dict(state)
+            self.algorithm.receive_extras(meta["round"], extras)
             if in_flight is not None and meta["round"] > in_flight.round:
                 self._record(in_flight, meta.get("weights", {}))
             if not meta["train"]:
                 return
             in_flight = self._train_and_upload(meta["round"], message.sender)
+
+    def _next_personal(self) -> Message:
+        """The coordinator's next `personal` message. While it is away the time goes into
+        local training; after `patience` seconds without a word, CoordinatorGone."""
+        patience = max(self.cfg.rounds, MIN_PATIENCE_ROUNDS) * self.cfg.round_timeout
+        silent_since = time.monotonic()
+        away_logged = False
+        while True:
+            message = self.endpoint.next_message("personal", timeout=self.cfg.round_timeout)
+            if message is not None and self._from_coordinator(message):
+                return message
+            silent = time.monotonic() - silent_since
+            if silent >= patience:
+                raise CoordinatorGone(
+                    f"{self.options.name}: no word from the coordinator at "
+                    f"{self.cfg.coordinator} for {silent:.0f} s (max(rounds, 3) x round_timeout"
+                    f" = {patience:g} s); gave up after round {self.last_written} of "
+                    f"{self.cfg.rounds}. Start the coordinator and this node again to resume")
+            if not away_logged:
+                log.warning("%s: no word from the coordinator; training locally until it "
+                            "is back (at most %g s)", self.options.name, patience)
+                away_logged = True
+            self._train_locally()
 
     def _from_coordinator(self, message: Message) -> bool:
         entry = next((p for p in self.endpoint.peers() if p.public_key == message.sender), None)
@@ -156,7 +195,7 @@ class ClientNode(Node):
         train_loss, extras = self.algorithm.client_update(round_no, self.model, self.data)
         seconds = {"train": time.perf_counter() - clock}
         arrays = {k: a.copy() for k, a in state_to_arrays(self.model).items()}
-        arrays.update({EXTRA + k: v.detach().cpu().numpy() for k, v in extras.items()})
+        arrays.update(_extra_arrays(extras))
         meta = {"round": round_no, "n": len(self.data.y_train)}
         self.endpoint.send_blob(coordinator, "upload",
                                 make_blob(self.identity, round_no, "upload", arrays,
@@ -196,4 +235,5 @@ def node_class(algorithm_name: str, role: str) -> type[Node]:
     return CoordinatorNode if role == COORDINATOR else ClientNode
 
 
-__all__ = ["COORDINATOR", "ClientNode", "CoordinatorNode", "needs_coordinator", "node_class"]
+__all__ = ["COORDINATOR", "ClientNode", "CoordinatorGone", "CoordinatorNode",
+           "needs_coordinator", "node_class"]

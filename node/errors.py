@@ -5,10 +5,12 @@ from meshfl.protocol.identity import KeyFileError
 from meshfl.protocol.transport import TransportError
 
 from .config import ConfigError
+from .coordinator import CoordinatorGone
 from .data import DataError
 from .models import ModelError
 from .runtime import JoinError
 
 USER_ERRORS: tuple[type[Exception], ...] = (
     ConfigError, DataError, ModelError, KeyFileError, TransportError, Refused, JoinError,
+    CoordinatorGone,
 )

@@ -14,6 +14,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -24,6 +25,7 @@ from meshfl.algorithms.base import MODEL, weighted_average
 from meshfl.protocol.endpoint import Endpoint, EndpointSettings
 from meshfl.protocol.gossip import Offer
 from meshfl.protocol.identity import Identity
+from meshfl.protocol.membership import ALIVE
 from meshfl.protocol.wire import Blob, make_blob
 
 from . import config as cfgmod
@@ -72,6 +74,26 @@ def tensors_from_blob(blob: Blob) -> dict[str, torch.Tensor]:
     return {name: torch.from_numpy(np.array(array)) for name, array in blob.arrays().items()}
 
 
+@dataclass
+class _RoundPull:
+    """What a round's collection chose to fetch so far. A rule that ranks the offers
+    (`ranks_offers`) is asked once: when every live peer announced, or at `choose_by`,
+    half-way to the deadline, so that there is time left to fetch. Any other rule is
+    asked again whenever offers may have come in."""
+
+    ask_once: bool
+    choose_by: float
+    chosen: dict[tuple[str, str], Offer] | None = None
+
+    def should_ask(self, complete: bool) -> bool:
+        if not self.ask_once:
+            return True
+        return self.chosen is None and (complete or time.monotonic() >= self.choose_by)
+
+    def wake_by(self, deadline: float) -> float:
+        return deadline if self.chosen is not None else min(deadline, self.choose_by)
+
+
 class Node:
     def __init__(self, options: NodeOptions) -> None:
         self.options = options
@@ -98,6 +120,12 @@ class Node:
         options.out_dir.mkdir(parents=True, exist_ok=True)
         self.metrics = MetricsLog(options.out_dir / "metrics.jsonl")
         self.checkpoint_path = options.out_dir / "checkpoint.pt"
+        self.endpoint.status_extra = self._status_extra
+
+    def _status_extra(self) -> dict[str, Any]:
+        """What this node adds to the endpoint's status answer; runs on its worker thread."""
+        return {"algorithm": self.cfg.algorithm.name, "rounds": self.cfg.rounds,
+                "accuracies": self.metrics.recent_scores()}
 
     def _new_model(self) -> torch.nn.Module:
         return build_model(self.cfg.model.name, self.data.input_shape, self.data.num_classes,
@@ -140,7 +168,10 @@ class Node:
             joined = self.endpoint.wait_joined(timeout=self.cfg.round_timeout)
             if self.options.joining and not joined:
                 raise JoinError(f"no mesh member answered at {', '.join(self.options.bootstrap)} "
-                                f"within {self.cfg.round_timeout:g} s (round_timeout)")
+                                f"within {self.cfg.round_timeout:g} s (round_timeout); check "
+                                "the address, the firewall, that --config has the mesh's "
+                                "name, algorithm and model, and in a closed mesh that this "
+                                "node's public key is listed")
             self._run_rounds(first_round)
         finally:
             self.endpoint.close()
@@ -174,6 +205,7 @@ class Node:
         if current < 1:
             return 1
         self.endpoint.set_round(current)
+        self.endpoint.refresh_offers()  # the current round's models, announced before we came
         deadline = time.monotonic() + self.cfg.round_timeout
         blobs = self._collect(current, {MODEL_KIND}, {peer.public_key for peer in peers},
                               deadline, everything=True).get(MODEL_KIND, {})
@@ -236,25 +268,57 @@ class Node:
 
     def _collect(self, round_no: int, kinds: set[str], origins: set[bytes], deadline: float,
                  everything: bool = False) -> dict[str, dict[str, Blob]]:
-        """The blobs of round `round_no` this node wants, by kind and peer name, as they
-        stand at the deadline."""
-        offers = self.endpoint.wait_offers(round_no, kinds, origins, deadline)
-        names = {peer.public_key: peer.name for peer in self.endpoint.peers()}
-        offered: dict[str, dict[str, Offer]] = {}
-        for offer in offers:
-            if offer.origin in names and offer.origin != self.identity.public_key:
-                offered.setdefault(offer.kind, {})[names[offer.origin]] = offer
-        listing = {kind: sorted(by_name) for kind, by_name in offered.items()}
-        wanted = listing if everything else self.algorithm.wanted(round_no, listing)
-        chosen = {(kind, name): offered[kind][name] for kind, names_ in wanted.items()
-                  for name in names_ if name in offered.get(kind, {})}
-        self.endpoint.fetch(list(chosen.values()))
-        arrived = self.endpoint.wait_blobs([offer.digest for offer in chosen.values()], deadline)
+        """The blobs of round `round_no` this node wants, by kind and peer name.
+
+        Wanted blobs are fetched as their offers come in, so a live peer that never
+        announces costs the wait, not the others' blobs. The wait ends once every live
+        peer among `origins` announced every kind of `kinds` and every chosen blob is
+        here, or at the monotonic `deadline`.
+        """
+        pull = _RoundPull(ask_once=self.algorithm.ranks_offers and not everything,
+                          choose_by=(time.monotonic() + deadline) / 2)
+        while True:
+            seen = self.endpoint.changes()
+            offered, complete = self._offered(round_no, kinds, origins)
+            if pull.should_ask(complete):
+                pull.chosen = self._choose(round_no, offered, everything)
+                self.endpoint.fetch(list(pull.chosen.values()))
+            chosen = pull.chosen or {}
+            arrived = self.endpoint.held([offer.id for offer in chosen.values()])
+            if (pull.chosen is not None and complete and len(arrived) == len(chosen)) \
+                    or time.monotonic() >= deadline:
+                break
+            self.endpoint.wait_change(seen, pull.wake_by(deadline))
         blobs: dict[str, dict[str, Blob]] = {}
         for (kind, name), offer in chosen.items():
-            if offer.digest in arrived:
-                blobs.setdefault(kind, {})[name] = arrived[offer.digest]
+            if offer.id in arrived:
+                blobs.setdefault(kind, {})[name] = arrived[offer.id]
         return blobs
+
+    def _offered(self, round_no: int, kinds: set[str], origins: set[bytes]
+                 ) -> tuple[dict[str, dict[str, Offer]], bool]:
+        """The round's offers of `kinds` by kind and peer name, and whether every live
+        peer among `origins` has announced every kind."""
+        peers = self.endpoint.peers()
+        names = {peer.public_key: peer.name for peer in peers}
+        offered: dict[str, dict[str, Offer]] = {}
+        for offer in self.endpoint.offers(round_no):
+            if offer.kind in kinds and offer.origin in names \
+                    and offer.origin != self.identity.public_key:
+                offered.setdefault(offer.kind, {})[names[offer.origin]] = offer
+        announced = {(offer.origin, offer.kind) for by_name in offered.values()
+                     for offer in by_name.values()}
+        alive = {peer.public_key for peer in peers if peer.state == ALIVE} & origins
+        complete = all((origin, kind) in announced for origin in alive for kind in kinds)
+        return offered, complete
+
+    def _choose(self, round_no: int, offered: dict[str, dict[str, Offer]],
+                everything: bool) -> dict[tuple[str, str], Offer]:
+        """The offers to fetch, by (kind, peer name): the algorithm's `wanted`."""
+        listing = {kind: sorted(by_name) for kind, by_name in offered.items()}
+        wanted = listing if everything else self.algorithm.wanted(round_no, listing)
+        return {(kind, name): offered[kind][name] for kind, names in wanted.items()
+                for name in names if name in offered.get(kind, {})}
 
     def _state_copy(self) -> dict[str, torch.Tensor]:
         return {key: value.detach().clone() for key, value in self.model.state_dict().items()}

@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from collections import Counter, defaultdict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,9 +21,22 @@ from .gossip import BlobStore, Offer, OfferBook
 from .identity import Identity, node_id
 from .membership import ALIVE, LEFT, PeerEntry, PeerTable
 from .transport import Received, Transport, TransportOptions
-from .wire import Blob, Decoder, Limits, Message, Rejected, encode, new_instance
+from .wire import (
+    Blob,
+    Decoder,
+    Limits,
+    Message,
+    Rejected,
+    announce_body,
+    encode,
+    new_instance,
+)
 
 log = logging.getLogger("meshfl.endpoint")
+
+# Rejected after decoding, by the flows: a blob whose signed record is not what its
+# announce said (WIRE.md 7.4). Counted beside the decoder's reasons.
+OFFER_MISMATCH = "offer_mismatch"
 
 
 class Refused(Exception):
@@ -41,6 +54,7 @@ class EndpointSettings:
     max_inflight: int = 2  # blob fetches outstanding per peer
     fetch_timeout: float = 30.0  # an unanswered fetch frees its in-flight slot after this
     allowlist: frozenset[bytes] | None = None  # closed mesh: the only keys allowed
+    status_per_second: int = 10  # status answers; each one to a stranger costs a connection
     limits: Limits = Limits()
     transport: TransportOptions = TransportOptions()
 
@@ -73,32 +87,50 @@ class _Fetches:
     in_flight: dict[bytes, dict[bytes, float]] = field(default_factory=lambda: defaultdict(dict))
     waiting: dict[bytes, deque[bytes]] = field(default_factory=lambda: defaultdict(deque))
 
-    def request(self, holder: bytes, digest: bytes) -> bool:
+    def request(self, holder: bytes, blob_id: bytes) -> bool:
         """Queue a fetch; True when it may be sent now."""
         slots = self.in_flight[holder]
         now = time.monotonic()
-        for stale in [d for d, sent in slots.items() if now - sent > self.stale_after]:
+        for stale in [i for i, sent in slots.items() if now - sent > self.stale_after]:
             del slots[stale]
-        if digest in slots or digest in self.waiting[holder]:
+        if blob_id in slots or blob_id in self.waiting[holder]:
             return False
         if len(slots) < self.cap:
-            slots[digest] = now
+            slots[blob_id] = now
             return True
-        self.waiting[holder].append(digest)
+        self.waiting[holder].append(blob_id)
         return False
 
-    def requested(self, digest: bytes) -> bool:
-        return any(digest in slots for slots in self.in_flight.values())
+    def requested(self, blob_id: bytes) -> bool:
+        return any(blob_id in slots for slots in self.in_flight.values())
 
-    def done(self, digest: bytes) -> list[tuple[bytes, bytes]]:
-        """Mark a digest arrived; return the (holder, digest) fetches now allowed out."""
+    def done(self, blob_id: bytes) -> list[tuple[bytes, bytes]]:
+        """Mark a blob answered; return the (holder, blob id) fetches now allowed out."""
         released = []
         for holder, slots in self.in_flight.items():
-            if slots.pop(digest, None) is not None and self.waiting[holder]:
+            if slots.pop(blob_id, None) is not None and self.waiting[holder]:
                 follower = self.waiting[holder].popleft()
                 slots[follower] = time.monotonic()
                 released.append((holder, follower))
         return released
+
+
+class _RateLimit:
+    """At most `count` events in any `period` seconds."""
+
+    def __init__(self, count: int, period: float = 1.0) -> None:
+        self.count = count
+        self.period = period
+        self._times: deque[float] = deque()
+
+    def allow(self) -> bool:
+        now = time.monotonic()
+        while self._times and now - self._times[0] > self.period:
+            self._times.popleft()
+        if len(self._times) >= self.count:
+            return False
+        self._times.append(now)
+        return True
 
 
 class Endpoint:
@@ -116,7 +148,15 @@ class Endpoint:
         self.offer_book = OfferBook()
         self.decoder = Decoder(mesh_id, settings.limits, schema, self._admit, self._accept)
         self.received: Counter[str] = Counter()  # messages delivered, by kind
+        self.flow_rejections: Counter[str] = Counter()  # OFFER_MISMATCH
         self.fetch_log: list[FetchRecord] = []
+        self._latest_published: list[Blob] = []  # re-announced to whoever says hello
+        self._changes = 0  # counts handled messages and heartbeat ticks: see wait_change
+        # What the node adds to a status answer (accuracies...); called on the worker
+        # thread, so it must be quick and thread-safe.
+        self.status_extra: Callable[[], dict[str, Any]] | None = None
+        self._status_answers = _RateLimit(settings.status_per_second)
+        self._started = time.monotonic()
         self._fetches = _Fetches(settings.max_inflight, settings.fetch_timeout)
         self._inboxes: dict[str, queue.Queue[Message]] = defaultdict(queue.Queue)
         self._lock = threading.RLock()
@@ -180,11 +220,33 @@ class Endpoint:
         """Hold `blob` for fetching and announce it to every live peer."""
         with self._lock:
             self.store.put(blob)
+            latest = self._latest_published
+            if latest and latest[0].round < blob.round:
+                latest.clear()
+            if not latest or latest[0].round == blob.round:
+                latest.append(blob)
             targets = [entry.address for entry in self.table.alive()]
-        body = {"origin": blob.origin, "round": blob.round, "kind": blob.kind,
-                "digest": blob.digest, "size": blob.size}
         for address in targets:
-            self._send(address, "announce", body)
+            self._send(address, "announce", announce_body(blob))
+
+    def refresh_offers(self) -> None:
+        """Say hello again to every live peer; each re-announces its latest blobs. A late
+        joiner calls this once it took the mesh's round: announces that came with its
+        first hellos were too far ahead of its round 0 to be kept."""
+        for entry in self.alive_peers():
+            self._send(entry.address, "hello", self._hello_body())
+
+    def changes(self) -> int:
+        """A counter that moves whenever the endpoint handled a message or checked
+        liveness: pass it to `wait_change` to sleep until something may have changed."""
+        with self._lock:
+            return self._changes
+
+    def wait_change(self, seen: int, deadline: float) -> None:
+        """Wait until `changes()` moves past `seen` or the monotonic `deadline` passes."""
+        with self._changed:
+            while self._changes == seen and (left := deadline - time.monotonic()) > 0:
+                self._changed.wait(left)
 
     def offers(self, round_no: int, kind: str | None = None) -> list[Offer]:
         with self._lock:
@@ -212,20 +274,25 @@ class Endpoint:
         sends = []
         with self._lock:
             for offer in offers:
-                if offer.digest in self.store:
+                if offer.id in self.store:
                     continue
                 holder = self._pick_holder(offer)
-                if holder is not None and self._fetches.request(holder.public_key, offer.digest):
-                    sends.append((holder.address, offer.digest))
-        for address, digest in sends:
-            self._send(address, "fetch", {"digest": digest})
+                if holder is not None and self._fetches.request(holder.public_key, offer.id):
+                    sends.append((holder.address, offer.id))
+        for address, blob_id in sends:
+            self._send(address, "fetch", {"id": blob_id})
 
-    def wait_blobs(self, digests: Iterable[bytes], deadline: float) -> dict[bytes, Blob]:
-        """The blobs among `digests` that arrived by the monotonic `deadline`."""
-        wanted = set(digests)
+    def held(self, blob_ids: Iterable[bytes]) -> dict[bytes, Blob]:
+        """The blobs among `blob_ids` that are here now, by id."""
+        with self._lock:
+            return {i: blob for i in blob_ids if (blob := self.store.get(i)) is not None}
+
+    def wait_blobs(self, blob_ids: Iterable[bytes], deadline: float) -> dict[bytes, Blob]:
+        """The blobs among `blob_ids` that arrived by the monotonic `deadline`, by id."""
+        wanted = set(blob_ids)
         with self._changed:
             while True:
-                have = {d: blob for d in wanted if (blob := self.store.get(d)) is not None}
+                have = self.held(wanted)
                 left = deadline - time.monotonic()
                 if len(have) == len(wanted) or left <= 0:
                     return have
@@ -249,17 +316,22 @@ class Endpoint:
         return True
 
     def next_message(self, kind: str, timeout: float) -> Message | None:
-        """The next message of a direct kind (upload, personal, status...), or None."""
+        """The next message of a direct kind (upload, personal), or None."""
         try:
             return self._inboxes[kind].get(timeout=timeout)
         except queue.Empty:
             return None
 
+    def rejections(self) -> dict[str, int]:
+        """Messages dropped, by reason: the decoder's and the flows'."""
+        with self._lock:
+            return dict(Counter(self.decoder.rejection_counts()) + self.flow_rejections)
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {
                 "bytes_in": self.transport.bytes_in, "bytes_out": self.transport.bytes_out,
-                "rejections": dict(self.decoder.rejections), "received": dict(self.received),
+                "rejections": self.rejections(), "received": dict(self.received),
                 "dropped": sum(self.transport.dropped.values()),
                 "fetched": len(self.fetch_log),
             }
@@ -281,13 +353,16 @@ class Endpoint:
         return {"name": self.settings.name, "addr": self.settings.address}
 
     def _send(self, address: str, kind: str, body: dict[str, Any],
-              blob: Blob | None = None) -> None:
+              blob: Blob | None = None, once: bool = False) -> None:
         # Numbering and queueing under one lock: messages leave in sequence order.
         with self._send_lock:
             self._seq += 1
             frames = encode(self.identity, self.mesh_id, kind, self._seq, self.round, body,
                             instance=self.instance, blob=blob)
-            self.transport.send(address, frames)
+            if once:
+                self.transport.send_once(address, frames)
+            else:
+                self.transport.send(address, frames)
 
     def _pick_holder(self, offer: Offer) -> PeerEntry | None:
         candidates = [self.table.get(key) for key in [offer.origin, *offer.holders]]
@@ -315,24 +390,30 @@ class Endpoint:
                 log.warning("%s: peer %s (%s) is down", self.settings.name, entry.name,
                             entry.address)
             targets = [e.address for e in self.table.entries.values() if e.state != LEFT]
+            self._changes += 1
             self._changed.notify_all()
         for address in targets:
             self._send(address, "heartbeat", self._hello_body())
 
     def _handle_frames(self, received: Received) -> None:
-        with self._lock:
-            try:
-                message = self.decoder.decode(received.frames)
-            except Rejected as rejection:
-                self._log_rejection(received.routing_id, rejection)
-                if rejection.reason == "duplicate_key" and rejection.message is not None:
+        # Decoding hashes every byte of a blob and checks two signatures: it runs without
+        # the lock, so the node's thread is not held up behind a big message. Only this
+        # worker thread decodes, and only it changes the peer table the checks read.
+        try:
+            message = self.decoder.decode(received.frames)
+        except Rejected as rejection:
+            self._log_rejection(received.routing_id, rejection)
+            if rejection.reason == "duplicate_key" and rejection.message is not None:
+                with self._lock:
                     self._refuse(rejection.message)
-                return
+            return
+        with self._lock:
             if message.sender == self.identity.public_key and message.instance == self.instance:
                 return  # sent to ourselves (some hello or peer list gave out our address)
             self.received[message.kind] += 1
             handler = getattr(self, f"_on_{message.kind}", self._on_direct)
             handler(message)
+            self._changes += 1
             self._changed.notify_all()
 
     def _log_rejection(self, routing_id: bytes, rejection: Rejected) -> None:
@@ -351,14 +432,17 @@ class Endpoint:
         return None
 
     def _accept(self, message: Message) -> str | None:
+        if message.kind == "status":
+            return None  # asking takes no part in the mesh: a probe may borrow a live key
         if message.sender == self.identity.public_key:
             # Our twin's `refuse` is signed with our own key: it is the answer we wait for.
             if message.instance == self.instance or message.kind == "refuse":
                 return None
             return "duplicate_key"
         address = message.body.get("addr") if message.kind in ("hello", "heartbeat") else None
-        if self.table.conflicting_instance(message.sender, message.instance, address):
-            return "duplicate_key"
+        with self._lock:
+            if self.table.conflicting_instance(message.sender, message.instance, address):
+                return "duplicate_key"
         return None
 
     def _refuse(self, message: Message) -> None:
@@ -380,6 +464,10 @@ class Endpoint:
               "key": self.identity.public_key}
         listed = [entry.describe() for entry in self.table.alive()]
         self._send(address, "peers", {"peers": [me, *listed]})
+        # Whoever says hello may have missed our announces: a late joiner, or a node
+        # asking again once it took the mesh's round (refresh_offers).
+        for blob in self._latest_published:
+            self._send(address, "announce", announce_body(blob))
 
     def _on_peers(self, message: Message) -> None:
         for item in message.body["peers"]:
@@ -419,12 +507,13 @@ class Endpoint:
         if not known or body["round"] > self.round + self.offer_book.keep_rounds:
             self.received["ignored_announce"] += 1
             return
-        offer = Offer(body["origin"], body["round"], body["kind"], body["digest"], body["size"])
+        offer = Offer(body["id"], body["origin"], body["round"], body["kind"], body["digest"],
+                      body["size"])
         self.offer_book.add(offer, message.sender)
 
     def _on_fetch(self, message: Message) -> None:
         entry = self.table.heard_from(message.sender, message.round)
-        blob = self.store.get(message.body["digest"])
+        blob = self.store.get(message.body["id"])
         if entry is None or blob is None:
             self.received["fetch_miss"] += 1
             return
@@ -434,17 +523,61 @@ class Endpoint:
         entry = self.table.heard_from(message.sender, message.round)
         blob = message.blob
         assert blob is not None
-        if not self._fetches.requested(blob.digest):
+        if not self._fetches.requested(blob.id):
             # Only what we asked for: unsolicited blobs must not push ours out of the store.
             self.received["unrequested_blob"] += 1
             return
-        self.store.put(blob)
-        holder = entry.name if entry else node_id(message.sender)
-        self.fetch_log.append(FetchRecord(blob.origin_id, blob.round, blob.kind, blob.size, holder))
-        for holder_key, digest in self._fetches.done(blob.digest):
+        offer = self.offer_book.get(blob.id)
+        if offer is None or offer.describes(blob):
+            self._keep_fetched(blob, entry.name if entry else node_id(message.sender))
+        else:
+            self._reject_offer(offer, blob)
+        for holder_key, blob_id in self._fetches.done(blob.id):
             target = self.table.get(holder_key)
             if target is not None:
-                self._send(target.address, "fetch", {"digest": digest})
+                self._send(target.address, "fetch", {"id": blob_id})
+
+    def _keep_fetched(self, blob: Blob, holder: str) -> None:
+        self.store.put(blob)
+        self.fetch_log.append(FetchRecord(blob.origin_id, blob.round, blob.kind, blob.size, holder))
+
+    def _reject_offer(self, offer: Offer, blob: Blob) -> None:
+        """The blob's signed record contradicts its announce: the announcer lied about
+        whose blob it is (or its round or kind). Drop both, so the node neither credits
+        the blob to the wrong peer nor asks for it again; a truthful announce re-adds it."""
+        self.flow_rejections[OFFER_MISMATCH] += 1
+        self.offer_book.discard(offer.id)
+        log.warning("%s: dropped blob %s: announced as %s's %s of round %d, signed as %s's "
+                    "%s of round %d", self.settings.name, blob.id.hex()[:16], offer.origin_id,
+                    offer.kind, offer.round, blob.origin_id, blob.kind, blob.round)
+
+    def _on_status(self, message: Message) -> None:
+        # Not `heard_from`: the asker may be a probe holding a peer's key, and it says
+        # nothing about whether that peer is alive.
+        if not self._status_answers.allow():
+            self.received["status_unanswered"] += 1
+            return
+        address = message.body["addr"]
+        is_peer = any(entry.address == address for entry in self.table.entries.values())
+        self._send(address, "status_reply", {"status": self._status()}, once=not is_peer)
+
+    def _status(self) -> dict[str, Any]:
+        """This node as a status answer tells it (WIRE.md 7.6)."""
+        now = time.monotonic()
+        peers = [{"name": entry.name, "id": entry.id, "addr": entry.address,
+                  "state": entry.state, "round": entry.round,
+                  "last_seen_s": round(now - entry.last_seen, 3)}
+                 for entry in self.table.entries.values()]
+        status = {"name": self.settings.name, "addr": self.settings.address,
+                  "round": self.round, "uptime_s": round(now - self._started, 3),
+                  "peers": peers, "rejections": self.rejections(),
+                  "received": dict(self.received)}
+        if self.status_extra is not None:
+            status.update(self.status_extra())
+        return status
+
+    def _on_status_reply(self, message: Message) -> None:
+        pass  # a node never asks, so an answer is unsolicited: counted in `received` only
 
     def _on_direct(self, message: Message) -> None:
         self.table.heard_from(message.sender, message.round)

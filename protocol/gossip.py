@@ -1,4 +1,8 @@
-"""What is on offer and what we hold: announced blobs and a bounded blob store."""
+"""What is on offer and what we hold: announced blobs and a bounded blob store.
+
+Both are keyed by the blob id (the sha256 of the origin's signed record), never by the
+tensors' digest alone: two origins may well publish bit-identical tensors.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +15,12 @@ from .wire import Blob
 
 @dataclass
 class Offer:
-    """An announced blob: who made it, for which round, and who can serve it."""
+    """An announced blob: who made it, for which round, and who can serve it.
 
+    Everything but `id` is the announcer's claim; the blob's own record decides.
+    """
+
+    id: bytes
     origin: bytes
     round: int
     kind: str
@@ -24,9 +32,13 @@ class Offer:
     def origin_id(self) -> str:
         return node_id(self.origin)
 
+    def describes(self, blob: Blob) -> bool:
+        """True when the blob is what this offer said: same origin, round and kind."""
+        return (self.origin, self.round, self.kind) == (blob.origin, blob.round, blob.kind)
+
 
 class BlobStore:
-    """Blobs by digest, oldest evicted first once `max_bytes` is passed.
+    """Blobs by id, oldest evicted first once `max_bytes` is passed.
 
     It holds blobs of any origin, so a node can serve what it fetched to others.
     """
@@ -36,19 +48,19 @@ class BlobStore:
         self.bytes = 0
         self._blobs: OrderedDict[bytes, Blob] = OrderedDict()
 
-    def __contains__(self, digest: bytes) -> bool:
-        return digest in self._blobs
+    def __contains__(self, blob_id: bytes) -> bool:
+        return blob_id in self._blobs
 
-    def get(self, digest: bytes) -> Blob | None:
-        blob = self._blobs.get(digest)
+    def get(self, blob_id: bytes) -> Blob | None:
+        blob = self._blobs.get(blob_id)
         if blob is not None:
-            self._blobs.move_to_end(digest)
+            self._blobs.move_to_end(blob_id)
         return blob
 
     def put(self, blob: Blob) -> None:
-        if blob.digest in self._blobs:
+        if blob.id in self._blobs:
             return
-        self._blobs[blob.digest] = blob
+        self._blobs[blob.id] = blob
         self.bytes += blob.size
         while self.bytes > self.max_bytes and len(self._blobs) > 1:
             _, evicted = self._blobs.popitem(last=False)
@@ -56,17 +68,23 @@ class BlobStore:
 
 
 class OfferBook:
-    """Announced blobs by digest; old rounds are forgotten to bound memory."""
+    """Announced blobs by id; old rounds are forgotten to bound memory."""
 
     def __init__(self, keep_rounds: int = 4) -> None:
         self.keep_rounds = keep_rounds
         self._offers: dict[bytes, Offer] = {}
 
     def add(self, offer: Offer, holder: bytes) -> Offer:
-        known = self._offers.setdefault(offer.digest, offer)
+        known = self._offers.setdefault(offer.id, offer)
         if holder not in known.holders:
             known.holders.append(holder)
         return known
+
+    def get(self, blob_id: bytes) -> Offer | None:
+        return self._offers.get(blob_id)
+
+    def discard(self, blob_id: bytes) -> None:
+        self._offers.pop(blob_id, None)
 
     def for_round(self, round_no: int, kind: str | None = None) -> list[Offer]:
         return [
@@ -76,4 +94,4 @@ class OfferBook:
 
     def forget_before(self, round_no: int) -> None:
         cutoff = round_no - self.keep_rounds
-        self._offers = {d: o for d, o in self._offers.items() if o.round >= cutoff}
+        self._offers = {i: o for i, o in self._offers.items() if o.round >= cutoff}

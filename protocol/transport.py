@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import socket
 import threading
 from collections import Counter
 from collections.abc import Sequence
@@ -28,6 +29,22 @@ class TransportError(Exception):
     """The transport cannot start (bad address, port in use); one line for the user."""
 
 
+def host_towards(address: str) -> str:
+    """Our own IP address on the interface that reaches `address` (tcp://HOST:PORT), so
+    that a node there can dial us back; no packet is sent."""
+    host = address.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect((host, 9))
+        return probe.getsockname()[0]
+    except OSError as err:
+        raise TransportError(f"cannot reach {address}: {err.strerror}") from None
+    finally:
+        probe.close()
+
+
 @dataclass(frozen=True)
 class TransportOptions:
     send_hwm: int = 64  # messages queued per peer before sends are dropped
@@ -37,6 +54,8 @@ class TransportOptions:
     # Sockets never linger (a dead peer must not hang our exit), except for this
     # bounded moment on a clean close, so that a final `bye` gets out.
     close_linger_ms: int = 200
+    # A one-off answer to a node that is not a peer (`send_once`) gets this long to leave.
+    once_linger_ms: int = 2000
 
 
 @dataclass(frozen=True)
@@ -54,7 +73,8 @@ class Transport:
         self.bytes_in = 0
         self.dropped: Counter[str] = Counter()  # peer address -> messages dropped at HWM
         self._closing = threading.Event()
-        self._outbox: queue.Queue[tuple[str, Sequence[Any]] | None] = queue.Queue()
+        # (address, frames, once); empty frames: forget the address; None: stop.
+        self._outbox: queue.Queue[tuple[str, Sequence[Any], bool] | None] = queue.Queue()
         self._wake_read, self._wake_write = os.pipe()
         # Non-blocking: a full pipe already means "wake up", so a lost byte is harmless.
         os.set_blocking(self._wake_write, False)
@@ -79,9 +99,18 @@ class Transport:
 
     def send(self, address: str, frames: Sequence[Any]) -> None:
         """Queue one message for `address`; never blocks, safe from any thread."""
+        self._queue(address, frames, once=False)
+
+    def send_once(self, address: str, frames: Sequence[Any]) -> None:
+        """Send one message over a connection of its own, closed once it is out: for an
+        answer to a node that is no peer (a status probe), which a DEALER kept open
+        would go on redialling after the probe is gone."""
+        self._queue(address, frames, once=True)
+
+    def _queue(self, address: str, frames: Sequence[Any], once: bool) -> None:
         if self._closing.is_set():
             return
-        self._outbox.put((address, frames))
+        self._outbox.put((address, frames, once))
         self._wake()
 
     def _wake(self) -> None:
@@ -92,7 +121,7 @@ class Transport:
 
     def forget(self, address: str) -> None:
         """Close the DEALER to a peer that left (done on the I/O thread)."""
-        self.send(address, ())
+        self._queue(address, (), once=False)
 
     def close(self) -> None:
         """Send what is queued, then close every socket without lingering."""
@@ -143,29 +172,47 @@ class Transport:
                 return True
             if item is None:
                 return False
-            address, frames = item
-            if not frames:
+            address, frames, once = item
+            if once:
+                self._send_once_now(address, frames)
+            elif frames:
+                self._send_now(address, frames)
+            else:
                 dealer = self._dealers.pop(address, None)
                 if dealer is not None:
                     dealer.close(linger=0)
-                continue
-            self._send_now(address, frames)
 
     def _send_now(self, address: str, frames: Sequence[Any]) -> None:
         dealer = self._dealers.get(address)
         if dealer is None:
-            dealer = self._context.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.setsockopt(zmq.SNDHWM, self.options.send_hwm)
-            dealer.setsockopt(zmq.IMMEDIATE, 0)
-            try:
-                dealer.connect(address)
-            except zmq.ZMQError as err:
-                dealer.close(linger=0)
-                log.warning("cannot connect to %s: %s", address, err.strerror)
-                self.dropped[address] += 1
+            dealer = self._connect(address)
+            if dealer is None:
                 return
             self._dealers[address] = dealer
+        self._put(dealer, address, frames)
+
+    def _send_once_now(self, address: str, frames: Sequence[Any]) -> None:
+        dealer = self._connect(address)
+        if dealer is not None:
+            self._put(dealer, address, frames)
+            # Closing does not wait: ZeroMQ sends the queued message in the background.
+            dealer.close(linger=self.options.once_linger_ms)
+
+    def _connect(self, address: str) -> zmq.Socket | None:
+        dealer = self._context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.SNDHWM, self.options.send_hwm)
+        dealer.setsockopt(zmq.IMMEDIATE, 0)
+        try:
+            dealer.connect(address)
+        except zmq.ZMQError as err:
+            dealer.close(linger=0)
+            log.warning("cannot connect to %s: %s", address, err.strerror)
+            self.dropped[address] += 1
+            return None
+        return dealer
+
+    def _put(self, dealer: zmq.Socket, address: str, frames: Sequence[Any]) -> None:
         try:
             dealer.send_multipart(frames, zmq.NOBLOCK, copy=False)
         except zmq.Again:

@@ -6,14 +6,17 @@
 `header` is a msgpack map; `signature` is the sender's Ed25519 signature of
 HEADER_CONTEXT + header, so the exact signed bytes travel on the wire and no
 canonical re-encoding is needed. The header carries the sha256 of frames 1..n.
-Blobs add a record signed by their origin, so a relayed blob stays verifiable.
+Blobs add a record signed by their origin, so a relayed blob stays verifiable; a blob
+is named by the sha256 of that record (its id), not by its tensors alone.
 protocol/WIRE.md is the full specification; this module implements it.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
+import threading
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +39,8 @@ KINDS = (
     "upload", "personal", "status", "status_reply",
 )
 BLOB_KINDS = ("blob", "upload", "personal")  # kinds whose frames are a signed blob
+# The mesh id of a `status` request from a probe that belongs to no mesh (WIRE.md 7.6).
+ANY_MESH = bytes(MESH_ID_BYTES)
 
 DTYPES = {  # wire name -> numpy dtype; nothing else is ever decoded
     "float16": np.dtype("<f2"), "float32": np.dtype("<f4"), "float64": np.dtype("<f8"),
@@ -111,6 +116,11 @@ class Blob:
     def origin_id(self) -> str:
         return node_id(self.origin)
 
+    @functools.cached_property
+    def id(self) -> bytes:
+        """The blob's name in announces, fetches and stores: see `blob_id`."""
+        return blob_id(self.record)
+
     def arrays(self) -> dict[str, np.ndarray]:
         """The tensors as read-only numpy views of the received bytes (no copy)."""
         return {
@@ -128,10 +138,18 @@ class Message:
     instance: bytes
     body: dict[str, Any]
     blob: Blob | None = None
+    mesh: bytes = b""  # the sender's mesh id (a probe's decoder takes any)
 
     @property
     def sender_id(self) -> str:
         return node_id(self.sender)
+
+
+def blob_id(record: bytes) -> bytes:
+    """sha256 of the signed record bytes. The record names origin, round, kind and the
+    tensors' digest, so equal tensors published by two origins (or for two rounds or
+    kinds) are two blobs, while a relayed blob keeps its id."""
+    return hashlib.sha256(record).digest()
 
 
 def frames_digest(frames: Sequence[Any]) -> bytes:
@@ -177,6 +195,12 @@ def blob_body(blob: Blob) -> dict[str, Any]:
     return {"record": blob.record, "sig": blob.signature}
 
 
+def announce_body(blob: Blob) -> dict[str, Any]:
+    """What an `announce` of `blob` says: its id, and its record's claims restated."""
+    return {"id": blob.id, "origin": blob.origin, "round": blob.round, "kind": blob.kind,
+            "digest": blob.digest, "size": blob.size}
+
+
 def encode(
     identity: Identity, mesh_id: bytes, kind: str, seq: int, round_no: int,
     body: Mapping[str, Any], *, instance: bytes, blob: Blob | None = None,
@@ -210,10 +234,12 @@ _BODY_FIELDS: dict[str, dict[str, tuple[type, int | None]]] = {
     "hello": {"name": (str, None), "addr": (str, None)},
     "peers": {"peers": (list, None)},
     "refuse": {"reason": (str, None)},
-    "heartbeat": {}, "bye": {}, "status": {}, "status_reply": {"status": (dict, None)},
-    "announce": {"origin": (bytes, PUBLIC_KEY_BYTES), "round": (int, None), "kind": (str, None),
-                 "digest": (bytes, DIGEST_BYTES), "size": (int, None)},
-    "fetch": {"digest": (bytes, DIGEST_BYTES)},
+    "heartbeat": {}, "bye": {}, "status": {"addr": (str, None)},
+    "status_reply": {"status": (dict, None)},
+    "announce": {"id": (bytes, DIGEST_BYTES), "origin": (bytes, PUBLIC_KEY_BYTES),
+                 "round": (int, None), "kind": (str, None), "digest": (bytes, DIGEST_BYTES),
+                 "size": (int, None)},
+    "fetch": {"id": (bytes, DIGEST_BYTES)},
     **{kind: {"record": (bytes, None), "sig": (bytes, SIGNATURE_BYTES)} for kind in BLOB_KINDS},
 }
 
@@ -234,13 +260,14 @@ MessageCheck = Callable[["Message"], "str | None"]
 
 class Decoder:
     """Checks an incoming message step by step, in the order WIRE.md fixes, and counts
-    every rejection by reason. Not thread-safe: one decoder per receiving thread."""
+    every rejection by reason. One decoder per receiving thread; other threads may read
+    the counts through `rejection_counts`."""
 
     def __init__(
-        self, mesh_id: bytes, limits: Limits = Limits(), schema: bytes | None = None,
+        self, mesh_id: bytes | None, limits: Limits = Limits(), schema: bytes | None = None,
         admit: MessageCheck | None = None, accept: MessageCheck | None = None,
     ) -> None:
-        self.mesh_id = mesh_id
+        self.mesh_id = mesh_id  # None: a probe outside any mesh, which takes every mesh id
         self.limits = limits
         self.schema = schema  # the model schema blobs must match (None: don't check)
         # Hooks returning a rejection reason or None: `admit` before the signature is
@@ -250,13 +277,20 @@ class Decoder:
         self.accept = accept
         self.last_seq: dict[bytes, int] = {}
         self.rejections: Counter[str] = Counter()
+        self._counting = threading.Lock()  # a reader must not see the counter mid-insert
 
     def decode(self, frames: Sequence[Any]) -> Message:
         try:
             return self._decode(frames)
         except Rejected as rejection:
-            self.rejections[rejection.reason] += 1
+            with self._counting:
+                self.rejections[rejection.reason] += 1
             raise
+
+    def rejection_counts(self) -> dict[str, int]:
+        """A copy of the rejection counts, safe to take from any thread."""
+        with self._counting:
+            return dict(self.rejections)
 
     def _decode(self, frames: Sequence[Any]) -> Message:
         # Read-only: a zmq.Frame is writable, yet a verified blob must not change in place.
@@ -264,7 +298,7 @@ class Decoder:
         self._check_size(buffers)
         header_bytes, signature, header = self._unpack_envelope(buffers[0])
         message = self._check_header(header)
-        if header["mesh"] != self.mesh_id:
+        if not self._same_mesh(header["mesh"], message.kind):
             raise Rejected("wrong_mesh")
         if self.admit is not None and (reason := self.admit(message)):
             raise Rejected(reason)
@@ -274,8 +308,11 @@ class Decoder:
             raise Rejected("bad_signature")
         if self.accept is not None and (reason := self.accept(message)):
             raise Rejected(reason, message=message)
-        # Only now, with the signature checked, may the sender's counter move.
-        self.last_seq[message.sender] = message.seq
+        # Only now, with the signature checked, may the sender's counter move. A status
+        # request never moves it: a probe may borrow a live node's key, and its clock-based
+        # number must not make that node's own messages look like replays.
+        if message.kind != "status":
+            self.last_seq[message.sender] = message.seq
         data = buffers[1:]
         if frames_digest(data) != header["digest"]:
             raise Rejected("digest_mismatch")
@@ -284,6 +321,11 @@ class Decoder:
         elif data:
             raise Rejected("bad_header", f"{message.kind} carries no frames")
         return message
+
+    def _same_mesh(self, mesh: bytes, kind: str) -> bool:
+        if self.mesh_id is None or mesh == self.mesh_id:
+            return True
+        return kind == "status" and mesh == ANY_MESH  # asked by a probe that knows no mesh
 
     def _check_size(self, buffers: list[memoryview]) -> None:
         if len(buffers) > self.limits.max_frames + 1:
@@ -323,7 +365,7 @@ class Decoder:
             raise Rejected("bad_header", "negative seq or round")
         _check_fields(f"{kind}.body", header["body"], _BODY_FIELDS[kind])
         return Message(kind, header["from"], header["seq"], header["round"], header["inst"],
-                       header["body"])
+                       header["body"], mesh=header["mesh"])
 
     def _check_blob(self, body: dict[str, Any], digest: bytes, frames: list[memoryview]) -> Blob:
         record = self._unpack(body["record"])

@@ -79,10 +79,10 @@ def cmd_fetch(endpoint: Endpoint, round_no: str, seconds: str, *origins: str) ->
     offers = [offer for offer in endpoint.wait_offers(int(round_no), {"model"}, wanted, deadline)
               if offer.origin in wanted]
     endpoint.fetch(offers)
-    got = endpoint.wait_blobs([offer.digest for offer in offers], deadline)
+    got = endpoint.wait_blobs([offer.id for offer in offers], deadline)
     blobs = []
     for offer in offers:
-        blob = got.get(offer.digest)
+        blob = got.get(offer.id)
         if blob is None:
             continue
         blobs.append({

@@ -78,3 +78,18 @@ def stop(processes: list[subprocess.Popen]) -> None:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
         process.wait(timeout=10)
+
+
+def run_coordinated_mesh(config: Path, out: Path, nodes: int, timeout: float,
+                         coordinator_args: tuple[str, ...] = ()) -> None:
+    """Run `config`'s coordinator and its `nodes` clients as real processes until all of
+    them exit; each must exit cleanly within `timeout` seconds."""
+    (out / "coordinator").mkdir(exist_ok=True)
+    processes = [meshfl("coordinator", "--config", str(config), "--out", str(out),
+                        *coordinator_args, log=out / "coordinator" / "node.log")]
+    processes += [start_node(config, f"node{i}", out) for i in range(nodes)]
+    try:
+        for process in processes:
+            assert process.wait(timeout=timeout) == 0
+    finally:
+        stop(processes)

@@ -47,3 +47,22 @@ def test_killed_coordinator_restarts_from_its_checkpoint_and_nothing_is_lost(tmp
     assert "resumed from the checkpoint of round" in log
     finals = {records(tmp_path, f"node{i}")[-1]["test_acc"] for i in range(3)}
     assert min(finals) > 0.8, "the clients learned through the coordinator"
+
+
+def test_a_client_whose_coordinator_never_comes_gives_up_with_one_line(tmp_path):
+    config = tmp_path / "peers.yaml"
+    # max(rounds, 3) x round_timeout = 3 s of silence is the client's patience.
+    write_config(config, 1, rounds=2, round_timeout=1.0, local_epochs=1,
+                 algorithm={"name": "fedavg_server"},
+                 coordinator=f"tcp://127.0.0.1:{free_ports(1)[0]}")
+    client = start_node(config, "node0", tmp_path)
+    try:
+        assert client.wait(timeout=60) == 2, "a non-zero exit: the run did not finish"
+    finally:
+        stop([client])
+    log = (tmp_path / "node0" / "node.log").read_text()
+    assert "training locally until it is back" in log
+    last = log.strip().splitlines()[-1]
+    assert last.startswith("meshfl: error: node0: no word from the coordinator"), last
+    assert "gave up after round 0 of 2" in last and "Traceback" not in log
+    assert records(tmp_path, "node0") == [], "no round was answered, none is recorded"

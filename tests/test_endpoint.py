@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import logging
 import socket
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from meshfl.protocol.endpoint import Endpoint, EndpointSettings, FetchRecord, Re
 from meshfl.protocol.gossip import Offer
 from meshfl.protocol.identity import Identity, verify
 from meshfl.protocol.membership import ALIVE, DOWN, LEFT
+from meshfl.protocol.probe import ask_status
 from meshfl.protocol.transport import TransportError
 from meshfl.protocol.wire import (
     HEADER_CONTEXT,
@@ -34,6 +36,7 @@ from meshfl.protocol.wire import (
     Decoder,
     Limits,
     Message,
+    announce_body,
     encode,
     frames_digest,
     make_blob,
@@ -544,14 +547,15 @@ def test_publish_announce_fetch_delivers_the_verified_blob(make_endpoint):
     asked = time.monotonic()
     offers = b.wait_offers(1, {"model"}, {a.identity.public_key}, asked + WAIT)
     assert time.monotonic() - asked < WAIT / 2  # returns once the origin announced
-    assert [(o.origin, o.round, o.kind, o.digest, o.size, o.holders) for o in offers] == [
-        (a.identity.public_key, 1, "model", blob.digest, blob.size, [a.identity.public_key])]
+    assert [(o.id, o.origin, o.round, o.kind, o.digest, o.size, o.holders) for o in offers] == [
+        (blob.id, a.identity.public_key, 1, "model", blob.digest, blob.size,
+         [a.identity.public_key])]
     assert b.offers(1, "head") == []
 
     b.fetch(offers)
-    got = b.wait_blobs([blob.digest], time.monotonic() + WAIT)
-    assert list(got) == [blob.digest]
-    fetched = got[blob.digest]
+    got = b.wait_blobs([blob.id], time.monotonic() + WAIT)
+    assert list(got) == [blob.id]
+    fetched = got[blob.id]
     assert fetched.origin == a.identity.public_key and fetched.meta == {"samples": 10}
     assert verify(a.identity.public_key, fetched.signature, RECORD_CONTEXT + fetched.record)
     assert frames_digest(fetched.frames) == blob.digest
@@ -573,7 +577,7 @@ def test_a_node_serves_a_blob_it_fetched_to_a_third_node(make_endpoint):
     offers = relay.wait_offers(2, {"model"}, {origin.identity.public_key},
                                time.monotonic() + WAIT)
     relay.fetch(offers)
-    assert blob.digest in relay.wait_blobs([blob.digest], time.monotonic() + WAIT)
+    assert blob.id in relay.wait_blobs([blob.id], time.monotonic() + WAIT)
 
     origin.close()  # the origin is gone; only the relay holds the blob now
     assert poll_until(lambda: relay.alive_peers() == [])
@@ -582,11 +586,11 @@ def test_a_node_serves_a_blob_it_fetched_to_a_third_node(make_endpoint):
     assert late.wait_joined(WAIT) and late.wait_for_peers(1, WAIT)
     assert origin.identity.public_key not in [e.public_key for e in late.peers()]
 
-    late.fetch([Offer(origin.identity.public_key, 2, "model", blob.digest, blob.size,
+    late.fetch([Offer(blob.id, origin.identity.public_key, 2, "model", blob.digest, blob.size,
                       holders=[relay.identity.public_key])])
-    got = late.wait_blobs([blob.digest], time.monotonic() + WAIT)
-    assert list(got) == [blob.digest]
-    relayed = got[blob.digest]
+    got = late.wait_blobs([blob.id], time.monotonic() + WAIT)
+    assert list(got) == [blob.id]
+    relayed = got[blob.id]
     # Sent by the relay, still signed by the origin, and checked by late's decoder.
     assert relayed.origin == origin.identity.public_key
     assert verify(origin.identity.public_key, relayed.signature, RECORD_CONTEXT + relayed.record)
@@ -602,17 +606,15 @@ def test_fetches_in_flight_per_peer_are_capped(context, make_endpoint):
     holder = RawPeer(context, endpoint.settings.listen, name="holder")
     holder.join()
     blobs = [small_blob(holder.identity, w=np.full(64, i, dtype=np.float32)) for i in range(5)]
-    by_digest = {blob.digest: blob for blob in blobs}
+    by_id = {blob.id: blob for blob in blobs}
     for blob in blobs:
-        holder.send(holder.frames("announce", {
-            "origin": blob.origin, "round": 1, "kind": "model", "digest": blob.digest,
-            "size": blob.size}, round_no=1))
+        holder.send(holder.frames("announce", announce_body(blob), round_no=1))
     holder.join()
     offers = endpoint.offers(1, "model")
     assert len(offers) == 5
 
     endpoint.fetch(offers)
-    asked = [m.body["digest"] for m in holder.collect("fetch", 0.5)]
+    asked = [m.body["id"] for m in holder.collect("fetch", 0.5)]
     assert len(asked) == 2  # the cap, and not one more while none is answered
     with endpoint._lock:
         assert len(endpoint._fetches.in_flight[holder.public_key]) == 2
@@ -620,18 +622,199 @@ def test_fetches_in_flight_per_peer_are_capped(context, make_endpoint):
 
     served: list[bytes] = []
     while asked:
-        digest = asked.pop(0)
-        holder.send(holder.frames("blob", {}, round_no=1, blob=by_digest[digest]))
-        served.append(digest)
-        more = [m.body["digest"] for m in holder.collect("fetch", 0.3)]
+        blob_id = asked.pop(0)
+        holder.send(holder.frames("blob", {}, round_no=1, blob=by_id[blob_id]))
+        served.append(blob_id)
+        more = [m.body["id"] for m in holder.collect("fetch", 0.3)]
         assert len(more) == (1 if len(served) + len(asked) < 5 else 0)
         asked += more
         assert len(asked) <= 2
-    assert sorted(served) == sorted(by_digest)  # each asked for exactly once
+    assert sorted(served) == sorted(by_id)  # each asked for exactly once
 
-    got = endpoint.wait_blobs(by_digest, time.monotonic() + WAIT)
-    assert set(got) == set(by_digest)
+    got = endpoint.wait_blobs(by_id, time.monotonic() + WAIT)
+    assert set(got) == set(by_id)
     assert len(endpoint.fetch_log) == 5
     with endpoint._lock:
         assert not endpoint._fetches.in_flight[holder.public_key]
         assert not endpoint._fetches.waiting[holder.public_key]
+
+
+def test_equal_tensors_from_two_origins_are_two_blobs_and_a_third_node_fetches_both(
+        make_endpoint):
+    # After FedAvg several nodes hold bit-identical models: same digest, different records.
+    puller = make_endpoint("puller")
+    puller.start()
+    origins = [make_endpoint(name) for name in ("first", "second")]
+    for origin in origins:
+        origin.start([puller.settings.listen])
+    for endpoint in [puller, *origins]:
+        assert endpoint.wait_for_peers(2, WAIT), endpoint.settings.name
+    blobs = [make_blob(origin.identity, 1, "model", model_arrays(3), schema=SCHEMA)
+             for origin in origins]
+    assert blobs[0].digest == blobs[1].digest and blobs[0].id != blobs[1].id
+    for origin, blob in zip(origins, blobs, strict=True):
+        origin.publish(blob)
+
+    keys = {origin.identity.public_key for origin in origins}
+    offers = puller.wait_offers(1, {"model"}, keys, time.monotonic() + WAIT)
+    assert sorted((o.origin, o.id) for o in offers) == sorted((b.origin, b.id) for b in blobs)
+    puller.fetch(offers)
+    got = puller.wait_blobs([blob.id for blob in blobs], time.monotonic() + WAIT)
+    assert {blob_id: blob.origin for blob_id, blob in got.items()} == {
+        blob.id: blob.origin for blob in blobs}
+    assert sorted(record.origin for record in puller.fetch_log) == sorted(o.id for o in origins)
+    assert all(origin.received["fetch"] == 1 for origin in origins), "each asked its own"
+
+
+def test_a_blob_whose_record_contradicts_its_announce_is_rejected_and_counted(scene):
+    endpoint, liar = scene.endpoint, scene.raw
+    blob = small_blob(scene.origin)  # genuinely `origin`'s, announced as the liar's own
+    claim = {**announce_body(blob), "origin": liar.public_key}
+    liar.send(liar.frames("announce", claim, round_no=1))
+    liar.join()
+    (offer,) = endpoint.offers(1, "model")
+    assert offer.origin == liar.public_key
+    before = delivered(endpoint)
+
+    endpoint.fetch([offer])
+    assert liar.expect("fetch").body == {"id": blob.id}
+    liar.send(liar.frames("blob", {}, round_no=1, blob=blob))
+    liar.join()  # still serving
+
+    assert endpoint.rejections().get("offer_mismatch") == 1
+    assert endpoint.stats()["rejections"]["offer_mismatch"] == 1
+    after = delivered(endpoint)
+    assert (after["store"], after["fetched"]) == (before["store"], before["fetched"])
+    assert endpoint.offers(1) == [], "the lying offer is dropped, not fetched again"
+    with endpoint._lock:
+        assert not endpoint._fetches.requested(blob.id), "its fetch slot is free again"
+
+    # A truthful announce of the same blob is taken, and the blob with it.
+    liar.send(liar.frames("announce", announce_body(blob), round_no=1))
+    liar.join()
+    (offer,) = endpoint.offers(1, "model")
+    assert offer.origin == scene.origin.public_key
+    endpoint.fetch([offer])
+    assert liar.expect("fetch").body == {"id": blob.id}
+    liar.send(liar.frames("blob", {}, round_no=1, blob=blob))
+    assert list(endpoint.wait_blobs([blob.id], time.monotonic() + WAIT)) == [blob.id]
+    assert endpoint.rejections()["offer_mismatch"] == 1
+
+
+def test_a_late_joiner_is_offered_the_latest_round_published_before_it_came(make_endpoint):
+    origin = make_endpoint("origin")
+    origin.start()
+    old, latest = (make_blob(origin.identity, round_no, "model", model_arrays(round_no),
+                             schema=SCHEMA) for round_no in (1, 2))
+    origin.publish(old)
+    origin.set_round(2)
+    origin.publish(latest)  # announced to nobody: nobody is there yet
+
+    late = make_endpoint("late")
+    late.start([origin.settings.listen])
+    assert late.wait_joined(WAIT) and late.wait_for_peers(1, WAIT)
+    offers = late.wait_offers(2, {"model"}, {origin.identity.public_key},
+                              time.monotonic() + WAIT)
+    assert [offer.id for offer in offers] == [latest.id]
+    assert late.offers(1) == [], "only the latest round is announced again"
+
+
+def test_a_joiner_far_behind_gets_the_offers_once_it_takes_the_mesh_round(make_endpoint):
+    origin = make_endpoint("origin")
+    origin.start()
+    origin.set_round(10)
+    blob = make_blob(origin.identity, 10, "model", model_arrays(10), schema=SCHEMA)
+    origin.publish(blob)
+
+    late = make_endpoint("late")
+    late.start([origin.settings.listen])
+    assert late.wait_joined(WAIT) and late.wait_for_peers(1, WAIT)
+    # Round 10 is too far ahead of the joiner's round 0: that first announce is ignored.
+    assert poll_until(lambda: late.received["ignored_announce"] == 1)
+    assert late.offers(10) == []
+    late.set_round(10)
+    late.refresh_offers()
+    offers = late.wait_offers(10, {"model"}, {origin.identity.public_key},
+                              time.monotonic() + WAIT)
+    assert [offer.id for offer in offers] == [blob.id]
+
+
+def test_messages_are_decoded_without_holding_the_endpoint_lock(context, make_endpoint):
+    endpoint = make_endpoint("target")
+    endpoint.start()
+    lock_free_while_decoding: list[bool] = []
+    decode = endpoint.decoder.decode
+
+    def try_the_lock() -> None:
+        taken = endpoint._lock.acquire(timeout=0.5)
+        if taken:
+            endpoint._lock.release()
+        lock_free_while_decoding.append(taken)
+
+    def observed_decode(frames):
+        # Another thread must be able to take the lock while a message is being decoded.
+        probe = threading.Thread(target=try_the_lock)
+        probe.start()
+        probe.join()
+        return decode(frames)
+
+    endpoint.decoder.decode = observed_decode
+    raw = RawPeer(context, endpoint.settings.listen)
+    raw.join()
+    raw.send(raw.frames("heartbeat", {}, mesh=OTHER_MESH))  # a rejected one too
+    raw.join()
+    assert len(lock_free_while_decoding) >= 3 and all(lock_free_while_decoding)
+    assert endpoint.rejections() == {"wrong_mesh": 1}
+
+
+# --- status -------------------------------------------------------------------------
+
+
+def test_a_node_answers_a_status_probe_and_does_not_take_it_for_a_peer(make_endpoint):
+    node, peer = joined_pair(make_endpoint)
+    node.status_extra = lambda: {"accuracies": [{"round": 1, "test_acc": 0.5}]}
+    answer = ask_status(Identity.generate(), node.settings.listen, "127.0.0.1", WAIT)
+    assert answer is not None
+    assert (answer.sender, answer.node_id, answer.mesh_id) == (
+        node.identity.public_key, node.id, MESH)
+    status = answer.status
+    assert (status["name"], status["addr"], status["round"]) == ("a", node.settings.listen, 0)
+    (listed,) = status["peers"]
+    assert (listed["name"], listed["id"], listed["state"]) == ("b", peer.id, ALIVE)
+    assert 0 <= listed["last_seen_s"] < node.settings.peer_timeout
+    assert status["accuracies"] == [{"round": 1, "test_acc": 0.5}]
+    assert status["rejections"] == {}
+    assert [entry.public_key for entry in node.peers()] == [peer.identity.public_key]
+
+
+def test_a_status_request_is_checked_like_any_message(make_endpoint):
+    node = make_endpoint("node")
+    node.start()
+    wrong_mesh = ask_status(Identity.generate(), node.settings.listen, "127.0.0.1", 0.5,
+                            mesh_id=OTHER_MESH)
+    assert wrong_mesh is None and node.rejections() == {"wrong_mesh": 1}
+    assert ask_status(Identity.generate(), node.settings.listen, "127.0.0.1", WAIT,
+                      mesh_id=MESH) is not None, "the mesh's own id is fine too"
+
+
+def test_a_closed_mesh_answers_status_only_to_listed_keys_even_one_in_use(scene):
+    endpoint, raw = scene.endpoint, scene.raw
+    address = endpoint.settings.listen
+    assert ask_status(scene.stranger, address, "127.0.0.1", 0.5) is None
+    assert endpoint.rejections()["unknown_sender"] == 1
+    # The operator may sign with a listed key whose node is live: that is no twin, and
+    # the probe's clock-based number must not make the live node's messages replays.
+    answer = ask_status(raw.identity, address, "127.0.0.1", WAIT)
+    assert answer is not None and answer.node_id == endpoint.id
+    raw.join()
+    assert endpoint.rejections() == {"unknown_sender": 1}
+
+
+def test_status_answers_are_rate_limited(make_endpoint):
+    node = make_endpoint("node", status_per_second=2)
+    node._status_answers.period = 60.0  # so that a slow machine cannot spread the asks out
+    node.start()
+    answers = [ask_status(Identity.generate(), node.settings.listen, "127.0.0.1", 1.0)
+               for _ in range(3)]
+    assert [answer is not None for answer in answers] == [True, True, False]
+    assert node.received["status_unanswered"] == 1

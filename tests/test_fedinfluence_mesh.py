@@ -1,11 +1,13 @@
 """Fed-Influence on real processes: a coordinator and three clients over loopback, with
-float16 gradient sets on the wire, client sampling and a cleansing round."""
+float16 gradient sets on the wire and a cleansing round. Every client trains every
+round (sampling is unit-tested): each client process pays torch.func's one-off start-up
+in its first round, and a sampled schedule would pay it in several rounds one by one."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.nodes import free_ports, meshfl, records, start_node, stop, write_config
+from tests.nodes import free_ports, records, run_coordinated_mesh, write_config
 
 NODES, ROUNDS, STEPS, SAMPLES = 3, 4, 2, 4
 LOGREG_ON_DIGITS = 64 * 10 + 10  # parameters: 8x8 pixels to 10 classes, plus the bias
@@ -14,25 +16,19 @@ LOGREG_ON_DIGITS = 64 * 10 + 10  # parameters: 8x8 pixels to 10 classes, plus th
 def test_coordinated_run_writes_every_clients_influence(tmp_path):
     config = tmp_path / "peers.yaml"
     algorithm = {"name": "fedinfluence", "lr": 0.05, "local_steps": STEPS,
-                 "samples_per_step": SAMPLES, "clients_per_round": 2,
+                 "samples_per_step": SAMPLES, "clients_per_round": 0,
                  "gradient_dtype": "float16", "cleanse_at": 3, "cleanse_fraction": 0.34}
-    write_config(config, NODES, rounds=ROUNDS, round_timeout=20.0, algorithm=algorithm,
+    # Generous liveness timing: a loaded machine must not turn a busy client into a dead one.
+    write_config(config, NODES, rounds=ROUNDS, round_timeout=20.0, heartbeat_interval=0.5,
+                 peer_timeout=10.0, algorithm=algorithm,
                  model={"name": "logreg"}, coordinator=f"tcp://127.0.0.1:{free_ports(1)[0]}")
-    (tmp_path / "coordinator").mkdir()
-    processes = [meshfl("coordinator", "--config", str(config), "--out", str(tmp_path),
-                        log=tmp_path / "coordinator" / "node.log")]
-    processes += [start_node(config, f"node{i}", tmp_path) for i in range(NODES)]
-    try:
-        for process in processes:
-            assert process.wait(timeout=90) == 0
-    finally:
-        stop(processes)
+    run_coordinated_mesh(config, tmp_path, NODES, timeout=90)
     names = [f"node{i}" for i in range(NODES)]
     coordinator = records(tmp_path, "coordinator")
     assert [row["round"] for row in coordinator] == list(range(1, ROUNDS + 1))
     for row in coordinator:
         found = row["diagnostics"]
-        assert len(row["clients"]) <= 2 and sorted(row["uploaded"]) == sorted(row["clients"])
+        assert sorted(row["uploaded"]) == sorted(row["clients"])
         for key in ("fil", "fia", "fip_norm"):
             assert set(found[key]) == set(names), key
         assert set(found["lwet_flags"]) == {"head.weight", "head.bias"}
@@ -43,7 +39,8 @@ def test_coordinated_run_writes_every_clients_influence(tmp_path):
     cleansed = coordinator[2]["diagnostics"]["cleansed"]
     fil = coordinator[2]["diagnostics"]["fil"]
     assert cleansed == [min(fil, key=lambda name: (fil[name], name))]
-    assert cleansed[0] not in coordinator[3]["clients"], "a cleansed client trains no more"
+    assert coordinator[3]["clients"] == sorted(set(names) - set(cleansed)), \
+        "a cleansed client trains no more"
     gradient_bytes = STEPS * SAMPLES * LOGREG_ON_DIGITS * 2
     trained = [line for name in names for line in records(tmp_path, name)]
     assert trained and all(line["bytes_out"] > gradient_bytes for line in trained)

@@ -23,7 +23,7 @@ from meshfl.algorithms.fedrema import (
     relevant_set,
 )
 from meshfl.node.models import body_keys, build_model, head_keys
-from tests.nodes import free_ports, meshfl, records, start_node, stop, write_config
+from tests.nodes import free_ports, records, run_coordinated_mesh, write_config
 
 CLASSES = 10
 GROUP_LABELS = {"a": [0, 1, 2], "b": [3, 4, 5], "c": [6, 7, 8]}
@@ -326,15 +326,7 @@ def test_coordinated_run_writes_the_fedrema_diagnostics(tmp_path):
                  algorithm={"name": "fedrema"}, model={"name": "mlp", "head": "fc"},
                  data={"dataset": "digits", "partition": "groups:0.2"},
                  coordinator=f"tcp://127.0.0.1:{free_ports(1)[0]}")
-    (tmp_path / "coordinator").mkdir()
-    processes = [meshfl("coordinator", "--config", str(config), "--out", str(tmp_path),
-                        log=tmp_path / "coordinator" / "node.log")]
-    processes += [start_node(config, f"node{i}", tmp_path) for i in range(nodes)]
-    try:
-        for process in processes:
-            assert process.wait(timeout=60) == 0
-    finally:
-        stop(processes)
+    run_coordinated_mesh(config, tmp_path, nodes, timeout=60)
     names = [f"node{i}" for i in range(nodes)]
     for index, name in enumerate(names):  # the analysis maps node i to group i % 5
         assert json.loads((tmp_path / name / "info.json").read_text())["data"]["group"] == index

@@ -57,7 +57,10 @@ def test_a_killed_node_resumes_from_its_checkpoint_while_the_others_finish(tmp_p
     resumed = records(tmp_path, "node2")
     assert [r["round"] for r in resumed] == list(range(1, 13)), "no round lost or repeated"
     log = (tmp_path / "node2" / "node.log").read_text()
-    assert f"resumed from the checkpoint of round {killed_at}" in log
+    # A round's metrics line is written just before its checkpoint: a kill between the two
+    # resumes from the round before (and the metrics are rewound to it, as checked above).
+    assert any(f"resumed from the checkpoint of round {r}" in log
+               for r in (killed_at, killed_at - 1))
 
 
 def test_a_node_joining_mid_run_takes_part_in_the_next_rounds(tmp_path):

@@ -379,3 +379,18 @@ def test_the_layering_check_sees_relative_imports(tmp_path):
     names = _imported_modules(sample)
     assert "meshfl.node.trainer" in names and "meshfl.protocol.wire" in names
     assert "pickle" in names
+
+
+def test_a_blob_id_names_its_signed_record_not_just_its_tensors(alice):
+    bob = Identity.generate()
+    arrays = sample_arrays()
+    blobs = [make_blob(origin, round_no, kind, arrays, SCHEMA)
+             for origin, round_no, kind in [(alice, 1, "model"), (bob, 1, "model"),
+                                            (alice, 2, "model"), (alice, 1, "head")]]
+    assert len({blob.digest for blob in blobs}) == 1
+    assert len({blob.id for blob in blobs}) == len(blobs)
+    assert blobs[0].id == hashlib.sha256(blobs[0].record).digest()
+    # Relayed by anyone, a blob keeps its id: it is the origin's record that is hashed.
+    relayed = Decoder(MESH).decode(encode(bob, MESH, "blob", 1, 1, {}, instance=new_instance(),
+                                          blob=blobs[0])).blob
+    assert relayed.id == blobs[0].id

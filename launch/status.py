@@ -1,0 +1,84 @@
+"""`meshfl status ADDR`: ask a live node how it is and print what it answers.
+
+It signs the request with a throwaway key (or `--key`) and joins nothing. Imports
+stay on the protocol side, so asking does not wait for torch to load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from typing import Any
+
+from meshfl.protocol.identity import Identity
+from meshfl.protocol.probe import StatusAnswer, ask_status
+from meshfl.protocol.transport import host_towards
+
+from .cli import UserError
+
+ADDRESS = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):\d{1,5}")
+
+
+def run_status(args: argparse.Namespace) -> int:
+    if not ADDRESS.fullmatch(args.address):
+        raise UserError(f"ADDR: got {args.address!r}; allowed: tcp://HOST:PORT")
+    if args.timeout <= 0:
+        raise UserError(f"--timeout: got {args.timeout:g}; allowed: seconds > 0")
+    identity = Identity.load(args.key) if args.key else Identity.generate()
+    answer = ask_status(identity, args.address, host_towards(args.address), args.timeout)
+    if answer is None:
+        raise UserError(
+            f"no status answer from {args.address} within {args.timeout:g} s: nothing "
+            "listens there, the node cannot reach this machine back, or its mesh is closed "
+            "and does not list this key (pass a listed one with --key)")
+    report = status_report(answer)
+    try:
+        text = json.dumps(report, indent=2) if args.json else format_report(report)
+    except (AttributeError, KeyError, TypeError, ValueError):
+        raise UserError(f"the node at {args.address} answered a status this version cannot "
+                        "read; try --json") from None
+    print(text)
+    return 0
+
+
+def status_report(answer: StatusAnswer) -> dict[str, Any]:
+    """The node's answer, with who answered taken from the signature, not from the body."""
+    return {**answer.status, "id": answer.node_id, "public_key": answer.sender.hex(),
+            "mesh": answer.mesh_id.hex()}
+
+
+def format_report(report: dict[str, Any]) -> str:
+    lines = [f"{report.get('name', '?')}  id {report['id']}  at {report.get('addr', '?')}",
+             _progress_line(report), _accuracy_line(report.get("accuracies", []))]
+    lines += _peer_lines(report.get("peers", []))
+    rejections = report.get("rejections", {})
+    listed = ", ".join(f"{reason} {count}" for reason, count in sorted(rejections.items()))
+    lines.append(f"rejected messages: {listed or 'none'}")
+    return "\n".join(lines)
+
+
+def _progress_line(report: dict[str, Any]) -> str:
+    rounds = f" of {report['rounds']}" if "rounds" in report else ""
+    return (f"mesh {report['mesh']}  algorithm {report.get('algorithm', '?')}  "
+            f"round {report.get('round', '?')}{rounds}  up {report.get('uptime_s', 0):.0f} s")
+
+
+def _accuracy_line(accuracies: list[dict[str, Any]]) -> str:
+    if not accuracies:
+        return "test accuracy: no round evaluated yet"
+    scores = ", ".join(f"round {score['round']} {score['test_acc']:.3f}" for score in accuracies)
+    return f"test accuracy: {scores}"
+
+
+def _peer_lines(peers: list[dict[str, Any]]) -> list[str]:
+    alive = sum(peer.get("state") == "alive" for peer in peers)
+    lines = [f"peers: {len(peers)} known, {alive} alive"]
+    if peers:
+        lines.append(f"  {'name':<14}{'state':<7}{'round':>6}  {'last seen':>11}  "
+                     f"{'id':<33}address")
+    for peer in sorted(peers, key=lambda peer: str(peer.get("name"))):
+        seen = f"{peer['last_seen_s']:.1f} s ago"
+        lines.append(f"  {peer['name']:<14}{peer['state']:<7}{peer['round']:>6}  {seen:>11}  "
+                     f"{peer['id']:<33}{peer['addr']}")
+    return lines

@@ -1,0 +1,87 @@
+"""A node's round collection (Node._collect) over real endpoints on loopback: wanted blobs
+are fetched as their offers arrive, and the round's deadline bounds the whole wait."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from meshfl.node.runtime import Node
+from meshfl.protocol.wire import make_blob
+from tests.test_endpoint import SCHEMA, WAIT
+from tests.test_endpoint import make_endpoint as make_endpoint  # the fixture
+
+DEADLINE = 2.0
+
+
+class Wanted:
+    """A rule's `wanted` that takes every model and remembers what it was shown."""
+
+    def __init__(self, ranks_offers: bool) -> None:
+        self.ranks_offers = ranks_offers
+        self.listings: list[dict[str, list[str]]] = []
+
+    def wanted(self, round_no: int, offered: dict[str, list[str]]) -> dict[str, list[str]]:
+        self.listings.append(offered)
+        return {"model": list(offered.get("model", []))}
+
+
+def collector(endpoint, rule) -> Node:
+    """A Node reduced to what its round collection uses: endpoint, identity and rule."""
+    node = Node.__new__(Node)
+    node.endpoint, node.identity, node.algorithm = endpoint, endpoint.identity, rule
+    return node
+
+
+@pytest.fixture
+def mesh_with_a_silent_peer(make_endpoint):
+    """A puller, a peer that publishes its round-1 model and a live peer that never does."""
+    puller = make_endpoint("puller")
+    puller.start()
+    publisher, silent = make_endpoint("publisher"), make_endpoint("silent")
+    for peer in (publisher, silent):
+        peer.start([puller.settings.listen])
+    for endpoint in (puller, publisher, silent):
+        assert endpoint.wait_for_peers(2, WAIT), endpoint.settings.name
+    puller.set_round(1)
+    arrays = {"w": np.arange(6, dtype=np.float32)}
+    blob = make_blob(publisher.identity, 1, "model", arrays, schema=SCHEMA)
+    publisher.publish(blob)
+    origins = {publisher.identity.public_key, silent.identity.public_key}
+    return SimpleNamespace(puller=puller, blob=blob, origins=origins)
+
+
+@pytest.mark.parametrize("ranks_offers", [False, True])
+def test_a_peer_that_never_announces_does_not_cost_the_others_blobs(
+        mesh_with_a_silent_peer, ranks_offers):
+    mesh = mesh_with_a_silent_peer
+    rule = Wanted(ranks_offers)
+    started = time.monotonic()
+    blobs = collector(mesh.puller, rule)._collect(1, {"model"}, mesh.origins,
+                                                  started + DEADLINE)
+    waited = time.monotonic() - started
+    assert set(blobs) == {"model"} and set(blobs["model"]) == {"publisher"}
+    assert blobs["model"]["publisher"].id == mesh.blob.id
+    assert DEADLINE - 0.1 <= waited <= DEADLINE + 1.0, "it waited for the silent peer"
+    assert rule.listings[-1] == {"model": ["publisher"]}
+    if ranks_offers:
+        assert len(rule.listings) == 1, "a ranking rule is asked once"
+
+
+def test_the_wait_ends_once_every_live_peer_announced_and_its_blob_arrived(make_endpoint):
+    puller = make_endpoint("puller")
+    puller.start()
+    publisher = make_endpoint("publisher")
+    publisher.start([puller.settings.listen])
+    assert puller.wait_for_peers(1, WAIT) and publisher.wait_for_peers(1, WAIT)
+    blob = make_blob(publisher.identity, 1, "model", {"w": np.ones(3, dtype=np.float32)},
+                     schema=SCHEMA)
+    publisher.publish(blob)
+    started = time.monotonic()
+    blobs = collector(puller, Wanted(False))._collect(
+        1, {"model"}, {publisher.identity.public_key}, started + 10 * DEADLINE)
+    assert blobs["model"]["publisher"].id == blob.id
+    assert time.monotonic() - started < DEADLINE
