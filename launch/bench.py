@@ -5,11 +5,11 @@ What is measured, for each blob size, in one run:
 signed
     A sender process streams blobs to a receiver process over loopback TCP, through a
     DEALER connected to a bound ROUTER (the socket pair the transport uses). For every
-    blob the sender calls ``wire.make_blob`` (sha256 over the tensor bytes and the
+    blob the sender calls ``wire.make_blob`` (BLAKE3 over the tensor bytes and the
     origin's Ed25519 signature of the record), then ``wire.encode`` (the header and its
     signature), and sends the frames with ``copy=False``. The receiver takes each message
     off its socket, runs ``Decoder.decode`` on it (limits, msgpack, header schema, mesh,
-    replay, both signatures, sha256 of the frames, dtype/shape checks, model schema) and
+    replay, both signatures, BLAKE3 of the frames, dtype/shape checks, model schema) and
     takes ``blob.arrays()``. The tensors come from a pool of random arrays allocated once,
     so no time goes to making data, but every blob is hashed and signed afresh.
 raw
@@ -30,15 +30,12 @@ within a repetition so that a noisy neighbour hurts both alike. ``--detail`` add
 path, the CPU milliseconds per MB of each process and of its main thread, and the
 throughput the machine's cores would allow at that cost.
 
-What bounds the ratio: the signed path must run sha256 over every byte twice (once on
-each side), which costs about 0.6 to 0.9 CPU ms per MB per side, while moving the bytes
-over loopback costs only about 0.4 ms per MB for both sides together. On a machine with
-two cores the signed path is CPU-bound at 2 cores / (about 2 ms per MB), near 0.9 GB/s,
-whereas raw loopback runs at 2.5 to 4 GB/s without using both cores; the ratio then
-stays near 0.2 to 0.35 however the work is overlapped (measured on the 2-core
-development VM; the signed path reached about 95 % of its CPU ceiling). More cores
-raise the ceiling; a single sha256 stream per side (about 1.5 to 1.8 GB/s there) is the
-next limit.
+What bounds the ratio: the signed path must hash every byte twice (once on each side),
+while raw loopback only moves it (about 0.4 CPU ms per MB for both sides together). With
+SHA-256 (protocol version 1) hashing cost 0.6 to 0.9 CPU ms per MB per side, the signed
+path was CPU-bound on two cores near 0.9 GB/s and the ratio stayed at 0.2 to 0.35. BLAKE3
+costs about 0.2 ms per MB per side (``--detail`` shows it), so the signed path now needs
+about 0.8 CPU ms per MB in all and reaches 0.5 to 0.75 of raw loopback on two cores.
 """
 
 from __future__ import annotations

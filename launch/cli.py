@@ -102,8 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--name", help="this node's name (default joiner-<port>)")
     join.add_argument("--listen", metavar="ADDR", help="where to bind (default: this host's "
                       "address towards ADDR, on a free port)")
-    join.add_argument("--out", metavar="DIR", default="runs/join", help="output folder")
-    join.add_argument("--key", metavar="PEM", help="private key (created if missing)")
+    join.add_argument("--out", metavar="DIR", default="runs/node",
+                      help="output folder, as for `meshfl node` (default runs/node)")
+    join.add_argument("--key", metavar="PEM", help="private key (default: the listed peer's "
+                      "`key` when --name is in --config, else <out>/keys/<name>.pem; created "
+                      "if missing)")
     _add_local_nodes(join)
 
     keygen = commands.add_parser(

@@ -316,10 +316,10 @@ def run_joiner(args: argparse.Namespace) -> int:
         key_path=Path(args.key or key or out / "keys" / f"{name}.pem"),
         node_index=index, num_nodes=count,
         bootstrap=_with_coordinator(cfg, [args.address]), joining=True,
-        local_nodes=args.local_nodes)
-    config_hint = f" --config {args.config}" if args.config else ""
-    print(f"meshfl: {name} joining through {args.address}; the next node can join with: "
-          f"meshfl join {listen}{config_hint}", flush=True)
+        local_nodes=args.local_nodes,
+        join_hint=f"meshfl join {listen}" + (f" --config {args.config}" if args.config else "")
+        + " --name NAME")
+    print(f"meshfl: {name} joining through {args.address}", flush=True)
     return _run(options)
 
 

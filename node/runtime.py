@@ -24,7 +24,7 @@ from meshfl.algorithms import Context, PeerModel, algorithm_class, parse_params
 from meshfl.algorithms.base import MODEL, weighted_average
 from meshfl.protocol.endpoint import Endpoint, EndpointSettings
 from meshfl.protocol.gossip import Offer
-from meshfl.protocol.identity import Identity
+from meshfl.protocol.identity import Identity, node_id
 from meshfl.protocol.membership import ALIVE
 from meshfl.protocol.wire import Blob, make_blob
 
@@ -57,6 +57,7 @@ class NodeOptions:
     bootstrap: list[str] = field(default_factory=list)
     local_nodes: int = 1
     joining: bool = False  # a late joiner starts from the mesh's current round
+    join_hint: str = ""  # how the next node can join through this one, said once joined
 
 
 def schema_digest(schema: list[tuple[str, str, tuple[int, ...]]]) -> bytes:
@@ -159,6 +160,10 @@ class Node:
 
     def run(self) -> None:
         first_round = self._resume()
+        if first_round > self.cfg.rounds:
+            log.info("%s: this run already finished its %d rounds; nothing to do (start a "
+                     "new run with another --out)", self.options.name, self.cfg.rounds)
+            return
         (self.options.out_dir / "info.json").write_text(json.dumps({
             "name": self.options.name, "id": self.identity.id, "listen": self.options.listen,
             "public_key": self.identity.public_key.hex(), "data": self.data.info,
@@ -171,7 +176,11 @@ class Node:
                                 f"within {self.cfg.round_timeout:g} s (round_timeout); check "
                                 "the address, the firewall, that --config has the mesh's "
                                 "name, algorithm and model, and in a closed mesh that this "
-                                "node's public key is listed")
+                                "node's public key is listed; all nodes must run the same "
+                                "meshfl version")
+            if joined and self.options.join_hint:
+                log.info("%s: joined; the next node can join with: %s", self.options.name,
+                         self.options.join_hint)
             self._run_rounds(first_round)
         finally:
             self.endpoint.close()
@@ -259,6 +268,7 @@ class Node:
             "weights": outcome.weights, "diagnostics": outcome.diagnostics,
             "received": sorted(received.get(MODEL_KIND, {})), "peers_alive": len(alive),
             "fetched": {kind: sorted(models) for kind, models in received.items()},
+            "transport_fetches": self._fetches_since(bytes_before["fetched"]),
             "bytes_in": after["bytes_in"] - bytes_before["bytes_in"],
             "bytes_out": after["bytes_out"] - bytes_before["bytes_out"],
             "rejections": after["rejections"], "seconds": seconds,
@@ -319,6 +329,13 @@ class Node:
         wanted = listing if everything else self.algorithm.wanted(round_no, listing)
         return {(kind, name): offered[kind][name] for kind, names in wanted.items()
                 for name in names if name in offered.get(kind, {})}
+
+    def _fetches_since(self, start: int) -> list[dict[str, Any]]:
+        """What the endpoint pulled since its `start`-th fetch: origin by peer name."""
+        names = {node_id(peer.public_key): peer.name for peer in self.endpoint.peers()}
+        return [{"origin": names.get(record.origin, record.origin), "round": record.round,
+                 "kind": record.kind, "bytes": record.size, "from": record.holder}
+                for record in self.endpoint.fetches_since(start)]
 
     def _state_copy(self) -> dict[str, torch.Tensor]:
         return {key: value.detach().clone() for key, value in self.model.state_dict().items()}

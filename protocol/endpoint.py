@@ -336,6 +336,12 @@ class Endpoint:
                 "fetched": len(self.fetch_log),
             }
 
+    def fetches_since(self, start: int) -> list[FetchRecord]:
+        """The blobs this endpoint pulled, from the `start`-th on (`stats()["fetched"]`
+        counts them): the transport's own record, not what the caller asked for."""
+        with self._lock:
+            return self.fetch_log[start:]
+
     def close(self) -> None:
         """Say bye to every live peer, then stop."""
         if self._stopping.is_set():

@@ -5,7 +5,7 @@
 
 `header` is a msgpack map; `signature` is the sender's Ed25519 signature of
 HEADER_CONTEXT + header, so the exact signed bytes travel on the wire and no
-canonical re-encoding is needed. The header carries the sha256 of frames 1..n.
+canonical re-encoding is needed. The header carries the BLAKE3 digest of frames 1..n.
 Blobs add a record signed by their origin, so a relayed blob stays verifiable; a blob
 is named by the sha256 of that record (its id), not by its tensors alone.
 protocol/WIRE.md is the full specification; this module implements it.
@@ -24,12 +24,13 @@ from typing import Any
 
 import msgpack
 import numpy as np
+from blake3 import blake3
 
 from .identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, node_id, verify
 
-PROTOCOL_VERSION = 1
-HEADER_CONTEXT = b"meshfl/1 header\n"
-RECORD_CONTEXT = b"meshfl/1 blob\n"
+PROTOCOL_VERSION = 2  # 2: data frames digested with BLAKE3 instead of SHA-256
+HEADER_CONTEXT = b"meshfl/2 header\n"
+RECORD_CONTEXT = b"meshfl/2 blob\n"
 DIGEST_BYTES = 32
 MESH_ID_BYTES = 16
 INSTANCE_BYTES = 8
@@ -153,8 +154,15 @@ def blob_id(record: bytes) -> bytes:
 
 
 def frames_digest(frames: Sequence[Any]) -> bytes:
-    """sha256 over the concatenated frames, without concatenating them."""
-    digest = hashlib.sha256()
+    """BLAKE3 (32 bytes) over the concatenated frames, without concatenating them.
+
+    Every byte of every model is hashed once by its origin and once by each receiver, so
+    this hash bounds the wire's throughput. BLAKE3 runs about five times faster than
+    SHA-256 on one core (about 5 GB/s against 1 GB/s on the development machine, whose
+    SHA-256 already uses the CPU's SHA instructions) and releases the GIL on large
+    buffers; with SHA-256 a signed stream reached only a quarter of raw loopback.
+    """
+    digest = blake3()
     for frame in frames:
         digest.update(frame)
     return digest.digest()

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 
 import pytest
 
-from tests.nodes import free_ports, meshfl, records, start_node, stop, wait_round, write_config
+from tests.nodes import (
+    free_ports,
+    meshfl,
+    records,
+    start_node,
+    stop,
+    wait_round,
+    wait_until,
+    write_config,
+)
 
 
 def start_coordinator(config, out):
@@ -16,19 +26,28 @@ def start_coordinator(config, out):
                   log=out / "coordinator" / "node.log")
 
 
-def coordinated_config(path, rounds, epochs):
+def coordinated_config(path, rounds, epochs, algorithm):
     return write_config(path, 3, rounds=rounds, local_epochs=epochs,
-                        algorithm={"name": "fedavg_server"},
+                        algorithm={"name": algorithm},
                         coordinator=f"tcp://127.0.0.1:{free_ports(1)[0]}")
 
 
+def dependency(record):
+    """FedReMa's dependency counts G after a round (none before its first uploads)."""
+    return record["diagnostics"].get("dependency", {})
+
+
 def test_killed_coordinator_restarts_from_its_checkpoint_and_nothing_is_lost(tmp_path):
+    # FedReMa: its coordinator carries state across rounds (the dependency counts G, the
+    # gap history of the CCP test), which a restart must not lose.
     config = tmp_path / "peers.yaml"
-    coordinated_config(config, rounds=8, epochs=20)
+    coordinated_config(config, rounds=8, epochs=20, algorithm="fedrema")
     processes = [start_coordinator(config, tmp_path)]
     processes += [start_node(config, f"node{i}", tmp_path) for i in range(3)]
     try:
         wait_round(tmp_path, "coordinator", 3, timeout=90)
+        wait_until(lambda: any(dependency(r) for r in records(tmp_path, "coordinator")), 90,
+                   "the coordinator to count relevant sets")
         os.killpg(processes[0].pid, signal.SIGKILL)
         processes[0].wait(timeout=10)
         processes[0] = start_coordinator(config, tmp_path)
@@ -38,6 +57,11 @@ def test_killed_coordinator_restarts_from_its_checkpoint_and_nothing_is_lost(tmp
         stop(processes)
     coordinator = records(tmp_path, "coordinator")
     assert [r["round"] for r in coordinator] == list(range(1, 9))
+    # G only ever counts up: what was counted before the kill is still there after it.
+    counts = [dependency(r) for r in coordinator]
+    for before, after in itertools.pairwise(counts):
+        for client, row in before.items():
+            assert all(after[client][peer] >= n for peer, n in row.items()), (before, after)
     assert all(len(r["uploaded"]) == 3 for r in coordinator[-3:]), "clients came back"
     for name in ("node0", "node1", "node2"):
         rounds = records(tmp_path, name)

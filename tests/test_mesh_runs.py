@@ -35,6 +35,22 @@ def test_fedavg_round_over_full_mesh_leaves_every_node_with_the_same_model(tmp_p
             assert torch.equal(tensor, model[key]), key
 
 
+def test_rerunning_a_finished_node_changes_nothing_and_exits_at_once(tmp_path):
+    config = tmp_path / "peers.yaml"
+    write_config(config, 1, rounds=2, round_timeout=90.0)
+    processes = [start_node(config, "node0", tmp_path)]
+    try:
+        assert processes[0].wait(timeout=90) == 0
+        before = records(tmp_path, "node0")
+        processes.append(start_node(config, "node0", tmp_path))
+        # Within the round timeout: it does not wait for peers, there is nothing to do.
+        assert processes[1].wait(timeout=60) == 0
+    finally:
+        stop(processes)
+    assert records(tmp_path, "node0") == before
+    assert "already finished its 2 rounds" in (tmp_path / "node0" / "node.log").read_text()
+
+
 def test_a_killed_node_resumes_from_its_checkpoint_while_the_others_finish(tmp_path):
     config = tmp_path / "peers.yaml"
     write_config(config, 3, rounds=12, local_epochs=15)
@@ -63,10 +79,10 @@ def test_a_killed_node_resumes_from_its_checkpoint_while_the_others_finish(tmp_p
                for r in (killed_at, killed_at - 1))
 
 
-def test_a_node_joining_mid_run_takes_part_in_the_next_rounds(tmp_path):
+def test_a_fifth_node_joining_mid_run_takes_part_in_the_next_rounds(tmp_path):
     config = tmp_path / "peers.yaml"
-    cfg = write_config(config, 3, rounds=20, local_epochs=40)
-    processes = [start_node(config, f"node{i}", tmp_path) for i in range(3)]
+    cfg = write_config(config, 4, rounds=20, local_epochs=30)
+    processes = [start_node(config, f"node{i}", tmp_path) for i in range(4)]
     try:
         wait_round(tmp_path, "node0", 2, timeout=90)
 
@@ -80,6 +96,6 @@ def test_a_node_joining_mid_run_takes_part_in_the_next_rounds(tmp_path):
     joined = records(tmp_path, "late")
     assert joined and joined[0]["round"] > 1, "the joiner starts at the mesh's round"
     assert joined[-1]["round"] == 20
-    assert set(joined[-1]["received"]) == {"node0", "node1", "node2"}
+    assert set(joined[-1]["received"]) == {"node0", "node1", "node2", "node3"}
     later = [r for r in records(tmp_path, "node0") if r["round"] > joined[0]["round"]]
     assert later and all("late" in r["received"] for r in later)

@@ -1,5 +1,5 @@
 """pFedSV on real node processes (loopback): a node pulls the blobs of its chosen peers
-and no others, as the runtime's own record of what arrived and of the bytes shows."""
+and no others, as the endpoint's log of the blobs it pulled and its byte counters show."""
 
 from __future__ import annotations
 
@@ -48,7 +48,13 @@ def test_each_node_fetches_exactly_the_models_of_its_top_k_peers(tmp_path):
         rows, full = rounds_with_the_full_mesh(tmp_path, name)
         for row in rows:
             chosen = row["diagnostics"]["selected"]
-            assert row["fetched"] == {"model": sorted(chosen)}, "pulled = selected, no more"
+            # The endpoint's own log of the blobs that crossed the wire this round.
+            pulled = row["transport_fetches"]
+            assert sorted(fetch["origin"] for fetch in pulled) == sorted(chosen), \
+                "pulled = selected, no more"
+            assert all(fetch["round"] == row["round"] and fetch["kind"] == "model"
+                       and fetch["bytes"] == model_bytes for fetch in pulled)
+            assert row["fetched"] == {"model": sorted(chosen)}
             assert row["diagnostics"]["downloaded"] == sorted(chosen)
             assert row["diagnostics"]["bytes_downloaded"] == len(chosen) * model_bytes
             assert set(row["weights"]) <= {name, *chosen}
@@ -69,6 +75,10 @@ def test_with_a_shared_body_each_node_fetches_every_body_but_only_top_k_heads(tm
         for row in full:
             assert len(row["fetched"]["body"]) == NODES - 1
             assert row["fetched"]["head"] == sorted(row["diagnostics"]["selected"])
+            pulled = {(fetch["kind"], fetch["origin"]) for fetch in row["transport_fetches"]}
+            others = [peer for peer in names if peer != name]
+            assert pulled == {("body", peer) for peer in others} | {
+                ("head", peer) for peer in row["diagnostics"]["selected"]}
             assert len(row["fetched"]["head"]) == K
             expected = (NODES - 1) * body_bytes + K * head_bytes
             assert row["diagnostics"]["bytes_downloaded"] == expected

@@ -13,6 +13,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
+from blake3 import blake3
 
 import meshfl.protocol
 from meshfl.protocol import wire
@@ -29,6 +30,7 @@ from meshfl.protocol.wire import (
 )
 
 MESH = hashlib.sha256(b"test mesh").digest()[:16]
+EMPTY_DIGEST_HEX = "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"
 SCHEMA = hashlib.sha256(b"test model schema").digest()
 PROTOCOL_DIR = Path(meshfl.protocol.__file__).resolve().parent
 
@@ -137,9 +139,9 @@ def test_frames_are_raw_array_bytes_not_pickles(alice):
 # --- blobs ----------------------------------------------------------------------
 
 
-def test_make_blob_digest_is_sha256_over_the_frames(alice):
+def test_make_blob_digest_is_blake3_over_the_frames(alice):
     blob = make_blob(alice, 2, "model", sample_arrays())
-    expected = hashlib.sha256(b"".join(bytes(frame) for frame in blob.frames)).digest()
+    expected = blake3(b"".join(bytes(frame) for frame in blob.frames)).digest()
     assert blob.digest == expected == frames_digest(blob.frames)
 
 
@@ -239,7 +241,8 @@ def test_no_single_byte_change_of_the_header_is_accepted(alice):
 def test_a_message_without_frames_carries_the_digest_of_nothing(alice):
     frames = encode(alice, MESH, "heartbeat", 1, 0, {}, instance=new_instance())
     header = msgpack.unpackb(split_envelope(frames)[0])
-    assert header["digest"] == hashlib.sha256(b"").digest()
+    # WIRE.md section 3 spells this value out for independent clients.
+    assert header["digest"].hex() == EMPTY_DIGEST_HEX == blake3(b"").hexdigest()
 
 
 def test_unknown_header_fields_are_accepted_and_signed(alice):
