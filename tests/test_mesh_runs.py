@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -99,3 +100,6 @@ def test_a_fifth_node_joining_mid_run_takes_part_in_the_next_rounds(tmp_path):
     assert set(joined[-1]["received"]) == {"node0", "node1", "node2", "node3"}
     later = [r for r in records(tmp_path, "node0") if r["round"] > joined[0]["round"]]
     assert later and all("late" in r["received"] for r in later)
+    info = json.loads((tmp_path / "late" / "info.json").read_text())
+    hint = f"late: joined; the next node can join with: meshfl join {info['listen']} --config"
+    assert hint in (tmp_path / "late.log").read_text()
