@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -103,3 +105,15 @@ def test_a_fifth_node_joining_mid_run_takes_part_in_the_next_rounds(tmp_path):
     info = json.loads((tmp_path / "late" / "info.json").read_text())
     hint = f"late: joined; the next node can join with: meshfl join {info['listen']} --config"
     assert hint in (tmp_path / "late.log").read_text()
+
+
+def test_meshfl_launch_with_the_same_seed_gives_the_same_accuracies(tmp_path):
+    def launch(out):
+        command = [sys.executable, "-m", "meshfl.launch.cli", "launch", "--nodes", "3",
+                   "--rounds", "2", "--samples-per-node", "150", "--seed", "7", "--quiet",
+                   "--out", str(out)]
+        subprocess.run(command, check=True, capture_output=True, timeout=180)
+        summary = json.loads((out / "summary.json").read_text())
+        return [node["test_acc"] for node in summary["nodes"]], summary["mean_test_acc"]
+
+    assert launch(tmp_path / "first") == launch(tmp_path / "second")
