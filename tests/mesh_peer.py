@@ -97,9 +97,12 @@ def cmd_fetch(endpoint: Endpoint, round_no: str, seconds: str, *origins: str) ->
 def cmd_state(endpoint: Endpoint, peer_id: str, state: str, seconds: str) -> None:
     deadline = time.monotonic() + float(seconds)
     while True:
-        now = {entry.id: entry.state for entry in endpoint.peers()}.get(peer_id)
+        entry = {entry.id: entry for entry in endpoint.peers()}.get(peer_id)
+        now = entry.state if entry else None
         if now == state or time.monotonic() > deadline:
-            say("state", ok=now == state, state=now)
+            # How long the peer had been silent, on this node's clock, when seen so.
+            silent = time.monotonic() - entry.last_seen if entry else None
+            say("state", ok=now == state, state=now, silent=silent)
             return
         time.sleep(0.01)
 
