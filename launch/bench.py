@@ -19,7 +19,7 @@ raw
 The two sides overlap their work the way ZeroMQ allows: ``send_multipart(copy=False)``
 returns as soon as the message is queued, so the sender hashes blob i+1 while ZeroMQ's
 I/O thread writes blob i to the socket; the receiver's I/O thread reads blob i+1 into
-memory while the receiver's main thread verifies blob i (hashlib releases the GIL on
+memory while the receiver's main thread verifies blob i (blake3 releases the GIL on
 large buffers). A separate verifying thread on the receiver would add only a hand-off:
 ZeroMQ's I/O thread already is the thread that receives ahead.
 

@@ -163,6 +163,7 @@ class Node:
         if first_round > self.cfg.rounds:
             log.info("%s: this run already finished its %d rounds; nothing to do (start a "
                      "new run with another --out)", self.options.name, self.cfg.rounds)
+            self.endpoint.close()  # bound but never started: frees the port
             return
         (self.options.out_dir / "info.json").write_text(json.dumps({
             "name": self.options.name, "id": self.identity.id, "listen": self.options.listen,
@@ -189,6 +190,10 @@ class Node:
         """The peer role: gossip rounds until the last, then serve the last blob a while."""
         if self.options.joining and first_round == 1:
             first_round = self._catch_up()
+        elif first_round == 1:
+            # A fresh mesh starts together: otherwise a peer still starting up would miss
+            # round 1, and the same seed would not give the same run twice.
+            self.endpoint.wait_for_peers(len(self.cfg.peers) - 1, self.cfg.round_timeout)
         for round_no in range(first_round, self.cfg.rounds + 1):
             self._round(round_no)
         self._linger()
@@ -228,7 +233,7 @@ class Node:
 
     def _round(self, round_no: int) -> None:
         seconds: dict[str, float] = {}
-        bytes_before = self.endpoint.stats()
+        stats_before = self.endpoint.stats()
         self.endpoint.set_round(round_no)
         clock = time.perf_counter()
         train_loss = train_local(
@@ -268,9 +273,9 @@ class Node:
             "weights": outcome.weights, "diagnostics": outcome.diagnostics,
             "received": sorted(received.get(MODEL_KIND, {})), "peers_alive": len(alive),
             "fetched": {kind: sorted(models) for kind, models in received.items()},
-            "transport_fetches": self._fetches_since(bytes_before["fetched"]),
-            "bytes_in": after["bytes_in"] - bytes_before["bytes_in"],
-            "bytes_out": after["bytes_out"] - bytes_before["bytes_out"],
+            "transport_fetches": self._fetches_since(stats_before["fetched"]),
+            "bytes_in": after["bytes_in"] - stats_before["bytes_in"],
+            "bytes_out": after["bytes_out"] - stats_before["bytes_out"],
             "rejections": after["rejections"], "seconds": seconds,
             "n_train": len(self.data.y_train),
         })

@@ -164,7 +164,10 @@ def frames_digest(frames: Sequence[Any]) -> bytes:
     """
     digest = blake3()
     for frame in frames:
-        digest.update(frame)
+        view = memoryview(frame)
+        # blake3 takes only flat byte buffers; hashlib took any buffer, so callers may
+        # still pass a zmq.Frame or a typed array.
+        digest.update(view if view.format == "B" and view.ndim == 1 else view.cast("B"))
     return digest.digest()
 
 

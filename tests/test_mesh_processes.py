@@ -183,7 +183,7 @@ def test_a_killed_peer_is_marked_down_within_the_timeout(mesh):
         elapsed = time.monotonic() - killed
         assert reply["ok"], f"{peer.name} sees the victim {reply['state']}"
         # On the receiver's clock: down once silent for the timeout, found by the next
-        # sweep (one heartbeat interval later at most), seen by the 10 ms poll here.
-        assert TIMEOUT <= reply["silent"] <= TIMEOUT + HEARTBEAT + 0.25, reply["silent"]
+        # sweep (one heartbeat interval later), seen by the 10 ms poll, with slack for load.
+        assert TIMEOUT <= reply["silent"] <= TIMEOUT + HEARTBEAT + 0.5, reply["silent"]
         # From the outside, with process scheduling on top.
         assert elapsed <= TIMEOUT + HEARTBEAT + 1.0, f"{peer.name} took {elapsed:.2f}s"

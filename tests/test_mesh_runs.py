@@ -40,14 +40,15 @@ def test_fedavg_round_over_full_mesh_leaves_every_node_with_the_same_model(tmp_p
 
 def test_rerunning_a_finished_node_changes_nothing_and_exits_at_once(tmp_path):
     config = tmp_path / "peers.yaml"
-    write_config(config, 1, rounds=2, round_timeout=90.0)
-    processes = [start_node(config, "node0", tmp_path)]
+    write_config(config, 2, rounds=2, round_timeout=90.0)
+    processes = [start_node(config, f"node{i}", tmp_path) for i in range(2)]
     try:
-        assert processes[0].wait(timeout=90) == 0
+        for process in processes:
+            assert process.wait(timeout=90) == 0
         before = records(tmp_path, "node0")
         processes.append(start_node(config, "node0", tmp_path))
-        # Within the round timeout: it does not wait for peers, there is nothing to do.
-        assert processes[1].wait(timeout=60) == 0
+        # Well within the round timeout: it does not wait for node1, which is gone.
+        assert processes[-1].wait(timeout=60) == 0
     finally:
         stop(processes)
     assert records(tmp_path, "node0") == before

@@ -145,6 +145,14 @@ def test_make_blob_digest_is_blake3_over_the_frames(alice):
     assert blob.digest == expected == frames_digest(blob.frames)
 
 
+def test_frames_digest_takes_any_buffer_of_the_same_bytes():
+    weights = np.arange(12, dtype="<f4").reshape(3, 4)
+    flat = weights.reshape(-1).view(np.uint8)
+    expected = blake3(weights.tobytes()).digest()
+    assert frames_digest([weights]) == frames_digest([memoryview(flat)]) == expected
+    assert frames_digest([zmq.Frame(weights.tobytes())]) == expected
+
+
 def test_make_blob_origin_signature_covers_its_record(alice):
     blob = make_blob(alice, 2, "head", sample_arrays(), schema=SCHEMA, meta={"loss": 0.5})
     origin, round_no, kind, schema, digest, index, meta = msgpack.unpackb(blob.record)
