@@ -179,6 +179,11 @@ class Node:
                                 "name, algorithm and model, and in a closed mesh that this "
                                 "node's public key is listed; all nodes must run the same "
                                 "meshfl version")
+            if not joined and len(self.cfg.peers) > 1:
+                log.warning("%s: no peer answered within %g s (round_timeout); training "
+                            "alone until one does (check the addresses, the firewall and "
+                            "that every node runs the same meshfl version)",
+                            self.options.name, self.cfg.round_timeout)
             if joined and self.options.join_hint:
                 log.info("%s: joined; the next node can join with: %s", self.options.name,
                          self.options.join_hint)
@@ -190,7 +195,7 @@ class Node:
         """The peer role: gossip rounds until the last, then serve the last blob a while."""
         if self.options.joining and first_round == 1:
             first_round = self._catch_up()
-        elif first_round == 1:
+        elif first_round == 1 and self.endpoint.alive_peers():
             # A fresh mesh starts together: otherwise a peer still starting up would miss
             # round 1, and the same seed would not give the same run twice.
             self.endpoint.wait_for_peers(len(self.cfg.peers) - 1, self.cfg.round_timeout)

@@ -246,6 +246,14 @@ def test_no_single_byte_change_of_the_header_is_accepted(alice):
     Decoder(MESH).decode(frames)  # and the untouched message is fine
 
 
+def test_wire_md_states_the_version_contexts_and_empty_digest_the_code_uses():
+    spec = (PROTOCOL_DIR / "WIRE.md").read_text()
+    assert f"# meshfl wire protocol, version {wire.PROTOCOL_VERSION}\n" in spec
+    for context in (wire.HEADER_CONTEXT, wire.RECORD_CONTEXT):
+        assert " ".join(f"{byte:02x}" for byte in context) in spec
+    assert EMPTY_DIGEST_HEX in spec
+
+
 def test_a_message_without_frames_carries_the_digest_of_nothing(alice):
     frames = encode(alice, MESH, "heartbeat", 1, 0, {}, instance=new_instance())
     header = msgpack.unpackb(split_envelope(frames)[0])
