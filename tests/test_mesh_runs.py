@@ -85,7 +85,7 @@ def test_a_killed_node_resumes_from_its_checkpoint_while_the_others_finish(tmp_p
 
 def test_a_fifth_node_joining_mid_run_takes_part_in_the_next_rounds(tmp_path):
     config = tmp_path / "peers.yaml"
-    cfg = write_config(config, 4, rounds=20, local_epochs=30)
+    cfg = write_config(config, 4, rounds=20, local_epochs=40)
     processes = [start_node(config, f"node{i}", tmp_path) for i in range(4)]
     try:
         wait_round(tmp_path, "node0", 2, timeout=90)
