@@ -46,8 +46,11 @@ def can_build_namespaces() -> bool:
     if os.name != "posix" or os.geteuid() != 0 or shutil.which("ip") is None:
         return False
     probe = f"meshfl-probe-{secrets.token_hex(3)}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, timeout=10)
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=10)
+    try:
+        made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, timeout=10)
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
     return made.returncode == 0
 
 

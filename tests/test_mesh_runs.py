@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from tests.nodes import meshfl, records, start_node, stop, wait_round, write_config
+from tests.nodes import meshfl, records, start_node, stop, wait_round, wait_until, write_config
 
 
 def final_model(out, name):
@@ -36,6 +36,27 @@ def test_fedavg_round_over_full_mesh_leaves_every_node_with_the_same_model(tmp_p
     for model in models[1:]:
         for key, tensor in models[0].items():
             assert torch.equal(tensor, model[key]), key
+
+
+def test_a_fresh_mesh_waits_for_a_listed_peer_that_starts_late(tmp_path):
+    config = tmp_path / "peers.yaml"
+    write_config(config, 3, rounds=2, round_timeout=60.0)
+    processes = [start_node(config, f"node{i}", tmp_path) for i in range(2)]
+    try:
+        # node0 and node1 have met and could start round 1 without node2.
+        wait_until(lambda: "node1 joined" in log_of(tmp_path, "node0"), 60, "node1 to join")
+        processes.append(start_node(config, "node2", tmp_path))
+        for process in processes:
+            assert process.wait(timeout=90) == 0
+    finally:
+        stop(processes)
+    first = records(tmp_path, "node0")[0]
+    assert first["round"] == 1 and first["received"] == ["node1", "node2"]
+
+
+def log_of(out, name):
+    path = out / name / "node.log"
+    return path.read_text() if path.exists() else ""
 
 
 def test_rerunning_a_finished_node_changes_nothing_and_exits_at_once(tmp_path):
