@@ -11,7 +11,10 @@ A round at node i:
    Shapley values are exact for |S| <= 8, else Monte Carlo over 3|S| permutations.
    ρ_j ← α ρ_j + (1 − α) SV_j for the peers in S; weights w_j = max(SV_j, 0) / d_j,
    d_j = ‖θ_i − θ_j‖ (self: the smallest peer distance in S), normalized; when no
-   weight is positive the node keeps its own model.
+   weight is positive the node keeps its own model. With `val_guard` (not in the paper)
+   it also keeps its own model when the weighted average scores lower on the val split
+   than v({i}): a peer's Shapley value credits what it scores alone, so a peer that
+   knows half of the node's labels earns weight even when averaging it in hurts.
 3. Dynamic k for the next round. The scores have *settled* when every peer on offer
    has been scored at least once and the set of peers with ρ > 0 came out of this
    update unchanged; then k = #peers with ρ > 0, clamped to [k_min, k_max]. Until
@@ -78,6 +81,9 @@ class PFedSVParams:
     k_min: int = 1
     k_max: int = 5
     distance: bool = True  # divide Shapley values by the model distance (Eq. 6)
+    # Not in the paper: adopt the Shapley-weighted model only when it scores at least
+    # the own model on the val split, else keep the own model (README: pFedSV results).
+    val_guard: bool = False
     shared_body: bool = False
     dp_clip: float | None = None  # C: norm bound of the published update; None: no DP
     dp_sigma: float = 0.0  # σ: noise std is σ·C
@@ -349,9 +355,13 @@ class PFedSV(PeerAlgorithm):
 
     def aggregate(self, round_no: int, own: PeerModel, received: Received, data: Any) -> Aggregate:
         players_states, base = self._players(own, received)
-        game = self._play(round_no, players_states, data)
+        accuracy_of = self._accuracy_on_val(players_states, data)
+        game = self._play(round_no, players_states, accuracy_of)
         self._update_relevance(game["shapley"])
         weights, state = self._combine(game["shapley"], players_states)
+        if self.params.val_guard:
+            weights, state, game["v_aggregate"] = self._guarded(
+                weights, state, game["v_own"], players_states, accuracy_of)
         state = {**state, **base}  # shared body: the mesh-averaged body under the new head
         k_used, self.k = self.k, self._next_k()
         if self.params.dp_clip is not None:
@@ -369,13 +379,13 @@ class PFedSV(PeerAlgorithm):
         return Aggregate(state=state, weights=dict(sorted(weights.items())),
                          diagnostics=diagnostics)
 
-    def _play(self, round_no: int, players_states: dict[str, State], data: Any) -> dict[str, Any]:
+    def _play(self, round_no: int, players_states: dict[str, State],
+              accuracy_of: Callable[[State], float]) -> dict[str, Any]:
         """Shapley values of the coalition game on the own val split, with its cost and
         v({i}), v(S) (whether the coalition beats the own model at all)."""
         me = self.context.node
         players = [me, *sorted(name for name in players_states if name != me)]
         evaluations = 0
-        accuracy_of = self._accuracy_on_val(players_states, data)
 
         def coalition_accuracy(coalition: Coalition) -> float:
             nonlocal evaluations
@@ -427,6 +437,17 @@ class PFedSV(PeerAlgorithm):
         if not weights:
             return {me: 1.0}, players_states[me]
         return weights, weighted_average({p: players_states[p] for p in weights}, weights)
+
+    def _guarded(self, weights: dict[str, float], state: State, v_own: float,
+                 players_states: dict[str, State], accuracy_of: Callable[[State], float],
+                 ) -> tuple[dict[str, float], State, float]:
+        """The Shapley-weighted model when its val accuracy is at least v({i}), else the
+        own model: a near-perfect own model is not traded for a worse average."""
+        me = self.context.node
+        v_aggregate = v_own if weights == {me: 1.0} else accuracy_of(state)
+        if v_aggregate < v_own:
+            return {me: 1.0}, players_states[me], v_aggregate
+        return weights, state, v_aggregate
 
     def _players(self, own: PeerModel, received: Received) -> tuple[dict[str, State], State]:
         """Each player's model as the coalition game sees it, and the part of the new

@@ -87,11 +87,43 @@ def _run_once(base: Path, assignments: list[str], nodes: int, run_dir: Path,
     return summary
 
 
-# Scores of how well a rule found who shares data (launch.local.write_summary).
+# Scores of how well a rule found who shares data (launch.local.write_summary), with how
+# the seeds' values are pooled.
 SCORE_ROWS = {
-    "ari": "ARI of the groups",
-    "own_group_share_ccp": "own-group share of relevant sets in the CCP",
+    "ari": ("ARI of the groups (mean over seeds)", statistics.fmean),
+    "own_group_share_ccp": ("own-group share of relevant sets in the CCP (mean over seeds)",
+                            statistics.fmean),
+    "own_group_share_lowest": ("lowest own-group share in one CCP round (over seeds)", min),
 }
+
+
+# What a round costs a node (launch.local.write_summary), as the median over the seeds.
+COST_ROWS = {
+    "mb_in_per_round": ("MB received per node and round (median)", "{:.2f}"),
+    "shapley_to_train": ("Shapley seconds per training second (median)", "{:.2f}"),
+}
+
+
+def _score(summary: dict[str, Any], key: str) -> float | None:
+    if key == "own_group_share_lowest":
+        shares = summary.get("own_group_share")
+        return min(shares.values()) if shares else None
+    return summary.get(key)
+
+
+def _share_per_round(summaries: dict[str, list[dict[str, Any]]], seeds: list[int]) -> list[str]:
+    """FedReMa's own-group share in every round of the critical co-learning period."""
+    lines = []
+    for variant, runs in summaries.items():
+        for seed, summary in zip(seeds, runs, strict=True):
+            shares = summary.get("own_group_share")
+            if shares:
+                lines.append(f"- {variant}, seed {seed}, rounds {min(map(int, shares))}-"
+                             f"{max(map(int, shares))}: "
+                             + " ".join(f"{share:.2f}" for share in shares.values()))
+    if lines:
+        lines = ["", "Own-group share of the relevant sets per round of the CCP:", *lines]
+    return lines
 
 
 def render_table(spec: dict[str, Any], summaries: dict[str, list[dict[str, Any]]],
@@ -115,12 +147,19 @@ def render_table(spec: dict[str, Any], summaries: dict[str, list[dict[str, Any]]
         spread = statistics.stdev(values) if len(values) > 1 else 0.0
         means.append(f"**{statistics.fmean(values):.1f}** ({spread:.1f})")
     lines.append("| mean (std over seeds) | " + " | ".join(means) + " |")
-    for key, title in SCORE_ROWS.items():
-        scores = [[s[key] for s in summaries[v] if key in s] for v in variants]
+    for key, (title, pool) in SCORE_ROWS.items():
+        scores = [[score for s in summaries[v] if (score := _score(s, key)) is not None]
+                  for v in variants]
         if any(scores):
-            lines.append(f"| {title} (mean over seeds) | "
-                         + " | ".join(f"{statistics.fmean(x):.3f}" if x else "" for x in scores)
-                         + " |")
+            lines.append(f"| {title} | "
+                         + " | ".join(f"{pool(x):.3f}" if x else "" for x in scores) + " |")
+    for key, (title, form) in COST_ROWS.items():
+        costs = [[s["cost"][key] for s in summaries[v] if key in s.get("cost", {})]
+                 for v in variants]
+        if any(costs):
+            lines.append(f"| {title} | " + " | ".join(
+                form.format(statistics.median(x)) if x else "" for x in costs) + " |")
+    lines += _share_per_round(summaries, seeds)
     command = f"meshfl experiment {args.name}" + (" --data-root DIR" if args.data_root else "")
     lines += ["", f"Seeds {', '.join(map(str, seeds))}; {spec['nodes']} nodes. "
               f"Caps: {spec['caps']}", f"Regenerate: `{command}`", ""]

@@ -207,9 +207,36 @@ def write_summary(cfg: cfgmod.MeshConfig, out: Path) -> dict[str, Any]:
         "mean_test_acc": statistics.fmean(accuracies) if accuracies else None,
         "std_test_acc": statistics.pstdev(accuracies) if accuracies else None,
         **_grouping_scores(nodes, groups, out / COORDINATOR / "metrics.jsonl"),
+        "cost": _round_costs(out, [peer.name for peer in cfg.peers]),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _round_costs(out: Path, names: list[str]) -> dict[str, float]:
+    """Medians over every node's rounds: MB (10^6 bytes) received, seconds of local
+    training, and where the rule plays a Shapley game (pFedSV), its seconds over the
+    round's training seconds."""
+    received, training, shapley_share = [], [], []
+    for name in names:
+        path = out / name / "metrics.jsonl"
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            received.append(record.get("bytes_in", 0) / 1e6)
+            train = record.get("seconds", {}).get("train", 0.0)
+            training.append(train)
+            shapley = record.get("diagnostics", {}).get("shapley_seconds")
+            if shapley is not None and train > 0:
+                shapley_share.append(shapley / train)
+    cost = {}
+    if received:
+        cost = {"mb_in_per_round": statistics.median(received),
+                "train_seconds": statistics.median(training)}
+    if shapley_share:
+        cost["shapley_to_train"] = statistics.median(shapley_share)
+    return cost
 
 
 def _grouping_scores(nodes: list[dict[str, Any]], groups: dict[str, list[str]],

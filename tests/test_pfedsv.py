@@ -256,7 +256,8 @@ def test_bad_parameters_name_the_field_the_value_and_what_is_allowed(raw, messag
 def test_default_parameters_are_the_papers():
     params = parse_params("pfedsv", {})
     assert params == PFedSVParams(alpha=0.5, k=5, k_min=1, k_max=5, distance=True,
-                                  shared_body=False, dp_clip=None, dp_sigma=0.0)
+                                  val_guard=False, shared_body=False, dp_clip=None,
+                                  dp_sigma=0.0)
 
 
 # --------------------------------------------------------------------------- the rule by hand
@@ -355,6 +356,49 @@ def test_nothing_positive_keeps_the_own_model(world):
     outcome = rule.aggregate(1, PeerModel(world.own, 100), received, silent)
     assert outcome.weights == {"me": 1.0}
     assert all(torch.equal(outcome.state[key], world.own[key]) for key in world.own)
+
+
+def noisy_copies(state, scale, seeds):
+    """Copies of `state` with Gaussian noise: worse alone, but not useless."""
+    copies = {}
+    for seed in seeds:
+        generator = torch.Generator().manual_seed(seed)
+        copies[f"noisy{seed}"] = {key: value + scale * torch.randn(value.shape, generator=generator)
+                                  for key, value in state.items()}
+    return copies
+
+
+def aggregate_with(rule, own, peers, data):
+    rule.wanted(1, {MODEL: sorted(peers)})
+    received = {MODEL: {peer: PeerModel(state, 100) for peer, state in peers.items()}}
+    return rule.aggregate(1, PeerModel(own, 100), received, data)
+
+
+@pytest.mark.parametrize("scale, seeds, guard_keeps_own", [(1.0, (10, 11), True),
+                                                            (0.5, (0, 1), False)])
+def test_the_val_guard_keeps_the_own_model_only_when_the_aggregate_scores_lower(
+        world, scale, seeds, guard_keeps_own):
+    # Overlapping blobs, so the own model is imperfect and an average can be worse.
+    generator = torch.Generator().manual_seed(9)
+    y_val = torch.tensor([0, 1]).repeat(60)
+    data = SimpleNamespace(x_val=CENTRES[y_val] + 2.0 * torch.randn(len(y_val), 2,
+                                                                    generator=generator),
+                           y_val=y_val)
+    peers = noisy_copies(world.own, scale, seeds)
+    plain = aggregate_with(make_rule(k=2, k_max=2), world.own, peers, data)
+    guarded = aggregate_with(make_rule(k=2, k_max=2, val_guard=True), world.own, peers, data)
+    assert all(plain.diagnostics["shapley"][peer] > 0 for peer in peers)
+    assert len(plain.weights) == 3, "without the guard both peers are averaged in"
+    assert guarded.diagnostics["shapley"] == plain.diagnostics["shapley"]
+    v_own, v_aggregate = guarded.diagnostics["v_own"], guarded.diagnostics["v_aggregate"]
+    if guard_keeps_own:
+        assert v_aggregate < v_own
+        assert guarded.weights == {"me": 1.0}
+        assert all(torch.equal(guarded.state[key], world.own[key]) for key in world.own)
+    else:
+        assert v_aggregate >= v_own
+        assert guarded.weights == plain.weights
+        assert all(torch.equal(guarded.state[key], plain.state[key]) for key in plain.state)
 
 
 def test_state_survives_a_json_checkpoint_and_repeats_the_next_selection(world):

@@ -1,0 +1,56 @@
+"""The experiment tables report what the issues ask to see: FedReMa's own-group share in
+every round of the critical co-learning period, and what a round costs a node."""
+
+import argparse
+import json
+
+from meshfl.launch.experiments import render_table
+from meshfl.launch.local import _round_costs
+
+SPEC = {"title": "t", "caps": "c", "nodes": 2}
+
+
+def summary(accuracy, shares=None, cost=None):
+    nodes = [{"name": f"node{i}", "test_acc": accuracy, "data": {}} for i in range(2)]
+    result = {"nodes": nodes, "mean_test_acc": accuracy}
+    if shares:
+        result.update(own_group_share=shares,
+                      own_group_share_ccp=sum(shares.values()) / len(shares))
+    if cost:
+        result["cost"] = cost
+    return result
+
+
+def test_the_table_shows_the_share_per_ccp_round_and_its_lowest_value_over_seeds():
+    runs = {"Local": [summary(0.8), summary(0.8)],
+            "FedReMa": [summary(0.9, {"1": 1.0, "2": 0.75}), summary(0.9, {"1": 0.5})]}
+    table = render_table(SPEC, runs, [0, 1], argparse.Namespace(name="x", data_root=None))
+    assert "| lowest own-group share in one CCP round (over seeds) |  | 0.500 |" in table
+    assert "| own-group share of relevant sets in the CCP (mean over seeds) |  | 0.688 |" in table
+    assert "- FedReMa, seed 0, rounds 1-2: 1.00 0.75" in table
+    assert "- FedReMa, seed 1, rounds 1-1: 0.50" in table
+    assert "Local, seed" not in table
+
+
+def test_the_table_shows_the_median_cost_of_a_round_where_it_was_measured():
+    runs = {"FedAvg": [summary(0.8, cost={"mb_in_per_round": 5.5, "train_seconds": 4.0})],
+            "pFedSV": [summary(0.9, cost={"mb_in_per_round": 1.25, "train_seconds": 4.0,
+                                          "shapley_to_train": 0.3})]}
+    table = render_table(SPEC, runs, [0], argparse.Namespace(name="x", data_root=None))
+    assert "| MB received per node and round (median) | 5.50 | 1.25 |" in table
+    assert "| Shapley seconds per training second (median) |  | 0.30 |" in table
+
+
+def test_round_costs_are_medians_over_every_node_round(tmp_path):
+    rounds = {"a": [(2e6, 4.0, 1.0), (1e6, 2.0, 1.0), (1e6, 2.0, 0.5)],
+              "b": [(3e6, 4.0, None)]}
+    for name, records in rounds.items():
+        (tmp_path / name).mkdir()
+        lines = []
+        for bytes_in, train, shapley in records:
+            diagnostics = {} if shapley is None else {"shapley_seconds": shapley}
+            lines.append(json.dumps({"bytes_in": bytes_in, "seconds": {"train": train},
+                                     "diagnostics": diagnostics}))
+        (tmp_path / name / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    cost = _round_costs(tmp_path, ["a", "b", "missing"])
+    assert cost == {"mb_in_per_round": 1.5, "train_seconds": 3.0, "shapley_to_train": 0.25}
