@@ -94,6 +94,8 @@ SCORE_ROWS = {
     "own_group_share_ccp": ("own-group share of relevant sets in the CCP (mean over seeds)",
                             statistics.fmean),
     "own_group_share_lowest": ("lowest own-group share in one CCP round (over seeds)", min),
+    "top_k_precision": ("precision of the final top-k against \"shares a label\" "
+                        "(mean over seeds)", statistics.fmean),
 }
 
 

@@ -187,7 +187,7 @@ def _stop(processes) -> None:
 
 
 def write_summary(cfg: cfgmod.MeshConfig, out: Path) -> dict[str, Any]:
-    nodes, groups = [], {}
+    nodes, groups, top_k = [], {}, {}
     for peer in cfg.peers:
         record = last_record(out / peer.name / "metrics.jsonl")
         if record is not None:
@@ -199,6 +199,9 @@ def write_summary(cfg: cfgmod.MeshConfig, out: Path) -> dict[str, Any]:
             group = record.get("diagnostics", {}).get("group")  # rules that group (pFedLIA)
             if group is not None:
                 groups[peer.name] = group
+            chosen = final_top_k(record.get("diagnostics", {}))  # rules that rank (pFedSV)
+            if chosen:
+                top_k[peer.name] = chosen
     accuracies = [node["test_acc"] for node in nodes]
     summary = {
         "algorithm": cfg.algorithm.name, "dataset": cfg.data.dataset,
@@ -207,10 +210,31 @@ def write_summary(cfg: cfgmod.MeshConfig, out: Path) -> dict[str, Any]:
         "mean_test_acc": statistics.fmean(accuracies) if accuracies else None,
         "std_test_acc": statistics.pstdev(accuracies) if accuracies else None,
         **_grouping_scores(nodes, groups, out / COORDINATOR / "metrics.jsonl"),
+        **_top_k_precision(nodes, top_k),
         "cost": _round_costs(out, [peer.name for peer in cfg.peers]),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def final_top_k(diagnostics: dict[str, Any]) -> list[str]:
+    """The peers a ranking rule would download next: the k_next best by relevance."""
+    relevance = diagnostics.get("relevance")
+    if not relevance:
+        return []
+    k = diagnostics.get("k_next", diagnostics.get("k", 0))
+    return sorted(relevance, key=lambda peer: -relevance[peer])[:k]
+
+
+def _top_k_precision(nodes: list[dict[str, Any]], top_k: dict[str, list[str]]) -> dict[str, float]:
+    """Mean over nodes of the share of a node's final top-k that holds one of its labels
+    (pFedSV's relevance against the truth "shares a label")."""
+    labels = {node["name"]: set(node["data"]["labels"]) for node in nodes
+              if "labels" in node["data"]}
+    precisions = [statistics.fmean(bool(labels[peer] & labels[name]) for peer in chosen)
+                  for name, chosen in top_k.items()
+                  if name in labels and all(peer in labels for peer in chosen)]
+    return {"top_k_precision": statistics.fmean(precisions)} if precisions else {}
 
 
 def _round_costs(out: Path, names: list[str]) -> dict[str, float]:

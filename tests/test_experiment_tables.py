@@ -54,3 +54,16 @@ def test_round_costs_are_medians_over_every_node_round(tmp_path):
         (tmp_path / name / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     cost = _round_costs(tmp_path, ["a", "b", "missing"])
     assert cost == {"mb_in_per_round": 1.5, "train_seconds": 3.0, "shapley_to_train": 0.25}
+
+
+def test_top_k_precision_scores_the_final_choice_against_shared_labels():
+    from meshfl.launch.local import _top_k_precision, final_top_k
+
+    diagnostics = {"relevance": {"b": 0.3, "c": -0.1, "d": 0.2}, "k": 3, "k_next": 2}
+    assert final_top_k(diagnostics) == ["b", "d"], "k_next best, best first"
+    assert final_top_k({"shapley": {"b": 1.0}}) == [], "rules that do not rank"
+    nodes = [{"name": name, "data": {"labels": labels}}
+             for name, labels in [("a", [0, 1]), ("b", [1, 2]), ("c", [3, 4]), ("d", [5, 6])]]
+    scores = _top_k_precision(nodes, {"a": ["b", "d"], "b": ["a"]})
+    assert scores == {"top_k_precision": (0.5 + 1.0) / 2}
+    assert _top_k_precision(nodes, {}) == {}
