@@ -42,8 +42,10 @@ def load_experiment(name: str) -> dict[str, Any]:
 
 def run_experiment(args: argparse.Namespace) -> int:
     if args.list:
-        for name, path in sorted(available().items()):
-            print(f"{name:<24} {yaml.safe_load(path.read_text())['title']}")
+        experiments = available()
+        width = max(map(len, experiments))
+        for name, path in sorted(experiments.items()):
+            print(f"{name:<{width}}  {yaml.safe_load(path.read_text())['title']}")
         return 0
     if not args.name:
         raise UserError("experiment NAME is missing; `meshfl experiment --list` shows them")
@@ -96,6 +98,12 @@ SCORE_ROWS = {
     "own_group_share_lowest": ("lowest own-group share in one CCP round (over seeds)", min),
     "top_k_precision": ("precision of the final top-k against \"shares a label\" "
                         "(mean over seeds)", statistics.fmean),
+    "shapley_sharing_a_label": ("Shapley value of a peer sharing a label (mean)",
+                                statistics.fmean),
+    "shapley_sharing_no_label": ("Shapley value of a peer sharing no label (mean)",
+                                 statistics.fmean),
+    "weight_on_label_sharing_peers": ("weight on label-sharing peers per round (mean)",
+                                      statistics.fmean),
 }
 
 

@@ -211,6 +211,7 @@ def write_summary(cfg: cfgmod.MeshConfig, out: Path) -> dict[str, Any]:
         "std_test_acc": statistics.pstdev(accuracies) if accuracies else None,
         **_grouping_scores(nodes, groups, out / COORDINATOR / "metrics.jsonl"),
         **_top_k_precision(nodes, top_k),
+        **_shapley_by_label_overlap(out, nodes),
         "cost": _round_costs(out, [peer.name for peer in cfg.peers]),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -235,6 +236,38 @@ def _top_k_precision(nodes: list[dict[str, Any]], top_k: dict[str, list[str]]) -
                   for name, chosen in top_k.items()
                   if name in labels and all(peer in labels for peer in chosen)]
     return {"top_k_precision": statistics.fmean(precisions)} if precisions else {}
+
+
+def _shapley_by_label_overlap(out: Path, nodes: list[dict[str, Any]]) -> dict[str, float]:
+    """Where a rule scores peers by Shapley value (pFedSV): the mean value of a peer that
+    shares one of the node's labels and of one that shares none, over every node and
+    round, and the weight the label-sharing peers got per round (why the rule helps
+    or hurts a node)."""
+    labels = {node["name"]: set(node["data"]["labels"]) for node in nodes
+              if "labels" in node["data"]}
+    sharing, disjoint, shared_weight, rounds = [], [], 0.0, 0
+    for name, own_labels in labels.items():
+        path = out / name / "metrics.jsonl"
+        for line in path.read_text().splitlines() if path.exists() else []:
+            record = json.loads(line)
+            shapley = record.get("diagnostics", {}).get("shapley")
+            if shapley is None:
+                continue
+            rounds += 1
+            shares = {peer: bool(labels[peer] & own_labels) for peer in shapley
+                      if peer != name and peer in labels}
+            for peer, shares_a_label in shares.items():
+                (sharing if shares_a_label else disjoint).append(shapley[peer])
+            shared_weight += sum(weight for peer, weight in record.get("weights", {}).items()
+                                 if shares.get(peer))
+    scores = {}
+    if sharing:
+        scores["shapley_sharing_a_label"] = statistics.fmean(sharing)
+    if disjoint:
+        scores["shapley_sharing_no_label"] = statistics.fmean(disjoint)
+    if rounds:
+        scores["weight_on_label_sharing_peers"] = shared_weight / rounds
+    return scores
 
 
 def _round_costs(out: Path, names: list[str]) -> dict[str, float]:

@@ -4,8 +4,15 @@ every round of the critical co-learning period, and what a round costs a node.""
 import argparse
 import json
 
+import pytest
+
 from meshfl.launch.experiments import render_table
-from meshfl.launch.local import _round_costs
+from meshfl.launch.local import (
+    _round_costs,
+    _shapley_by_label_overlap,
+    _top_k_precision,
+    final_top_k,
+)
 
 SPEC = {"title": "t", "caps": "c", "nodes": 2}
 
@@ -57,8 +64,6 @@ def test_round_costs_are_medians_over_every_node_round(tmp_path):
 
 
 def test_top_k_precision_scores_the_final_choice_against_shared_labels():
-    from meshfl.launch.local import _top_k_precision, final_top_k
-
     diagnostics = {"relevance": {"b": 0.3, "c": -0.1, "d": 0.2}, "k": 3, "k_next": 2}
     assert final_top_k(diagnostics) == ["b", "d"], "k_next best, best first"
     assert final_top_k({"shapley": {"b": 1.0}}) == [], "rules that do not rank"
@@ -67,3 +72,20 @@ def test_top_k_precision_scores_the_final_choice_against_shared_labels():
     scores = _top_k_precision(nodes, {"a": ["b", "d"], "b": ["a"]})
     assert scores == {"top_k_precision": (0.5 + 1.0) / 2}
     assert _top_k_precision(nodes, {}) == {}
+
+
+def test_shapley_values_and_weights_are_split_by_whether_a_peer_shares_a_label(tmp_path):
+    nodes = [{"name": name, "data": {"labels": labels}}
+             for name, labels in [("a", [0, 1]), ("b", [1, 2]), ("c", [3, 4])]]
+    rounds = [{"diagnostics": {"shapley": {"a": 0.6, "b": 0.3, "c": -0.1}},
+               "weights": {"a": 0.7, "b": 0.3}},
+              {"diagnostics": {"shapley": {"a": 0.8, "b": 0.1, "c": -0.3}},
+               "weights": {"a": 0.9, "b": 0.1}},
+              {"diagnostics": {}, "weights": {"a": 1.0}}]  # a rule without a game
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "metrics.jsonl").write_text(
+        "\n".join(json.dumps(record) for record in rounds) + "\n")
+    scores = _shapley_by_label_overlap(tmp_path, nodes)
+    assert scores["shapley_sharing_a_label"] == pytest.approx(0.2)
+    assert scores["shapley_sharing_no_label"] == pytest.approx(-0.2)
+    assert scores["weight_on_label_sharing_peers"] == pytest.approx(0.2)
