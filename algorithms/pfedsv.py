@@ -14,7 +14,9 @@ A round at node i:
    weight is positive the node keeps its own model. With `val_guard` (not in the paper)
    it also keeps its own model when the weighted average scores lower on the val split
    than v({i}): a peer's Shapley value credits what it scores alone, so a peer that
-   knows half of the node's labels earns weight even when averaging it in hurts.
+   knows half of the node's labels earns weight even when averaging it in hurts. (With
+   a shared body, "own model" is the own head on the mesh body: the guard weighs heads
+   only, as the game does.)
 3. Dynamic k for the next round. The scores have *settled* when every peer on offer
    has been scored at least once and the set of peers with ρ > 0 came out of this
    update unchanged; then k = #peers with ρ > 0, clamped to [k_min, k_max]. Until
@@ -82,7 +84,7 @@ class PFedSVParams:
     k_max: int = 5
     distance: bool = True  # divide Shapley values by the model distance (Eq. 6)
     # Not in the paper: adopt the Shapley-weighted model only when it scores at least
-    # the own model on the val split, else keep the own model (README: pFedSV results).
+    # the own model on the val split, else keep the own model (README, pFedSV results).
     val_guard: bool = False
     shared_body: bool = False
     dp_clip: float | None = None  # C: norm bound of the published update; None: no DP

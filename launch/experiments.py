@@ -11,7 +11,6 @@ kept and skipped, so an interrupted experiment resumes where it stopped.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from importlib import resources
@@ -23,7 +22,7 @@ import yaml
 from meshfl.node import config as cfgmod
 
 from .cli import UserError
-from .local import run_mesh, with_local_peers
+from .local import run_mesh, with_local_peers, write_summary
 
 
 def available() -> dict[str, Path]:
@@ -43,7 +42,7 @@ def load_experiment(name: str) -> dict[str, Any]:
 def run_experiment(args: argparse.Namespace) -> int:
     if args.list:
         experiments = available()
-        width = max(map(len, experiments))
+        width = max(map(len, experiments), default=0)
         for name, path in sorted(experiments.items()):
             print(f"{name:<{width}}  {yaml.safe_load(path.read_text())['title']}")
         return 0
@@ -76,10 +75,10 @@ def _slug(name: str) -> str:
 
 def _run_once(base: Path, assignments: list[str], nodes: int, run_dir: Path,
               label: str) -> dict[str, Any]:
-    summary_path = run_dir / "summary.json"
-    if summary_path.exists():
+    if (run_dir / "summary.json").exists():
         print(f"  {label}: done before, kept ({run_dir})")
-        return json.loads(summary_path.read_text())
+        # Derived from the run's own files: recomputed, so a kept run gains new scores.
+        return write_summary(cfgmod.load_config(run_dir / "config.yaml"), run_dir)
     cfg = cfgmod.apply_overrides(cfgmod.load_config(base), assignments)
     cfg = with_local_peers(cfg, nodes)
     started = time.monotonic()
@@ -122,7 +121,8 @@ def _score(summary: dict[str, Any], key: str) -> float | None:
 
 
 def _share_per_round(summaries: dict[str, list[dict[str, Any]]], seeds: list[int]) -> list[str]:
-    """FedReMa's own-group share in every round of the critical co-learning period."""
+    """The own-group share of the relevant sets (FedReMa) in every round of the critical
+    co-learning period, per variant and seed."""
     lines = []
     for variant, runs in summaries.items():
         for seed, summary in zip(seeds, runs, strict=True):

@@ -144,6 +144,21 @@ def last_record(path: Path) -> dict[str, Any] | None:
     return None
 
 
+def records(path: Path) -> list[dict[str, Any]]:
+    """Every complete line of a metrics file ([] when there is none yet)."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    parsed = []
+    for line in lines:
+        try:
+            parsed.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut short by a crash or being written right now
+    return parsed
+
+
 def _watch(processes: dict[str, subprocess.Popen], out: Path, rounds: int,
            quiet: bool) -> dict[str, str]:
     """Show progress until every node exits; return {name: last log line} of failures."""
@@ -199,7 +214,7 @@ def write_summary(cfg: cfgmod.MeshConfig, out: Path) -> dict[str, Any]:
             group = record.get("diagnostics", {}).get("group")  # rules that group (pFedLIA)
             if group is not None:
                 groups[peer.name] = group
-            chosen = final_top_k(record.get("diagnostics", {}))  # rules that rank (pFedSV)
+            chosen = record.get("diagnostics", {}).get("selected")  # rules that rank (pFedSV)
             if chosen:
                 top_k[peer.name] = chosen
     accuracies = [node["test_acc"] for node in nodes]
@@ -218,20 +233,17 @@ def write_summary(cfg: cfgmod.MeshConfig, out: Path) -> dict[str, Any]:
     return summary
 
 
-def final_top_k(diagnostics: dict[str, Any]) -> list[str]:
-    """The peers a ranking rule would download next: the k_next best by relevance."""
-    relevance = diagnostics.get("relevance")
-    if not relevance:
-        return []
-    k = diagnostics.get("k_next", diagnostics.get("k", 0))
-    return sorted(relevance, key=lambda peer: -relevance[peer])[:k]
+def _node_labels(nodes: list[dict[str, Any]]) -> dict[str, set[int]]:
+    """The labels in each node's train split, where the partition recorded them."""
+    return {node["name"]: set(node["data"]["labels"]) for node in nodes
+            if "labels" in node["data"]}
 
 
 def _top_k_precision(nodes: list[dict[str, Any]], top_k: dict[str, list[str]]) -> dict[str, float]:
-    """Mean over nodes of the share of a node's final top-k that holds one of its labels
-    (pFedSV's relevance against the truth "shares a label")."""
-    labels = {node["name"]: set(node["data"]["labels"]) for node in nodes
-              if "labels" in node["data"]}
+    """Mean over nodes of the share of a node's final top-k (the peers it pulled in its
+    last round) that holds one of its labels: pFedSV's relevance against the truth
+    "shares a label"."""
+    labels = _node_labels(nodes)
     precisions = [statistics.fmean(bool(labels[peer] & labels[name]) for peer in chosen)
                   for name, chosen in top_k.items()
                   if name in labels and all(peer in labels for peer in chosen)]
@@ -243,13 +255,10 @@ def _shapley_by_label_overlap(out: Path, nodes: list[dict[str, Any]]) -> dict[st
     shares one of the node's labels and of one that shares none, over every node and
     round, and the weight the label-sharing peers got per round (why the rule helps
     or hurts a node)."""
-    labels = {node["name"]: set(node["data"]["labels"]) for node in nodes
-              if "labels" in node["data"]}
+    labels = _node_labels(nodes)
     sharing, disjoint, shared_weight, rounds = [], [], 0.0, 0
     for name, own_labels in labels.items():
-        path = out / name / "metrics.jsonl"
-        for line in path.read_text().splitlines() if path.exists() else []:
-            record = json.loads(line)
+        for record in records(out / name / "metrics.jsonl"):
             shapley = record.get("diagnostics", {}).get("shapley")
             if shapley is None:
                 continue
@@ -271,26 +280,20 @@ def _shapley_by_label_overlap(out: Path, nodes: list[dict[str, Any]]) -> dict[st
 
 
 def _round_costs(out: Path, names: list[str]) -> dict[str, float]:
-    """Medians over every node's rounds: MB (10^6 bytes) received, seconds of local
-    training, and where the rule plays a Shapley game (pFedSV), its seconds over the
-    round's training seconds."""
-    received, training, shapley_share = [], [], []
+    """Medians over every node's rounds: MB (10^6 bytes) received and, where the rule
+    plays a Shapley game (pFedSV), its seconds over the round's training seconds."""
+    received, shapley_share = [], []
     for name in names:
-        path = out / name / "metrics.jsonl"
-        if not path.exists():
-            continue
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            received.append(record.get("bytes_in", 0) / 1e6)
-            train = record.get("seconds", {}).get("train", 0.0)
-            training.append(train)
+        for record in records(out / name / "metrics.jsonl"):
+            if "bytes_in" in record:
+                received.append(record["bytes_in"] / 1e6)
+            train = record.get("seconds", {}).get("train")
             shapley = record.get("diagnostics", {}).get("shapley_seconds")
-            if shapley is not None and train > 0:
+            if shapley is not None and train:
                 shapley_share.append(shapley / train)
     cost = {}
     if received:
-        cost = {"mb_in_per_round": statistics.median(received),
-                "train_seconds": statistics.median(training)}
+        cost["mb_in_per_round"] = statistics.median(received)
     if shapley_share:
         cost["shapley_to_train"] = statistics.median(shapley_share)
     return cost
@@ -312,8 +315,7 @@ def _grouping_scores(nodes: list[dict[str, Any]], groups: dict[str, list[str]],
     group_of = {node["name"]: node["data"]["group"] for node in nodes if "group" in node["data"]}
     if group_of and coordinator_metrics.exists():
         shares = {}
-        for line in coordinator_metrics.read_text().splitlines():
-            record = json.loads(line)
+        for record in records(coordinator_metrics):
             relevant = record.get("diagnostics", {}).get("relevant_sets")
             if record.get("diagnostics", {}).get("ccp") and relevant:
                 share = own_group_fraction(relevant, group_of)
@@ -326,10 +328,8 @@ def _grouping_scores(nodes: list[dict[str, Any]], groups: dict[str, list[str]],
 
 
 def _last_coordinator_groups(coordinator_metrics: Path) -> dict[str, list[str]]:
-    if not coordinator_metrics.exists():
-        return {}
-    for line in reversed(coordinator_metrics.read_text().splitlines()):
-        groups = json.loads(line).get("diagnostics", {}).get("groups")
+    for record in reversed(records(coordinator_metrics)):
+        groups = record.get("diagnostics", {}).get("groups")
         if groups:
             return groups
     return {}
