@@ -109,7 +109,7 @@ SCORE_ROWS = {
 # What a round costs a node (launch.local.write_summary), as the median over the seeds.
 COST_ROWS = {
     "mb_in_per_round": ("MB received per node and round (median)", "{:.2f}"),
-    "shapley_to_train": ("Shapley seconds per training second (median)", "{:.2f}"),
+    "shapley_to_train": ("Shapley seconds per training second (median)", "{:.3f}"),
 }
 
 
@@ -154,8 +154,8 @@ def render_table(spec: dict[str, Any], summaries: dict[str, list[dict[str, Any]]
     means = []
     for variant in variants:
         values = [s["mean_test_acc"] * 100 for s in summaries[variant]]
-        spread = statistics.stdev(values) if len(values) > 1 else 0.0
-        means.append(f"**{statistics.fmean(values):.1f}** ({spread:.1f})")
+        spread = f" ({statistics.stdev(values):.1f})" if len(values) > 1 else ""
+        means.append(f"**{statistics.fmean(values):.1f}**{spread}")
     lines.append("| mean (std over seeds) | " + " | ".join(means) + " |")
     for key, (title, pool) in SCORE_ROWS.items():
         scores = [[score for s in summaries[v] if (score := _score(s, key)) is not None]

@@ -43,7 +43,8 @@ def test_the_table_shows_the_median_cost_of_a_round_where_it_was_measured():
             "pFedSV": [summary(0.9, cost={"mb_in_per_round": 1.25, "shapley_to_train": 0.3})]}
     table = render_table(SPEC, runs, [0], argparse.Namespace(name="x", data_root=None))
     assert "| MB received per node and round (median) | 5.50 | 1.25 |" in table
-    assert "| Shapley seconds per training second (median) |  | 0.30 |" in table
+    assert "| Shapley seconds per training second (median) |  | 0.300 |" in table
+    assert "| mean (std over seeds) | **80.0** | **90.0** |" in table, "no spread of one seed"
 
 
 def test_round_costs_are_medians_over_every_complete_node_round(tmp_path):
