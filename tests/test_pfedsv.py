@@ -368,6 +368,15 @@ def noisy_copies(state, scale, seeds):
     return copies
 
 
+def overlapping_val():
+    """Labels 0 and 1 with overlapping blobs: the own model is imperfect there, so an
+    average can score lower than it."""
+    generator = torch.Generator().manual_seed(9)
+    y_val = torch.tensor([0, 1]).repeat(60)
+    x_val = CENTRES[y_val] + 2.0 * torch.randn(len(y_val), 2, generator=generator)
+    return SimpleNamespace(x_val=x_val, y_val=y_val)
+
+
 def aggregate_with(rule, own, peers, data):
     rule.wanted(1, {MODEL: sorted(peers)})
     received = {MODEL: {peer: PeerModel(state, 100) for peer, state in peers.items()}}
@@ -378,12 +387,7 @@ def aggregate_with(rule, own, peers, data):
                                                             (0.5, (0, 1), False)])
 def test_the_val_guard_keeps_the_own_model_only_when_the_aggregate_scores_lower(
         world, scale, seeds, guard_keeps_own):
-    # Overlapping blobs, so the own model is imperfect and an average can be worse.
-    generator = torch.Generator().manual_seed(9)
-    y_val = torch.tensor([0, 1]).repeat(60)
-    data = SimpleNamespace(x_val=CENTRES[y_val] + 2.0 * torch.randn(len(y_val), 2,
-                                                                    generator=generator),
-                           y_val=y_val)
+    data = overlapping_val()
     peers = noisy_copies(world.own, scale, seeds)
     plain = aggregate_with(make_rule(k=2, k_max=2), world.own, peers, data)
     guarded = aggregate_with(make_rule(k=2, k_max=2, val_guard=True), world.own, peers, data)
@@ -399,6 +403,23 @@ def test_the_val_guard_keeps_the_own_model_only_when_the_aggregate_scores_lower(
         assert v_aggregate >= v_own
         assert guarded.weights == plain.weights
         assert all(torch.equal(guarded.state[key], plain.state[key]) for key in plain.state)
+
+
+def test_with_a_shared_body_the_guard_keeps_the_own_head_on_the_mesh_body(world):
+    rule = make_rule(k=2, k_max=2, val_guard=True, shared_body=True)
+    peers = noisy_copies(world.own, 1.0, (10, 11))
+    pulls = rule.wanted(1, {"body": sorted(peers), "head": sorted(peers)})
+    body_keys, head_keys = rule.context.body_keys, rule.context.head_keys
+    # The peers' bodies are the node's own: only the heads differ, so the game decides.
+    received = {"body": {p: PeerModel({k: world.own[k] for k in body_keys}, 100) for p in peers},
+                "head": {p: PeerModel({k: peers[p][k] for k in head_keys}, 100)
+                         for p in pulls["head"]}}
+    outcome = rule.aggregate(1, PeerModel(world.own, 100), received, overlapping_val())
+    assert all(outcome.diagnostics["shapley"][peer] > 0 for peer in peers)
+    assert outcome.diagnostics["v_aggregate"] < outcome.diagnostics["v_own"]
+    assert outcome.weights == {"me": 1.0}
+    assert all(torch.allclose(outcome.state[key], world.own[key], atol=1e-6)
+               for key in (*body_keys, *head_keys))
 
 
 def test_state_survives_a_json_checkpoint_and_repeats_the_next_selection(world):
