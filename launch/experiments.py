@@ -103,6 +103,10 @@ SCORE_ROWS = {
                                  statistics.fmean),
     "weight_on_label_sharing_peers": ("weight on label-sharing peers per round (mean)",
                                       statistics.fmean),
+    "influence_own_share": ("influence vector's share for the own model (mean)",
+                            statistics.fmean),
+    "class_influence_peak": ("largest class-level weight, times uniform (mean)",
+                             statistics.fmean),
 }
 
 

@@ -227,6 +227,7 @@ def write_summary(cfg: cfgmod.MeshConfig, out: Path) -> dict[str, Any]:
         **_grouping_scores(nodes, groups, out / COORDINATOR / "metrics.jsonl"),
         **_top_k_precision(nodes, top_k),
         **_shapley_by_label_overlap(out, nodes),
+        **_influence_shape(out, [peer.name for peer in cfg.peers]),
         "cost": _round_costs(out, [peer.name for peer in cfg.peers]),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -276,6 +277,30 @@ def _shapley_by_label_overlap(out: Path, nodes: list[dict[str, Any]]) -> dict[st
         scores["shapley_sharing_no_label"] = statistics.fmean(disjoint)
     if rounds:
         scores["weight_on_label_sharing_peers"] = shared_weight / rounds
+    return scores
+
+
+def _influence_shape(out: Path, names: list[str]) -> dict[str, float]:
+    """Where a rule weighs models by influence (FedC²I), over every node and round: the
+    share of the body the influence vector λ gives the node's own model, and the largest
+    weight per class of the influence matrix Λ as a multiple of the uniform 1/K (1.0:
+    the class level weighs every model alike)."""
+    own_share, peak = [], []
+    for name in names:
+        for record in records(out / name / "metrics.jsonl"):
+            diagnostics = record.get("diagnostics", {})
+            vector = diagnostics.get("influence_vector")
+            matrix = diagnostics.get("influence_matrix")
+            if vector and name in vector:
+                own_share.append(vector[name])
+            if matrix:
+                for column in zip(*matrix.values(), strict=True):  # a class over the models
+                    peak.append(max(column) * len(matrix))
+    scores = {}
+    if own_share:
+        scores["influence_own_share"] = statistics.fmean(own_share)
+    if peak:
+        scores["class_influence_peak"] = statistics.fmean(peak)
     return scores
 
 

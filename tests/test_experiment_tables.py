@@ -8,6 +8,7 @@ import pytest
 
 from meshfl.launch.experiments import render_table
 from meshfl.launch.local import (
+    _influence_shape,
     _round_costs,
     _shapley_by_label_overlap,
     _top_k_precision,
@@ -86,3 +87,14 @@ def test_shapley_values_and_weights_are_split_by_whether_a_peer_shares_a_label(t
     assert scores["shapley_sharing_a_label"] == pytest.approx(0.2)
     assert scores["shapley_sharing_no_label"] == pytest.approx(-0.2)
     assert scores["weight_on_label_sharing_peers"] == pytest.approx(0.2)
+
+
+def test_influence_shape_is_the_own_share_of_lambda_and_the_class_peak_of_big_lambda(tmp_path):
+    record = {"diagnostics": {"influence_vector": {"a": 0.7, "b": 0.3},
+                              "influence_matrix": {"a": [0.5, 0.9], "b": [0.5, 0.1]}}}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    scores = _influence_shape(tmp_path, ["a"])
+    assert scores["influence_own_share"] == pytest.approx(0.7)
+    assert scores["class_influence_peak"] == pytest.approx((1.0 + 1.8) / 2), "x K = 2 models"
+    assert _influence_shape(tmp_path, ["nobody"]) == {}
