@@ -103,6 +103,8 @@ SCORE_ROWS = {
                                  statistics.fmean),
     "weight_on_label_sharing_peers": ("weight on label-sharing peers per round (mean)",
                                       statistics.fmean),
+    "average_below_own": ("share of rounds the average validated below the own model",
+                          statistics.fmean),
     "influence_own_share": ("influence vector's share for the own model (mean)",
                             statistics.fmean),
     "class_influence_peak": ("largest class-level weight, times uniform (mean)",

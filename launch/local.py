@@ -227,6 +227,7 @@ def write_summary(cfg: cfgmod.MeshConfig, out: Path) -> dict[str, Any]:
         **_grouping_scores(nodes, groups, out / COORDINATOR / "metrics.jsonl"),
         **_top_k_precision(nodes, top_k),
         **_shapley_by_label_overlap(out, nodes),
+        **_average_below_own(out, [peer.name for peer in cfg.peers]),
         **_influence_shape(out, [peer.name for peer in cfg.peers]),
         "cost": _round_costs(out, [peer.name for peer in cfg.peers]),
     }
@@ -278,6 +279,21 @@ def _shapley_by_label_overlap(out: Path, nodes: list[dict[str, Any]]) -> dict[st
     if rounds:
         scores["weight_on_label_sharing_peers"] = shared_weight / rounds
     return scores
+
+
+def _average_below_own(out: Path, names: list[str]) -> dict[str, float]:
+    """Where a rule records v({i}), the own model's val accuracy (pFedSV): the share of
+    node-rounds in which the weighted average it computed scored lower than that on the
+    val split. Without the guard the average is what the node evaluated (val_acc); with
+    it, the average the guard judged (v_aggregate)."""
+    below = []
+    for name in names:
+        for record in records(out / name / "metrics.jsonl"):
+            diagnostics = record.get("diagnostics", {})
+            average = diagnostics.get("v_aggregate", record.get("val_acc"))
+            if "v_own" in diagnostics and average is not None:
+                below.append(average < diagnostics["v_own"])
+    return {"average_below_own": statistics.fmean(below)} if below else {}
 
 
 def _influence_shape(out: Path, names: list[str]) -> dict[str, float]:

@@ -8,6 +8,7 @@ import pytest
 
 from meshfl.launch.experiments import render_table
 from meshfl.launch.local import (
+    _average_below_own,
     _influence_shape,
     _round_costs,
     _shapley_by_label_overlap,
@@ -98,3 +99,14 @@ def test_influence_shape_is_the_own_share_of_lambda_and_the_class_peak_of_big_la
     assert scores["influence_own_share"] == pytest.approx(0.7)
     assert scores["class_influence_peak"] == pytest.approx((1.0 + 1.8) / 2), "x K = 2 models"
     assert _influence_shape(tmp_path, ["nobody"]) == {}
+
+
+def test_average_below_own_reads_the_guarded_average_where_there_is_one(tmp_path):
+    rounds = [{"val_acc": 0.8, "diagnostics": {"v_own": 0.9}},  # the average was adopted
+              {"val_acc": 0.9, "diagnostics": {"v_own": 0.9, "v_aggregate": 0.7}},  # kept own
+              {"val_acc": 0.95, "diagnostics": {"v_own": 0.9}},
+              {"val_acc": 0.5, "diagnostics": {}}]  # a rule that records no v_own
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "metrics.jsonl").write_text(
+        "\n".join(json.dumps(record) for record in rounds) + "\n")
+    assert _average_below_own(tmp_path, ["a"]) == {"average_below_own": pytest.approx(2 / 3)}
