@@ -88,27 +88,23 @@ def _run_once(base: Path, assignments: list[str], nodes: int, run_dir: Path,
     return summary
 
 
-# Scores of how well a rule found who shares data (launch.local.write_summary), with how
-# the seeds' values are pooled.
+# Scores from launch.local.write_summary: how well a rule found who shares data, and
+# why it helped or hurt; each pooled over the seeds as its row title says.
+POOLED = {statistics.fmean: "mean over seeds", min: "lowest over seeds"}
 SCORE_ROWS = {
-    "ari": ("ARI of the groups (mean over seeds)", statistics.fmean),
-    "own_group_share_ccp": ("own-group share of relevant sets in the CCP (mean over seeds)",
-                            statistics.fmean),
-    "own_group_share_lowest": ("lowest own-group share in one CCP round (over seeds)", min),
-    "top_k_precision": ("precision of the final top-k against \"shares a label\" "
-                        "(mean over seeds)", statistics.fmean),
-    "shapley_sharing_a_label": ("Shapley value of a peer sharing a label (mean)",
-                                statistics.fmean),
-    "shapley_sharing_no_label": ("Shapley value of a peer sharing no label (mean)",
-                                 statistics.fmean),
-    "weight_on_label_sharing_peers": ("weight on label-sharing peers per round (mean)",
+    "ari": ("ARI of the groups", statistics.fmean),
+    "own_group_share_ccp": ("own-group share of relevant sets in the CCP", statistics.fmean),
+    "own_group_share_lowest": ("own-group share of relevant sets, lowest CCP round", min),
+    "top_k_precision": ("precision of the final top-k against \"shares a label\"",
+                        statistics.fmean),
+    "shapley_sharing_a_label": ("Shapley value of a peer sharing a label", statistics.fmean),
+    "shapley_sharing_no_label": ("Shapley value of a peer sharing no label", statistics.fmean),
+    "weight_on_label_sharing_peers": ("weight on label-sharing peers per round",
                                       statistics.fmean),
     "average_below_own": ("share of rounds the average validated below the own model",
                           statistics.fmean),
-    "influence_own_share": ("influence vector's share for the own model (mean)",
-                            statistics.fmean),
-    "class_influence_peak": ("largest class-level weight, times uniform (mean)",
-                             statistics.fmean),
+    "influence_own_share": ("influence vector's share for the own model", statistics.fmean),
+    "class_influence_peak": ("largest class-level weight, times uniform", statistics.fmean),
 }
 
 
@@ -167,7 +163,7 @@ def render_table(spec: dict[str, Any], summaries: dict[str, list[dict[str, Any]]
         scores = [[score for s in summaries[v] if (score := _score(s, key)) is not None]
                   for v in variants]
         if any(scores):
-            lines.append(f"| {title} | "
+            lines.append(f"| {title} ({POOLED[pool]}) | "
                          + " | ".join(f"{pool(x):.3f}" if x else "" for x in scores) + " |")
     for key, (title, form) in COST_ROWS.items():
         costs = [[s["cost"][key] for s in summaries[v] if key in s.get("cost", {})]

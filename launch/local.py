@@ -11,6 +11,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
@@ -159,6 +160,13 @@ def records(path: Path) -> list[dict[str, Any]]:
     return parsed
 
 
+def _node_rounds(out: Path, names: Iterable[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(node, metrics record) for every complete round of the named nodes of a run."""
+    for name in names:
+        for record in records(out / name / "metrics.jsonl"):
+            yield name, record
+
+
 def _watch(processes: dict[str, subprocess.Popen], out: Path, rounds: int,
            quiet: bool) -> dict[str, str]:
     """Show progress until every node exits; return {name: last log line} of failures."""
@@ -218,6 +226,7 @@ def write_summary(cfg: cfgmod.MeshConfig, out: Path) -> dict[str, Any]:
             if chosen:
                 top_k[peer.name] = chosen
     accuracies = [node["test_acc"] for node in nodes]
+    names = [peer.name for peer in cfg.peers]
     summary = {
         "algorithm": cfg.algorithm.name, "dataset": cfg.data.dataset,
         "partition": cfg.data.partition, "rounds": cfg.rounds, "seed": cfg.seed,
@@ -227,9 +236,9 @@ def write_summary(cfg: cfgmod.MeshConfig, out: Path) -> dict[str, Any]:
         **_grouping_scores(nodes, groups, out / COORDINATOR / "metrics.jsonl"),
         **_top_k_precision(nodes, top_k),
         **_shapley_by_label_overlap(out, nodes),
-        **_average_below_own(out, [peer.name for peer in cfg.peers]),
-        **_influence_shape(out, [peer.name for peer in cfg.peers]),
-        "cost": _round_costs(out, [peer.name for peer in cfg.peers]),
+        **_average_below_own(out, names),
+        **_influence_shape(out, names),
+        "cost": _round_costs(out, names),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
@@ -259,18 +268,17 @@ def _shapley_by_label_overlap(out: Path, nodes: list[dict[str, Any]]) -> dict[st
     or hurts a node)."""
     labels = _node_labels(nodes)
     sharing, disjoint, shared_weight, rounds = [], [], 0.0, 0
-    for name, own_labels in labels.items():
-        for record in records(out / name / "metrics.jsonl"):
-            shapley = record.get("diagnostics", {}).get("shapley")
-            if shapley is None:
-                continue
-            rounds += 1
-            shares = {peer: bool(labels[peer] & own_labels) for peer in shapley
-                      if peer != name and peer in labels}
-            for peer, shares_a_label in shares.items():
-                (sharing if shares_a_label else disjoint).append(shapley[peer])
-            shared_weight += sum(weight for peer, weight in record.get("weights", {}).items()
-                                 if shares.get(peer))
+    for name, record in _node_rounds(out, labels):
+        shapley = record.get("diagnostics", {}).get("shapley")
+        if shapley is None:
+            continue
+        rounds += 1
+        shares = {peer: bool(labels[peer] & labels[name]) for peer in shapley
+                  if peer != name and peer in labels}
+        for peer, shares_a_label in shares.items():
+            (sharing if shares_a_label else disjoint).append(shapley[peer])
+        shared_weight += sum(weight for peer, weight in record.get("weights", {}).items()
+                             if shares.get(peer))
     scores = {}
     if sharing:
         scores["shapley_sharing_a_label"] = statistics.fmean(sharing)
@@ -281,37 +289,35 @@ def _shapley_by_label_overlap(out: Path, nodes: list[dict[str, Any]]) -> dict[st
     return scores
 
 
-def _average_below_own(out: Path, names: list[str]) -> dict[str, float]:
+def _average_below_own(out: Path, names: Iterable[str]) -> dict[str, float]:
     """Where a rule records v({i}), the own model's val accuracy (pFedSV): the share of
     node-rounds in which the weighted average it computed scored lower than that on the
     val split. Without the guard the average is what the node evaluated (val_acc); with
     it, the average the guard judged (v_aggregate)."""
     below = []
-    for name in names:
-        for record in records(out / name / "metrics.jsonl"):
-            diagnostics = record.get("diagnostics", {})
-            average = diagnostics.get("v_aggregate", record.get("val_acc"))
-            if "v_own" in diagnostics and average is not None:
-                below.append(average < diagnostics["v_own"])
+    for _, record in _node_rounds(out, names):
+        diagnostics = record.get("diagnostics", {})
+        average = diagnostics.get("v_aggregate", record.get("val_acc"))
+        if "v_own" in diagnostics and average is not None:
+            below.append(average < diagnostics["v_own"])
     return {"average_below_own": statistics.fmean(below)} if below else {}
 
 
-def _influence_shape(out: Path, names: list[str]) -> dict[str, float]:
+def _influence_shape(out: Path, names: Iterable[str]) -> dict[str, float]:
     """Where a rule weighs models by influence (FedC²I), over every node and round: the
     share of the body the influence vector λ gives the node's own model, and the largest
     weight per class of the influence matrix Λ as a multiple of the uniform 1/K (1.0:
     the class level weighs every model alike)."""
     own_share, peak = [], []
-    for name in names:
-        for record in records(out / name / "metrics.jsonl"):
-            diagnostics = record.get("diagnostics", {})
-            vector = diagnostics.get("influence_vector")
-            matrix = diagnostics.get("influence_matrix")
-            if vector and name in vector:
-                own_share.append(vector[name])
-            if matrix:
-                for column in zip(*matrix.values(), strict=True):  # a class over the models
-                    peak.append(max(column) * len(matrix))
+    for name, record in _node_rounds(out, names):
+        diagnostics = record.get("diagnostics", {})
+        vector = diagnostics.get("influence_vector", {})
+        matrix = diagnostics.get("influence_matrix", {})
+        if len(vector) > 1 and name in vector:  # alone, a node's share is 1 by definition
+            own_share.append(vector[name])
+        if len(matrix) > 1:
+            for column in zip(*matrix.values(), strict=True):  # a class over the models
+                peak.append(max(column) * len(matrix))
     scores = {}
     if own_share:
         scores["influence_own_share"] = statistics.fmean(own_share)
@@ -320,18 +326,17 @@ def _influence_shape(out: Path, names: list[str]) -> dict[str, float]:
     return scores
 
 
-def _round_costs(out: Path, names: list[str]) -> dict[str, float]:
+def _round_costs(out: Path, names: Iterable[str]) -> dict[str, float]:
     """Medians over every node's rounds: MB (10^6 bytes) received and, where the rule
     plays a Shapley game (pFedSV), its seconds over the round's training seconds."""
     received, shapley_share = [], []
-    for name in names:
-        for record in records(out / name / "metrics.jsonl"):
-            if "bytes_in" in record:
-                received.append(record["bytes_in"] / 1e6)
-            train = record.get("seconds", {}).get("train")
-            shapley = record.get("diagnostics", {}).get("shapley_seconds")
-            if shapley is not None and train:
-                shapley_share.append(shapley / train)
+    for _, record in _node_rounds(out, names):
+        if "bytes_in" in record:
+            received.append(record["bytes_in"] / 1e6)
+        train = record.get("seconds", {}).get("train")
+        shapley = record.get("diagnostics", {}).get("shapley_seconds")
+        if shapley is not None and train:
+            shapley_share.append(shapley / train)
     cost = {}
     if received:
         cost["mb_in_per_round"] = statistics.median(received)

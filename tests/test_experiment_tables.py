@@ -33,7 +33,8 @@ def test_the_table_shows_the_share_per_ccp_round_and_its_lowest_value_over_seeds
     runs = {"Local": [summary(0.8), summary(0.8)],
             "FedReMa": [summary(0.9, {"1": 1.0, "2": 0.75}), summary(0.9, {"1": 0.5})]}
     table = render_table(SPEC, runs, [0, 1], argparse.Namespace(name="x", data_root=None))
-    assert "| lowest own-group share in one CCP round (over seeds) |  | 0.500 |" in table
+    assert ("| own-group share of relevant sets, lowest CCP round (lowest over seeds) |  | 0.500 |"
+            in table)
     assert "| own-group share of relevant sets in the CCP (mean over seeds) |  | 0.688 |" in table
     assert "- FedReMa, seed 0, rounds 1-2: 1.00 0.75" in table
     assert "- FedReMa, seed 1, rounds 1-1: 0.50" in table
@@ -91,13 +92,16 @@ def test_shapley_values_and_weights_are_split_by_whether_a_peer_shares_a_label(t
 
 
 def test_influence_shape_is_the_own_share_of_lambda_and_the_class_peak_of_big_lambda(tmp_path):
-    record = {"diagnostics": {"influence_vector": {"a": 0.7, "b": 0.3},
-                              "influence_matrix": {"a": [0.5, 0.9], "b": [0.5, 0.1]}}}
+    # Three models, two classes: the own share is not the largest, rows are not columns.
+    shaped = {"diagnostics": {"influence_vector": {"a": 0.2, "b": 0.5, "c": 0.3},
+                              "influence_matrix": {"a": [0.6, 0.7], "b": [0.3, 0.2],
+                                                   "c": [0.1, 0.1]}}}
+    alone = {"diagnostics": {"influence_vector": {"a": 1.0}, "influence_matrix": {"a": [1.0, 1.0]}}}
     (tmp_path / "a").mkdir()
-    (tmp_path / "a" / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    (tmp_path / "a" / "metrics.jsonl").write_text(f"{json.dumps(shaped)}\n{json.dumps(alone)}\n")
     scores = _influence_shape(tmp_path, ["a"])
-    assert scores["influence_own_share"] == pytest.approx(0.7)
-    assert scores["class_influence_peak"] == pytest.approx((1.0 + 1.8) / 2), "x K = 2 models"
+    assert scores["influence_own_share"] == pytest.approx(0.2), "a round alone says nothing"
+    assert scores["class_influence_peak"] == pytest.approx((0.6 * 3 + 0.7 * 3) / 2)
     assert _influence_shape(tmp_path, ["nobody"]) == {}
 
 
@@ -105,8 +109,9 @@ def test_average_below_own_reads_the_guarded_average_where_there_is_one(tmp_path
     rounds = [{"val_acc": 0.8, "diagnostics": {"v_own": 0.9}},  # the average was adopted
               {"val_acc": 0.9, "diagnostics": {"v_own": 0.9, "v_aggregate": 0.7}},  # kept own
               {"val_acc": 0.95, "diagnostics": {"v_own": 0.9}},
+              {"val_acc": 0.9, "diagnostics": {"v_own": 0.9}},  # a tie is not below
               {"val_acc": 0.5, "diagnostics": {}}]  # a rule that records no v_own
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "metrics.jsonl").write_text(
         "\n".join(json.dumps(record) for record in rounds) + "\n")
-    assert _average_below_own(tmp_path, ["a"]) == {"average_below_own": pytest.approx(2 / 3)}
+    assert _average_below_own(tmp_path, ["a"]) == {"average_below_own": pytest.approx(2 / 4)}
