@@ -11,7 +11,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
@@ -244,6 +244,11 @@ def write_summary(cfg: cfgmod.MeshConfig, out: Path) -> dict[str, Any]:
     return summary
 
 
+def _pooled(pool: Callable[[list[float]], float], **samples: list[float]) -> dict[str, float]:
+    """{name: pool(values)} for every name that has values."""
+    return {name: pool(values) for name, values in samples.items() if values}
+
+
 def _node_labels(nodes: list[dict[str, Any]]) -> dict[str, set[int]]:
     """The labels in each node's train split, where the partition recorded them."""
     return {node["name"]: set(node["data"]["labels"]) for node in nodes
@@ -279,11 +284,8 @@ def _shapley_by_label_overlap(out: Path, nodes: list[dict[str, Any]]) -> dict[st
             (sharing if shares_a_label else disjoint).append(shapley[peer])
         shared_weight += sum(weight for peer, weight in record.get("weights", {}).items()
                              if shares.get(peer))
-    scores = {}
-    if sharing:
-        scores["shapley_sharing_a_label"] = statistics.fmean(sharing)
-    if disjoint:
-        scores["shapley_sharing_no_label"] = statistics.fmean(disjoint)
+    scores = _pooled(statistics.fmean, shapley_sharing_a_label=sharing,
+                     shapley_sharing_no_label=disjoint)
     if rounds:
         scores["weight_on_label_sharing_peers"] = shared_weight / rounds
     return scores
@@ -300,7 +302,7 @@ def _average_below_own(out: Path, names: Iterable[str]) -> dict[str, float]:
         average = diagnostics.get("v_aggregate", record.get("val_acc"))
         if "v_own" in diagnostics and average is not None:
             below.append(average < diagnostics["v_own"])
-    return {"average_below_own": statistics.fmean(below)} if below else {}
+    return _pooled(statistics.fmean, average_below_own=below)
 
 
 def _influence_shape(out: Path, names: Iterable[str]) -> dict[str, float]:
@@ -318,12 +320,7 @@ def _influence_shape(out: Path, names: Iterable[str]) -> dict[str, float]:
         if len(matrix) > 1:
             for column in zip(*matrix.values(), strict=True):  # a class over the models
                 peak.append(max(column) * len(matrix))
-    scores = {}
-    if own_share:
-        scores["influence_own_share"] = statistics.fmean(own_share)
-    if peak:
-        scores["class_influence_peak"] = statistics.fmean(peak)
-    return scores
+    return _pooled(statistics.fmean, influence_own_share=own_share, class_influence_peak=peak)
 
 
 def _round_costs(out: Path, names: Iterable[str]) -> dict[str, float]:
@@ -337,12 +334,7 @@ def _round_costs(out: Path, names: Iterable[str]) -> dict[str, float]:
         shapley = record.get("diagnostics", {}).get("shapley_seconds")
         if shapley is not None and train:
             shapley_share.append(shapley / train)
-    cost = {}
-    if received:
-        cost["mb_in_per_round"] = statistics.median(received)
-    if shapley_share:
-        cost["shapley_to_train"] = statistics.median(shapley_share)
-    return cost
+    return _pooled(statistics.median, mb_in_per_round=received, shapley_to_train=shapley_share)
 
 
 def _grouping_scores(nodes: list[dict[str, Any]], groups: dict[str, list[str]],
