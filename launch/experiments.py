@@ -122,6 +122,30 @@ def _score(summary: dict[str, Any], key: str) -> float | None:
     return summary.get(key)
 
 
+def _score_rows(summaries: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """A row per score that some variant has, its seeds pooled as SCORE_ROWS says."""
+    rows = []
+    for key, (title, pool) in SCORE_ROWS.items():
+        scores = [[score for s in runs if (score := _score(s, key)) is not None]
+                  for runs in summaries.values()]
+        if any(scores):
+            rows.append(f"| {title} ({POOLED[pool]}) | "
+                        + " | ".join(f"{pool(x):.3f}" if x else "" for x in scores) + " |")
+    return rows
+
+
+def _cost_rows(summaries: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """A row per cost that some variant measured, the median over its seeds."""
+    rows = []
+    for key, (title, form) in COST_ROWS.items():
+        costs = [[s["cost"][key] for s in runs if key in s.get("cost", {})]
+                 for runs in summaries.values()]
+        if any(costs):
+            rows.append(f"| {title} | " + " | ".join(
+                form.format(statistics.median(x)) if x else "" for x in costs) + " |")
+    return rows
+
+
 def _share_per_round(summaries: dict[str, list[dict[str, Any]]], seeds: list[int]) -> list[str]:
     """The own-group share of the relevant sets (FedReMa) in every round of the critical
     co-learning period, per variant and seed."""
@@ -159,19 +183,7 @@ def render_table(spec: dict[str, Any], summaries: dict[str, list[dict[str, Any]]
         spread = f" ({statistics.stdev(values):.1f})" if len(values) > 1 else ""
         means.append(f"**{statistics.fmean(values):.1f}**{spread}")
     lines.append("| mean (std over seeds) | " + " | ".join(means) + " |")
-    for key, (title, pool) in SCORE_ROWS.items():
-        scores = [[score for s in summaries[v] if (score := _score(s, key)) is not None]
-                  for v in variants]
-        if any(scores):
-            lines.append(f"| {title} ({POOLED[pool]}) | "
-                         + " | ".join(f"{pool(x):.3f}" if x else "" for x in scores) + " |")
-    for key, (title, form) in COST_ROWS.items():
-        costs = [[s["cost"][key] for s in summaries[v] if key in s.get("cost", {})]
-                 for v in variants]
-        if any(costs):
-            lines.append(f"| {title} | " + " | ".join(
-                form.format(statistics.median(x)) if x else "" for x in costs) + " |")
-    lines += _share_per_round(summaries, seeds)
+    lines += _score_rows(summaries) + _cost_rows(summaries) + _share_per_round(summaries, seeds)
     command = f"meshfl experiment {args.name}" + (" --data-root DIR" if args.data_root else "")
     lines += ["", f"Seeds {', '.join(map(str, seeds))}; {spec['nodes']} nodes. "
               f"Caps: {spec['caps']}", f"Regenerate: `{command}`", ""]
