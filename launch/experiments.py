@@ -115,19 +115,11 @@ COST_ROWS = {
 }
 
 
-def _score(summary: dict[str, Any], key: str) -> float | None:
-    if key == "own_group_share_lowest":
-        shares = summary.get("own_group_share")
-        return min(shares.values()) if shares else None
-    return summary.get(key)
-
-
 def _score_rows(summaries: dict[str, list[dict[str, Any]]]) -> list[str]:
     """A row per score that some variant has, its seeds pooled as SCORE_ROWS says."""
     rows = []
     for key, (title, pool) in SCORE_ROWS.items():
-        scores = [[score for s in runs if (score := _score(s, key)) is not None]
-                  for runs in summaries.values()]
+        scores = [[s[key] for s in runs if key in s] for runs in summaries.values()]
         if any(scores):
             rows.append(f"| {title} ({POOLED[pool]}) | "
                         + " | ".join(f"{pool(x):.3f}" if x else "" for x in scores) + " |")

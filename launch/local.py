@@ -132,39 +132,28 @@ def _spawn_node(config_path: Path, name: str, out: Path, local_nodes: int) -> su
                                 start_new_session=True)
 
 
-def last_record(path: Path) -> dict[str, Any] | None:
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return None
-    for line in reversed(lines):
+def _complete_records(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
+    for line in lines:
         try:
-            return json.loads(line)
+            yield json.loads(line)
         except json.JSONDecodeError:
-            continue  # a line being written right now
-    return None
+            continue  # a line cut short by a crash or being written right now
+
+
+def _lines(path: Path) -> list[str]:
+    try:
+        return path.read_text().splitlines()
+    except OSError:
+        return []
 
 
 def records(path: Path) -> list[dict[str, Any]]:
     """Every complete line of a metrics file ([] when there is none yet)."""
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return []
-    parsed = []
-    for line in lines:
-        try:
-            parsed.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line cut short by a crash or being written right now
-    return parsed
+    return list(_complete_records(_lines(path)))
 
 
-def _node_rounds(out: Path, names: Iterable[str]) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(node, metrics record) for every complete round of the named nodes of a run."""
-    for name in names:
-        for record in records(out / name / "metrics.jsonl"):
-            yield name, record
+def last_record(path: Path) -> dict[str, Any] | None:
+    return next(_complete_records(reversed(_lines(path))), None)
 
 
 def _watch(processes: dict[str, subprocess.Popen], out: Path, rounds: int,
@@ -209,10 +198,21 @@ def _stop(processes) -> None:
             process.wait()
 
 
+History = dict[str, list[dict[str, Any]]]  # node -> its metrics records, round by round
+
+
+def _node_rounds(history: History) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(node, metrics record) for every complete round of every node."""
+    for name, rounds in history.items():
+        for record in rounds:
+            yield name, record
+
+
 def write_summary(cfg: cfgmod.MeshConfig, out: Path) -> dict[str, Any]:
+    history = {peer.name: records(out / peer.name / "metrics.jsonl") for peer in cfg.peers}
     nodes, groups, top_k = [], {}, {}
     for peer in cfg.peers:
-        record = last_record(out / peer.name / "metrics.jsonl")
+        record = history[peer.name][-1] if history[peer.name] else None
         if record is not None:
             info_path = out / peer.name / "info.json"
             info = json.loads(info_path.read_text()) if info_path.exists() else {}
@@ -226,7 +226,6 @@ def write_summary(cfg: cfgmod.MeshConfig, out: Path) -> dict[str, Any]:
             if chosen:
                 top_k[peer.name] = chosen
     accuracies = [node["test_acc"] for node in nodes]
-    names = [peer.name for peer in cfg.peers]
     summary = {
         "algorithm": cfg.algorithm.name, "dataset": cfg.data.dataset,
         "partition": cfg.data.partition, "rounds": cfg.rounds, "seed": cfg.seed,
@@ -235,10 +234,10 @@ def write_summary(cfg: cfgmod.MeshConfig, out: Path) -> dict[str, Any]:
         "std_test_acc": statistics.pstdev(accuracies) if accuracies else None,
         **_grouping_scores(nodes, groups, out / COORDINATOR / "metrics.jsonl"),
         **_top_k_precision(nodes, top_k),
-        **_shapley_by_label_overlap(out, nodes),
-        **_average_below_own(out, names),
-        **_influence_shape(out, names),
-        "cost": _round_costs(out, names),
+        **_shapley_by_label_overlap(history, nodes),
+        **_average_below_own(history),
+        **_influence_shape(history),
+        "cost": _round_costs(history),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
@@ -266,16 +265,16 @@ def _top_k_precision(nodes: list[dict[str, Any]], top_k: dict[str, list[str]]) -
     return {"top_k_precision": statistics.fmean(precisions)} if precisions else {}
 
 
-def _shapley_by_label_overlap(out: Path, nodes: list[dict[str, Any]]) -> dict[str, float]:
+def _shapley_by_label_overlap(history: History, nodes: list[dict[str, Any]]) -> dict[str, float]:
     """Where a rule scores peers by Shapley value (pFedSV): the mean value of a peer that
     shares one of the node's labels and of one that shares none, over every node and
     round, and the weight the label-sharing peers got per round (why the rule helps
     or hurts a node)."""
     labels = _node_labels(nodes)
     sharing, disjoint, shared_weight, rounds = [], [], 0.0, 0
-    for name, record in _node_rounds(out, labels):
+    for name, record in _node_rounds(history):
         shapley = record.get("diagnostics", {}).get("shapley")
-        if shapley is None:
+        if shapley is None or name not in labels:
             continue
         rounds += 1
         shares = {peer: bool(labels[peer] & labels[name]) for peer in shapley
@@ -291,13 +290,13 @@ def _shapley_by_label_overlap(out: Path, nodes: list[dict[str, Any]]) -> dict[st
     return scores
 
 
-def _average_below_own(out: Path, names: Iterable[str]) -> dict[str, float]:
+def _average_below_own(history: History) -> dict[str, float]:
     """Where a rule records v({i}), the own model's val accuracy (pFedSV): the share of
     node-rounds in which the weighted average it computed scored lower than that on the
     val split. Without the guard the average is what the node evaluated (val_acc); with
     it, the average the guard judged (v_aggregate)."""
     below = []
-    for _, record in _node_rounds(out, names):
+    for _, record in _node_rounds(history):
         diagnostics = record.get("diagnostics", {})
         average = diagnostics.get("v_aggregate", record.get("val_acc"))
         if "v_own" in diagnostics and average is not None:
@@ -305,13 +304,13 @@ def _average_below_own(out: Path, names: Iterable[str]) -> dict[str, float]:
     return _pooled(statistics.fmean, average_below_own=below)
 
 
-def _influence_shape(out: Path, names: Iterable[str]) -> dict[str, float]:
+def _influence_shape(history: History) -> dict[str, float]:
     """Where a rule weighs models by influence (FedC²I), over every node and round: the
     share of the body the influence vector λ gives the node's own model, and the largest
     weight per class of the influence matrix Λ as a multiple of the uniform 1/K (1.0:
     the class level weighs every model alike)."""
     own_share, peak = [], []
-    for name, record in _node_rounds(out, names):
+    for name, record in _node_rounds(history):
         diagnostics = record.get("diagnostics", {})
         vector = diagnostics.get("influence_vector", {})
         matrix = diagnostics.get("influence_matrix", {})
@@ -323,11 +322,11 @@ def _influence_shape(out: Path, names: Iterable[str]) -> dict[str, float]:
     return _pooled(statistics.fmean, influence_own_share=own_share, class_influence_peak=peak)
 
 
-def _round_costs(out: Path, names: Iterable[str]) -> dict[str, float]:
+def _round_costs(history: History) -> dict[str, float]:
     """Medians over every node's rounds: MB (10^6 bytes) received and, where the rule
     plays a Shapley game (pFedSV), its seconds over the round's training seconds."""
     received, shapley_share = [], []
-    for _, record in _node_rounds(out, names):
+    for _, record in _node_rounds(history):
         if "bytes_in" in record:
             received.append(record["bytes_in"] / 1e6)
         train = record.get("seconds", {}).get("train")
@@ -362,6 +361,7 @@ def _grouping_scores(nodes: list[dict[str, Any]], groups: dict[str, list[str]],
         if shares:
             scores["own_group_share"] = shares
             scores["own_group_share_ccp"] = statistics.fmean(shares.values())
+            scores["own_group_share_lowest"] = min(shares.values())
     return scores
 
 

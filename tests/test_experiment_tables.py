@@ -1,18 +1,23 @@
-"""The experiment tables report what the issues ask to see: FedReMa's own-group share in
-every round of the critical co-learning period, and what a round costs a node."""
+"""`meshfl experiment` and its tables: they report what the issues ask to see (FedReMa's
+own-group share in every round of the critical co-learning period, what a round costs a
+node, why a rule helped or hurt), and a rerun keeps finished runs."""
 
 import argparse
 import json
+import subprocess
+import sys
 
 import pytest
 
 from meshfl.launch.experiments import render_table
 from meshfl.launch.local import (
     _average_below_own,
+    _grouping_scores,
     _influence_shape,
     _round_costs,
     _shapley_by_label_overlap,
     _top_k_precision,
+    records,
 )
 
 SPEC = {"title": "t", "caps": "c", "nodes": 2}
@@ -23,7 +28,8 @@ def summary(accuracy, shares=None, cost=None):
     result = {"nodes": nodes, "mean_test_acc": accuracy}
     if shares:
         result.update(own_group_share=shares,
-                      own_group_share_ccp=sum(shares.values()) / len(shares))
+                      own_group_share_ccp=sum(shares.values()) / len(shares),
+                      own_group_share_lowest=min(shares.values()))
     if cost:
         result["cost"] = cost
     return result
@@ -50,20 +56,36 @@ def test_the_table_shows_the_median_cost_of_a_round_where_it_was_measured():
     assert "| mean (std over seeds) | **80.0** | **90.0** |" in table, "no spread of one seed"
 
 
-def test_round_costs_are_medians_over_every_complete_node_round(tmp_path):
-    rounds = {"a": [(2e6, 4.0, 1.0), (1e6, 2.0, 1.0), (1e6, 2.0, 0.5)],
-              "b": [(3e6, 4.0, None)]}
-    for name, records in rounds.items():
-        (tmp_path / name).mkdir()
-        lines = []
-        for bytes_in, train, shapley in records:
-            diagnostics = {} if shapley is None else {"shapley_seconds": shapley}
-            lines.append(json.dumps({"bytes_in": bytes_in, "seconds": {"train": train},
-                                     "diagnostics": diagnostics}))
-        cut_short = '{"bytes_in": 9e9, "seco'  # the line a crash left half-written
-        (tmp_path / name / "metrics.jsonl").write_text("\n".join([*lines, cut_short]) + "\n")
-    cost = _round_costs(tmp_path, ["a", "b", "missing"])
-    assert cost == {"mb_in_per_round": 1.5, "shapley_to_train": 0.25}
+def test_the_share_is_scored_over_ccp_rounds_only(tmp_path):
+    nodes = [{"name": name, "data": {"group": group}}
+             for name, group in [("a1", 0), ("a2", 0), ("b1", 1)]]
+    coordinator = [
+        {"round": 1, "diagnostics": {"ccp": True, "relevant_sets": {"a1": ["a1", "a2"]}}},
+        {"round": 2, "diagnostics": {"ccp": True, "relevant_sets": {"a1": ["a1", "a2", "b1"]}}},
+        {"round": 3, "diagnostics": {"ccp": False, "relevant_sets": {"a1": ["a1", "b1"]}}}]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join(json.dumps(record) for record in coordinator) + "\n")
+    scores = _grouping_scores(nodes, {}, path)
+    assert scores["own_group_share"] == {"1": 1.0, "2": 0.5}
+    assert scores["own_group_share_ccp"] == pytest.approx(0.75)
+    assert scores["own_group_share_lowest"] == 0.5
+
+
+def test_records_skip_a_line_a_crash_left_half_written(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"round": 1}\n{"round": 2}\n{"round": 3, "seco\n')
+    assert records(path) == [{"round": 1}, {"round": 2}]
+    assert records(tmp_path / "missing.jsonl") == []
+
+
+def test_round_costs_are_medians_over_every_node_round():
+    def record(bytes_in, train, shapley=None):
+        diagnostics = {} if shapley is None else {"shapley_seconds": shapley}
+        return {"bytes_in": bytes_in, "seconds": {"train": train}, "diagnostics": diagnostics}
+
+    history = {"a": [record(2e6, 4.0, 1.0), record(1e6, 2.0, 1.0), record(1e6, 2.0, 0.5)],
+               "b": [record(3e6, 4.0), {"seconds": {}}], "missing": []}
+    assert _round_costs(history) == {"mb_in_per_round": 1.5, "shapley_to_train": 0.25}
 
 
 def test_top_k_precision_scores_the_last_pull_against_shared_labels():
@@ -74,7 +96,7 @@ def test_top_k_precision_scores_the_last_pull_against_shared_labels():
     assert _top_k_precision(nodes, {}) == {}
 
 
-def test_shapley_values_and_weights_are_split_by_whether_a_peer_shares_a_label(tmp_path):
+def test_shapley_values_and_weights_are_split_by_whether_a_peer_shares_a_label():
     nodes = [{"name": name, "data": {"labels": labels}}
              for name, labels in [("a", [0, 1]), ("b", [1, 2]), ("c", [3, 4])]]
     rounds = [{"diagnostics": {"shapley": {"a": 0.6, "b": 0.3, "c": -0.1}},
@@ -82,36 +104,50 @@ def test_shapley_values_and_weights_are_split_by_whether_a_peer_shares_a_label(t
               {"diagnostics": {"shapley": {"a": 0.8, "b": 0.1, "c": -0.3}},
                "weights": {"a": 0.9, "b": 0.1}},
               {"diagnostics": {}, "weights": {"a": 1.0}}]  # a rule without a game
-    (tmp_path / "a").mkdir()
-    (tmp_path / "a" / "metrics.jsonl").write_text(
-        "\n".join(json.dumps(record) for record in rounds) + "\n")
-    scores = _shapley_by_label_overlap(tmp_path, nodes)
+    scores = _shapley_by_label_overlap({"a": rounds}, nodes)
     assert scores["shapley_sharing_a_label"] == pytest.approx(0.2)
     assert scores["shapley_sharing_no_label"] == pytest.approx(-0.2)
     assert scores["weight_on_label_sharing_peers"] == pytest.approx(0.2)
 
 
-def test_influence_shape_is_the_own_share_of_lambda_and_the_class_peak_of_big_lambda(tmp_path):
+def test_influence_shape_is_the_own_share_of_lambda_and_the_class_peak_of_big_lambda():
     # Three models, two classes: the own share is not the largest, rows are not columns.
     shaped = {"diagnostics": {"influence_vector": {"a": 0.2, "b": 0.5, "c": 0.3},
                               "influence_matrix": {"a": [0.6, 0.7], "b": [0.3, 0.2],
                                                    "c": [0.1, 0.1]}}}
     alone = {"diagnostics": {"influence_vector": {"a": 1.0}, "influence_matrix": {"a": [1.0, 1.0]}}}
-    (tmp_path / "a").mkdir()
-    (tmp_path / "a" / "metrics.jsonl").write_text(f"{json.dumps(shaped)}\n{json.dumps(alone)}\n")
-    scores = _influence_shape(tmp_path, ["a"])
+    scores = _influence_shape({"a": [shaped, alone]})
     assert scores["influence_own_share"] == pytest.approx(0.2), "a round alone says nothing"
     assert scores["class_influence_peak"] == pytest.approx((0.6 * 3 + 0.7 * 3) / 2)
-    assert _influence_shape(tmp_path, ["nobody"]) == {}
+    assert _influence_shape({"a": []}) == {}
 
 
-def test_average_below_own_reads_the_guarded_average_where_there_is_one(tmp_path):
+def test_average_below_own_reads_the_guarded_average_where_there_is_one():
     rounds = [{"val_acc": 0.8, "diagnostics": {"v_own": 0.9}},  # the average was adopted
               {"val_acc": 0.9, "diagnostics": {"v_own": 0.9, "v_aggregate": 0.7}},  # kept own
               {"val_acc": 0.95, "diagnostics": {"v_own": 0.9}},
               {"val_acc": 0.9, "diagnostics": {"v_own": 0.9}},  # a tie is not below
               {"val_acc": 0.5, "diagnostics": {}}]  # a rule that records no v_own
-    (tmp_path / "a").mkdir()
-    (tmp_path / "a" / "metrics.jsonl").write_text(
-        "\n".join(json.dumps(record) for record in rounds) + "\n")
-    assert _average_below_own(tmp_path, ["a"]) == {"average_below_own": pytest.approx(2 / 4)}
+    assert _average_below_own({"a": rounds}) == {"average_below_own": pytest.approx(2 / 4)}
+
+
+def test_an_experiment_runs_each_variant_once_and_a_rerun_keeps_and_rescores_them(tmp_path):
+    out = tmp_path / "smoke"
+
+    def experiment():
+        command = [sys.executable, "-m", "meshfl.launch.cli", "experiment", "smoke-digits",
+                   "--seeds", "0", "--set", "rounds=2", "--out", str(out)]
+        return subprocess.run(command, check=True, capture_output=True, text=True,
+                              timeout=240).stdout
+
+    first = experiment()
+    assert "done before" not in first
+    table = (out / "table.md").read_text()
+    assert "| node | Local | FedAvg |" in table and "| mean (std over seeds) | **" in table
+    kept = out / "fedavg" / "seed0" / "summary.json"
+    written = json.loads(kept.read_text())
+    kept.write_text(json.dumps({key: value for key, value in written.items() if key != "cost"}))
+    second = experiment()
+    assert second.count("done before, kept") == 2
+    assert json.loads(kept.read_text()) == written, "a kept run is summarized again"
+    assert (out / "table.md").read_text() == table
