@@ -11,11 +11,12 @@ A round at node i:
    Shapley values are exact for |S| <= 8, else Monte Carlo over 3|S| permutations.
    ρ_j ← α ρ_j + (1 − α) SV_j for the peers in S; weights w_j = max(SV_j, 0) / d_j,
    d_j = ‖θ_i − θ_j‖ (self: the smallest peer distance in S), normalized; when no
-   weight is positive the node keeps its own model. With `val_guard` (not in the paper)
-   it also keeps its own model when the weighted average scores lower on the val split
-   than v({i}): a peer's Shapley value credits what it scores alone, so a peer that
-   knows half of the node's labels earns weight even when averaging it in hurts. (With
-   a shared body, "own model" is the own head on the mesh body: the guard weighs heads
+   weight is positive the node keeps its own model. Then the val guard (on by default,
+   not in the paper; `val_guard=false` is the paper's rule): the node adopts the
+   weighted average only when its val loss is at most its own model's. A peer's Shapley
+   value credits what it scores alone, so a peer that knows half of the node's labels
+   earns weight even where averaging it in hurts (README, pFedSV results). (With a
+   shared body, "own model" is the own head on the mesh body: the guard weighs heads
    only, as the game does.)
 3. Dynamic k for the next round. The scores have *settled* when every peer on offer
    has been scored at least once and the set of peers with ρ > 0 came out of this
@@ -52,6 +53,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.nn import functional
 
 from .base import (
     MODEL,
@@ -83,9 +85,9 @@ class PFedSVParams:
     k_min: int = 1
     k_max: int = 5
     distance: bool = True  # divide Shapley values by the model distance (Eq. 6)
-    # Not in the paper: adopt the Shapley-weighted model only when it scores at least
-    # the own model on the val split, else keep the own model (README, pFedSV results).
-    val_guard: bool = False
+    # Not in the paper: adopt the Shapley-weighted model only when its val loss is at most
+    # the own model's, else keep the own model (README, pFedSV results). False: the paper.
+    val_guard: bool = True
     shared_body: bool = False
     dp_clip: float | None = None  # C: norm bound of the published update; None: no DP
     dp_sigma: float = 0.0  # σ: noise std is σ·C
@@ -248,18 +250,24 @@ def dynamic_k(scores: dict[str, float], settled: bool, start_k: int, k_min: int,
 # --------------------------------------------------------------------------- helpers
 
 
-def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
-             batch_size: int = 1024) -> float:
-    """Share of `x` that `model` labels as `y`; 0 for an empty split."""
-    if len(y) == 0:
-        return 0.0
-    model.eval()
-    correct = 0
+def batched_logits(forward: Callable[[torch.Tensor], torch.Tensor],
+                   x: torch.Tensor, batch_size: int = 1024) -> torch.Tensor:
+    """`forward` over `x` in batches and without gradients: a large val split never
+    has to pass through the model at once."""
     with torch.no_grad():
-        for start in range(0, len(y), batch_size):
-            logits = model(x[start:start + batch_size])
-            correct += int((logits.argmax(dim=1) == y[start:start + batch_size]).sum())
-    return correct / len(y)
+        if len(x) == 0:
+            return forward(x)
+        return torch.cat([forward(batch) for batch in x.split(batch_size)])
+
+
+def hit_rate(logits: torch.Tensor, y: torch.Tensor) -> float:
+    """Share of the samples whose largest logit is their label; 0 for none."""
+    return float((logits.argmax(dim=1) == y).float().mean()) if len(y) else 0.0
+
+
+def mean_cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> float:
+    """Mean cross-entropy of the logits against the labels; 0 for none."""
+    return float(functional.cross_entropy(logits, y)) if len(y) else 0.0
 
 
 def uniform_average(states: Sequence[State]) -> State:
@@ -357,13 +365,18 @@ class PFedSV(PeerAlgorithm):
 
     def aggregate(self, round_no: int, own: PeerModel, received: Received, data: Any) -> Aggregate:
         players_states, base = self._players(own, received)
-        accuracy_of = self._accuracy_on_val(players_states, data)
+        logits_of = self._val_logits(players_states, data)
+
+        def accuracy_of(state: State) -> float:
+            return hit_rate(logits_of(state), data.y_val)
+
         game = self._play(round_no, players_states, accuracy_of)
         self._update_relevance(game["shapley"])
         weights, state = self._combine(game["shapley"], players_states)
-        if self.params.val_guard:
-            weights, state, game["v_aggregate"] = self._guarded(
-                weights, state, game["v_own"], players_states, accuracy_of)
+        if self.params.val_guard and weights != {self.context.node: 1.0}:
+            weights, state, verdict = self._guarded(weights, state, players_states, logits_of,
+                                                    data.y_val)
+            game.update(verdict)
         state = {**state, **base}  # shared body: the mesh-averaged body under the new head
         k_used, self.k = self.k, self._next_k()
         if self.params.dp_clip is not None:
@@ -401,29 +414,28 @@ class PFedSV(PeerAlgorithm):
                 "utility_evaluations": evaluations, "v_own": utility(frozenset([me])),
                 "v_coalition": utility(frozenset(players))}
 
-    def _accuracy_on_val(self, players_states: dict[str, State],
-                         data: Any) -> Callable[[State], float]:
-        """state -> val accuracy. With a shared body every player has the same body, so
-        its features are computed once and each coalition only runs its averaged head:
-        the same values at a fraction of the cost."""
+    def _val_logits(self, players_states: dict[str, State],
+                    data: Any) -> Callable[[State], torch.Tensor]:
+        """state -> its logits on the own val split. With a shared body every player has
+        the same body, so its features are computed once and each coalition only runs its
+        averaged head: the same logits at a fraction of the cost."""
         model = self.context.new_model()
-        x_val, y_val = data.x_val, data.y_val
+        model.eval()
+        x_val = data.x_val
         split = self.params.shared_body and hasattr(model, "body") and hasattr(model, "head")
-        if not split or len(y_val) == 0:
-            def whole_model(state: State) -> float:
+        if not split or len(x_val) == 0:
+            def whole_model(state: State) -> torch.Tensor:
                 model.load_state_dict(state)
-                return accuracy(model, x_val, y_val)
+                return batched_logits(model, x_val)
             return whole_model
         model.load_state_dict(players_states[self.context.node])  # any player: one body
-        model.eval()
-        with torch.no_grad():
-            features = model.body(x_val)
+        features = batched_logits(model.body, x_val)
         prefix = "head."  # head_keys are the model's state keys under its `head` module
 
-        def head_only(state: State) -> float:
+        def head_only(state: State) -> torch.Tensor:
             model.head.load_state_dict({key.removeprefix(prefix): state[key]
                                         for key in self.context.head_keys})
-            return accuracy(model.head, features, y_val)
+            return batched_logits(model.head, features)
         return head_only
 
     def _combine(self, shapley: dict[str, float],
@@ -440,16 +452,21 @@ class PFedSV(PeerAlgorithm):
             return {me: 1.0}, players_states[me]
         return weights, weighted_average({p: players_states[p] for p in weights}, weights)
 
-    def _guarded(self, weights: dict[str, float], state: State, v_own: float,
-                 players_states: dict[str, State], accuracy_of: Callable[[State], float],
-                 ) -> tuple[dict[str, float], State, float]:
-        """The Shapley-weighted model when its val accuracy is at least v({i}), else the
-        own model: a near-perfect own model is not traded for a worse average."""
+    def _guarded(self, weights: dict[str, float], state: State,
+                 players_states: dict[str, State], logits_of: Callable[[State], torch.Tensor],
+                 y_val: torch.Tensor) -> tuple[dict[str, float], State, dict[str, float]]:
+        """The Shapley-weighted model when its val loss is at most the own model's, else
+        the own model. Loss, not accuracy: a good own model gets (nearly) all of a small
+        val split right, so accuracies tie where cross-entropy still tells the models
+        apart, and a tie is no evidence that the average is better."""
         me = self.context.node
-        v_aggregate = v_own if weights == {me: 1.0} else accuracy_of(state)
-        if v_aggregate < v_own:
-            return {me: 1.0}, players_states[me], v_aggregate
-        return weights, state, v_aggregate
+        own_logits, average_logits = logits_of(players_states[me]), logits_of(state)
+        verdict = {"v_aggregate": hit_rate(average_logits, y_val),
+                   "val_loss_own": mean_cross_entropy(own_logits, y_val),
+                   "val_loss_aggregate": mean_cross_entropy(average_logits, y_val)}
+        if verdict["val_loss_aggregate"] > verdict["val_loss_own"]:
+            return {me: 1.0}, players_states[me], verdict
+        return weights, state, verdict
 
     def _players(self, own: PeerModel, received: Received) -> tuple[dict[str, State], State]:
         """Each player's model as the coalition game sees it, and the part of the new

@@ -17,11 +17,13 @@ from meshfl.algorithms.base import MODEL
 from meshfl.algorithms.pfedsv import (
     PFedSV,
     PFedSVParams,
-    accuracy,
+    batched_logits,
     cached_utility,
     clip_and_noise,
     dynamic_k,
     exact_shapley,
+    hit_rate,
+    mean_cross_entropy,
     monte_carlo_shapley,
     positive_peers,
     scores_settled,
@@ -253,10 +255,10 @@ def test_bad_parameters_name_the_field_the_value_and_what_is_allowed(raw, messag
         parse_params("pfedsv", raw)
 
 
-def test_default_parameters_are_the_papers():
+def test_default_parameters_are_the_papers_plus_the_val_guard():
     params = parse_params("pfedsv", {})
     assert params == PFedSVParams(alpha=0.5, k=5, k_min=1, k_max=5, distance=True,
-                                  val_guard=False, shared_body=False, dp_clip=None,
+                                  val_guard=True, shared_body=False, dp_clip=None,
                                   dp_sigma=0.0)
 
 
@@ -304,6 +306,8 @@ def world():
 
 
 def make_rule(**params):
+    """The paper's rule unless a test turns the val guard on."""
+    params.setdefault("val_guard", False)
     model = TinyNet()
     context = Context("me", seed=3, num_classes=4,
                       body_keys=tuple(k for k in model.state_dict() if k.startswith("body.")),
@@ -368,58 +372,73 @@ def noisy_copies(state, scale, seeds):
     return copies
 
 
-def overlapping_val():
-    """Labels 0 and 1 with overlapping blobs: the own model is imperfect there, so an
-    average can score lower than it."""
-    generator = torch.Generator().manual_seed(9)
-    y_val = torch.tensor([0, 1]).repeat(60)
-    x_val = CENTRES[y_val] + 2.0 * torch.randn(len(y_val), 2, generator=generator)
-    return SimpleNamespace(x_val=x_val, y_val=y_val)
-
-
 def aggregate_with(rule, own, peers, data):
     rule.wanted(1, {MODEL: sorted(peers)})
     received = {MODEL: {peer: PeerModel(state, 100) for peer, state in peers.items()}}
     return rule.aggregate(1, PeerModel(own, 100), received, data)
 
 
-@pytest.mark.parametrize("scale, seeds, guard_keeps_own", [(1.0, (10, 11), True),
-                                                            (0.5, (0, 1), False)])
-def test_the_val_guard_keeps_the_own_model_only_when_the_aggregate_scores_lower(
-        world, scale, seeds, guard_keeps_own):
-    data = overlapping_val()
-    peers = noisy_copies(world.own, scale, seeds)
-    plain = aggregate_with(make_rule(k=2, k_max=2), world.own, peers, data)
-    guarded = aggregate_with(make_rule(k=2, k_max=2, val_guard=True), world.own, peers, data)
-    assert all(plain.diagnostics["shapley"][peer] > 0 for peer in peers)
-    assert len(plain.weights) == 3, "without the guard both peers are averaged in"
+def half_sharing_peers():
+    """Two peers that each hold one of the node's labels (0 and 1) and one it lacks."""
+    return {"half0": trained_state([0, 2], 5), "half1": trained_state([1, 3], 6)}
+
+
+def test_the_val_guard_keeps_the_own_model_when_the_average_ties_on_accuracy_but_loses_on_loss(
+        world):
+    peers = half_sharing_peers()
+    plain = aggregate_with(make_rule(k=2, k_max=2), world.own, peers, world.data)
+    guarded = aggregate_with(make_rule(k=2, k_max=2, val_guard=True), world.own, peers,
+                             world.data)
+    # The paper's rule: a peer that knows half of the labels scores half of the val split
+    # alone, so its Shapley value is positive and it gets weight.
+    assert all(plain.diagnostics["shapley"][peer] > 0.2 for peer in peers)
+    assert set(plain.weights) == {"me", *peers}
     assert guarded.diagnostics["shapley"] == plain.diagnostics["shapley"]
-    v_own, v_aggregate = guarded.diagnostics["v_own"], guarded.diagnostics["v_aggregate"]
-    if guard_keeps_own:
-        assert v_aggregate < v_own
-        assert guarded.weights == {"me": 1.0}
-        assert all(torch.equal(guarded.state[key], world.own[key]) for key in world.own)
-    else:
-        assert v_aggregate >= v_own
-        assert guarded.weights == plain.weights
-        assert all(torch.equal(guarded.state[key], plain.state[key]) for key in plain.state)
+    verdict = guarded.diagnostics
+    assert verdict["v_aggregate"] == verdict["v_own"] == 1.0, "accuracy cannot tell them apart"
+    assert verdict["val_loss_aggregate"] > verdict["val_loss_own"]
+    assert guarded.weights == {"me": 1.0}
+    assert all(torch.equal(guarded.state[key], world.own[key]) for key in world.own)
+
+
+def test_the_val_guard_adopts_the_average_when_it_lowers_the_val_loss(world):
+    worse_own = noisy_copies(world.own, 0.5, (20,))["noisy20"]
+    peers = {"good": world.peers["good"], "good2": trained_state([0, 1], 5)}
+    plain = aggregate_with(make_rule(k=2, k_max=2), worse_own, peers, world.data)
+    guarded = aggregate_with(make_rule(k=2, k_max=2, val_guard=True), worse_own, peers,
+                             world.data)
+    assert guarded.diagnostics["val_loss_aggregate"] < guarded.diagnostics["val_loss_own"]
+    assert set(guarded.weights) == {"me", *peers}
+    assert guarded.weights == plain.weights
+    assert all(torch.equal(guarded.state[key], plain.state[key]) for key in plain.state)
 
 
 def test_with_a_shared_body_the_guard_keeps_the_own_head_on_the_mesh_body(world):
     rule = make_rule(k=2, k_max=2, val_guard=True, shared_body=True)
-    peers = noisy_copies(world.own, 1.0, (10, 11))
+    peers = half_sharing_peers()
     pulls = rule.wanted(1, {"body": sorted(peers), "head": sorted(peers)})
     body_keys, head_keys = rule.context.body_keys, rule.context.head_keys
     # The peers' bodies are the node's own: only the heads differ, so the game decides.
     received = {"body": {p: PeerModel({k: world.own[k] for k in body_keys}, 100) for p in peers},
                 "head": {p: PeerModel({k: peers[p][k] for k in head_keys}, 100)
                          for p in pulls["head"]}}
-    outcome = rule.aggregate(1, PeerModel(world.own, 100), received, overlapping_val())
+    outcome = rule.aggregate(1, PeerModel(world.own, 100), received, world.data)
     assert all(outcome.diagnostics["shapley"][peer] > 0 for peer in peers)
-    assert outcome.diagnostics["v_aggregate"] < outcome.diagnostics["v_own"]
+    assert outcome.diagnostics["val_loss_aggregate"] > outcome.diagnostics["val_loss_own"]
     assert outcome.weights == {"me": 1.0}
     assert all(torch.allclose(outcome.state[key], world.own[key], atol=1e-6)
                for key in (*body_keys, *head_keys))
+
+
+def test_val_logits_come_in_batches_equal_to_one_pass_and_an_empty_split_gives_none():
+    model = TinyNet().eval()
+    x = torch.randn(10, 2)
+    with torch.no_grad():
+        whole = model(x)
+    assert torch.allclose(batched_logits(model, x, batch_size=3), whole, atol=1e-6)
+    assert batched_logits(model, x[:0]).shape == (0, 4)
+    assert hit_rate(whole[:0], torch.zeros(0, dtype=torch.long)) == 0.0
+    assert mean_cross_entropy(whole[:0], torch.zeros(0, dtype=torch.long)) == 0.0
 
 
 def test_state_survives_a_json_checkpoint_and_repeats_the_next_selection(world):
@@ -467,7 +486,8 @@ def test_shared_body_publishes_two_parts_pulls_every_body_and_top_k_heads(world)
 
     def whole_model_accuracy(coalition):
         model.load_state_dict(uniform_average([whole[p] for p in sorted(coalition)]))
-        return accuracy(model, world.data.x_val, world.data.y_val)
+        with torch.no_grad():
+            return hit_rate(model.eval()(world.data.x_val), world.data.y_val)
 
     expected = exact_shapley(["me", *sorted(pulls["head"])], cached_utility(whole_model_accuracy))
     assert outcome.diagnostics["shapley"] == pytest.approx(expected)
