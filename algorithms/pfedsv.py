@@ -255,19 +255,19 @@ def batched_logits(forward: Callable[[torch.Tensor], torch.Tensor],
     """`forward` over `x` in batches and without gradients: a large val split never
     has to pass through the model at once."""
     with torch.no_grad():
-        if len(x) == 0:
+        if len(x) == 0:  # no batches to concatenate: one empty pass gives the shape
             return forward(x)
         return torch.cat([forward(batch) for batch in x.split(batch_size)])
 
 
-def hit_rate(logits: torch.Tensor, y: torch.Tensor) -> float:
+def accuracy(logits: torch.Tensor, y: torch.Tensor) -> float:
     """Share of the samples whose largest logit is their label; 0 for none."""
     return float((logits.argmax(dim=1) == y).float().mean()) if len(y) else 0.0
 
 
 def mean_cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> float:
     """Mean cross-entropy of the logits against the labels; 0 for none."""
-    return float(functional.cross_entropy(logits, y)) if len(y) else 0.0
+    return float(functional.cross_entropy(logits, y.long())) if len(y) else 0.0
 
 
 def uniform_average(states: Sequence[State]) -> State:
@@ -368,11 +368,13 @@ class PFedSV(PeerAlgorithm):
         logits_of = self._val_logits(players_states, data)
 
         def accuracy_of(state: State) -> float:
-            return hit_rate(logits_of(state), data.y_val)
+            return accuracy(logits_of(state), data.y_val)
 
         game = self._play(round_no, players_states, accuracy_of)
         self._update_relevance(game["shapley"])
         weights, state = self._combine(game["shapley"], players_states)
+        # When the rule itself keeps the own model there is nothing to guard (and no
+        # v_aggregate or val_loss_* to record).
         if self.params.val_guard and weights != {self.context.node: 1.0}:
             weights, state, verdict = self._guarded(weights, state, players_states, logits_of,
                                                     data.y_val)
@@ -457,14 +459,16 @@ class PFedSV(PeerAlgorithm):
                  y_val: torch.Tensor) -> tuple[dict[str, float], State, dict[str, float]]:
         """The Shapley-weighted model when its val loss is at most the own model's, else
         the own model. Loss, not accuracy: a good own model gets (nearly) all of a small
-        val split right, so accuracies tie where cross-entropy still tells the models
-        apart, and a tie is no evidence that the average is better."""
+        val split right, so accuracies often tie where cross-entropy still tells the
+        models apart, and a tie is no evidence that the average is better. An average
+        whose loss is not a number (a peer sent NaN weights) is never adopted."""
         me = self.context.node
         own_logits, average_logits = logits_of(players_states[me]), logits_of(state)
-        verdict = {"v_aggregate": hit_rate(average_logits, y_val),
+        verdict = {"v_aggregate": accuracy(average_logits, y_val),
                    "val_loss_own": mean_cross_entropy(own_logits, y_val),
                    "val_loss_aggregate": mean_cross_entropy(average_logits, y_val)}
-        if verdict["val_loss_aggregate"] > verdict["val_loss_own"]:
+        loss = verdict["val_loss_aggregate"]
+        if not math.isfinite(loss) or loss > verdict["val_loss_own"]:
             return {me: 1.0}, players_states[me], verdict
         return weights, state, verdict
 

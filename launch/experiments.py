@@ -101,8 +101,10 @@ SCORE_ROWS = {
     "shapley_sharing_no_label": ("Shapley value of a peer sharing no label", statistics.fmean),
     "weight_on_label_sharing_peers": ("weight on label-sharing peers per round",
                                       statistics.fmean),
-    "average_below_own": ("share of rounds the average validated below the own model",
-                          statistics.fmean),
+    "average_below_own": ("share of rounds the average's val accuracy was below the own "
+                          "model's", statistics.fmean),
+    "average_adopted": ("share of rounds the node adopted the weighted average",
+                        statistics.fmean),
     "influence_own_share": ("influence vector's share for the own model", statistics.fmean),
     "class_influence_peak": ("largest class-level weight, times uniform", statistics.fmean),
 }

@@ -235,7 +235,7 @@ def write_summary(cfg: cfgmod.MeshConfig, out: Path) -> dict[str, Any]:
         **_grouping_scores(nodes, groups, out / COORDINATOR / "metrics.jsonl"),
         **_top_k_precision(nodes, top_k),
         **_shapley_by_label_overlap(history, nodes),
-        **_average_below_own(history),
+        **_own_versus_average(history),
         **_influence_shape(history),
         "cost": _round_costs(history),
     }
@@ -290,18 +290,22 @@ def _shapley_by_label_overlap(history: History, nodes: list[dict[str, Any]]) -> 
     return scores
 
 
-def _average_below_own(history: History) -> dict[str, float]:
-    """Where a rule records v({i}), the own model's val accuracy (pFedSV): the share of
-    node-rounds in which the weighted average it computed scored lower than that on the
-    val split. Without the guard the average is what the node evaluated (val_acc); with
-    it, the average the guard judged (v_aggregate)."""
-    below = []
-    for _, record in _node_rounds(history):
+def _own_versus_average(history: History) -> dict[str, float]:
+    """Where a rule records v({i}), the own model's val accuracy (pFedSV), over every
+    node-round: how often the weighted average it computed scored a lower val accuracy
+    than that (without the guard the average is what the node evaluated, val_acc; with
+    it, the average the guard judged, v_aggregate), and how often the node adopted an
+    average rather than keeping its own model."""
+    below, adopted = [], []
+    for name, record in _node_rounds(history):
         diagnostics = record.get("diagnostics", {})
+        if "v_own" not in diagnostics:
+            continue
+        adopted.append(record.get("weights", {}) != {name: 1.0})
         average = diagnostics.get("v_aggregate", record.get("val_acc"))
-        if "v_own" in diagnostics and average is not None:
+        if average is not None:
             below.append(average < diagnostics["v_own"])
-    return _pooled(statistics.fmean, average_below_own=below)
+    return _pooled(statistics.fmean, average_below_own=below, average_adopted=adopted)
 
 
 def _influence_shape(history: History) -> dict[str, float]:

@@ -11,9 +11,9 @@ import pytest
 
 from meshfl.launch.experiments import render_table
 from meshfl.launch.local import (
-    _average_below_own,
     _grouping_scores,
     _influence_shape,
+    _own_versus_average,
     _round_costs,
     _shapley_by_label_overlap,
     _top_k_precision,
@@ -122,13 +122,17 @@ def test_influence_shape_is_the_own_share_of_lambda_and_the_class_peak_of_big_la
     assert _influence_shape({"a": []}) == {}
 
 
-def test_average_below_own_reads_the_guarded_average_where_there_is_one():
-    rounds = [{"val_acc": 0.8, "diagnostics": {"v_own": 0.9}},  # the average was adopted
-              {"val_acc": 0.9, "diagnostics": {"v_own": 0.9, "v_aggregate": 0.7}},  # kept own
-              {"val_acc": 0.95, "diagnostics": {"v_own": 0.9}},
-              {"val_acc": 0.9, "diagnostics": {"v_own": 0.9}},  # a tie is not below
-              {"val_acc": 0.5, "diagnostics": {}}]  # a rule that records no v_own
-    assert _average_below_own({"a": rounds}) == {"average_below_own": pytest.approx(2 / 4)}
+def test_own_versus_average_reads_the_guarded_average_and_counts_adopted_averages():
+    averaged, own = {"a": 0.6, "b": 0.4}, {"a": 1.0}
+    rounds = [{"val_acc": 0.8, "weights": averaged, "diagnostics": {"v_own": 0.9}},
+              {"val_acc": 0.9, "weights": own,  # the guard kept the own model
+               "diagnostics": {"v_own": 0.9, "v_aggregate": 0.7}},
+              {"val_acc": 0.95, "weights": averaged, "diagnostics": {"v_own": 0.9}},
+              {"val_acc": 0.9, "weights": averaged,
+               "diagnostics": {"v_own": 0.9}},  # a tie is not below
+              {"val_acc": 0.5, "weights": averaged, "diagnostics": {}}]  # no v_own recorded
+    assert _own_versus_average({"a": rounds}) == {"average_below_own": pytest.approx(2 / 4),
+                                                  "average_adopted": pytest.approx(3 / 4)}
 
 
 def test_an_experiment_runs_each_variant_once_and_a_rerun_keeps_and_rescores_them(tmp_path):

@@ -17,12 +17,12 @@ from meshfl.algorithms.base import MODEL
 from meshfl.algorithms.pfedsv import (
     PFedSV,
     PFedSVParams,
+    accuracy,
     batched_logits,
     cached_utility,
     clip_and_noise,
     dynamic_k,
     exact_shapley,
-    hit_rate,
     mean_cross_entropy,
     monte_carlo_shapley,
     positive_peers,
@@ -399,10 +399,13 @@ def test_the_val_guard_keeps_the_own_model_when_the_average_ties_on_accuracy_but
     assert verdict["val_loss_aggregate"] > verdict["val_loss_own"]
     assert guarded.weights == {"me": 1.0}
     assert all(torch.equal(guarded.state[key], world.own[key]) for key in world.own)
+    # Only the adoption changes: the scores, and so the next downloads, are the rule's.
+    for key in ("relevance", "k_next", "selected"):
+        assert guarded.diagnostics[key] == plain.diagnostics[key], key
 
 
 def test_the_val_guard_adopts_the_average_when_it_lowers_the_val_loss(world):
-    worse_own = noisy_copies(world.own, 0.5, (20,))["noisy20"]
+    worse_own = noisy_copies(world.own, 1.0, (20,))["noisy20"]
     peers = {"good": world.peers["good"], "good2": trained_state([0, 1], 5)}
     plain = aggregate_with(make_rule(k=2, k_max=2), worse_own, peers, world.data)
     guarded = aggregate_with(make_rule(k=2, k_max=2, val_guard=True), worse_own, peers,
@@ -411,6 +414,26 @@ def test_the_val_guard_adopts_the_average_when_it_lowers_the_val_loss(world):
     assert set(guarded.weights) == {"me", *peers}
     assert guarded.weights == plain.weights
     assert all(torch.equal(guarded.state[key], plain.state[key]) for key in plain.state)
+    model = TinyNet().eval()
+    model.load_state_dict(guarded.state)
+    with torch.no_grad():
+        adopted_accuracy = accuracy(model(world.data.x_val), world.data.y_val)
+    assert guarded.diagnostics["v_aggregate"] == adopted_accuracy > guarded.diagnostics["v_own"]
+
+
+def test_the_val_guard_never_adopts_an_average_spoilt_by_a_peer_with_nan_weights(world):
+    spoilt = {key: torch.full_like(value, float("nan")) for key, value in world.own.items()}
+    peers = {"good": world.peers["good"], "spoilt": spoilt}
+    # NaN logits argmax to class 0, three quarters of this val split: a positive value.
+    x_val, y_val = blobs([0, 0, 0, 1], 120, 9)
+    data = SimpleNamespace(x_val=x_val, y_val=y_val)
+    plain = aggregate_with(make_rule(k=2, k_max=2, distance=False), world.own, peers, data)
+    assert plain.diagnostics["shapley"]["spoilt"] > 0
+    assert any(torch.isnan(tensor).any() for tensor in plain.state.values())
+    guarded = aggregate_with(make_rule(k=2, k_max=2, distance=False, val_guard=True),
+                             world.own, peers, data)
+    assert guarded.weights == {"me": 1.0}
+    assert all(torch.equal(guarded.state[key], world.own[key]) for key in world.own)
 
 
 def test_with_a_shared_body_the_guard_keeps_the_own_head_on_the_mesh_body(world):
@@ -437,7 +460,7 @@ def test_val_logits_come_in_batches_equal_to_one_pass_and_an_empty_split_gives_n
         whole = model(x)
     assert torch.allclose(batched_logits(model, x, batch_size=3), whole, atol=1e-6)
     assert batched_logits(model, x[:0]).shape == (0, 4)
-    assert hit_rate(whole[:0], torch.zeros(0, dtype=torch.long)) == 0.0
+    assert accuracy(whole[:0], torch.zeros(0, dtype=torch.long)) == 0.0
     assert mean_cross_entropy(whole[:0], torch.zeros(0, dtype=torch.long)) == 0.0
 
 
@@ -487,7 +510,7 @@ def test_shared_body_publishes_two_parts_pulls_every_body_and_top_k_heads(world)
     def whole_model_accuracy(coalition):
         model.load_state_dict(uniform_average([whole[p] for p in sorted(coalition)]))
         with torch.no_grad():
-            return hit_rate(model.eval()(world.data.x_val), world.data.y_val)
+            return accuracy(model.eval()(world.data.x_val), world.data.y_val)
 
     expected = exact_shapley(["me", *sorted(pulls["head"])], cached_utility(whole_model_accuracy))
     assert outcome.diagnostics["shapley"] == pytest.approx(expected)
