@@ -32,7 +32,7 @@ import torch
 from meshfl.algorithms import CoordinatorAlgorithm, Upload, is_coordinated
 from meshfl.protocol.wire import Message, make_blob
 
-from .runtime import Node, tensors_from_blob
+from .runtime import Node, NonFiniteBlob, finite_tensors_from_blob, tensors_from_blob
 from .trainer import evaluate, state_to_arrays
 
 log = logging.getLogger("meshfl.coordinator")
@@ -108,15 +108,20 @@ class CoordinatorNode(Node):
     def _collect_uploads(self, round_no: int, expected: dict[bytes, str]) -> dict[str, Upload]:
         uploads: dict[str, Upload] = {}
         deadline = time.monotonic() + self.cfg.round_timeout
-        while len(uploads) < len(expected) and (left := deadline - time.monotonic()) > 0:
+        waiting = dict(expected)
+        while waiting and (left := deadline - time.monotonic()) > 0:
             message = self.endpoint.next_message("upload", timeout=min(left, 0.5))
-            if message is None or message.blob is None or message.sender not in expected:
+            if message is None or message.blob is None or message.sender not in waiting:
                 continue
             if message.blob.meta.get("round") != round_no:
                 continue  # a late upload of an earlier round: that round is closed
-            state, extras = _split_upload(tensors_from_blob(message.blob))
-            uploads[expected[message.sender]] = Upload(
-                state, int(message.blob.meta.get("n", 1)), extras)
+            name = waiting.pop(message.sender)
+            try:
+                state, extras = _split_upload(finite_tensors_from_blob(message.blob))
+            except NonFiniteBlob as error:  # the round goes on as if it had not uploaded
+                log.warning("coordinator: refused %s's upload: %s", name, error)
+                continue
+            uploads[name] = Upload(state, int(message.blob.meta.get("n", 1)), extras)
         return uploads
 
     def _wait_for_clients_to_leave(self) -> None:

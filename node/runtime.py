@@ -70,9 +70,25 @@ def mesh_id(cfg: cfgmod.MeshConfig, schema: bytes) -> bytes:
     return hashlib.sha256(settings + schema).digest()[:16]
 
 
+class NonFiniteBlob(ValueError):
+    """A peer's blob holds NaN or inf: averaged in, one such value spoils every weight."""
+
+
 def tensors_from_blob(blob: Blob) -> dict[str, torch.Tensor]:
     # One copy: the received bytes are read-only ZeroMQ buffers.
     return {name: torch.from_numpy(np.array(array)) for name, array in blob.arrays().items()}
+
+
+def finite_tensors_from_blob(blob: Blob) -> dict[str, torch.Tensor]:
+    """A peer's tensors, or NonFiniteBlob when a floating-point one holds NaN or inf:
+    signatures prove who sent a model, not that it is usable."""
+    tensors = tensors_from_blob(blob)
+    spoilt = [name for name, tensor in tensors.items()
+              if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]
+    if spoilt:
+        raise NonFiniteBlob(f"{blob.kind} blob of round {blob.round} holds NaN or inf in "
+                            f"{', '.join(spoilt)}")
+    return tensors
 
 
 @dataclass
@@ -227,13 +243,14 @@ class Node:
         self.endpoint.refresh_offers()  # the current round's models, announced before we came
         deadline = time.monotonic() + self.cfg.round_timeout
         blobs = self._collect(current, {MODEL_KIND}, {peer.public_key for peer in peers},
-                              deadline, everything=True).get(MODEL_KIND, {})
-        if blobs:
-            states = {name: tensors_from_blob(blob) for name, blob in blobs.items()}
-            uniform = {name: 1 / len(states) for name in states}
-            self.model.load_state_dict(weighted_average(states, uniform))
+                              deadline, everything=True)
+        models = self._peer_models(blobs)[0].get(MODEL_KIND, {})
+        if models:
+            uniform = {name: 1 / len(models) for name in models}
+            self.model.load_state_dict(
+                weighted_average({name: model.state for name, model in models.items()}, uniform))
         log.info("%s: joined at round %d from %d models", self.options.name, current + 1,
-                 len(blobs))
+                 len(models))
         return current + 1
 
     def _round(self, round_no: int) -> None:
@@ -259,7 +276,7 @@ class Node:
         seconds["communicate"] = time.perf_counter() - clock
 
         clock = time.perf_counter()
-        received = {kind: self._peer_models(by_peer) for kind, by_peer in blobs.items()}
+        received, refused = self._peer_models(blobs)
         own = PeerModel(self._state_copy(), len(self.data.y_train))
         outcome = self.algorithm.aggregate(round_no, own, received, self.data)
         self.model.load_state_dict(outcome.state)
@@ -278,6 +295,7 @@ class Node:
             "weights": outcome.weights, "diagnostics": outcome.diagnostics,
             "received": sorted(received.get(MODEL_KIND, {})), "peers_alive": len(alive),
             "fetched": {kind: sorted(models) for kind, models in received.items()},
+            "refused": refused,
             "transport_fetches": self._fetches_since(stats_before["fetched"]),
             "bytes_in": after["bytes_in"] - stats_before["bytes_in"],
             "bytes_out": after["bytes_out"] - stats_before["bytes_out"],
@@ -350,10 +368,24 @@ class Node:
     def _state_copy(self) -> dict[str, torch.Tensor]:
         return {key: value.detach().clone() for key, value in self.model.state_dict().items()}
 
-    @staticmethod
-    def _peer_models(blobs: dict[str, Blob]) -> dict[str, PeerModel]:
-        return {name: PeerModel(tensors_from_blob(blob), int(blob.meta.get("n", 1)))
-                for name, blob in sorted(blobs.items())}
+    def _peer_models(self, blobs: dict[str, dict[str, Blob]]
+                     ) -> tuple[dict[str, dict[str, PeerModel]], dict[str, list[str]]]:
+        """The round's blobs as peer models by kind and peer name, and by kind the peers
+        whose blobs were refused for holding NaN or inf (logged; the round goes on
+        without them)."""
+        received: dict[str, dict[str, PeerModel]] = {}
+        refused: dict[str, list[str]] = {}
+        for kind, by_peer in blobs.items():
+            for name, blob in sorted(by_peer.items()):
+                try:
+                    tensors = finite_tensors_from_blob(blob)
+                except NonFiniteBlob as error:
+                    log.warning("%s: refused %s's %s", self.options.name, name, error)
+                    refused.setdefault(kind, []).append(name)
+                    continue
+                received.setdefault(kind, {})[name] = PeerModel(tensors,
+                                                                int(blob.meta.get("n", 1)))
+        return received, refused
 
     def _save(self, round_no: int) -> None:
         peers = [{"name": p.name, "addr": p.address, "key": p.public_key.hex()}

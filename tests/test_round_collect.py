@@ -1,5 +1,6 @@
 """A node's round collection (Node._collect) over real endpoints on loopback: wanted blobs
-are fetched as their offers arrive, and the round's deadline bounds the whole wait."""
+are fetched as their offers arrive, and the round's deadline bounds the whole wait; what
+comes in is decoded with unusable (NaN or inf) models refused."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from meshfl.node.runtime import Node
+from meshfl.node.coordinator import CoordinatorNode
+from meshfl.node.runtime import Node, NonFiniteBlob, finite_tensors_from_blob
+from meshfl.protocol.identity import Identity
 from meshfl.protocol.wire import make_blob
 from tests.test_endpoint import SCHEMA, WAIT
 from tests.test_endpoint import make_endpoint as make_endpoint  # the fixture
@@ -85,3 +88,48 @@ def test_the_wait_ends_once_every_live_peer_announced_and_its_blob_arrived(make_
         1, {"model"}, {publisher.identity.public_key}, started + 10 * DEADLINE)
     assert blobs["model"]["publisher"].id == blob.id
     assert time.monotonic() - started < DEADLINE
+
+
+def test_a_blob_holding_nan_or_inf_is_refused_and_the_round_goes_on_without_it():
+    node = Node.__new__(Node)  # decoding uses the node's name only, for its log
+    node.options = SimpleNamespace(name="me")
+
+    def signed(value, counts=np.arange(3)):
+        weights = np.array([0.5, value, 1.5], dtype=np.float32)
+        return make_blob(Identity.generate(), 1, "model", {"w": weights, "count": counts},
+                         schema=SCHEMA, meta={"n": 7})
+
+    blobs = {"model": {"good": signed(1.0), "nan": signed(np.nan), "inf": signed(-np.inf)}}
+    received, refused = node._peer_models(blobs)
+    assert refused == {"model": ["inf", "nan"]}
+    assert list(received["model"]) == ["good"]
+    good = received["model"]["good"]
+    assert good.n_samples == 7
+    assert good.state["w"].tolist() == [0.5, 1.0, 1.5]
+    assert good.state["count"].tolist() == [0, 1, 2], "integer tensors pass unchecked"
+    with pytest.raises(NonFiniteBlob, match="model blob of round 1 holds NaN or inf in w"):
+        finite_tensors_from_blob(blobs["model"]["nan"])
+
+
+def test_the_coordinator_refuses_a_nan_upload_without_waiting_out_the_round(make_endpoint):
+    coordinator = make_endpoint("coordinator")
+    coordinator.start()
+    clients = {name: make_endpoint(name) for name in ("sane", "spoilt")}
+    for client in clients.values():
+        client.start([coordinator.settings.listen])
+    for endpoint in (coordinator, *clients.values()):
+        assert endpoint.wait_for_peers(2, WAIT), endpoint.settings.name
+    for name, value in (("sane", 1.0), ("spoilt", np.nan)):
+        client = clients[name]
+        weights = np.array([value, 2.0], dtype=np.float32)
+        blob = make_blob(client.identity, 1, "upload", {"w": weights}, schema=SCHEMA,
+                         meta={"round": 1, "n": 5})
+        assert client.send_blob(coordinator.identity.public_key, "upload", blob)
+    node = CoordinatorNode.__new__(CoordinatorNode)
+    node.endpoint, node.cfg = coordinator, SimpleNamespace(round_timeout=30.0)
+    started = time.monotonic()
+    uploads = node._collect_uploads(
+        1, {client.identity.public_key: name for name, client in clients.items()})
+    assert time.monotonic() - started < 10, "a refused upload still ends the wait for it"
+    assert list(uploads) == ["sane"]
+    assert uploads["sane"].state["w"].tolist() == [1.0, 2.0]
