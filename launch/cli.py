@@ -119,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
         "experiment", help="run a named experiment and print its results table",
         description="Run every variant of a named experiment for each seed as a local mesh "
                     "and print the per-node test accuracy table (also OUT/table.md). "
-                    "Finished runs are kept and skipped on a rerun.")
+                    "Finished runs are kept and skipped on a rerun; one made with other "
+                    "settings stops the command with what differs.")
     experiment.add_argument("name", nargs="?", metavar="NAME", help="experiment name")
     experiment.add_argument("--list", action="store_true", help="list the experiments")
     experiment.add_argument("--data-root", metavar="DIR", help="dataset folder")

@@ -5,7 +5,8 @@
 which runs each variant of the experiment for each seed as a real local mesh, and
 prints (and writes to OUT/table.md) the per-node test accuracies averaged over seeds,
 with the caps that made it fit this machine beside the table. Finished runs are
-kept and skipped, so an interrupted experiment resumes where it stopped.
+kept and skipped, so an interrupted experiment resumes where it stopped; a kept run
+made with settings other than today's stops the command instead of entering the table.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -75,17 +77,53 @@ def _slug(name: str) -> str:
 
 def _run_once(base: Path, assignments: list[str], nodes: int, run_dir: Path,
               label: str) -> dict[str, Any]:
+    cfg = with_local_peers(cfgmod.apply_overrides(cfgmod.load_config(base), assignments), nodes)
+    # Every rule parameter written out, defaults included: should a default change later,
+    # the kept run still says what it ran, and a rerun notices the difference.
+    cfg = replace(cfg, algorithm=cfgmod.AlgorithmConfig(
+        cfg.algorithm.name, cfgmod.shared_settings(cfg)["algorithm"]["params"]))
     if (run_dir / "summary.json").exists():
+        kept = cfgmod.load_config(run_dir / "config.yaml")
+        changed = _differences(_what_decides_results(kept), _what_decides_results(cfg))
+        if changed:
+            raise UserError(f"{run_dir} holds a run made with other settings ("
+                            f"{'; '.join(changed)}): delete that folder to run it again, "
+                            "or pass --out DIR")
         print(f"  {label}: done before, kept ({run_dir})")
         # Derived from the run's own files: recomputed, so a kept run gains new scores.
-        return write_summary(cfgmod.load_config(run_dir / "config.yaml"), run_dir)
-    cfg = cfgmod.apply_overrides(cfgmod.load_config(base), assignments)
-    cfg = with_local_peers(cfg, nodes)
+        return write_summary(kept, run_dir)
     started = time.monotonic()
     summary = run_mesh(cfg, run_dir, quiet=True)
     print(f"  {label}: mean test accuracy {summary['mean_test_acc']:.3f} "
           f"({time.monotonic() - started:.0f} s)", flush=True)
     return summary
+
+
+# Where a run's data lay and how its nodes talked: no bearing on what it learned.
+_NOT_DECIDING = ("peers", "coordinator", "closed", "round_timeout", "heartbeat_interval",
+                 "peer_timeout")
+
+
+def _what_decides_results(cfg: cfgmod.MeshConfig) -> dict[str, Any]:
+    """A run's settings that decide its results, the rule's parameters with their
+    defaults filled in (a run from before a default changed reads as today's default)."""
+    settings = {key: value for key, value in cfgmod.to_dict(cfg).items()
+                if key not in _NOT_DECIDING}
+    settings["data"] = {key: value for key, value in settings["data"].items() if key != "root"}
+    settings["algorithm"] = cfgmod.shared_settings(cfg)["algorithm"]
+    return settings
+
+
+def _differences(there: dict[str, Any], now: dict[str, Any], prefix: str = "") -> list[str]:
+    """'key: X there, Y now' for every dotted key whose value differs."""
+    found = []
+    for key in sorted(set(there) | set(now)):
+        old, new = there.get(key), now.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            found += _differences(old, new, f"{prefix}{key}.")
+        elif old != new:
+            found.append(f"{prefix}{key}: {old!r} there, {new!r} now")
+    return found
 
 
 # Scores from launch.local.write_summary: how well a rule found who shares data, and

@@ -1,15 +1,17 @@
 """`meshfl experiment` and its tables: they report what the issues ask to see (FedReMa's
 own-group share in every round of the critical co-learning period, what a round costs a
-node, why a rule helped or hurt), and a rerun keeps finished runs."""
+node, why a rule helped or hurt), and a rerun keeps finished runs, but only those made
+with the same settings."""
 
 import argparse
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
-from meshfl.launch.experiments import render_table
+from meshfl.launch.experiments import _differences, _what_decides_results, render_table
 from meshfl.launch.local import (
     _grouping_scores,
     _influence_shape,
@@ -19,6 +21,7 @@ from meshfl.launch.local import (
     _top_k_precision,
     records,
 )
+from meshfl.node.config import AlgorithmConfig, MeshConfig
 
 SPEC = {"title": "t", "caps": "c", "nodes": 2}
 
@@ -138,11 +141,11 @@ def test_own_versus_average_reads_the_guarded_average_and_counts_adopted_average
 def test_an_experiment_runs_each_variant_once_and_a_rerun_keeps_and_rescores_them(tmp_path):
     out = tmp_path / "smoke"
 
-    def experiment():
+    def experiment(rounds=2, check=True):
         command = [sys.executable, "-m", "meshfl.launch.cli", "experiment", "smoke-digits",
-                   "--seeds", "0", "--set", "rounds=2", "--out", str(out)]
-        return subprocess.run(command, check=True, capture_output=True, text=True,
-                              timeout=240).stdout
+                   "--seeds", "0", "--set", f"rounds={rounds}", "--out", str(out)]
+        done = subprocess.run(command, check=check, capture_output=True, text=True, timeout=240)
+        return done.stdout if check else done
 
     first = experiment()
     assert "done before" not in first
@@ -155,3 +158,17 @@ def test_an_experiment_runs_each_variant_once_and_a_rerun_keeps_and_rescores_the
     assert second.count("done before, kept") == 2
     assert json.loads(kept.read_text()) == written, "a kept run is summarized again"
     assert (out / "table.md").read_text() == table
+    changed = experiment(rounds=3, check=False)
+    assert changed.returncode != 0
+    assert (f"{out / 'local' / 'seed0'} holds a run made with other settings "
+            "(rounds: 2 there, 3 now)") in changed.stderr
+    assert (out / "table.md").read_text() == table, "nothing was rerun or overwritten"
+
+
+def test_a_kept_run_made_under_another_default_reads_as_a_difference():
+    explicit = MeshConfig(algorithm=AlgorithmConfig("pfedsv", {"val_guard": False}))
+    implicit = MeshConfig(algorithm=AlgorithmConfig("pfedsv", {}))
+    assert _differences(_what_decides_results(implicit), _what_decides_results(explicit)) == [
+        "algorithm.params.val_guard: True there, False now"]
+    moved = replace(implicit, data=replace(implicit.data, root="/elsewhere"), round_timeout=99.0)
+    assert _differences(_what_decides_results(implicit), _what_decides_results(moved)) == []

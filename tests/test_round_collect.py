@@ -94,8 +94,9 @@ def test_a_blob_holding_nan_or_inf_is_refused_and_the_round_goes_on_without_it()
     node = Node.__new__(Node)  # decoding uses the node's name only, for its log
     node.options = SimpleNamespace(name="me")
 
-    def signed(value, counts=np.arange(3)):
+    def signed(value):
         weights = np.array([0.5, value, 1.5], dtype=np.float32)
+        counts = np.arange(3)
         return make_blob(Identity.generate(), 1, "model", {"w": weights, "count": counts},
                          schema=SCHEMA, meta={"n": 7})
 
