@@ -461,7 +461,7 @@ class PFedSV(PeerAlgorithm):
         the own model. Loss, not accuracy: a good own model gets (nearly) all of a small
         val split right, so accuracies often tie where cross-entropy still tells the
         models apart, and a tie is no evidence that the average is better. An average
-        whose loss is not a number (a peer sent NaN weights) is never adopted."""
+        whose loss is not finite is never adopted."""
         me = self.context.node
         own_logits, average_logits = logits_of(players_states[me]), logits_of(state)
         verdict = {"v_aggregate": accuracy(average_logits, y_val),

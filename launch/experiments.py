@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -58,13 +57,15 @@ def run_experiment(args: argparse.Namespace) -> int:
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else spec["seeds"]
     extra = [f"data.root={args.data_root}"] if args.data_root else []
     extra += list(args.assignments)
+    runs = [(variant, seed, out / _slug(variant) / f"seed{seed}",
+             _planned_config(base, [*assignments, f"seed={seed}", *extra], spec["nodes"]))
+            for variant, assignments in spec["variants"].items() for seed in seeds]
+    for _, _, run_dir, cfg in runs:  # all before any runs: a stale folder stops at once
+        _check_same_settings(run_dir, cfg)
     summaries: dict[str, list[dict[str, Any]]] = {}
-    for variant, assignments in spec["variants"].items():
-        for seed in seeds:
-            run_dir = out / _slug(variant) / f"seed{seed}"
-            summaries.setdefault(variant, []).append(
-                _run_once(base, [*assignments, f"seed={seed}", *extra], spec["nodes"],
-                          run_dir, f"{variant} seed {seed}"))
+    for variant, seed, run_dir, cfg in runs:
+        summaries.setdefault(variant, []).append(
+            _run_once(cfg, run_dir, f"{variant} seed {seed}"))
     table = render_table(spec, summaries, seeds, args)
     (out / "table.md").write_text(table)
     print("\n" + table)
@@ -75,23 +76,34 @@ def _slug(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "-" for c in name).strip("-").lower()
 
 
-def _run_once(base: Path, assignments: list[str], nodes: int, run_dir: Path,
-              label: str) -> dict[str, Any]:
-    cfg = with_local_peers(cfgmod.apply_overrides(cfgmod.load_config(base), assignments), nodes)
-    # Every rule parameter written out, defaults included: should a default change later,
-    # the kept run still says what it ran, and a rerun notices the difference.
-    cfg = replace(cfg, algorithm=cfgmod.AlgorithmConfig(
-        cfg.algorithm.name, cfgmod.shared_settings(cfg)["algorithm"]["params"]))
+def _planned_config(base: Path, assignments: list[str], nodes: int) -> cfgmod.MeshConfig:
+    """One run's configuration, every rule parameter written out (defaults included):
+    should a default change later, the run's config.yaml still says what it ran."""
+    cfg = cfgmod.apply_overrides(cfgmod.load_config(base), assignments)
+    return cfgmod.with_explicit_params(with_local_peers(cfg, nodes))
+
+
+def _check_same_settings(run_dir: Path, cfg: cfgmod.MeshConfig) -> None:
+    """UserError when `run_dir` holds a run, finished or interrupted, made with settings
+    that decide results differently from `cfg`: it must not enter the table or resume."""
+    if not (run_dir / "config.yaml").exists():
+        return
+    try:
+        there = cfgmod.load_config(run_dir / "config.yaml")
+    except cfgmod.ConfigError as error:
+        raise UserError(f"{run_dir}/config.yaml no longer reads ({error}): delete that "
+                        "folder to run it again, or pass --out DIR") from error
+    changed = _differences(_what_decides_results(there), _what_decides_results(cfg))
+    if changed:
+        raise UserError(f"{run_dir} holds a run made with other settings ({'; '.join(changed)})"
+                        ": delete that folder to run it again, or pass --out DIR")
+
+
+def _run_once(cfg: cfgmod.MeshConfig, run_dir: Path, label: str) -> dict[str, Any]:
     if (run_dir / "summary.json").exists():
-        kept = cfgmod.load_config(run_dir / "config.yaml")
-        changed = _differences(_what_decides_results(kept), _what_decides_results(cfg))
-        if changed:
-            raise UserError(f"{run_dir} holds a run made with other settings ("
-                            f"{'; '.join(changed)}): delete that folder to run it again, "
-                            "or pass --out DIR")
         print(f"  {label}: done before, kept ({run_dir})")
         # Derived from the run's own files: recomputed, so a kept run gains new scores.
-        return write_summary(kept, run_dir)
+        return write_summary(cfgmod.load_config(run_dir / "config.yaml"), run_dir)
     started = time.monotonic()
     summary = run_mesh(cfg, run_dir, quiet=True)
     print(f"  {label}: mean test accuracy {summary['mean_test_acc']:.3f} "
@@ -99,19 +111,24 @@ def _run_once(base: Path, assignments: list[str], nodes: int, run_dir: Path,
     return summary
 
 
-# Where a run's data lay and how its nodes talked: no bearing on what it learned.
-_NOT_DECIDING = ("peers", "coordinator", "closed", "round_timeout", "heartbeat_interval",
-                 "peer_timeout")
-
-
 def _what_decides_results(cfg: cfgmod.MeshConfig) -> dict[str, Any]:
-    """A run's settings that decide its results, the rule's parameters with their
-    defaults filled in (a run from before a default changed reads as today's default)."""
+    """A run's settings that decide what it learned: all but where its data lay, where
+    its nodes and coordinator listened, who may join, and the timeouts (they only bound
+    waits; a run in which a deadline fired shows it in its metrics). The peers count by
+    name and data overrides (how the data is split); the rule's parameters with their
+    defaults filled in, so a run saved before its parameters were written out reads as
+    today's defaults."""
     settings = {key: value for key, value in cfgmod.to_dict(cfg).items()
                 if key not in _NOT_DECIDING}
     settings["data"] = {key: value for key, value in settings["data"].items() if key != "root"}
-    settings["algorithm"] = cfgmod.shared_settings(cfg)["algorithm"]
+    settings["peers"] = [{"name": peer["name"], "data": peer["data"]} for peer in settings["peers"]]
+    settings["algorithm"] = {"name": cfg.algorithm.name,
+                             "params": cfgmod.explicit_params(cfg.algorithm)}
     return settings
+
+
+_NOT_DECIDING = ("coordinator", "closed", "round_timeout", "heartbeat_interval",
+                 "peer_timeout")
 
 
 def _differences(there: dict[str, Any], now: dict[str, Any], prefix: str = "") -> list[str]:

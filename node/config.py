@@ -634,14 +634,27 @@ def shared_settings(cfg: MeshConfig) -> dict[str, Any]:
     local training (personalization allows it), data (each peer has its own), timeouts
     (judged on the receiver's clock) and the peer table (members join and leave).
     """
-    params = _resolved_params(cfg.algorithm)
-    if dataclasses.is_dataclass(params):
-        params = dataclasses.asdict(params)
     return {
         "mesh": cfg.mesh,
-        "algorithm": {"name": cfg.algorithm.name, "params": _plain(dict(sorted(params.items())))},
+        "algorithm": {"name": cfg.algorithm.name, "params": explicit_params(cfg.algorithm)},
         "model": {"name": cfg.model.name, "head": cfg.model.head},
     }
+
+
+def explicit_params(algorithm: AlgorithmConfig) -> dict[str, Any]:
+    """The algorithm's parameters with its defaults filled in, as plain values sorted by
+    name, or ConfigError."""
+    params = _resolved_params(algorithm)
+    if dataclasses.is_dataclass(params):
+        params = dataclasses.asdict(params)
+    return _plain(dict(sorted(params.items())))
+
+
+def with_explicit_params(cfg: MeshConfig) -> MeshConfig:
+    """`cfg` with every parameter of its algorithm written out: a saved config then
+    says what ran even after a default changes."""
+    return replace(cfg, algorithm=AlgorithmConfig(cfg.algorithm.name,
+                                                  explicit_params(cfg.algorithm)))
 
 
 def peer_by_name(cfg: MeshConfig, name: str) -> PeerConfig:

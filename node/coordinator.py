@@ -32,7 +32,7 @@ import torch
 from meshfl.algorithms import CoordinatorAlgorithm, Upload, is_coordinated
 from meshfl.protocol.wire import Message, make_blob
 
-from .runtime import Node, NonFiniteBlob, finite_tensors_from_blob, tensors_from_blob
+from .runtime import Node, UnusableBlob, tensors_from_blob, usable_peer_model
 from .trainer import evaluate, state_to_arrays
 
 log = logging.getLogger("meshfl.coordinator")
@@ -82,7 +82,8 @@ class CoordinatorNode(Node):
         chosen = self.algorithm.clients_for_round(round_no, sorted(clients))
         for name in chosen:
             self._send_personal(clients[name], name, round_no, initial, train=True)
-        uploads = self._collect_uploads(round_no, {clients[name]: name for name in chosen})
+        uploads, refused = self._collect_uploads(round_no,
+                                                 {clients[name]: name for name in chosen})
         seconds = {"wait": time.perf_counter() - clock}
         clock = time.perf_counter()
         diagnostics = self.algorithm.aggregate_uploads(round_no, uploads)
@@ -90,6 +91,7 @@ class CoordinatorNode(Node):
         after = self.endpoint.stats()
         self.metrics.append({
             "round": round_no, "clients": chosen, "uploaded": sorted(uploads),
+            "refused": refused,
             "diagnostics": diagnostics, "seconds": seconds,
             "bytes_in": after["bytes_in"] - before["bytes_in"],
             "bytes_out": after["bytes_out"] - before["bytes_out"],
@@ -105,24 +107,30 @@ class CoordinatorNode(Node):
         blob = make_blob(self.identity, round_no, "personal", arrays, self.schema, meta)
         self.endpoint.send_blob(key, "personal", blob)
 
-    def _collect_uploads(self, round_no: int, expected: dict[bytes, str]) -> dict[str, Upload]:
+    def _collect_uploads(self, round_no: int, expected: dict[bytes, str]
+                         ) -> tuple[dict[str, Upload], list[str]]:
+        """The round's uploads by client name, and the clients whose upload was refused as
+        unusable (logged; the round goes on as if they had not uploaded)."""
         uploads: dict[str, Upload] = {}
+        refused: list[str] = []
         deadline = time.monotonic() + self.cfg.round_timeout
         waiting = dict(expected)
         while waiting and (left := deadline - time.monotonic()) > 0:
             message = self.endpoint.next_message("upload", timeout=min(left, 0.5))
             if message is None or message.blob is None or message.sender not in waiting:
-                continue
+                continue  # nothing, or a client already heard from this round
             if message.blob.meta.get("round") != round_no:
                 continue  # a late upload of an earlier round: that round is closed
             name = waiting.pop(message.sender)
             try:
-                state, extras = _split_upload(finite_tensors_from_blob(message.blob))
-            except NonFiniteBlob as error:  # the round goes on as if it had not uploaded
+                upload = usable_peer_model(message.blob)
+            except UnusableBlob as error:
                 log.warning("coordinator: refused %s's upload: %s", name, error)
+                refused.append(name)
                 continue
-            uploads[name] = Upload(state, int(message.blob.meta.get("n", 1)), extras)
-        return uploads
+            state, extras = _split_upload(upload.state)
+            uploads[name] = Upload(state, upload.n_samples, extras)
+        return uploads, sorted(refused)
 
     def _wait_for_clients_to_leave(self) -> None:
         deadline = time.monotonic() + self.cfg.round_timeout

@@ -70,8 +70,9 @@ def mesh_id(cfg: cfgmod.MeshConfig, schema: bytes) -> bytes:
     return hashlib.sha256(settings + schema).digest()[:16]
 
 
-class NonFiniteBlob(ValueError):
-    """A peer's blob holds NaN or inf: averaged in, one such value spoils every weight."""
+class UnusableBlob(ValueError):
+    """A peer's blob no rule should take in: signatures prove who sent a model, not
+    that it is usable."""
 
 
 def tensors_from_blob(blob: Blob) -> dict[str, torch.Tensor]:
@@ -79,16 +80,21 @@ def tensors_from_blob(blob: Blob) -> dict[str, torch.Tensor]:
     return {name: torch.from_numpy(np.array(array)) for name, array in blob.arrays().items()}
 
 
-def finite_tensors_from_blob(blob: Blob) -> dict[str, torch.Tensor]:
-    """A peer's tensors, or NonFiniteBlob when a floating-point one holds NaN or inf:
-    signatures prove who sent a model, not that it is usable."""
+def usable_peer_model(blob: Blob) -> PeerModel:
+    """A peer's tensors and sample count, or UnusableBlob when a floating-point tensor
+    holds NaN or inf (averaged in, one such value spoils every weight) or the sample
+    count `n` is not a positive integer (it weighs the averages)."""
+    n = blob.meta.get("n", 1)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise UnusableBlob(f"{blob.kind} blob of round {blob.round}: its sample count n is "
+                           f"{n!r}, not an integer >= 1")
     tensors = tensors_from_blob(blob)
     spoilt = [name for name, tensor in tensors.items()
               if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]
     if spoilt:
-        raise NonFiniteBlob(f"{blob.kind} blob of round {blob.round} holds NaN or inf in "
-                            f"{', '.join(spoilt)}")
-    return tensors
+        raise UnusableBlob(f"{blob.kind} blob of round {blob.round} holds NaN or inf in "
+                           f"{', '.join(spoilt)}")
+    return PeerModel(tensors, n)
 
 
 @dataclass
@@ -371,20 +377,16 @@ class Node:
     def _peer_models(self, blobs: dict[str, dict[str, Blob]]
                      ) -> tuple[dict[str, dict[str, PeerModel]], dict[str, list[str]]]:
         """The round's blobs as peer models by kind and peer name, and by kind the peers
-        whose blobs were refused for holding NaN or inf (logged; the round goes on
-        without them)."""
+        whose blobs were refused as unusable (logged; the round goes on without them)."""
         received: dict[str, dict[str, PeerModel]] = {}
         refused: dict[str, list[str]] = {}
         for kind, by_peer in blobs.items():
             for name, blob in sorted(by_peer.items()):
                 try:
-                    tensors = finite_tensors_from_blob(blob)
-                except NonFiniteBlob as error:
-                    log.warning("%s: refused %s's %s", self.options.name, name, error)
+                    received.setdefault(kind, {})[name] = usable_peer_model(blob)
+                except UnusableBlob as error:
+                    log.warning("%s: refused %s's blob: %s", self.options.name, name, error)
                     refused.setdefault(kind, []).append(name)
-                    continue
-                received.setdefault(kind, {})[name] = PeerModel(tensors,
-                                                                int(blob.meta.get("n", 1)))
         return received, refused
 
     def _save(self, round_no: int) -> None:

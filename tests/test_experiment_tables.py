@@ -11,7 +11,12 @@ from dataclasses import replace
 
 import pytest
 
-from meshfl.launch.experiments import _differences, _what_decides_results, render_table
+from meshfl.launch.experiments import (
+    _differences,
+    _planned_config,
+    _what_decides_results,
+    render_table,
+)
 from meshfl.launch.local import (
     _grouping_scores,
     _influence_shape,
@@ -21,7 +26,7 @@ from meshfl.launch.local import (
     _top_k_precision,
     records,
 )
-from meshfl.node.config import AlgorithmConfig, MeshConfig
+from meshfl.node.config import AlgorithmConfig, explicit_params
 
 SPEC = {"title": "t", "caps": "c", "nodes": 2}
 
@@ -163,12 +168,33 @@ def test_an_experiment_runs_each_variant_once_and_a_rerun_keeps_and_rescores_the
     assert (f"{out / 'local' / 'seed0'} holds a run made with other settings "
             "(rounds: 2 there, 3 now)") in changed.stderr
     assert (out / "table.md").read_text() == table, "nothing was rerun or overwritten"
+    (out / "local" / "seed0" / "summary.json").unlink()  # as if it had been interrupted
+    interrupted = experiment(rounds=3, check=False)
+    assert interrupted.returncode != 0, "an interrupted run does not resume under new settings"
+    assert "(rounds: 2 there, 3 now)" in interrupted.stderr
 
 
-def test_a_kept_run_made_under_another_default_reads_as_a_difference():
-    explicit = MeshConfig(algorithm=AlgorithmConfig("pfedsv", {"val_guard": False}))
-    implicit = MeshConfig(algorithm=AlgorithmConfig("pfedsv", {}))
-    assert _differences(_what_decides_results(implicit), _what_decides_results(explicit)) == [
-        "algorithm.params.val_guard: True there, False now"]
-    moved = replace(implicit, data=replace(implicit.data, root="/elsewhere"), round_timeout=99.0)
-    assert _differences(_what_decides_results(implicit), _what_decides_results(moved)) == []
+def test_a_run_writes_out_every_rule_parameter_and_a_changed_default_reads_as_a_difference(
+        tmp_path):
+    base = tmp_path / "base.yaml"
+    base.write_text("rounds: 1\n")
+    planned = _planned_config(base, ["algorithm=pfedsv"], nodes=2)
+    assert planned.algorithm.params == explicit_params(AlgorithmConfig("pfedsv", {}))
+    assert planned.algorithm.params["val_guard"] is True and "alpha" in planned.algorithm.params
+    # A run saved with the guard off, read today when the default is on: a difference.
+    saved_then = replace(planned, algorithm=AlgorithmConfig(
+        "pfedsv", {**planned.algorithm.params, "val_guard": False}))
+    assert _differences(_what_decides_results(saved_then), _what_decides_results(planned)) == [
+        "algorithm.params.val_guard: False there, True now"]
+
+
+def test_where_data_lay_and_timeouts_do_not_count_but_the_number_of_nodes_does(tmp_path):
+    base = tmp_path / "base.yaml"
+    base.write_text("rounds: 1\n")
+    planned = _planned_config(base, [], nodes=2)
+    moved = replace(planned, data=replace(planned.data, root="/elsewhere"), round_timeout=99.0)
+    assert _differences(_what_decides_results(planned), _what_decides_results(moved)) == []
+    bigger = _planned_config(base, [], nodes=3)
+    assert [line.split(":")[0] for line in _differences(_what_decides_results(planned),
+                                                        _what_decides_results(bigger))] \
+        == ["peers"]

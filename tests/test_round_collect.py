@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from meshfl.node.coordinator import CoordinatorNode
-from meshfl.node.runtime import Node, NonFiniteBlob, finite_tensors_from_blob
+from meshfl.node.runtime import Node, UnusableBlob, usable_peer_model
 from meshfl.protocol.identity import Identity
 from meshfl.protocol.wire import make_blob
 from tests.test_endpoint import SCHEMA, WAIT
@@ -90,29 +90,32 @@ def test_the_wait_ends_once_every_live_peer_announced_and_its_blob_arrived(make_
     assert time.monotonic() - started < DEADLINE
 
 
-def test_a_blob_holding_nan_or_inf_is_refused_and_the_round_goes_on_without_it():
+def test_an_unusable_blob_is_refused_and_the_round_goes_on_without_it():
     node = Node.__new__(Node)  # decoding uses the node's name only, for its log
     node.options = SimpleNamespace(name="me")
 
-    def signed(value):
+    def signed(value, n=7):
         weights = np.array([0.5, value, 1.5], dtype=np.float32)
-        counts = np.arange(3)
-        return make_blob(Identity.generate(), 1, "model", {"w": weights, "count": counts},
-                         schema=SCHEMA, meta={"n": 7})
+        return make_blob(Identity.generate(), 1, "model", {"w": weights, "count": np.arange(3)},
+                         schema=SCHEMA, meta={"n": n})
 
-    blobs = {"model": {"good": signed(1.0), "nan": signed(np.nan), "inf": signed(-np.inf)}}
+    blobs = {"model": {"good": signed(1.0), "nan": signed(np.nan), "inf": signed(-np.inf),
+                       "no_samples": signed(1.0, n=0), "vague": signed(1.0, n="many")}}
     received, refused = node._peer_models(blobs)
-    assert refused == {"model": ["inf", "nan"]}
+    assert refused == {"model": ["inf", "nan", "no_samples", "vague"]}
     assert list(received["model"]) == ["good"]
     good = received["model"]["good"]
     assert good.n_samples == 7
     assert good.state["w"].tolist() == [0.5, 1.0, 1.5]
-    assert good.state["count"].tolist() == [0, 1, 2], "integer tensors pass unchecked"
-    with pytest.raises(NonFiniteBlob, match="model blob of round 1 holds NaN or inf in w"):
-        finite_tensors_from_blob(blobs["model"]["nan"])
+    assert good.state["count"].tolist() == [0, 1, 2]
+    with pytest.raises(UnusableBlob, match="model blob of round 1 holds NaN or inf in w"):
+        usable_peer_model(blobs["model"]["nan"])
+    with pytest.raises(UnusableBlob, match="sample count n is 0, not an integer >= 1"):
+        usable_peer_model(blobs["model"]["no_samples"])
 
 
-def test_the_coordinator_refuses_a_nan_upload_without_waiting_out_the_round(make_endpoint):
+def test_the_coordinator_refuses_an_unusable_upload_without_waiting_out_the_round(
+        make_endpoint):
     coordinator = make_endpoint("coordinator")
     coordinator.start()
     clients = {name: make_endpoint(name) for name in ("sane", "spoilt")}
@@ -120,17 +123,25 @@ def test_the_coordinator_refuses_a_nan_upload_without_waiting_out_the_round(make
         client.start([coordinator.settings.listen])
     for endpoint in (coordinator, *clients.values()):
         assert endpoint.wait_for_peers(2, WAIT), endpoint.settings.name
-    for name, value in (("sane", 1.0), ("spoilt", np.nan)):
+
+    def upload(name, round_no, value):
         client = clients[name]
-        weights = np.array([value, 2.0], dtype=np.float32)
-        blob = make_blob(client.identity, 1, "upload", {"w": weights}, schema=SCHEMA,
-                         meta={"round": 1, "n": 5})
+        blob = make_blob(client.identity, round_no, "upload",
+                         {"w": np.array([value, 2.0], dtype=np.float32)}, schema=SCHEMA,
+                         meta={"round": round_no, "n": 5})
         assert client.send_blob(coordinator.identity.public_key, "upload", blob)
+
+    upload("sane", 0, 9.0)  # late for an earlier round: ignored, the client still counts
+    upload("sane", 1, 1.0)
+    upload("spoilt", 1, np.nan)
+    upload("spoilt", 1, 3.0)  # one upload a round: the first was refused
     node = CoordinatorNode.__new__(CoordinatorNode)
     node.endpoint, node.cfg = coordinator, SimpleNamespace(round_timeout=30.0)
     started = time.monotonic()
-    uploads = node._collect_uploads(
+    uploads, refused = node._collect_uploads(
         1, {client.identity.public_key: name for name, client in clients.items()})
     assert time.monotonic() - started < 10, "a refused upload still ends the wait for it"
+    assert refused == ["spoilt"]
     assert list(uploads) == ["sane"]
     assert uploads["sane"].state["w"].tolist() == [1.0, 2.0]
+    assert uploads["sane"].n_samples == 5
