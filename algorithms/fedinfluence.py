@@ -525,6 +525,8 @@ def _gradient_problem(upload: Upload, numels: dict[str, int], params: Any) -> st
             return f"gradients of {name} have shape {tuple(grads.shape)}"
         if not 1 <= grads.shape[1] <= params.samples_per_step or not grads.is_floating_point():
             return f"gradients of {name} have {grads.shape[1]} samples or a non-float dtype"
+        # The coordinator's runtime refuses NaN, inf and n < 1 before a rule sees an
+        # upload; these checks stand for callers that hand uploads in directly.
         if not bool(torch.isfinite(grads).all()):
             return f"gradients of {name} are not finite"
     if upload.n_samples < 1:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -78,9 +79,11 @@ def _slug(name: str) -> str:
 
 def _planned_config(base: Path, assignments: list[str], nodes: int) -> cfgmod.MeshConfig:
     """One run's configuration, every rule parameter written out (defaults included):
-    should a default change later, the run's config.yaml still says what it ran."""
+    should a default change later, the run's config.yaml still says what it ran. Its
+    nodes get their loopback ports when the run starts (`_run_once`), not now: a port
+    free at planning time may be taken an hour later."""
     cfg = cfgmod.apply_overrides(cfgmod.load_config(base), assignments)
-    return cfgmod.with_explicit_params(with_local_peers(cfg, nodes))
+    return cfgmod.with_explicit_params(replace(cfg, peers=cfgmod.local_peers(nodes)))
 
 
 def _check_same_settings(run_dir: Path, cfg: cfgmod.MeshConfig) -> None:
@@ -89,11 +92,11 @@ def _check_same_settings(run_dir: Path, cfg: cfgmod.MeshConfig) -> None:
     if not (run_dir / "config.yaml").exists():
         return
     try:
-        there = cfgmod.load_config(run_dir / "config.yaml")
-    except cfgmod.ConfigError as error:
+        there = _what_decides_results(cfgmod.load_config(run_dir / "config.yaml"))
+    except cfgmod.ConfigError as error:  # e.g. a rule parameter renamed since
         raise UserError(f"{run_dir}/config.yaml no longer reads ({error}): delete that "
                         "folder to run it again, or pass --out DIR") from error
-    changed = _differences(_what_decides_results(there), _what_decides_results(cfg))
+    changed = _differences(there, _what_decides_results(cfg))
     if changed:
         raise UserError(f"{run_dir} holds a run made with other settings ({'; '.join(changed)})"
                         ": delete that folder to run it again, or pass --out DIR")
@@ -105,30 +108,37 @@ def _run_once(cfg: cfgmod.MeshConfig, run_dir: Path, label: str) -> dict[str, An
         # Derived from the run's own files: recomputed, so a kept run gains new scores.
         return write_summary(cfgmod.load_config(run_dir / "config.yaml"), run_dir)
     started = time.monotonic()
-    summary = run_mesh(cfg, run_dir, quiet=True)
+    summary = run_mesh(with_local_peers(cfg, len(cfg.peers)), run_dir, quiet=True)
     print(f"  {label}: mean test accuracy {summary['mean_test_acc']:.3f} "
           f"({time.monotonic() - started:.0f} s)", flush=True)
     return summary
 
 
+# Where a run's data lay, where its nodes listened, who may join, and the timeouts (they
+# only bound waits; a run in which a deadline fired shows it in its metrics).
+_NOT_DECIDING = ("coordinator", "closed", "round_timeout", "heartbeat_interval",
+                 "peer_timeout")
+
+
 def _what_decides_results(cfg: cfgmod.MeshConfig) -> dict[str, Any]:
-    """A run's settings that decide what it learned: all but where its data lay, where
-    its nodes and coordinator listened, who may join, and the timeouts (they only bound
-    waits; a run in which a deadline fired shows it in its metrics). The peers count by
-    name and data overrides (how the data is split); the rule's parameters with their
-    defaults filled in, so a run saved before its parameters were written out reads as
-    today's defaults."""
+    """A run's settings that decide what it learned: all but `_NOT_DECIDING` and the
+    data roots. The nodes count, by name, with their data overrides (how the data is
+    split); the rule's parameters with their defaults filled in, so a run saved before
+    its parameters were written out reads as today's defaults."""
     settings = {key: value for key, value in cfgmod.to_dict(cfg).items()
                 if key not in _NOT_DECIDING}
-    settings["data"] = {key: value for key, value in settings["data"].items() if key != "root"}
-    settings["peers"] = [{"name": peer["name"], "data": peer["data"]} for peer in settings["peers"]]
+    settings["data"] = _without_root(settings["data"])
+    peers = settings.pop("peers")
+    settings["nodes"] = len(peers)
+    settings["node_data"] = {peer["name"]: _without_root(peer["data"]) for peer in peers
+                             if peer["data"]}
     settings["algorithm"] = {"name": cfg.algorithm.name,
                              "params": cfgmod.explicit_params(cfg.algorithm)}
     return settings
 
 
-_NOT_DECIDING = ("coordinator", "closed", "round_timeout", "heartbeat_interval",
-                 "peer_timeout")
+def _without_root(data: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in data.items() if key != "root"}
 
 
 def _differences(there: dict[str, Any], now: dict[str, Any], prefix: str = "") -> list[str]:

@@ -118,7 +118,7 @@ class CoordinatorNode(Node):
         while waiting and (left := deadline - time.monotonic()) > 0:
             message = self.endpoint.next_message("upload", timeout=min(left, 0.5))
             if message is None or message.blob is None or message.sender not in waiting:
-                continue  # nothing, or a client already heard from this round
+                continue  # nothing, or not from a client still awaited this round
             if message.blob.meta.get("round") != round_no:
                 continue  # a late upload of an earlier round: that round is closed
             name = waiting.pop(message.sender)

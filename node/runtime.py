@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import reprlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,11 +84,12 @@ def tensors_from_blob(blob: Blob) -> dict[str, torch.Tensor]:
 def usable_peer_model(blob: Blob) -> PeerModel:
     """A peer's tensors and sample count, or UnusableBlob when a floating-point tensor
     holds NaN or inf (averaged in, one such value spoils every weight) or the sample
-    count `n` is not a positive integer (it weighs the averages)."""
+    count `n` is not a positive integer (it weighs the averages; absent, it is 1). A
+    count that is merely inflated cannot be told from a big dataset."""
     n = blob.meta.get("n", 1)
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise UnusableBlob(f"{blob.kind} blob of round {blob.round}: its sample count n is "
-                           f"{n!r}, not an integer >= 1")
+                           f"{reprlib.repr(n)}, not an integer >= 1")
     tensors = tensors_from_blob(blob)
     spoilt = [name for name, tensor in tensors.items()
               if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]

@@ -195,6 +195,5 @@ def test_where_data_lay_and_timeouts_do_not_count_but_the_number_of_nodes_does(t
     moved = replace(planned, data=replace(planned.data, root="/elsewhere"), round_timeout=99.0)
     assert _differences(_what_decides_results(planned), _what_decides_results(moved)) == []
     bigger = _planned_config(base, [], nodes=3)
-    assert [line.split(":")[0] for line in _differences(_what_decides_results(planned),
-                                                        _what_decides_results(bigger))] \
-        == ["peers"]
+    assert _differences(_what_decides_results(planned), _what_decides_results(bigger)) == [
+        "nodes: 2 there, 3 now"]
