@@ -43,6 +43,7 @@ own coalition game.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import math
@@ -270,6 +271,20 @@ def mean_cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> float:
     return float(functional.cross_entropy(logits, y.long())) if len(y) else 0.0
 
 
+def _guard_verdict(own_logits: torch.Tensor, average_logits: torch.Tensor,
+                   y_val: torch.Tensor) -> tuple[bool, dict[str, float]]:
+    """Whether the val guard adopts the Shapley-weighted average, with the figures it
+    judged by: it adopts only when the average's val loss is finite and at most the own
+    model's. Loss, not accuracy: a good own model gets
+    (nearly) all of a small val split right, so accuracies often tie where cross-entropy
+    still tells the models apart, and a tie is no evidence that the average is better."""
+    own_loss = mean_cross_entropy(own_logits, y_val)
+    average_loss = mean_cross_entropy(average_logits, y_val)
+    adopt = math.isfinite(average_loss) and average_loss <= own_loss
+    return adopt, {"v_aggregate": accuracy(average_logits, y_val),
+                   "val_loss_own": own_loss, "val_loss_aggregate": average_loss}
+
+
 def uniform_average(states: Sequence[State]) -> State:
     named = {str(index): state for index, state in enumerate(states)}
     return weighted_average(named, {name: 1 / len(named) for name in named})
@@ -364,21 +379,22 @@ class PFedSV(PeerAlgorithm):
     # --- aggregate ----------------------------------------------------------
 
     def aggregate(self, round_no: int, own: PeerModel, received: Received, data: Any) -> Aggregate:
+        me = self.context.node
         players_states, base = self._players(own, received)
         logits_of = self._val_logits(players_states, data)
-
-        def accuracy_of(state: State) -> float:
-            return accuracy(logits_of(state), data.y_val)
-
-        game = self._play(round_no, players_states, accuracy_of)
+        # Each player's own model passes over the val split once a round: the game scores
+        # it as a coalition of one, and the guard reuses the node's.
+        player_logits = functools.cache(lambda player: logits_of(players_states[player]))
+        game = self._play(round_no, players_states, logits_of, player_logits, data.y_val)
         self._update_relevance(game["shapley"])
         weights, state = self._combine(game["shapley"], players_states)
         # When the rule itself keeps the own model there is nothing to guard (and no
         # v_aggregate or val_loss_* to record).
-        if self.params.val_guard and weights != {self.context.node: 1.0}:
-            weights, state, verdict = self._guarded(weights, state, players_states, logits_of,
-                                                    data.y_val)
+        if self.params.val_guard and weights != {me: 1.0}:
+            adopt, verdict = _guard_verdict(player_logits(me), logits_of(state), data.y_val)
             game.update(verdict)
+            if not adopt:
+                weights, state = {me: 1.0}, players_states[me]
         state = {**state, **base}  # shared body: the mesh-averaged body under the new head
         k_used, self.k = self.k, self._next_k()
         if self.params.dp_clip is not None:
@@ -397,7 +413,9 @@ class PFedSV(PeerAlgorithm):
                          diagnostics=diagnostics)
 
     def _play(self, round_no: int, players_states: dict[str, State],
-              accuracy_of: Callable[[State], float]) -> dict[str, Any]:
+              logits_of: Callable[[State], torch.Tensor],
+              player_logits: Callable[[str], torch.Tensor], y_val: torch.Tensor
+              ) -> dict[str, Any]:
         """Shapley values of the coalition game on the own val split, with its cost and
         v({i}), v(S) (whether the coalition beats the own model at all)."""
         me = self.context.node
@@ -407,7 +425,10 @@ class PFedSV(PeerAlgorithm):
         def coalition_accuracy(coalition: Coalition) -> float:
             nonlocal evaluations
             evaluations += 1
-            return accuracy_of(uniform_average([players_states[p] for p in sorted(coalition)]))
+            if len(coalition) == 1:  # a player's own model: nothing to average
+                return accuracy(player_logits(next(iter(coalition))), y_val)
+            average = uniform_average([players_states[p] for p in sorted(coalition)])
+            return accuracy(logits_of(average), y_val)
 
         clock = time.perf_counter()
         utility = cached_utility(coalition_accuracy)
@@ -453,24 +474,6 @@ class PFedSV(PeerAlgorithm):
         if not weights:
             return {me: 1.0}, players_states[me]
         return weights, weighted_average({p: players_states[p] for p in weights}, weights)
-
-    def _guarded(self, weights: dict[str, float], state: State,
-                 players_states: dict[str, State], logits_of: Callable[[State], torch.Tensor],
-                 y_val: torch.Tensor) -> tuple[dict[str, float], State, dict[str, float]]:
-        """The Shapley-weighted model when its val loss is at most the own model's, else
-        the own model. Loss, not accuracy: a good own model gets (nearly) all of a small
-        val split right, so accuracies often tie where cross-entropy still tells the
-        models apart, and a tie is no evidence that the average is better. An average
-        whose loss is not finite is never adopted."""
-        me = self.context.node
-        own_logits, average_logits = logits_of(players_states[me]), logits_of(state)
-        verdict = {"v_aggregate": accuracy(average_logits, y_val),
-                   "val_loss_own": mean_cross_entropy(own_logits, y_val),
-                   "val_loss_aggregate": mean_cross_entropy(average_logits, y_val)}
-        loss = verdict["val_loss_aggregate"]
-        if not math.isfinite(loss) or loss > verdict["val_loss_own"]:
-            return {me: 1.0}, players_states[me], verdict
-        return weights, state, verdict
 
     def _players(self, own: PeerModel, received: Received) -> tuple[dict[str, State], State]:
         """Each player's model as the coalition game sees it, and the part of the new

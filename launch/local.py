@@ -210,7 +210,7 @@ def _node_rounds(history: History) -> Iterator[tuple[str, dict[str, Any]]]:
 
 def write_summary(cfg: cfgmod.MeshConfig, out: Path) -> dict[str, Any]:
     history = {peer.name: records(out / peer.name / "metrics.jsonl") for peer in cfg.peers}
-    nodes, groups, top_k = [], {}, {}
+    nodes, groups = [], {}
     for peer in cfg.peers:
         record = history[peer.name][-1] if history[peer.name] else None
         if record is not None:
@@ -222,10 +222,8 @@ def write_summary(cfg: cfgmod.MeshConfig, out: Path) -> dict[str, Any]:
             group = record.get("diagnostics", {}).get("group")  # rules that group (pFedLIA)
             if group is not None:
                 groups[peer.name] = group
-            chosen = record.get("diagnostics", {}).get("selected")  # rules that rank (pFedSV)
-            if chosen:
-                top_k[peer.name] = chosen
     accuracies = [node["test_acc"] for node in nodes]
+    labels = _node_labels(nodes)
     summary = {
         "algorithm": cfg.algorithm.name, "dataset": cfg.data.dataset,
         "partition": cfg.data.partition, "rounds": cfg.rounds, "seed": cfg.seed,
@@ -233,8 +231,8 @@ def write_summary(cfg: cfgmod.MeshConfig, out: Path) -> dict[str, Any]:
         "mean_test_acc": statistics.fmean(accuracies) if accuracies else None,
         "std_test_acc": statistics.pstdev(accuracies) if accuracies else None,
         **_grouping_scores(nodes, groups, out / COORDINATOR / "metrics.jsonl"),
-        **_top_k_precision(nodes, top_k),
-        **_shapley_by_label_overlap(history, nodes),
+        **_top_k_precision(history, labels),
+        **_shapley_by_label_overlap(history, labels),
         **_own_versus_average(history),
         **_influence_shape(history),
         "cost": _round_costs(history),
@@ -254,23 +252,25 @@ def _node_labels(nodes: list[dict[str, Any]]) -> dict[str, set[int]]:
             if "labels" in node["data"]}
 
 
-def _top_k_precision(nodes: list[dict[str, Any]], top_k: dict[str, list[str]]) -> dict[str, float]:
-    """Mean over nodes of the share of a node's final top-k (the peers it pulled in its
-    last round) that holds one of its labels: pFedSV's relevance against the truth
-    "shares a label"."""
-    labels = _node_labels(nodes)
-    precisions = [statistics.fmean(bool(labels[peer] & labels[name]) for peer in chosen)
-                  for name, chosen in top_k.items()
-                  if name in labels and all(peer in labels for peer in chosen)]
+def _top_k_precision(history: History, labels: dict[str, set[int]]) -> dict[str, float]:
+    """Where a rule ranks peers (pFedSV): mean over nodes of the share of a node's final
+    top-k (the peers it chose in its last round) that holds one of its labels, its
+    relevance against the truth "shares a label"."""
+    precisions = []
+    for name, rounds in history.items():
+        chosen = rounds[-1].get("diagnostics", {}).get("selected") if rounds else None
+        if chosen and name in labels and all(peer in labels for peer in chosen):
+            precisions.append(statistics.fmean(bool(labels[peer] & labels[name])
+                                               for peer in chosen))
     return {"top_k_precision": statistics.fmean(precisions)} if precisions else {}
 
 
-def _shapley_by_label_overlap(history: History, nodes: list[dict[str, Any]]) -> dict[str, float]:
+def _shapley_by_label_overlap(history: History, labels: dict[str, set[int]]
+                              ) -> dict[str, float]:
     """Where a rule scores peers by Shapley value (pFedSV): the mean value of a peer that
     shares one of the node's labels and of one that shares none, over every node and
     round, and the weight the label-sharing peers got per round (why the rule helps
     or hurts a node)."""
-    labels = _node_labels(nodes)
     sharing, disjoint, shared_weight, rounds = [], [], 0.0, 0
     for name, record in _node_rounds(history):
         shapley = record.get("diagnostics", {}).get("shapley")

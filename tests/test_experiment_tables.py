@@ -97,22 +97,24 @@ def test_round_costs_are_medians_over_every_node_round():
 
 
 def test_top_k_precision_scores_the_last_pull_against_shared_labels():
-    nodes = [{"name": name, "data": {"labels": labels}}
-             for name, labels in [("a", [0, 1]), ("b", [1, 2]), ("c", [3, 4]), ("d", [5, 6])]]
-    scores = _top_k_precision(nodes, {"a": ["b", "d"], "b": ["a"]})
-    assert scores == {"top_k_precision": (0.5 + 1.0) / 2}
-    assert _top_k_precision(nodes, {}) == {}
+    labels = {"a": {0, 1}, "b": {1, 2}, "c": {3, 4}, "d": {5, 6}}
+
+    def chose(*peers):
+        return {"diagnostics": {"selected": list(peers)}}
+
+    history = {"a": [chose("c"), chose("b", "d")], "b": [chose("a")], "c": [{}], "d": []}
+    assert _top_k_precision(history, labels) == {"top_k_precision": (0.5 + 1.0) / 2}
+    assert _top_k_precision({"a": [{}]}, labels) == {}
 
 
 def test_shapley_values_and_weights_are_split_by_whether_a_peer_shares_a_label():
-    nodes = [{"name": name, "data": {"labels": labels}}
-             for name, labels in [("a", [0, 1]), ("b", [1, 2]), ("c", [3, 4])]]
+    labels = {"a": {0, 1}, "b": {1, 2}, "c": {3, 4}}
     rounds = [{"diagnostics": {"shapley": {"a": 0.6, "b": 0.3, "c": -0.1}},
                "weights": {"a": 0.7, "b": 0.3}},
               {"diagnostics": {"shapley": {"a": 0.8, "b": 0.1, "c": -0.3}},
                "weights": {"a": 0.9, "b": 0.1}},
               {"diagnostics": {}, "weights": {"a": 1.0}}]  # a rule without a game
-    scores = _shapley_by_label_overlap({"a": rounds}, nodes)
+    scores = _shapley_by_label_overlap({"a": rounds}, labels)
     assert scores["shapley_sharing_a_label"] == pytest.approx(0.2)
     assert scores["shapley_sharing_no_label"] == pytest.approx(-0.2)
     assert scores["weight_on_label_sharing_peers"] == pytest.approx(0.2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -378,6 +379,11 @@ def aggregate_with(rule, own, peers, data):
     return rule.aggregate(1, PeerModel(own, 100), received, data)
 
 
+def part(state, keys):
+    """The tensors of `state` under `keys` (a body or a head)."""
+    return {key: state[key] for key in keys}
+
+
 def half_sharing_peers():
     """Two peers that each hold one of the node's labels (0 and 1) and one it lacks."""
     return {"half0": trained_state([0, 2], 5), "half1": trained_state([1, 3], 6)}
@@ -421,6 +427,21 @@ def test_the_val_guard_adopts_the_average_when_it_lowers_the_val_loss(world):
     assert guarded.diagnostics["v_aggregate"] == adopted_accuracy > guarded.diagnostics["v_own"]
 
 
+def test_each_model_passes_over_the_val_split_once_and_the_guard_adds_only_the_average(world):
+    passes = []
+
+    class CountingNet(TinyNet):
+        def forward(self, x):
+            passes.append(len(x))
+            return super().forward(x)
+
+    rule = make_rule(k=2, k_max=2, val_guard=True)
+    rule.context = replace(rule.context, new_model=CountingNet)
+    outcome = aggregate_with(rule, world.own, half_sharing_peers(), world.data)
+    assert outcome.diagnostics["utility_evaluations"] == 7, "3 players: 7 coalitions"
+    assert len(passes) == 7 + 1
+
+
 def test_the_val_guard_never_adopts_an_average_spoilt_by_a_peer_with_nan_weights(world):
     spoilt = {key: torch.full_like(value, float("nan")) for key, value in world.own.items()}
     peers = {"good": world.peers["good"], "spoilt": spoilt}
@@ -441,16 +462,17 @@ def test_with_a_shared_body_the_guard_keeps_the_own_head_on_the_mesh_body(world)
     peers = half_sharing_peers()
     pulls = rule.wanted(1, {"body": sorted(peers), "head": sorted(peers)})
     body_keys, head_keys = rule.context.body_keys, rule.context.head_keys
-    # The peers' bodies are the node's own: only the heads differ, so the game decides.
-    received = {"body": {p: PeerModel({k: world.own[k] for k in body_keys}, 100) for p in peers},
-                "head": {p: PeerModel({k: peers[p][k] for k in head_keys}, 100)
-                         for p in pulls["head"]}}
+    received = {"body": {p: PeerModel(part(peers[p], body_keys), 100) for p in peers},
+                "head": {p: PeerModel(part(peers[p], head_keys), 100) for p in pulls["head"]}}
     outcome = rule.aggregate(1, PeerModel(world.own, 100), received, world.data)
     assert all(outcome.diagnostics["shapley"][peer] > 0 for peer in peers)
     assert outcome.diagnostics["val_loss_aggregate"] > outcome.diagnostics["val_loss_own"]
     assert outcome.weights == {"me": 1.0}
-    assert all(torch.allclose(outcome.state[key], world.own[key], atol=1e-6)
-               for key in (*body_keys, *head_keys))
+    # The guard weighs heads: the body is the mesh's average whatever it decides.
+    for key in body_keys:
+        mesh_body = (world.own[key] + peers["half0"][key] + peers["half1"][key]) / 3
+        assert torch.allclose(outcome.state[key], mesh_body, atol=1e-6), key
+    assert all(torch.equal(outcome.state[key], world.own[key]) for key in head_keys)
 
 
 def test_val_logits_come_in_batches_equal_to_one_pass_and_an_empty_split_gives_none():
@@ -485,9 +507,6 @@ def test_shared_body_publishes_two_parts_pulls_every_body_and_top_k_heads(world)
     offered = {"body": sorted(world.peers), "head": sorted(world.peers)}
     pulls = rule.wanted(1, offered)
     assert pulls["body"] == sorted(world.peers) and len(pulls["head"]) == 2
-
-    def part(state, keys):
-        return {key: state[key] for key in keys}
 
     received = {
         "body": {p: PeerModel(part(world.peers[p], rule.context.body_keys), 50)
