@@ -21,6 +21,7 @@ from .base import (
     Upload,
 )
 from .base import parse_params as _parse_into
+from .screening import SCREEN_KEY, with_screening
 
 
 def _discover() -> dict[str, type[PeerAlgorithm]]:
@@ -51,13 +52,52 @@ def algorithm_class(name: str) -> type[PeerAlgorithm]:
     return ALGORITHMS[name]
 
 
-def parse_params(name: str, params: dict[str, Any]) -> Any:
-    """Validated parameters of algorithm `name`; ValueError('algorithm.<key>: ...') if bad."""
-    return _parse_into(algorithm_class(name).Params, params)
+def parse_params(name: str, params: dict[str, Any], rounds: int | None = None) -> Any:
+    """Validated parameters of algorithm `name`; ValueError('algorithm.<key>: ...') if bad.
+
+    Given the run's `rounds`, a rule whose Params define `for_rounds(rounds)` gets the
+    parameters that count rounds fitted to the run: defaults that follow `rounds` are
+    filled in, and a setting under which the rule's own phase never comes is refused.
+    The fitted values enter the mesh id (node/config.py): nodes that fit them apart
+    never mix.
+    """
+    rule_params = {key: value for key, value in params.items() if key != SCREEN_KEY}
+    if SCREEN_KEY in params:
+        screening_setting(name, params)  # checked here, kept out of the rule's Params
+    parsed = _parse_into(algorithm_class(name).Params, rule_params)
+    fit = getattr(parsed, "for_rounds", None)
+    if rounds is None or fit is None:
+        return parsed
+    try:
+        return fit(rounds)
+    except ValueError as err:
+        raise ValueError(f"algorithm.{err}") from None
+
+
+def screening_setting(name: str, params: dict[str, Any]) -> dict[str, bool]:
+    """{"screen": on?} for a rule that validation screening can wrap (on unless
+    `params` say screen: false); {} for one it cannot, which then takes no `screen`."""
+    screen = params.get(SCREEN_KEY, True)
+    if name not in ALGORITHMS:
+        return {}  # an unknown name is reported, with the allowed ones, by its own check
+    if not ALGORITHMS[name].screenable:
+        if SCREEN_KEY in params:
+            raise ValueError(f"algorithm.{SCREEN_KEY}: got {screen!r}; allowed: nothing, "
+                             f"{name} takes no peer models to screen")
+        return {}
+    if not isinstance(screen, bool):
+        raise ValueError(f"algorithm.{SCREEN_KEY}: got {screen!r}; expected bool")
+    return {SCREEN_KEY: screen}
+
+
+def build_rule(name: str, params: dict[str, Any], context: Context) -> PeerAlgorithm:
+    """The rule `name` for a node, behind validation screening where that is on."""
+    rule = algorithm_class(name)(parse_params(name, params), context)
+    return with_screening(rule, screening_setting(name, params).get(SCREEN_KEY, False))
 
 
 __all__ = [
     "ALGORITHMS", "ALGORITHM_NAMES", "MODEL", "Aggregate", "Context", "CoordinatorAlgorithm",
-    "PeerAlgorithm", "PeerModel", "Received", "Upload", "algorithm_class", "is_coordinated",
-    "parse_params",
+    "PeerAlgorithm", "PeerModel", "Received", "Upload", "algorithm_class", "build_rule",
+    "is_coordinated", "parse_params", "screening_setting",
 ]

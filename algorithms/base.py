@@ -8,6 +8,7 @@ model plus the weights and diagnostics it wants in the metrics.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import types
 import typing
 from collections.abc import Callable
@@ -17,6 +18,12 @@ from typing import Any
 import torch
 
 State = dict[str, torch.Tensor]
+
+# How a tensor travels: its name, wire dtype ("float32", "int64") and shape. A blob's
+# layout is its tensors' specs in order; a peer's blob is taken in only when its layout
+# is one the rule expects for its kind (the node checks, before any rule sees it).
+TensorSpec = tuple[str, str, tuple[int, ...]]
+Layout = tuple[TensorSpec, ...]
 
 
 @dataclass(frozen=True)
@@ -47,6 +54,12 @@ class Context:
     new_model: Callable[[], torch.nn.Module] | None = None
     train: Callable[..., float] | None = None
     data: Any = None  # the node's own data (the coordinator's: a held-out evaluation shard)
+    layout: Layout = ()  # the node's whole model as it travels, in state-dict order
+
+    def model_part(self, keys: tuple[str, ...]) -> Layout:
+        """The layout of the model's entries among `keys` (a body, a head), in model order."""
+        wanted = set(keys)
+        return tuple(spec for spec in self.layout if spec[0] in wanted)
 
 
 @dataclass
@@ -85,6 +98,11 @@ class PeerAlgorithm:
     name = "base"
     Params: type = NoParams
     ranks_offers = False
+    # Whether validation screening (algorithms/screening.py) may wrap the rule, and
+    # whether the rule already guards its aggregate on the val split itself (pFedSV).
+    screenable = True
+    guards_aggregate = False
+    heads: tuple[str, ...] | None = None  # the model.head settings it can read; None: any
 
     def __init__(self, params: Any, context: Context) -> None:
         self.params = params
@@ -97,6 +115,11 @@ class PeerAlgorithm:
     def wanted(self, round_no: int, offered: dict[str, list[str]]) -> dict[str, list[str]]:
         """Per kind, which of the peers that announced a blob this round to download."""
         return {MODEL: list(offered.get(MODEL, []))}
+
+    def layouts(self, kind: str) -> tuple[Layout, ...]:
+        """The layouts a peer's blob of `kind` may have; none: the rule takes no such blob.
+        A rule that publishes other kinds than the whole model lists them here."""
+        return (self.context.layout,) if kind == MODEL else ()
 
     def aggregate(self, round_no: int, own: PeerModel, received: Received, data: Any) -> Aggregate:
         raise NotImplementedError
@@ -129,6 +152,7 @@ class CoordinatorAlgorithm(PeerAlgorithm):
     """
 
     coordinated = True
+    screenable = False  # the coordinator's rule decides for its clients
 
     def clients_for_round(self, round_no: int, clients: list[str]) -> list[str]:
         """Who trains this round (default: every client that is alive)."""
@@ -148,6 +172,12 @@ class CoordinatorAlgorithm(PeerAlgorithm):
         is to score); they reach the client's `receive_extras`. Default: none."""
         return {}
 
+    def extras_fit(self, kind: str, extras: Layout) -> bool:
+        """Whether the extra tensors of an `upload` (from a client) or a `personal` blob
+        (from the coordinator) are what this rule sends; the model beside them is checked
+        by the node. Default: a rule without extras takes none."""
+        return not extras
+
     def receive_extras(self, round_no: int, extras: dict[str, torch.Tensor]) -> None:
         """On the client, before `client_update`: the `personal_extras` that came with
         round `round_no`'s model (empty for most rules and rounds)."""
@@ -161,8 +191,21 @@ class CoordinatorAlgorithm(PeerAlgorithm):
         """On the client: train `model` in place; return (mean loss, extra tensors to
         upload). Default: the node's own local training, no extras."""
         assert self.context.train is not None
-        seed = self.context.seed * 100_003 + round_no
+        seed = draw_seed(self.context.seed, self.context.node, round_no, "train")
         return self.context.train(model, data.x_train, data.y_train, None, seed=seed), {}
+
+
+def draw_seed(mesh_seed: int, node: str, round_no: int, purpose: str) -> int:
+    """The seed of every random draw in meshfl: a 63-bit number that differs for every
+    node, round and purpose ("train", "lazy", "pfedsv/select", ...) and is the same in
+    every process and run (a digest: Python's str hash is salted per process). A draw
+    that belongs to the mesh rather than to one node passes the coordinator's name."""
+    text = f"{mesh_seed}/{node}/{round_no}/{purpose}".encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
+
+
+def prefixed_layout(prefix: str, layout: Layout) -> Layout:
+    return tuple((prefix + name, dtype, shape) for name, dtype, shape in layout)
 
 
 def weighted_average(states: dict[str, State], weights: dict[str, float]) -> State:

@@ -23,6 +23,7 @@ class Local(PeerAlgorithm):
     """No communication: every node keeps training its own model."""
 
     name = "local"
+    screenable = False  # takes nothing from peers
 
     def wanted(self, round_no: int, offered: dict[str, list[str]]) -> dict[str, list[str]]:
         return {}

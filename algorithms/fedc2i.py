@@ -222,6 +222,7 @@ class FedC2I(PeerAlgorithm):
     """Personalized aggregation by influence vector (body) and influence matrix (head)."""
 
     name = "fedc2i"
+    heads = ("last",)  # class vectors are the rows of one linear head
 
     @dataclass(frozen=True)
     class Params:

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import math
 import time
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -53,7 +52,15 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from .base import Context, CoordinatorAlgorithm, State, Upload, weighted_average
+from .base import (
+    Context,
+    CoordinatorAlgorithm,
+    Layout,
+    State,
+    Upload,
+    draw_seed,
+    weighted_average,
+)
 
 # Separate random streams, so that e.g. turning the estimator off never changes training.
 _PICK_STREAM, _BATCH_STREAM, _GRADIENT_STREAM, _CLEANSE_STREAM = 11, 12, 13, 14
@@ -207,9 +214,8 @@ def clients_to_cleanse(fil: dict[str, float], fraction: float, mode: str, seed: 
 
 
 def client_stream(seed: int, stream: int, round_no: int, client: str) -> torch.Generator:
-    # crc32: a name's number must not change between processes (str hashes are salted).
-    key = np.random.SeedSequence((seed, stream, round_no, zlib.crc32(client.encode())))
-    return torch.Generator().manual_seed(int(key.generate_state(1, np.uint64)[0] >> 1))
+    return torch.Generator().manual_seed(
+        draw_seed(seed, client, round_no, f"fedinfluence/{stream}"))
 
 
 def _flat(state: State, keys: Sequence[str]) -> dict[str, torch.Tensor]:
@@ -260,6 +266,21 @@ class FedInfluence(CoordinatorAlgorithm):
                 raise ValueError(f"cleanse_fraction: got {self.cleanse_fraction!r}; allowed: "
                                  "a number >= 0 and < 1")
 
+        def for_rounds(self, rounds: int) -> FedInfluence.Params:
+            """These parameters, checked against a run of `rounds` rounds (see
+            parse_params): the cleansing round must come, and with the estimator on,
+            some round must measure FIL (every `evaluate_every`-th, and `cleanse_at`)."""
+            if self.cleanse_at > rounds:
+                raise ValueError(f"cleanse_at: got {self.cleanse_at}, but with rounds {rounds} "
+                                 f"the cleansing never comes; allowed: 0 (never) or 1 to "
+                                 f"{rounds}, or rounds >= {self.cleanse_at}")
+            if self.estimator and self.evaluate_every > rounds and not self.cleanse_at:
+                raise ValueError(f"evaluate_every: got {self.evaluate_every}, but with rounds "
+                                 f"{rounds} no round measures the clients' influence (FIL); "
+                                 f"allowed: 1 to {rounds}, rounds >= {self.evaluate_every}, "
+                                 "a cleanse_at round, or algorithm.estimator=false")
+            return self
+
     def __init__(self, params: Any, context: Context) -> None:
         super().__init__(params, context)
         self.global_state: State | None = None
@@ -289,6 +310,19 @@ class FedInfluence(CoordinatorAlgorithm):
 
     def weights_for(self, client: str) -> dict[str, float]:
         return dict(self.weights)
+
+    def extras_fit(self, kind: str, extras: Layout) -> bool:
+        """An upload's extras are per-sample gradient sets of the model's float entries:
+        (local_steps, 1..samples_per_step, numel) in `gradient_dtype`; nothing else."""
+        if kind != "upload" or not self.params.estimator:
+            return not extras
+        numels = {name: math.prod(shape) for name, dtype, shape in self.context.layout
+                  if dtype == "float32"}
+        return all(name in numels and dtype == self.params.gradient_dtype and len(shape) == 3
+                   and shape[0] == self.params.local_steps
+                   and 1 <= shape[1] <= self.params.samples_per_step
+                   and shape[2] == numels[name]
+                   for name, dtype, shape in extras)
 
     # --- the client ------------------------------------------------------------
 

@@ -24,7 +24,6 @@ every head is aggregated from the round's snapshot of uploads into new tensors.
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -34,7 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .base import Context, CoordinatorAlgorithm, State, Upload, weighted_average
+from .base import Context, CoordinatorAlgorithm, State, Upload, draw_seed, weighted_average
 
 # A client that shares its similarity row with only one peer has nothing to choose:
 # MDS ignores the gap between self and the best peer, and with K = 2 no other gap exists.
@@ -48,8 +47,7 @@ def draw_probe(feature_dim: int, high: float, seed: int, round_no: int, client: 
                ) -> torch.Tensor:
     """The random feature h ~ U[0, high)^d that client `client`'s similarities are read
     at in round `round_no`; the same on every run with the same seed."""
-    # crc32: a name's number must not change between processes (str hashes are salted).
-    rng = np.random.default_rng((seed, round_no, zlib.crc32(client.encode())))
+    rng = np.random.default_rng(draw_seed(seed, client, round_no, "fedrema/probe"))
     return torch.from_numpy(rng.uniform(0.0, high, feature_dim).astype(np.float32))
 
 

@@ -48,10 +48,9 @@ origin's signed record (origin, round, kind and the tensors' digest), not by its
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -62,11 +61,13 @@ from .base import (
     MODEL,
     Aggregate,
     Context,
+    Layout,
     NoParams,
     PeerAlgorithm,
     PeerModel,
     Received,
     State,
+    draw_seed,
     weighted_average,
 )
 from .baselines import FedAvg
@@ -78,20 +79,74 @@ UNKNOWN_CLUSTER = -1
 KMEANS_RESTARTS = 10
 
 
+PAPER_WARMUP = 20  # the paper's W
+
+
+def fitted_warmup(rounds: int, after_warmup: int) -> int:
+    """W when the config leaves it out: half the run, at most the paper's 20, and short
+    enough that the `after_warmup` rounds the rule needs after it still fit (0 at least).
+    Half, so that a short run has both an anchor worth scoring from and rounds left to
+    learn in the groups."""
+    return max(0, min(PAPER_WARMUP, rounds // 2, rounds - after_warmup))
+
+
+def warmup_for_rounds(warmup: int | None, warmup_only: bool, rounds: int,
+                      after_warmup: int, phase: str) -> int:
+    """W for a run of `rounds` rounds (`warmup` None: fitted to it), or ValueError when
+    `phase`, which needs `after_warmup` rounds after the warm-up, never comes, unless
+    `warmup_only` says so on purpose (then the whole run may be warm-up, and must be)."""
+    latest = rounds - after_warmup  # the longest warm-up that leaves room for the phase
+    if warmup_only:
+        if warmup is None:
+            return rounds
+        if warmup < rounds:
+            raise ValueError(f"warmup_only: got true, but rounds {rounds} run past warmup "
+                             f"{warmup}; allowed: false, or algorithm.warmup >= rounds "
+                             f"({rounds})")
+        return warmup
+    told = "left out" if warmup is None else f"got {warmup}"
+    if warmup is None:
+        warmup = fitted_warmup(rounds, after_warmup)
+    if warmup > latest:
+        shorter = f"warmup 0 to {latest} for rounds {rounds}, " if latest >= 0 else ""
+        raise ValueError(f"warmup: {told}, but with rounds {rounds} {phase} never "
+                         f"comes; allowed: {shorter}rounds >= {warmup + after_warmup}, or "
+                         "algorithm.warmup_only=true to run only the warm-up")
+    return warmup
+
+
+def require_fitted_warmup(warmup: int | None) -> None:
+    """A rule cannot run an unknown W: the node's config fits it to `rounds` first."""
+    if warmup is None:
+        raise ValueError("algorithm.warmup: not fitted to the run's rounds; parse the "
+                         "parameters with parse_params(name, params, rounds)")
+
+
 @dataclass(frozen=True)
 class PFedLIAParams:
-    warmup: int = 20  # W: FedAvg rounds over the whole mesh before the lazy phase
+    # W: FedAvg rounds over the whole mesh before the lazy phase (round W+1). Paper: 20.
+    # Left out (None): rounds // 2, at most 20, at most rounds - 1 (`fitted_warmup`).
+    warmup: int | None = None
     lazy_epochs: int = 5  # k: epochs over Z_j that turn θ_0 into θ̃_j
     lazy_batch: int = 100  # |Z_j|
     oracle: bool = False  # group by the true clusters instead of lazy influence
+    # True: the run is the warm-up alone, on purpose (FedAvg; no lazy phase, no groups).
+    warmup_only: bool = False
 
     def __post_init__(self) -> None:
-        if self.warmup < 0:
-            raise ValueError(f"warmup: got {self.warmup!r}; allowed: an integer >= 0")
+        if self.warmup is not None and self.warmup < 0:
+            raise ValueError(f"warmup: got {self.warmup!r}; allowed: an integer >= 0 or "
+                             "null (fitted to rounds)")
         if self.lazy_epochs < 1:
             raise ValueError(f"lazy_epochs: got {self.lazy_epochs!r}; allowed: an integer >= 1")
         if self.lazy_batch < 1:
             raise ValueError(f"lazy_batch: got {self.lazy_batch!r}; allowed: an integer >= 1")
+
+    def for_rounds(self, rounds: int) -> PFedLIAParams:
+        """These parameters with W fitted to a run of `rounds` rounds (see parse_params)."""
+        return replace(self, warmup=warmup_for_rounds(
+            self.warmup, self.warmup_only, rounds, 1,
+            "the lazy round that finds the groups (round warmup + 1)"))
 
 
 # --------------------------------------------------------------------------- lazy influence
@@ -225,14 +280,9 @@ def groups_ari(groups: Mapping[str, Iterable[str]], truth: Mapping[str, int]) ->
 # --------------------------------------------------------------------------- the rule
 
 
-def _name_tag(name: str) -> int:
-    """A stable 63-bit number for a node name (Python's hash() changes between processes)."""
-    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") >> 1
-
-
 def lazy_seed(seed: int, node: str) -> int:
     """The seed of node `node`'s draw Z and lazy training: its own, the same on every run."""
-    return seed * 100_003 + _name_tag(node) % 100_003
+    return draw_seed(seed, node, 0, "lazy")
 
 
 def contents(blob: PeerModel) -> State | None:
@@ -243,6 +293,8 @@ def contents(blob: PeerModel) -> State | None:
 
 
 NOT_READY: State = {NOT_READY_KEY: torch.zeros(1)}
+NOT_READY_LAYOUT: Layout = ((NOT_READY_KEY, "float32", (1,)),)
+TRUTH_LAYOUT: Layout = ((TRUTH_KEY, "int64", (1,)),)
 
 
 class PFedLIA(PeerAlgorithm):
@@ -252,6 +304,7 @@ class PFedLIA(PeerAlgorithm):
     Params = PFedLIAParams
 
     def __init__(self, params: PFedLIAParams, context: Context) -> None:
+        require_fitted_warmup(params.warmup)
         super().__init__(params, context)
         info = getattr(context.data, "info", None) or {}
         own_cluster = int(info.get(TRUTH_KEY, UNKNOWN_CLUSTER))
@@ -285,6 +338,11 @@ class PFedLIA(PeerAlgorithm):
             extras[LAZY] = self.lazy_model if self.lazy_model is not None else NOT_READY
             extras[ANCHOR] = self.anchor if self.anchor is not None else NOT_READY
         return {MODEL: state, **extras}
+
+    def layouts(self, kind: str) -> tuple[Layout, ...]:
+        model = self.context.layout
+        return {MODEL: (model,), LAZY: (model, NOT_READY_LAYOUT),
+                ANCHOR: (model, NOT_READY_LAYOUT), TRUTH: (TRUTH_LAYOUT,)}.get(kind, ())
 
     def wanted(self, round_no: int, offered: dict[str, list[str]]) -> dict[str, list[str]]:
         models = offered.get(MODEL, [])

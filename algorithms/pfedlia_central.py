@@ -48,16 +48,31 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
 
-from .base import Context, CoordinatorAlgorithm, NoParams, State, Upload, weighted_average
+from .base import (
+    Context,
+    CoordinatorAlgorithm,
+    Layout,
+    NoParams,
+    State,
+    Upload,
+    prefixed_layout,
+    weighted_average,
+)
 from .baselines import ServerFedAvg
 from .fedrema import sample_weights
-from .pfedlia import lazy_influence_scores, lazy_seed, train_lazy_model
+from .pfedlia import (
+    lazy_influence_scores,
+    lazy_seed,
+    require_fitted_warmup,
+    train_lazy_model,
+    warmup_for_rounds,
+)
 
 LAZY, ANCHOR, SCORE = "lazy/", "anchor/", "score/"  # name prefixes of the extras
 NOISE = -1  # OPTICS's label for a point in no cluster
@@ -65,17 +80,28 @@ NOISE = -1  # OPTICS's label for a point in no cluster
 
 @dataclass(frozen=True)
 class PFedLIACentralParams:
-    warmup: int = 20  # W: FedAvg rounds on the coordinator before the lazy round
+    # W: FedAvg rounds on the coordinator before the lazy round (W+1); the clustering
+    # comes in round W+2. Paper: 20. Left out (None): rounds // 2, at most 20, at most
+    # rounds - 2 (pfedlia.fitted_warmup).
+    warmup: int | None = None
     lazy_epochs: int = 5  # k: epochs over Z_j that turn θ_0 into θ̃_j
     lazy_batch: int = 100  # |Z_j|
     min_samples: int = 2  # OPTICS's neighbourhood size and smallest cluster
+    # True: the run is the warm-up alone, on purpose (FedAvg; no lazy round, no groups).
+    warmup_only: bool = False
 
     def __post_init__(self) -> None:
         for name, least in (("warmup", 0), ("lazy_epochs", 1), ("lazy_batch", 1),
                             ("min_samples", 2)):
             value = getattr(self, name)
-            if value < least:
+            if value is not None and value < least:
                 raise ValueError(f"{name}: got {value!r}; allowed: an integer >= {least}")
+
+    def for_rounds(self, rounds: int) -> PFedLIACentralParams:
+        """These parameters with W fitted to a run of `rounds` rounds (see parse_params)."""
+        return replace(self, warmup=warmup_for_rounds(
+            self.warmup, self.warmup_only, rounds, 2,
+            "the round that clusters the clients (round warmup + 2)"))
 
 
 # --------------------------------------------------------------------------- clustering
@@ -171,6 +197,7 @@ class PFedLIACentral(CoordinatorAlgorithm):
     Params = PFedLIACentralParams
 
     def __init__(self, params: PFedLIACentralParams, context: Context) -> None:
+        require_fitted_warmup(params.warmup)
         super().__init__(params, context)
         self._fedavg = ServerFedAvg(NoParams(), context)
         # The coordinator's side.
@@ -188,6 +215,26 @@ class PFedLIACentral(CoordinatorAlgorithm):
 
     def _scoring(self, round_no: int) -> bool:
         return round_no > self._lazy_round() and self.groups is None and bool(self.lazy_models)
+
+    # --- the extras on the wire ------------------------------------------------
+
+    def extras_fit(self, kind: str, extras: Layout) -> bool:
+        """Uploads carry a lazy model (whole) and one float64 score per scored peer;
+        `personal` blobs the anchor and the lazy models, each a whole model."""
+        model = self.context.layout
+        if kind == "upload":
+            lazy = tuple(spec for spec in extras if spec[0].startswith(LAZY))
+            scores = [spec for spec in extras if not spec[0].startswith(LAZY)]
+            return lazy in ((), prefixed_layout(LAZY, model)) and all(
+                name.startswith(SCORE) and dtype == "float64" and shape == (1,)
+                for name, dtype, shape in scores)
+        if not extras:
+            return True
+        anchor = prefixed_layout(ANCHOR, model)
+        lazy = extras[len(anchor):]
+        owners = dict.fromkeys(name.removeprefix(LAZY).partition("/")[0] for name, _, _ in lazy)
+        return extras[:len(anchor)] == anchor and lazy == tuple(
+            spec for owner in owners for spec in prefixed_layout(f"{LAZY}{owner}/", model))
 
     # --- the coordinator: what clients receive -------------------------------
 
@@ -276,8 +323,11 @@ class PFedLIACentral(CoordinatorAlgorithm):
         self._to_score = None
         scores = lazy_influence_scores(self.context.new_model(), anchor, lazy_models,
                                        data.x_val, data.y_val)
+        # A lazy model so far off that its loss overflows scores NaN or inf: leave its
+        # column out (the coordinator keeps the columns every row has), rather than
+        # spoil this client's upload, which the coordinator would refuse whole.
         return {SCORE + peer: torch.tensor([score], dtype=torch.float64)
-                for peer, score in scores.items()}
+                for peer, score in scores.items() if math.isfinite(score)}
 
     # --- checkpoint ------------------------------------------------------------
 

@@ -44,7 +44,6 @@ own coalition game.
 from __future__ import annotations
 
 import functools
-import hashlib
 import itertools
 import math
 import time
@@ -60,12 +59,15 @@ from .base import (
     MODEL,
     Aggregate,
     Context,
+    Layout,
     PeerAlgorithm,
     PeerModel,
     Received,
     State,
+    draw_seed,
     weighted_average,
 )
+from .screening import adopts
 
 BODY, HEAD = "body", "head"
 EXACT_SHAPLEY_MAX_PLAYERS = 8  # 2^8 utilities cost less than sampling 3|S| permutations
@@ -280,8 +282,7 @@ def _guard_verdict(own_logits: torch.Tensor, average_logits: torch.Tensor,
     still tells the models apart, and a tie is no evidence that the average is better."""
     own_loss = mean_cross_entropy(own_logits, y_val)
     average_loss = mean_cross_entropy(average_logits, y_val)
-    adopt = math.isfinite(average_loss) and average_loss <= own_loss
-    return adopt, {"v_aggregate": accuracy(average_logits, y_val),
+    return adopts(own_loss, average_loss), {"v_aggregate": accuracy(average_logits, y_val),
                    "val_loss_own": own_loss, "val_loss_aggregate": average_loss}
 
 
@@ -309,11 +310,6 @@ def clip_and_noise(state: State, reference: State, clip: float, sigma: float,
     return noised, norm
 
 
-def _name_tag(name: str) -> int:
-    """A stable number for a node name (Python's hash() changes between processes)."""
-    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "little")
-
-
 # --------------------------------------------------------------------------- the rule
 
 
@@ -323,6 +319,10 @@ class PFedSV(PeerAlgorithm):
     name = "pfedsv"
     Params = PFedSVParams
     ranks_offers = True  # top-k of the round's offers: asked once, over the whole listing
+
+    @property
+    def guards_aggregate(self) -> bool:  # its val guard is screening's guard, not run twice
+        return self.params.val_guard
 
     def __init__(self, params: PFedSVParams, context: Context) -> None:
         super().__init__(params, context)
@@ -341,7 +341,7 @@ class PFedSV(PeerAlgorithm):
 
     def _rng(self, round_no: int, stream: int) -> np.random.Generator:
         return np.random.default_rng(
-            [self.context.seed, _name_tag(self.context.node), round_no, stream])
+            draw_seed(self.context.seed, self.context.node, round_no, f"pfedsv/{stream}"))
 
     # --- publish and pull ---------------------------------------------------
 
@@ -366,6 +366,14 @@ class PFedSV(PeerAlgorithm):
         noised, self._dp_update_norm = clip_and_noise(
             state, reference, self.params.dp_clip, self.params.dp_sigma, generator)
         return noised
+
+    def layouts(self, kind: str) -> tuple[Layout, ...]:
+        context = self.context
+        if not self.params.shared_body:
+            return super().layouts(kind)
+        parts = {BODY: context.model_part(context.body_keys),
+                 HEAD: context.model_part(context.head_keys)}
+        return (parts[kind],) if kind in parts else ()
 
     def wanted(self, round_no: int, offered: dict[str, list[str]]) -> dict[str, list[str]]:
         self._offered = list(offered.get(self.scored_kind, []))

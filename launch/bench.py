@@ -12,9 +12,16 @@ signed
     replay, both signatures, BLAKE3 of the frames, dtype/shape checks, model schema) and
     takes ``blob.arrays()``. The tensors come from a pool of random arrays allocated once,
     so no time goes to making data, but every blob is hashed and signed afresh.
+encrypted
+    The signed stream over ZeroMQ CURVE (WIRE.md 1.1), as a mesh sends by default: the
+    ROUTER is a CURVE server, the DEALER a CURVE client, both with key pairs derived
+    from Ed25519 identities. libzmq's I/O thread encrypts every frame on the sender and
+    decrypts it on the receiver (XSalsa20-Poly1305, with a copy into and out of the box).
 raw
     The same frames, from the same pool, over a pyzmq PUSH/PULL pair with the same socket
     options: no header, no hashing, no signatures.
+curve
+    The raw stream over CURVE: what encryption alone costs (``--detail`` shows it).
 
 The two sides overlap their work the way ZeroMQ allows: ``send_multipart(copy=False)``
 returns as soon as the message is queued, so the sender hashes blob i+1 while ZeroMQ's
@@ -37,6 +44,11 @@ path was CPU-bound on two cores near 0.9 GB/s and the ratio stayed at 0.2 to 0.3
 costs about 0.2 ms per MB per side (``--detail`` shows it), so the signed path now needs
 about 0.9 CPU ms per MB in all and reaches 0.55 to 0.75 of raw loopback on two cores
 at 10 and 100 MB (about 0.4 at 1 MB, where the fixed cost per message weighs more).
+
+What bounds the encrypted ratio: CURVE. libsodium's crypto_box alone costs about 0.8 CPU
+ms per MB here, and libzmq adds buffer allocations and copies around it, so the curve
+path spends about 1.3 to 1.9 ms per MB on each side, all of it on one I/O thread per
+connection; the encrypted path adds the hashing of the signed one on the main threads.
 """
 
 from __future__ import annotations
@@ -58,6 +70,7 @@ import zmq
 
 from meshfl.protocol import wire
 from meshfl.protocol.identity import Identity
+from meshfl.protocol.transport import Encryption, curve_client, curve_server
 
 MIB = 1 << 20
 WARMUP_MESSAGES = 2  # connection set-up, first-touch page faults, TCP window growth
@@ -67,7 +80,9 @@ POOL_BYTES = 64 * MIB  # at least this much distinct data per size, beyond the C
 HWM = 4  # messages queued per socket; enough to keep both I/O threads busy
 CHILD_TIMEOUT = 120.0  # seconds the parent waits for a child's answer before giving up
 SCHEMA = hashlib.sha256(b"meshfl bench schema").digest()
-PATHS = ("raw", "signed")
+PATHS = ("raw", "signed", "encrypted", "curve")
+SIGNED_PATHS = ("signed", "encrypted")  # hashed, signed and verified per blob
+CURVE_PATHS = ("encrypted", "curve")  # over ZeroMQ CURVE
 COSTS = ("sender_ms_per_mb", "sender_main_ms_per_mb", "receiver_ms_per_mb",
          "receiver_main_ms_per_mb")
 
@@ -114,9 +129,12 @@ def _socket(context: zmq.Context, kind: int) -> zmq.Socket:
 # --- the sender process -----------------------------------------------------------
 
 
+def _keys(identity: Identity) -> Encryption:
+    return Encryption(identity.curve_public_key, identity.curve_secret_key)
+
+
 def _stream(sock: zmq.Socket, path: str, pool: list[dict[str, np.ndarray]], seconds: float,
-            mesh_id: bytes) -> dict[str, float]:
-    identity = Identity.generate()
+            mesh_id: bytes, identity: Identity) -> dict[str, float]:
     instance = wire.new_instance()
     seq = time.time_ns()  # as a node does: rising across restarts
     start_cpu = _cpu_seconds()
@@ -124,7 +142,7 @@ def _stream(sock: zmq.Socket, path: str, pool: list[dict[str, np.ndarray]], seco
     sent = 0
     while sent < WARMUP_MESSAGES + MIN_TIMED_MESSAGES or time.perf_counter() < deadline:
         arrays = pool[sent % len(pool)]
-        if path == "signed":
+        if path in SIGNED_PATHS:
             blob = wire.make_blob(identity, sent, "model", arrays, schema=SCHEMA)
             seq += 1
             frames = wire.encode(identity, mesh_id, "blob", seq, sent, {}, instance=instance,
@@ -146,13 +164,16 @@ def _sender(conn: Connection) -> None:
     pools: dict[int, list[dict[str, np.ndarray]]] = {}
     try:
         while (command := conn.recv()) is not None:
-            path, size, port, seconds, mesh_id = command
+            path, size, port, server_key, seconds, mesh_id = command
             if size not in pools:
                 pools.clear()  # one size at a time: bounded memory
                 pools[size] = _pool(size)
-            sock = _socket(context, zmq.DEALER if path == "signed" else zmq.PUSH)
+            identity = Identity.generate()
+            sock = _socket(context, zmq.DEALER if path in SIGNED_PATHS else zmq.PUSH)
+            if path in CURVE_PATHS:
+                curve_client(sock, _keys(identity), server_key)
             sock.connect(f"tcp://127.0.0.1:{port}")
-            result = _stream(sock, path, pools[size], seconds, mesh_id)
+            result = _stream(sock, path, pools[size], seconds, mesh_id, identity)
             sock.close(linger=-1)  # everything out before we report
             conn.send(result)
     finally:
@@ -168,11 +189,11 @@ def _drain(sock: zmq.Socket, path: str, size: int, mesh_id: bytes) -> dict[str, 
     start_wall, start_cpu = 0.0, (0.0, 0.0)
     while True:
         frames = sock.recv_multipart(copy=False)
-        if path == "signed":
+        if path in SIGNED_PATHS:
             frames = frames[1:]  # the ROUTER's routing id
         if len(frames) == 1 and len(frames[0]) == 0:
             break
-        if path == "signed":
+        if path in SIGNED_PATHS:
             message = decoder.decode(frames)  # raises Rejected: a bench bug, not noise
             assert message.blob is not None
             got = sum(array.nbytes for array in message.blob.arrays().values())
@@ -194,8 +215,12 @@ def _receiver(conn: Connection) -> None:
     try:
         while (command := conn.recv()) is not None:
             path, size, mesh_id = command
-            sock = _socket(context, zmq.ROUTER if path == "signed" else zmq.PULL)
-            conn.send({"port": sock.bind_to_random_port("tcp://127.0.0.1")})
+            sock = _socket(context, zmq.ROUTER if path in SIGNED_PATHS else zmq.PULL)
+            keys = _keys(Identity.generate())
+            if path in CURVE_PATHS:
+                curve_server(sock, keys)
+            conn.send({"port": sock.bind_to_random_port("tcp://127.0.0.1"),
+                       "server_key": keys.public_key})
             try:
                 conn.send(_drain(sock, path, size, mesh_id))
             except (wire.Rejected, BenchError) as err:
@@ -264,8 +289,8 @@ def _one_stream(sender: _Child, receiver: _Child, path: str, size: int,
                 seconds: float) -> dict[str, float]:
     mesh_id = os.urandom(wire.MESH_ID_BYTES)
     receiver.ask((path, size, mesh_id))
-    port = receiver.answer()["port"]
-    sender.ask((path, size, port, seconds, mesh_id))
+    listening = receiver.answer()
+    sender.ask((path, size, listening["port"], listening["server_key"], seconds, mesh_id))
     sent, got = _answers([sender, receiver])
     if got["received"] != sent["sent"]:
         raise BenchError(f"{path}: sent {sent['sent']} blobs, {got['received']} arrived")
@@ -280,13 +305,14 @@ def _blob_bytes(size_mb: float) -> int:
 
 def bench_wire(sizes_mb: Sequence[float] = (1, 10, 100), seconds_per_size: float = 8.0,
                repeats: int = 3) -> list[dict[str, Any]]:
-    """Signed-blob against raw ZeroMQ throughput per blob size; the module docstring says
-    exactly what is measured. Each size gets `seconds_per_size` of timed streaming, split
-    evenly over its 2 * `repeats` streams (each stream still carries at least
-    MIN_TIMED_MESSAGES blobs after WARMUP_MESSAGES of warm-up).
+    """Signed-blob (plain and encrypted) against raw ZeroMQ throughput per blob size; the
+    module docstring says exactly what is measured. Each size gets `seconds_per_size` of
+    timed streaming, split evenly over its len(PATHS) * `repeats` streams (each stream
+    still carries at least MIN_TIMED_MESSAGES blobs after WARMUP_MESSAGES of warm-up).
 
-    One dict per size: size_mb, signed_mb_s, raw_mb_s (medians, MB = 2**20 bytes), ratio
-    (signed_mb_s / raw_mb_s), signed_runs and raw_runs (every repetition), cores, and per
+    One dict per size: size_mb and `{path}_mb_s` for every path (medians, MB = 2**20
+    bytes), ratio (signed_mb_s / raw_mb_s), encrypted_ratio (encrypted_mb_s / raw_mb_s),
+    `{path}_runs` (every repetition), cores, and per
     path the CPU milliseconds per MB spent by the sender and the receiver process and by
     their main threads (`{path}_sender_ms_per_mb`, ...). Raises ValueError on bad
     arguments and BenchError when a child process fails.
@@ -297,7 +323,7 @@ def bench_wire(sizes_mb: Sequence[float] = (1, 10, 100), seconds_per_size: float
     if max(_blob_bytes(size_mb) for size_mb in sizes_mb) > largest:
         raise ValueError(f"a blob may hold at most {largest / MIB:g} MB "
                          "(wire.Limits.max_message_bytes, less the envelope)")
-    seconds = seconds_per_size / (2 * repeats)
+    seconds = seconds_per_size / (len(PATHS) * repeats)
     cores = len(os.sched_getaffinity(0))
     context = multiprocessing.get_context("spawn")
     receiver = _Child(context, _receiver, "bench receiver")
@@ -311,13 +337,13 @@ def bench_wire(sizes_mb: Sequence[float] = (1, 10, 100), seconds_per_size: float
                 order = PATHS if repeat % 2 == 0 else PATHS[::-1]
                 for path in order:
                     runs[path].append(_one_stream(sender, receiver, path, size, seconds))
-            signed = statistics.median(run["mb_s"] for run in runs["signed"])
-            raw = statistics.median(run["mb_s"] for run in runs["raw"])
+            speed = {path: statistics.median(run["mb_s"] for run in runs[path])
+                     for path in PATHS}
             results.append({
-                "size_mb": size_mb, "signed_mb_s": signed, "raw_mb_s": raw,
-                "ratio": signed / raw,
-                "signed_runs": [run["mb_s"] for run in runs["signed"]],
-                "raw_runs": [run["mb_s"] for run in runs["raw"]],
+                "size_mb": size_mb, **{f"{path}_mb_s": speed[path] for path in PATHS},
+                "ratio": speed["signed"] / speed["raw"],
+                "encrypted_ratio": speed["encrypted"] / speed["raw"],
+                **{f"{path}_runs": [run["mb_s"] for run in runs[path]] for path in PATHS},
                 **{f"{path}_{cost}": statistics.median(run[cost] for run in runs[path])
                    for path in PATHS for cost in COSTS},
                 "cores": cores,
@@ -359,7 +385,7 @@ def _detail(row: dict[str, Any]) -> list[str]:
         sender, sender_main, receiver, receiver_main = (row[f"{path}_{cost}"] for cost in COSTS)
         ceiling = 1e3 * row["cores"] / (sender + receiver)
         lines.append(
-            f"  {path:6s} runs {runs} MB/s | CPU ms per MB: sender {sender:.2f} (main thread "
+            f"  {path:9s} runs {runs} MB/s | CPU ms per MB: sender {sender:.2f} (main thread "
             f"{sender_main:.2f}), receiver {receiver:.2f} (main thread {receiver_main:.2f}) | "
             f"{row['cores']} cores allow at most {ceiling:.0f} MB/s")
     return lines
@@ -368,8 +394,9 @@ def _detail(row: dict[str, Any]) -> list[str]:
 def main_wire(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="meshfl bench wire",
-        description="Throughput of signed blobs (sign, send, verify) against raw ZeroMQ "
-                    "PUSH/PULL of the same bytes, between two processes over loopback TCP.")
+        description="Throughput of signed blobs (sign, send, verify), plain and over "
+                    "ZeroMQ CURVE, against raw ZeroMQ PUSH/PULL of the same bytes, between "
+                    "two processes over loopback TCP.")
     parser.add_argument("--sizes", type=_sizes, default=[1.0, 10.0, 100.0],
                         help="blob sizes in MB (2**20 bytes), comma-separated (default: "
                              "1,10,100)")
@@ -391,7 +418,9 @@ def main_wire(argv: list[str]) -> int:
         return 1
     for row in results:
         print(f"size_mb={row['size_mb']:g} signed_mb_s={row['signed_mb_s']:.1f} "
-              f"raw_mb_s={row['raw_mb_s']:.1f} ratio={row['ratio']:.2f}", flush=True)
+              f"encrypted_mb_s={row['encrypted_mb_s']:.1f} raw_mb_s={row['raw_mb_s']:.1f} "
+              f"ratio={row['ratio']:.2f} encrypted_ratio={row['encrypted_ratio']:.2f}",
+              flush=True)
         if args.detail:
             for line in _detail(row):
                 print(line, flush=True)

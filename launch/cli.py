@@ -8,11 +8,23 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from meshfl.node.logs import configure as configure_logging
+
 EXIT_USAGE = 2
+EXIT_NODE_FAILED = 3  # `meshfl launch`: the mesh ran, but some node failed (summary.json)
+EXIT_INTERRUPTED = 130  # Ctrl-C; a SIGTERM or SIGHUP gives 128 + its number
 
 
 class UserError(Exception):
     """A mistake the user can fix: printed as one line, exit code 2."""
+
+
+class Stopped(KeyboardInterrupt):
+    """A stop signal (SIGTERM, SIGHUP) taken like Ctrl-C; exits with 128 + its number."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.exit_code = 128 + signum
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +53,12 @@ def _add_local_nodes(parser: argparse.ArgumentParser) -> None:
                         help="node processes sharing this machine's cores")
 
 
+def _add_launcher_fd(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--launcher-fd", type=int, metavar="FD",
+                        help="set by `meshfl launch`: stop (as on Ctrl-C) when this pipe "
+                             "descriptor reads end-of-file, i.e. when the launcher is gone")
+
+
 def _named_overrides(args: argparse.Namespace) -> list[str]:
     named = {"algorithm": "algorithm", "dataset": "data.dataset", "data_root": "data.root",
              "partition": "data.partition", "samples_per_node": "data.samples_per_node",
@@ -67,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "peers of --config)")
     launch.add_argument("--out", metavar="DIR", help="run folder (default runs/<time>-<rule>)")
     launch.add_argument("--quiet", action="store_true", help="no live progress line")
+    launch.add_argument("--restarts", type=int, default=0, metavar="N",
+                        help="restart a node that fails up to N times; it resumes from its "
+                             "checkpoint (default 0). Exit code 3 when a node failed for "
+                             "good, 128+signal when launch itself is stopped by one")
 
     node = commands.add_parser(
         "node", help="run one node of a peers.yaml mesh (one per LAN machine)",
@@ -79,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--key", metavar="PEM", help="private key (default: the peer's `key`, "
                       "else <out>/keys/<name>.pem, created on first start)")
     _add_local_nodes(node)
+    _add_launcher_fd(node)
 
     coordinator = commands.add_parser(
         "coordinator", help="run the coordinator node of a server-centric mesh",
@@ -91,13 +114,30 @@ def build_parser() -> argparse.ArgumentParser:
     coordinator.add_argument("--key", metavar="PEM", help="private key (default: "
                              "<out>/keys/coordinator.pem, created on first start)")
     _add_local_nodes(coordinator)
+    _add_launcher_fd(coordinator)
+
+    host = commands.add_parser(
+        "host", help="run several peers of a peers.yaml mesh in one process",
+        description="Run the peers NAMES of --config in this one process, each a full peer "
+                    "with its own key, port, metrics and checkpoint, talking to the others "
+                    "only over the wire. torch loads once; the peers take turns at the CPU. "
+                    "`meshfl launch` starts hosts itself (--hosts).")
+    _add_config_flags(host)
+    host.add_argument("--names", required=True, metavar="NAME,NAME,...",
+                      help="the peers of --config this host runs")
+    host.add_argument("--out", metavar="DIR", default="runs/node",
+                      help="folder for each <name>/metrics.jsonl, checkpoint and node.log")
+    _add_local_nodes(host)
+    _add_launcher_fd(host)
 
     join = commands.add_parser(
         "join", help="join a running mesh through any one of its addresses",
         description="Join the mesh at ADDR (tcp://HOST:PORT of any member). The mesh settings "
                     "come from --config (the run folder's config.yaml for a `meshfl launch` "
                     "mesh) and must match the mesh's, or its members ignore this node.")
-    join.add_argument("address", metavar="ADDR", help="tcp://HOST:PORT of any mesh member")
+    join.add_argument("address", metavar="ADDR", help="KEY@tcp://HOST:PORT of any mesh "
+                      "member (as printed by `meshfl launch` and logged by every node); a "
+                      "bare tcp://HOST:PORT when --config lists that member's public_key")
     _add_config_flags(join)
     join.add_argument("--name", help="this node's name (default joiner-<port>)")
     join.add_argument("--listen", metavar="ADDR", help="where to bind (default: this host's "
@@ -142,8 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
         "status", help="ask a live node for its round, peers, accuracies and rejections",
         description="Send a signed status request to the node at ADDR and print its answer. "
                     "Joins nothing; signs with a throwaway key unless --key is given (a "
-                    "closed mesh answers only keys it lists).")
-    status.add_argument("address", metavar="ADDR", help="tcp://HOST:PORT of the node")
+                    "closed mesh answers only keys it lists). The connection is encrypted "
+                    "when ADDR names the node's key.")
+    status.add_argument("address", metavar="ADDR", help="KEY@tcp://HOST:PORT of the node "
+                        "(KEY: its public key, which it logs at start); tcp://HOST:PORT for "
+                        "a node with encryption off")
     status.add_argument("--key", metavar="PEM", help="sign with this private key")
     status.add_argument("--timeout", type=float, default=5.0, metavar="S",
                         help="seconds to wait for the answer (default 5)")
@@ -162,18 +205,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    quiet_command = args.command not in ("node", "join", "coordinator")
-    logging.basicConfig(level=logging.WARNING if quiet_command and not args.verbose
-                        else logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    quiet_command = args.command not in ("node", "host", "join", "coordinator")
+    configure_logging(logging.WARNING if quiet_command and not args.verbose else logging.INFO)
     handlers: dict[str, Callable[[argparse.Namespace], int]] = {
-        "launch": _launch, "node": _node, "coordinator": _coordinator, "join": _join,
+        "launch": _launch, "node": _node, "host": _host, "coordinator": _coordinator,
+        "join": _join,
         "keygen": _keygen, "bench": _bench, "experiment": _experiment,
         "report": _report, "status": _status,
     }
     try:
         return handlers[args.command](args)
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as interrupt:
+        return getattr(interrupt, "exit_code", EXIT_INTERRUPTED)
     except Exception as err:  # user mistakes become one line; anything else is a bug
         if _is_user_error(err):
             print(f"meshfl: error: {err}", file=sys.stderr)
@@ -197,6 +240,12 @@ def _node(args: argparse.Namespace) -> int:
     from .local import run_named_node
 
     return run_named_node(args)
+
+
+def _host(args: argparse.Namespace) -> int:
+    from .hosts import run_host
+
+    return run_host(args)
 
 
 def _coordinator(args: argparse.Namespace) -> int:

@@ -24,7 +24,7 @@ import yaml
 from meshfl.node import config as cfgmod
 
 from .cli import UserError
-from .local import run_mesh, with_local_peers, write_summary
+from .local import failed_nodes, run_mesh, with_local_peers, write_summary
 
 
 def available() -> dict[str, Path]:
@@ -50,7 +50,7 @@ def run_experiment(args: argparse.Namespace) -> int:
         return 0
     if not args.name:
         raise UserError("experiment NAME is missing; `meshfl experiment --list` shows them")
-    spec = load_experiment(args.name)
+    spec = with_attack_grid(load_experiment(args.name))
     out = Path(args.out or f"runs/experiments/{args.name}")
     out.mkdir(parents=True, exist_ok=True)
     base = out / "base.yaml"
@@ -67,10 +67,57 @@ def run_experiment(args: argparse.Namespace) -> int:
     for variant, seed, run_dir, cfg in runs:
         summaries.setdefault(variant, []).append(
             _run_once(cfg, run_dir, f"{variant} seed {seed}"))
-    table = render_table(spec, summaries, seeds, args)
+    render = render_robustness if spec.get("table") == "robustness" else render_table
+    table = render(spec, summaries, seeds, args)
     (out / "table.md").write_text(table)
     print("\n" + table)
     return 0
+
+
+GRID_SEPARATOR = " | "
+
+
+def with_attack_grid(spec: dict[str, Any]) -> dict[str, Any]:
+    """An experiment with `rules` and `attacks` (each label -> --set assignments) runs
+    every rule under every attack, the `attackers` turning malicious: one variant each,
+    named "RULE | ATTACK". An attack without assignments is the run without attackers."""
+    if "attacks" not in spec:
+        return spec
+    nodes = "[" + ", ".join(spec["attackers"]) + "]"
+    variants = {f"{rule}{GRID_SEPARATOR}{attack}":
+                [*rule_sets, *([f"attack.nodes={nodes}", *attack_sets] if attack_sets else [])]
+                for attack, attack_sets in spec["attacks"].items()
+                for rule, rule_sets in spec["rules"].items()}
+    return {**spec, "variants": variants}
+
+
+def robustness_cell(runs: list[dict[str, Any]]) -> str:
+    """Honest nodes' mean / worst test accuracy and the attackers' weight, in %, over
+    the seeds."""
+    mean = statistics.fmean(run["mean_test_acc"] for run in runs) * 100
+    worst = statistics.fmean(run["worst_test_acc"] for run in runs) * 100
+    weights = [run["attacker_weight"] for run in runs if "attacker_weight" in run]
+    weight = f" / {statistics.fmean(weights) * 100:.0f}%" if weights else ""
+    return f"{mean:.1f} / {worst:.1f}{weight}"
+
+
+def render_robustness(spec: dict[str, Any], summaries: dict[str, list[dict[str, Any]]],
+                      seeds: list[int], args: argparse.Namespace) -> str:
+    """Markdown: a row per attack, a column per rule; a run not made is left blank."""
+    rules, attacks = list(spec["rules"]), list(spec["attacks"])
+    lines = [f"### {spec['title']}", "",
+             "| attack | " + " | ".join(rules) + " |", "|---|" + "---:|" * len(rules)]
+    for attack in attacks:
+        cells = [summaries.get(f"{rule}{GRID_SEPARATOR}{attack}") for rule in rules]
+        lines.append(f"| {attack} | "
+                     + " | ".join(robustness_cell(runs) if runs else "" for runs in cells) + " |")
+    lines += _cost_rows({rule: [run for attack in attacks
+                                for run in summaries.get(f"{rule}{GRID_SEPARATOR}{attack}", [])]
+                         for rule in rules})
+    command = f"meshfl experiment {args.name}" + (" --data-root DIR" if args.data_root else "")
+    lines += ["", f"Seeds {', '.join(map(str, seeds))}; {spec['nodes']} nodes. "
+              f"Caps: {spec['caps']}", f"Regenerate: `{command}`", ""]
+    return "\n".join(lines)
 
 
 def _slug(name: str) -> str:
@@ -109,6 +156,12 @@ def _run_once(cfg: cfgmod.MeshConfig, run_dir: Path, label: str) -> dict[str, An
         return write_summary(cfgmod.load_config(run_dir / "config.yaml"), run_dir)
     started = time.monotonic()
     summary = run_mesh(with_local_peers(cfg, len(cfg.peers)), run_dir, quiet=True)
+    failed = [node for node in summary["nodes"] if node["name"] in failed_nodes(summary)]
+    if failed:  # a table of means is only fair over runs every node finished
+        (run_dir / "summary.json").unlink()  # so that a rerun resumes the run, not keeps it
+        node = failed[0]
+        raise UserError(f"{label}: node {node['name']} failed ({node.get('ended')}): "
+                        f"{node.get('last_error') or 'no error in its log'}; see {run_dir}")
     print(f"  {label}: mean test accuracy {summary['mean_test_acc']:.3f} "
           f"({time.monotonic() - started:.0f} s)", flush=True)
     return summary
@@ -133,7 +186,7 @@ def _what_decides_results(cfg: cfgmod.MeshConfig) -> dict[str, Any]:
     settings["node_data"] = {peer["name"]: _without_root(peer["data"]) for peer in peers
                              if peer["data"]}
     settings["algorithm"] = {"name": cfg.algorithm.name,
-                             "params": cfgmod.explicit_params(cfg.algorithm)}
+                             "params": cfgmod.explicit_params(cfg.algorithm, cfg.rounds)}
     return settings
 
 
@@ -179,6 +232,8 @@ SCORE_ROWS = {
 COST_ROWS = {
     "mb_in_per_round": ("MB received per node and round (median)", "{:.2f}"),
     "shapley_to_train": ("Shapley seconds per training second (median)", "{:.3f}"),
+    "aggregate_to_train": ("aggregation seconds (screening included) per training second "
+                           "(median)", "{:.3f}"),
 }
 
 

@@ -29,6 +29,7 @@ from typing import Any
 import yaml
 
 from .cli import UserError
+from .decisions import node_decisions
 
 COORDINATOR = "coordinator"  # the folder of the coordinator node (node/coordinator.py)
 # A node's true cluster as its data facts (info.json) name it, by partition.
@@ -397,11 +398,13 @@ def _headline(run: Run) -> str:
 
 
 def summary_markdown(run: Run, figures: list[tuple[str, str]]) -> str:
+    decisions = node_decisions(run.algorithm, run.records, run.coordinator)
     lines = [f"# Run report: {run.folder.name}", "",
              _headline(run) + (f", {run.config['rounds']} rounds, seed {run.config.get('seed')}"
                                if "rounds" in run.config else "") + ".", "",
-             "| node | rounds | first test acc | final test acc | best | val acc | n_train |",
-             "|---|---|---|---|---|---|---|"]
+             "| node | rounds | first test acc | final test acc | best | val acc | n_train |"
+             + (" decision |" if decisions else ""),
+             "|---|---|---|---|---|---|---|" + ("---|" if decisions else "")]
     finals = []
     for name, records in run.records.items():
         scored = [r for r in records if "test_acc" in r]
@@ -412,7 +415,8 @@ def summary_markdown(run: Run, figures: list[tuple[str, str]]) -> str:
         finals.append(last["test_acc"])
         lines.append(f"| {node_label(run, name)} | {first['round']}-{last['round']} | "
                      f"{first['test_acc']:.3f} | {last['test_acc']:.3f} | {best:.3f} | "
-                     f"{last.get('val_acc', math.nan):.3f} | {last.get('n_train', '?')} |")
+                     f"{last.get('val_acc', math.nan):.3f} | {last.get('n_train', '?')} |"
+                     + (f" {decisions.get(name, '-')} |" if decisions else ""))
     if finals:
         lines += ["", f"Final test accuracy: mean {statistics.fmean(finals):.3f}, "
                   f"std {statistics.pstdev(finals):.3f}, min {min(finals):.3f}."]

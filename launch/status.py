@@ -1,6 +1,7 @@
 """`meshfl status ADDR`: ask a live node how it is and print what it answers.
 
-It signs the request with a throwaway key (or `--key`) and joins nothing. Imports
+It signs the request with a throwaway key (or `--key`) and joins nothing. An encrypted
+node (the default) is asked at its contact KEY@tcp://HOST:PORT, which names its key. Imports
 stay on the protocol side, so asking does not wait for torch to load.
 """
 
@@ -11,9 +12,10 @@ import json
 import re
 from typing import Any
 
+from meshfl.node.logs import escape_controls
 from meshfl.protocol.identity import Identity
 from meshfl.protocol.probe import StatusAnswer, ask_status
-from meshfl.protocol.transport import host_towards
+from meshfl.protocol.transport import BadContact, host_towards, split_contact
 
 from .cli import UserError
 
@@ -21,20 +23,28 @@ ADDRESS = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):\d{1,5}")
 
 
 def run_status(args: argparse.Namespace) -> int:
-    if not ADDRESS.fullmatch(args.address):
-        raise UserError(f"ADDR: got {args.address!r}; allowed: tcp://HOST:PORT")
+    try:
+        address, node_key = split_contact(args.address)
+    except BadContact as err:
+        raise UserError(f"ADDR: {err}") from None
+    if not ADDRESS.fullmatch(address):
+        raise UserError(f"ADDR: got {args.address!r}; allowed: KEY@tcp://HOST:PORT, or "
+                        "tcp://HOST:PORT for a node with encryption off")
     if args.timeout <= 0:
         raise UserError(f"--timeout: got {args.timeout:g}; allowed: seconds > 0")
     identity = Identity.load(args.key) if args.key else Identity.generate()
-    answer = ask_status(identity, args.address, host_towards(args.address), args.timeout)
+    answer = ask_status(identity, args.address, host_towards(address), args.timeout)
     if answer is None:
+        unkeyed = "" if node_key else (
+            "; an encrypted node (the default) answers only at KEY@tcp://HOST:PORT, KEY its "
+            "public key (the node logs it at start)")
         raise UserError(
             f"no status answer from {args.address} within {args.timeout:g} s: nothing "
             "listens there, the node cannot reach this machine back, or its mesh is closed "
-            "and does not list this key (pass a listed one with --key)")
+            f"and does not list this key (pass a listed one with --key){unkeyed}")
     report = status_report(answer)
     try:
-        text = json.dumps(report, indent=2) if args.json else format_report(report)
+        text = json.dumps(report, indent=2) if args.json else format_report(escaped(report))
     except (AttributeError, KeyError, TypeError, ValueError):
         raise UserError(f"the node at {args.address} answered a status this version cannot "
                         "read; try --json") from None
@@ -46,6 +56,18 @@ def status_report(answer: StatusAnswer) -> dict[str, Any]:
     """The node's answer, with who answered taken from the signature, not from the body."""
     return {**answer.status, "id": answer.node_id, "public_key": answer.sender.hex(),
             "mesh": answer.mesh_id.hex()}
+
+
+def escaped(value: Any) -> Any:
+    """`value` with every string's control characters escaped: the node's name, its peers'
+    names and addresses are whatever they said, and must not rewrite the terminal."""
+    if isinstance(value, str):
+        return escape_controls(value)
+    if isinstance(value, dict):
+        return {escaped(key): escaped(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [escaped(item) for item in value]
+    return value
 
 
 def format_report(report: dict[str, Any]) -> str:

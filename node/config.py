@@ -24,12 +24,14 @@ from typing import Any
 
 import yaml
 
+from meshfl.protocol.membership import PEER_NAME
+
 DEFAULT_LOCAL_PEERS = 4
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_BASE_PORT = 7700
 
 # Peer and mesh names become file names (keys, metrics folders), hence the narrow alphabet.
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_NAME = PEER_NAME
 _NAME_ALLOWED = "1-64 characters from A-Z a-z 0-9 _ . - starting with a letter or digit"
 _LISTEN = re.compile(r"tcp://(?P<host>\[[^\]]*\]|[^:/\[\]]+):(?P<port>[0-9]{1,5})")
 _LISTEN_ALLOWED = "tcp://HOST:PORT, HOST a hostname, IPv4 or [IPv6] address, 1 <= PORT <= 65535"
@@ -37,7 +39,6 @@ _HOSTNAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}
 _PUBLIC_KEY = re.compile(r"[0-9a-fA-F]{64}")
 # PyYAML follows YAML 1.1, which reads `1e-3` (no dot) as a string; numbers are meant.
 _NUMBER = re.compile(r"[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?")
-_SPLIT_TOLERANCE = 1e-6
 _MAX_SEED = 2**32 - 1  # numpy's seeding accepts no more
 
 
@@ -101,12 +102,26 @@ class DataOverride:
 
 
 @dataclass(frozen=True)
+class AttackConfig:
+    """Mesh members that turn malicious while signing correctly (node/attacks.py), to
+    measure what the rules withstand. Not in the mesh id: an attacker looks like any
+    member, and honest nodes need not know who attacks."""
+
+    nodes: list[str] = field(default_factory=list)  # peer names
+    kind: str = ""  # e.g. labelflip, scale:10; empty: nobody attacks
+
+
+@dataclass(frozen=True)
 class PeerConfig:
     name: str
     listen: str  # tcp://HOST:PORT, where the node binds and where the others dial it
     public_key: str | None = None  # hex of the raw 32-byte Ed25519 key
     key: str | None = None  # private key PEM path; None: <key_dir>/<name>.pem
     data: DataOverride | None = None
+    # To measure stragglers: seconds this peer sleeps after its local training, every
+    # round. A fixed delay rather than a multiple of the measured training time, which
+    # the first round's warm-up and a busy machine would blow up.
+    train_delay: float = 0.0
 
 
 def local_peers(
@@ -144,12 +159,19 @@ class MeshConfig:
     weight_decay: float = 0.0
     seed: int = 0
     round_timeout: float = 30.0
+    # The share of the live peers whose models a round waits for (rounded up); 1.0 waits
+    # for every one, less lets a round go on without the slowest (README: stragglers).
+    round_quorum: float = 1.0
     heartbeat_interval: float = 1.0
     peer_timeout: float = 5.0
     closed: bool = False
+    # ZeroMQ CURVE on every connection (WIRE.md 1.1); false only to measure without it.
+    # Not part of the mesh id: a node that does not encrypt cannot connect at all.
+    encrypt: bool = True
     # Listen address of the coordinator node; server-centric rules (FedReMa,
     # Fed-Influence) need one, and `meshfl launch` sets it for a local mesh.
     coordinator: str | None = None
+    attack: AttackConfig = field(default_factory=AttackConfig)
     peers: list[PeerConfig] = field(default_factory=lambda: local_peers(DEFAULT_LOCAL_PEERS))
 
 
@@ -216,7 +238,7 @@ def _describe(hint: Any) -> str:
     if dataclasses.is_dataclass(hint):
         text = "a mapping with keys " + ", ".join(f.name for f in fields(hint))
     elif typing.get_origin(hint) is list:
-        text = "a list of peers"
+        text = "a list of names" if typing.get_args(hint) == (str,) else "a list of peers"
     elif typing.get_origin(hint) is tuple:
         text = "a list of numbers"
     else:
@@ -391,12 +413,14 @@ def validate(cfg: MeshConfig) -> None:
     _coerce(cfg, MeshConfig, "")
     _check_name("mesh", cfg.mesh)
     _check_algorithm(cfg.algorithm)
-    _check_model(cfg.model)
+    _check_model(cfg.model, cfg.algorithm.name)
     _check_data(cfg.data, "data", [f.name for f in fields(DataConfig)])
     _check_training(cfg)
+    _check_rule_schedule(cfg)
     _check_timing(cfg)
     _check_peers(cfg)
     _check_coordinator(cfg)
+    _check_attack(cfg)
 
 
 def _require(path: str, value: Any, ok: bool, allowed: str) -> None:
@@ -416,12 +440,13 @@ def _check_algorithm(algorithm: AlgorithmConfig) -> None:
     _resolved_params(algorithm)
 
 
-def _resolved_params(algorithm: AlgorithmConfig) -> Any:
-    """The algorithm's parameters with its defaults filled in, or ConfigError."""
+def _resolved_params(algorithm: AlgorithmConfig, rounds: int | None = None) -> Any:
+    """The algorithm's parameters with its defaults filled in, or ConfigError; given
+    `rounds`, those that count rounds are fitted to the run and checked against it."""
     from meshfl.algorithms import parse_params
 
     try:
-        return parse_params(algorithm.name, algorithm.params)
+        return parse_params(algorithm.name, algorithm.params, rounds)
     except ValueError as err:
         # The algorithms report "algorithm.<key>: <problem>"; keep their field name.
         field_name, separator, problem = str(err).partition(": ")
@@ -430,46 +455,53 @@ def _resolved_params(algorithm: AlgorithmConfig) -> Any:
         raise ConfigError(f"config field {field_name!r}: {problem}") from None
 
 
-def _check_model(model: ModelConfig) -> None:
+def _check_rule_schedule(cfg: MeshConfig) -> None:
+    """A rule parameter that counts rounds must leave the rule's own phase inside the
+    run (pFedLIA's lazy round after its warm-up, Fed-Influence's cleansing round...);
+    the error names the parameter, `rounds` and the values that would work."""
+    _resolved_params(cfg.algorithm, cfg.rounds)
+
+
+def _check_model(model: ModelConfig, algorithm: str) -> None:
+    from meshfl.algorithms import ALGORITHMS
     from meshfl.node.models import HEADS, MODELS
 
     _require("model.name", model.name, model.name in MODELS, ", ".join(MODELS))
     _require("model.head", model.head, model.head in HEADS, ", ".join(HEADS))
+    heads = ALGORITHMS[algorithm].heads  # the algorithm name was checked before
+    _require("model.head", model.head, heads is None or model.head in heads,
+             f"{', '.join(heads or ())} with algorithm {algorithm}")
 
 
 def _check_data(data: DataConfig, prefix: str, names: Iterable[str]) -> None:
     """Check the fields `names` of `data`, reporting them under `prefix`."""
-    from meshfl.node.data import check_dataset_name, check_partition
+    from meshfl.node.data import (
+        check_dataset_name,
+        check_partition,
+        check_samples_per_node,
+        check_split,
+    )
 
+    # The data module owns the bounds of its fields, checked here once with the field named.
+    checkers = {"dataset": check_dataset_name, "partition": check_partition,
+                "samples_per_node": check_samples_per_node, "split": check_split}
     for name in names:
         path, value = f"{prefix}.{name}", getattr(data, name)
-        if name in ("dataset", "partition"):
-            checker = check_dataset_name if name == "dataset" else check_partition
-            _check_with(checker, path, value)
+        if name in checkers:
+            _check_with(checkers[name], path, value)
         elif name == "root":
             _require(path, value, value is None or bool(value), "a folder path or null")
-        elif name == "samples_per_node":
-            _require(path, value, value is None or value >= 1, "an integer >= 1 or null")
-        elif name == "split":
-            _check_split(path, value)
 
 
-def _check_with(checker: typing.Callable[[str], Any], path: str, value: str) -> None:
+def _check_with(checker: typing.Callable[[Any], Any], path: str, value: Any) -> None:
     """Run a data module check, whose DataError message already says what is allowed."""
     try:
         checker(value)
     except ValueError as err:
         problem = str(err)
-        if repr(value) not in problem and value not in problem:
+        if repr(value) not in problem and str(value) not in problem:
             problem = f"got {_shown(value)}; {problem}"
         raise ConfigError(f"config field {path!r}: {problem}") from None
-
-
-def _check_split(path: str, split: tuple[float, ...]) -> None:
-    allowed = "three numbers > 0 (train, validation, test) that sum to 1"
-    parts_ok = len(split) == 3 and all(math.isfinite(part) and part > 0 for part in split)
-    _require(path, list(split), parts_ok, allowed)
-    _require(path, list(split), abs(sum(split) - 1) <= _SPLIT_TOLERANCE, allowed)
 
 
 def _check_training(cfg: MeshConfig) -> None:
@@ -497,6 +529,8 @@ def _check_timing(cfg: MeshConfig) -> None:
         cfg.peer_timeout > cfg.heartbeat_interval,
         f"more than heartbeat_interval ({cfg.heartbeat_interval})",
     )
+    _require("round_quorum", cfg.round_quorum, 0 < cfg.round_quorum <= 1,
+             "a share of the live peers, > 0 and <= 1")
 
 
 def _check_coordinator(cfg: MeshConfig) -> None:
@@ -512,6 +546,34 @@ def _check_coordinator(cfg: MeshConfig) -> None:
         _require("coordinator", None, False,
                  f"the coordinator's tcp://HOST:PORT: algorithm {cfg.algorithm.name} runs "
                  "on a coordinator node")
+
+
+def _check_attack(cfg: MeshConfig) -> None:
+    from meshfl.algorithms import is_coordinated
+    from meshfl.node.attacks import KINDS_ALLOWED, parse_kind
+
+    attack, names = cfg.attack, [peer.name for peer in cfg.peers]
+    if not attack.nodes and not attack.kind:
+        return
+    _require("attack.kind", attack.kind, bool(attack.kind),
+             f"{KINDS_ALLOWED} (attack.nodes names attackers)")
+    _require("attack.nodes", attack.nodes, bool(attack.nodes),
+             "a list of peer names (attack.kind is set)")
+    for index, node in enumerate(attack.nodes):
+        _require(f"attack.nodes.{index}", node, node in names,
+                 f"a name listed under peers: {', '.join(names)}")
+        _require(f"attack.nodes.{index}", node, attack.nodes.index(node) == index,
+                 "a name not listed twice")
+    try:
+        spec = parse_kind(attack.kind)
+    except ValueError as err:
+        raise ConfigError(f"config field 'attack.kind': {err}") from None
+    if spec.kind == "collude":
+        _require("attack.kind", attack.kind, int(spec.value or 0) <= len(attack.nodes),
+                 f"collude:<k> with k at most the {len(attack.nodes)} attack.nodes")
+    _require("attack.nodes", attack.nodes, not is_coordinated(cfg.algorithm.name),
+             "an empty list: attacks are measured on peer rules, and "
+             f"{cfg.algorithm.name} runs on a coordinator")
 
 
 def _check_peers(cfg: MeshConfig) -> None:
@@ -547,6 +609,9 @@ def _check_peer(cfg: MeshConfig, path: str, peer: PeerConfig) -> None:
         peer.key is None or bool(peer.key),
         "a private key file path or null",
     )
+    _require(f"{path}.train_delay", peer.train_delay,
+             math.isfinite(peer.train_delay) and peer.train_delay >= 0,
+             "seconds, finite and >= 0")
     if peer.data is not None:
         overridden = [f.name for f in fields(peer.data) if getattr(peer.data, f.name) is not None]
         _check_data(data_for(cfg, peer), f"{path}.data", overridden)
@@ -567,6 +632,8 @@ def _listen_identity(listen: str) -> tuple[str, int] | None:
             return None
     except ValueError:
         return None
+    if host.lower() == "localhost":  # the loopback's name: the same socket as 127.0.0.1
+        host = "127.0.0.1"
     return host.lower(), int(match["port"])
 
 
@@ -628,33 +695,40 @@ def shared_settings(cfg: MeshConfig) -> dict[str, Any]:
     model schema, into the mesh id, so peers that disagree never exchange blobs.
 
     In: the mesh name (two meshes may share a LAN), the algorithm and its parameters
-    with defaults filled in (so `gamma: 5` and a default of 5 agree), and the model with
-    its head split (what a blob's tensors mean). Out, because peers may differ in them
-    without misreading each other's blobs: rounds (a peer that stops early just leaves),
+    with defaults filled in (so `gamma: 5` and a default of 5 agree) and fitted to
+    `rounds` (pFedLIA's warm-up: peers on another schedule would wait for blobs never
+    sent), and the model with its head split (what a blob's tensors mean). Out, because
+    peers may differ in them without misreading each other's blobs: rounds itself, where
+    the fitted parameters agree (a peer that stops early just leaves),
     local training (personalization allows it), data (each peer has its own), timeouts
     (judged on the receiver's clock) and the peer table (members join and leave).
     """
     return {
         "mesh": cfg.mesh,
-        "algorithm": {"name": cfg.algorithm.name, "params": explicit_params(cfg.algorithm)},
+        "algorithm": {"name": cfg.algorithm.name,
+                      "params": explicit_params(cfg.algorithm, cfg.rounds)},
         "model": {"name": cfg.model.name, "head": cfg.model.head},
     }
 
 
-def explicit_params(algorithm: AlgorithmConfig) -> dict[str, Any]:
-    """The algorithm's parameters with its defaults filled in, as plain values sorted by
-    name, or ConfigError."""
-    params = _resolved_params(algorithm)
+def explicit_params(algorithm: AlgorithmConfig, rounds: int) -> dict[str, Any]:
+    """The algorithm's parameters with its defaults filled in and fitted to a run of
+    `rounds` rounds, as plain values sorted by name, or ConfigError."""
+    from meshfl.algorithms import screening_setting
+
+    params = _resolved_params(algorithm, rounds)
     if dataclasses.is_dataclass(params):
         params = dataclasses.asdict(params)
+    params = {**params, **screening_setting(algorithm.name, algorithm.params)}
     return _plain(dict(sorted(params.items())))
 
 
 def with_explicit_params(cfg: MeshConfig) -> MeshConfig:
-    """`cfg` with every parameter of its algorithm written out: a saved config then
-    says what ran even after a default changes."""
+    """`cfg` with every parameter of its algorithm written out, as fitted to its rounds:
+    a saved config then says what ran even after a default changes, and a node given
+    it runs the values the config check accepted."""
     return replace(cfg, algorithm=AlgorithmConfig(cfg.algorithm.name,
-                                                  explicit_params(cfg.algorithm)))
+                                                  explicit_params(cfg.algorithm, cfg.rounds)))
 
 
 def peer_by_name(cfg: MeshConfig, name: str) -> PeerConfig:
@@ -675,6 +749,7 @@ def data_for(cfg: MeshConfig, peer: PeerConfig) -> DataConfig:
 
 __all__ = [
     "AlgorithmConfig",
+    "AttackConfig",
     "ConfigError",
     "DataConfig",
     "DataOverride",

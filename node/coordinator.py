@@ -23,21 +23,28 @@ both travel in the same blob as the model, their names prefixed with `extra/`.
 from __future__ import annotations
 
 import logging
+import math
+import reprlib
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from meshfl.algorithms import CoordinatorAlgorithm, Upload, is_coordinated
+from meshfl.algorithms.base import Layout, PeerModel, draw_seed
 from meshfl.protocol.wire import Message, make_blob
 
-from .runtime import Node, UnusableBlob, tensors_from_blob, usable_peer_model
+from .blobs import RULE_ERROR, UnusableBlob, peer_model
+from .containment import run_contained
+from .runtime import Node, PeerIntake
 from .trainer import evaluate, state_to_arrays
 
 log = logging.getLogger("meshfl.coordinator")
 
 COORDINATOR = "coordinator"
+UPLOAD, PERSONAL = "upload", "personal"  # the direct kinds of WIRE.md 7.6
 EXTRA = "extra/"  # prefix of the rule's extra tensors in an upload or personal blob
 # A client waits this many deadlines at least: a coordinator's wait for its peers at
 # start, one round's full deadline for a slow upload and its aggregation fit in it.
@@ -59,9 +66,45 @@ def _extra_arrays(extras: dict[str, torch.Tensor]) -> dict[str, Any]:
     return {EXTRA + k: v.detach().cpu().numpy() for k, v in extras.items()}
 
 
+def checked_direct(rule: CoordinatorAlgorithm, message: Message, last_round: int
+                   ) -> PeerModel:
+    """An `upload` or `personal` message's tensors, checked in WIRE.md 9.1's order: the
+    mesh's whole model then the rule's extras for this kind, the sample count, finite
+    values, then the meta: the signed record is the sender's own, of the message's kind
+    and of the round its meta names (at most `last_round`); a `personal` blob also says
+    whether to train and the weights that shaped it (finite numbers by peer name)."""
+    blob = message.blob
+    assert blob is not None
+    model: Layout = rule.context.layout
+
+    def fits(layout: Layout) -> bool:
+        extras = tuple((name.removeprefix(EXTRA), dtype, shape)
+                       for name, dtype, shape in layout[len(model):])
+        return (layout[:len(model)] == model
+                and all(name.startswith(EXTRA) for name, _, _ in layout[len(model):])
+                and rule.extras_fit(message.kind, extras))
+
+    checked = peer_model(blob, (model,), fits)
+    meta = blob.meta
+    weights = meta.get("weights", {})
+    fine = (blob.kind == message.kind and blob.origin == message.sender
+            and meta.get("round") == blob.round <= last_round)
+    if message.kind == PERSONAL:
+        fine = fine and isinstance(meta.get("train"), bool) and isinstance(weights, dict) and all(
+            isinstance(name, str) and isinstance(weight, (int, float))
+            and not isinstance(weight, bool) and math.isfinite(weight)
+            for name, weight in weights.items())
+    if not fine:
+        raise UnusableBlob("meta", f"its record or meta does not fit a {message.kind} of "
+                                   f"its sender: {reprlib.repr(blob.kind)}, round "
+                                   f"{blob.round}, meta {reprlib.repr(meta)}")
+    return checked
+
+
 class CoordinatorNode(Node):
     """Runs the rule's server side; its metrics go to <out>/coordinator/metrics.jsonl."""
 
+    DIRECT_KINDS = frozenset({UPLOAD})
     algorithm: CoordinatorAlgorithm
 
     def _run_rounds(self, first_round: int) -> None:
@@ -82,16 +125,25 @@ class CoordinatorNode(Node):
         chosen = self.algorithm.clients_for_round(round_no, sorted(clients))
         for name in chosen:
             self._send_personal(clients[name], name, round_no, initial, train=True)
-        uploads, refused = self._collect_uploads(round_no,
-                                                 {clients[name]: name for name in chosen})
+        uploads, intake = self._collect_uploads(round_no,
+                                                {clients[name]: name for name in chosen})
         seconds = {"wait": time.perf_counter() - clock}
         clock = time.perf_counter()
-        diagnostics = self.algorithm.aggregate_uploads(round_no, uploads)
+        contained = run_contained(
+            lambda admitted: self.algorithm.aggregate_uploads(
+                round_no, {name: upload for name, upload in uploads.items() if name in admitted}),
+            uploads, self.algorithm, COORDINATOR, suspects=self._suspects)
+        self._suspects = set(contained.refused)
+        diagnostics = contained.outcome
+        for name in contained.refused:
+            intake.refuse(UPLOAD, name, RULE_ERROR)
         seconds["aggregate"] = time.perf_counter() - clock
         after = self.endpoint.stats()
         self.metrics.append({
             "round": round_no, "clients": chosen, "uploaded": sorted(uploads),
-            "refused": refused,
+            "refused": sorted(intake.refused.get(UPLOAD, [])),
+            "refusals": dict(sorted(intake.reasons.items())),
+            "rejections": after["rejections"],
             "diagnostics": diagnostics, "seconds": seconds,
             "bytes_in": after["bytes_in"] - before["bytes_in"],
             "bytes_out": after["bytes_out"] - before["bytes_out"],
@@ -104,33 +156,33 @@ class CoordinatorNode(Node):
         arrays = {k: a.copy() for k, a in state_to_arrays(state).items()}
         arrays.update(_extra_arrays(self.algorithm.personal_extras(round_no, name)))
         meta = {"round": round_no, "train": train, "weights": self.algorithm.weights_for(name)}
-        blob = make_blob(self.identity, round_no, "personal", arrays, self.schema, meta)
-        self.endpoint.send_blob(key, "personal", blob)
+        blob = make_blob(self.identity, round_no, PERSONAL, arrays, self.schema, meta)
+        self.endpoint.send_blob(key, PERSONAL, blob)
 
     def _collect_uploads(self, round_no: int, expected: dict[bytes, str]
-                         ) -> tuple[dict[str, Upload], list[str]]:
+                         ) -> tuple[dict[str, Upload], PeerIntake]:
         """The round's uploads by client name, and the clients whose upload was refused as
         unusable (logged; the round goes on as if they had not uploaded)."""
         uploads: dict[str, Upload] = {}
-        refused: list[str] = []
+        intake = PeerIntake()
         deadline = time.monotonic() + self.cfg.round_timeout
         waiting = dict(expected)
         while waiting and (left := deadline - time.monotonic()) > 0:
-            message = self.endpoint.next_message("upload", timeout=min(left, 0.5))
+            message = self.endpoint.next_message(UPLOAD, timeout=min(left, 0.5))
             if message is None or message.blob is None or message.sender not in waiting:
                 continue  # nothing, or not from a client still awaited this round
             if message.blob.meta.get("round") != round_no:
                 continue  # a late upload of an earlier round: that round is closed
             name = waiting.pop(message.sender)
             try:
-                upload = usable_peer_model(message.blob)
+                upload = checked_direct(self.algorithm, message, round_no)
             except UnusableBlob as error:
                 log.warning("coordinator: refused %s's upload: %s", name, error)
-                refused.append(name)
+                intake.refuse(UPLOAD, name, error.reason)
                 continue
             state, extras = _split_upload(upload.state)
             uploads[name] = Upload(state, upload.n_samples, extras)
-        return uploads, sorted(refused)
+        return uploads, intake
 
     def _wait_for_clients_to_leave(self) -> None:
         deadline = time.monotonic() + self.cfg.round_timeout
@@ -151,22 +203,40 @@ class _RoundInFlight:
 class ClientNode(Node):
     """A peer of a coordinated mesh: trains when the coordinator hands it a model."""
 
+    DIRECT_KINDS = frozenset({PERSONAL})
     algorithm: CoordinatorAlgorithm
 
     def _run_rounds(self, first_round: int) -> None:
         self.last_written = first_round - 1
+        self.refusals: Counter[str] = Counter()  # the coordinator's blobs refused, by reason
         in_flight: _RoundInFlight | None = None
         while True:
             message = self._next_personal()
             meta = message.blob.meta
-            state, extras = _split_upload(tensors_from_blob(message.blob))
+            try:
+                state, extras = _split_upload(
+                    checked_direct(self.algorithm, message, self.cfg.rounds + 1).state)
+            except UnusableBlob as error:
+                self._refuse_personal(error.reason, error)
+                continue
+            try:
+                self.algorithm.receive_extras(meta["round"], extras)
+            except Exception as error:  # the coordinator's tensors made the rule raise
+                self._refuse_personal(RULE_ERROR, error)
+                continue
             self.model.load_state_dict(state)
-            self.algorithm.receive_extras(meta["round"], extras)
             if in_flight is not None and meta["round"] > in_flight.round:
                 self._record(in_flight, meta.get("weights", {}))
             if not meta["train"]:
                 return
             in_flight = self._train_and_upload(meta["round"], message.sender)
+
+    def _refuse_personal(self, reason: str, error: Exception) -> None:
+        """Drop a `personal` blob the checks or the rule refused; counted in the metrics of
+        the next round this client records, logged (with the rule's traceback, if any)."""
+        log.warning("%s: refused the coordinator's model: %s", self.options.name, error,
+                    exc_info=reason == RULE_ERROR)
+        self.refusals[reason] += 1
 
     def _next_personal(self) -> Message:
         """The coordinator's next `personal` message. While it is away the time goes into
@@ -175,7 +245,7 @@ class ClientNode(Node):
         silent_since = time.monotonic()
         away_logged = False
         while True:
-            message = self.endpoint.next_message("personal", timeout=self.cfg.round_timeout)
+            message = self.endpoint.next_message(PERSONAL, timeout=self.cfg.round_timeout)
             if message is not None and self._from_coordinator(message):
                 return message
             silent = time.monotonic() - silent_since
@@ -199,7 +269,8 @@ class ClientNode(Node):
     def _train_locally(self) -> None:
         """While the coordinator is away, the time still goes into the own model."""
         self._train(self.model, self.data.x_train, self.data.y_train, None,
-                    seed=self.cfg.seed * 100_003 + self.options.node_index)
+                    seed=draw_seed(self.cfg.seed, self.options.name, self.last_written,
+                                   "train_alone"))
 
     def _train_and_upload(self, round_no: int, coordinator: bytes) -> _RoundInFlight:
         self.endpoint.set_round(round_no)
@@ -210,8 +281,8 @@ class ClientNode(Node):
         arrays = {k: a.copy() for k, a in state_to_arrays(self.model).items()}
         arrays.update(_extra_arrays(extras))
         meta = {"round": round_no, "n": len(self.data.y_train)}
-        self.endpoint.send_blob(coordinator, "upload",
-                                make_blob(self.identity, round_no, "upload", arrays,
+        self.endpoint.send_blob(coordinator, UPLOAD,
+                                make_blob(self.identity, round_no, UPLOAD, arrays,
                                           self.schema, meta))
         return _RoundInFlight(round_no, train_loss, seconds, before)
 
@@ -230,9 +301,11 @@ class ClientNode(Node):
             "bytes_in": after["bytes_in"] - done.bytes_before["bytes_in"],
             "bytes_out": after["bytes_out"] - done.bytes_before["bytes_out"],
             "rejections": after["rejections"],
+            "refusals": dict(sorted(self.refusals.items())),
             "seconds": {**done.seconds, "evaluate": time.perf_counter() - clock},
             "n_train": len(self.data.y_train),
         })
+        self.refusals.clear()
         self.last_written = done.round
         self._save(done.round)
 

@@ -105,6 +105,30 @@ def check_dataset_name(name: str) -> None:
     raise DataError(f"unknown dataset {name!r}; allowed: {', '.join(DATASETS)} or npz:PATH")
 
 
+# One sample each for train, validation and test at least; every rule scores on the
+# validation split and every report on the test split, so neither may be empty.
+MIN_SAMPLES_PER_NODE = 3
+SPLIT_TOLERANCE = 1e-6
+
+
+def check_samples_per_node(value: int | None) -> None:
+    """Raise DataError unless `value` is unset or an integer >= MIN_SAMPLES_PER_NODE."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or value < MIN_SAMPLES_PER_NODE):
+        raise DataError(f"got {value!r}; allowed: an integer >= {MIN_SAMPLES_PER_NODE} "
+                        "or null")
+
+
+def check_split(split: tuple[float, ...]) -> None:
+    """Raise DataError unless `split` is three fractions > 0 (train, validation, test)
+    that sum to 1."""
+    parts_ok = len(split) == 3 and all(
+        isinstance(part, (int, float)) and math.isfinite(part) and part > 0 for part in split)
+    if not parts_ok or abs(sum(split) - 1) > SPLIT_TOLERANCE:
+        raise DataError(f"got {list(split)!r}; allowed: three numbers > 0 (train, "
+                        "validation, test) that sum to 1")
+
+
 def check_partition(spec: str) -> None:
     """Raise DataError unless `spec` is one of PARTITION_FORMS."""
     parse_partition(spec)
@@ -390,6 +414,7 @@ def _npz_pool(path_text: str) -> Pool:
                         f"x {images.shape} and y {labels.shape}")
     if not np.issubdtype(labels.dtype, np.integer) or labels.min() < 0:
         raise DataError(f"dataset {dataset!r}: y must hold integer labels 0..C-1")
+    _check_features(dataset, path, images)
 
     def features(idx: np.ndarray) -> np.ndarray:
         chosen = images[idx]
@@ -397,6 +422,18 @@ def _npz_pool(path_text: str) -> Pool:
             chosen.astype(np.float32)
 
     return Pool(labels.astype(np.int64), int(labels.max()) + 1, tuple(images.shape[1:]), features)
+
+
+def _check_features(dataset: str, path: Path, images: np.ndarray) -> None:
+    """x must be numbers, every one finite: a NaN trains silently to chance accuracy."""
+    if images.dtype.kind not in "biuf":
+        raise DataError(f"dataset {dataset!r}: x in {path} must hold numbers (integers or "
+                        f"floats), got dtype {images.dtype}")
+    if images.dtype.kind == "f":
+        bad = int(images.size - np.count_nonzero(np.isfinite(images)))
+        if bad:
+            raise DataError(f"dataset {dataset!r}: x in {path} holds {bad} NaN or infinite "
+                            f"value(s) of {images.size}; clean or drop those samples")
 
 
 def _digit5_pool(root: str | None) -> Pool:
@@ -814,14 +851,12 @@ def _check_mesh(num_nodes: int, node_index: int, seed: int, samples_per_node: in
                         f"{node_index!r}")
     if not isinstance(seed, int) or seed < 0:
         raise DataError(f"seed must be an integer >= 0, got {seed!r}")
-    if samples_per_node is not None and (not isinstance(samples_per_node, int)
-                                         or samples_per_node < 3):
-        raise DataError(f"samples_per_node must be an integer >= 3 or unset, got "
-                        f"{samples_per_node!r}")
-    if (len(split) != 3 or min(split) < 0 or split[0] <= 0
-            or not math.isclose(sum(split), 1.0, abs_tol=1e-6)):
-        raise DataError(f"split must be three fractions (train > 0, val, test >= 0) summing "
-                        f"to 1, got {split!r}")
+    for name, value, check in (("samples_per_node", samples_per_node, check_samples_per_node),
+                               ("split", split, check_split)):
+        try:
+            check(value)
+        except DataError as err:
+            raise DataError(f"{name}: {err}") from None
 
 
 def stratified_split(labels: np.ndarray, fractions: tuple[float, float, float],

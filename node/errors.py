@@ -4,6 +4,7 @@ from meshfl.protocol.endpoint import Refused
 from meshfl.protocol.identity import KeyFileError
 from meshfl.protocol.transport import TransportError
 
+from .checkpoint import CheckpointError, StorageError
 from .config import ConfigError
 from .coordinator import CoordinatorGone
 from .data import DataError
@@ -12,5 +13,5 @@ from .runtime import JoinError
 
 USER_ERRORS: tuple[type[Exception], ...] = (
     ConfigError, DataError, ModelError, KeyFileError, TransportError, Refused, JoinError,
-    CoordinatorGone,
+    CoordinatorGone, CheckpointError, StorageError,
 )

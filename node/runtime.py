@@ -8,29 +8,36 @@ There is no barrier: a node goes on with whatever arrived by the deadline.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
-import reprlib
+import math
+import statistics
 import time
+from collections import Counter
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgpack
-import numpy as np
 import torch
 
-from meshfl.algorithms import Context, PeerModel, algorithm_class, parse_params
-from meshfl.algorithms.base import MODEL, weighted_average
+from meshfl.algorithms import Aggregate, Context, PeerModel, build_rule
+from meshfl.algorithms.base import MODEL, draw_seed, weighted_average
 from meshfl.protocol.endpoint import Endpoint, EndpointSettings
 from meshfl.protocol.gossip import Offer
 from meshfl.protocol.identity import Identity, node_id
 from meshfl.protocol.membership import ALIVE
+from meshfl.protocol.transport import contact
 from meshfl.protocol.wire import Blob, make_blob
 
 from . import config as cfgmod
-from .checkpoint import MetricsLog, load_checkpoint, save_checkpoint
+from .attacks import attack_for
+from .blobs import RULE_ERROR, UnusableBlob, layout_of, peer_model
+from .checkpoint import MetricsLog, load_checkpoint, save_checkpoint, write_atomically
+from .containment import run_contained
 from .data import NodeData, load_node_data
 from .models import body_keys, build_model, head_keys, model_schema
 from .trainer import evaluate, set_torch_threads, state_to_arrays, train_local
@@ -71,34 +78,6 @@ def mesh_id(cfg: cfgmod.MeshConfig, schema: bytes) -> bytes:
     return hashlib.sha256(settings + schema).digest()[:16]
 
 
-class UnusableBlob(ValueError):
-    """A peer's blob no rule should take in: signatures prove who sent a model, not
-    that it is usable."""
-
-
-def tensors_from_blob(blob: Blob) -> dict[str, torch.Tensor]:
-    # One copy: the received bytes are read-only ZeroMQ buffers.
-    return {name: torch.from_numpy(np.array(array)) for name, array in blob.arrays().items()}
-
-
-def usable_peer_model(blob: Blob) -> PeerModel:
-    """A peer's tensors and sample count, or UnusableBlob when a floating-point tensor
-    holds NaN or inf (averaged in, one such value spoils every weight) or the sample
-    count `n` is not a positive integer (it weighs the averages; absent, it is 1). A
-    count that is merely inflated cannot be told from a big dataset."""
-    n = blob.meta.get("n", 1)
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise UnusableBlob(f"{blob.kind} blob of round {blob.round}: its sample count n is "
-                           f"{reprlib.repr(n)}, not an integer >= 1")
-    tensors = tensors_from_blob(blob)
-    spoilt = [name for name, tensor in tensors.items()
-              if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]
-    if spoilt:
-        raise UnusableBlob(f"{blob.kind} blob of round {blob.round} holds NaN or inf in "
-                           f"{', '.join(spoilt)}")
-    return PeerModel(tensors, n)
-
-
 @dataclass
 class _RoundPull:
     """What a round's collection chose to fetch so far. A rule that ranks the offers
@@ -119,7 +98,24 @@ class _RoundPull:
         return deadline if self.chosen is not None else min(deadline, self.choose_by)
 
 
+@dataclass
+class PeerIntake:
+    """A round's peer models by kind and name, and what was refused: by kind the peers,
+    and how many blobs for each reason of node/blobs.py."""
+
+    received: dict[str, dict[str, PeerModel]] = field(default_factory=dict)
+    refused: dict[str, list[str]] = field(default_factory=dict)
+    reasons: Counter[str] = field(default_factory=Counter)
+
+    def refuse(self, kind: str, name: str, reason: str) -> None:
+        self.refused.setdefault(kind, []).append(name)
+        self.reasons[reason] += 1
+
+
 class Node:
+    # The direct messages this role reads (a gossip peer reads none; see coordinator.py).
+    DIRECT_KINDS: frozenset[str] = frozenset()
+
     def __init__(self, options: NodeOptions) -> None:
         self.options = options
         cfg = options.config
@@ -133,19 +129,25 @@ class Node:
         self.model = build_model(cfg.model.name, self.data.input_shape, self.data.num_classes,
                                  cfg.model.head, seed=cfg.seed)
         self.schema = schema_digest(model_schema(self.model))
-        self.algorithm = algorithm_class(cfg.algorithm.name)(
-            parse_params(cfg.algorithm.name, cfg.algorithm.params),
+        self.algorithm = build_rule(
+            cfg.algorithm.name, cfg.algorithm.params,
             Context(options.name, cfg.seed, self.data.num_classes,
                     tuple(body_keys(self.model)), tuple(head_keys(self.model)),
                     batch_size=cfg.batch_size, new_model=self._new_model, train=self._train,
-                    data=self.data))
+                    data=self.data, layout=layout_of(state_to_arrays(self.model))))
         self.identity = Identity.load_or_create(options.key_path)
         self.endpoint = Endpoint(self.identity, mesh_id(cfg, self.schema), self._settings(),
                                  schema=self.schema)
         options.out_dir.mkdir(parents=True, exist_ok=True)
         self.metrics = MetricsLog(options.out_dir / "metrics.jsonl")
         self.checkpoint_path = options.out_dir / "checkpoint.pt"
+        self.attack = attack_for(options.name, cfg.attack.nodes, cfg.attack.kind, cfg.seed,
+                                 lambda: self._new_model().state_dict())
         self.endpoint.status_extra = self._status_extra
+        # Held for CPU work (training, aggregation, evaluation): a node host shares one
+        # among its nodes (node/host.py); a node alone in its process needs none.
+        self.cpu: AbstractContextManager[Any] = contextlib.nullcontext()
+        self._suspects: set[str] = set()  # peers whose input made the rule raise last round
 
     def _status_extra(self) -> dict[str, Any]:
         """What this node adds to the endpoint's status answer; runs on its worker thread."""
@@ -162,7 +164,7 @@ class Node:
         epochs = self.cfg.local_epochs if epochs is None else epochs
         return train_local(model, x, y, epochs, self.cfg.batch_size, self.cfg.optimizer,
                            self.cfg.lr, seed=seed, momentum=self.cfg.momentum,
-                           max_steps=max_steps)
+                           weight_decay=self.cfg.weight_decay, max_steps=max_steps)
 
     def _own_data(self, data_cfg: cfgmod.DataConfig) -> cfgmod.DataConfig:
         for peer in self.cfg.peers:
@@ -178,7 +180,7 @@ class Node:
         return EndpointSettings(
             name=self.options.name, listen=self.options.listen,
             heartbeat_interval=cfg.heartbeat_interval, peer_timeout=cfg.peer_timeout,
-            allowlist=allowlist)
+            allowlist=allowlist, encrypt=cfg.encrypt, direct_kinds=self.DIRECT_KINDS)
 
     # --- the run ----------------------------------------------------------
 
@@ -189,10 +191,10 @@ class Node:
                      "new run with another --out)", self.options.name, self.cfg.rounds)
             self.endpoint.close()  # bound but never started: frees the port
             return
-        (self.options.out_dir / "info.json").write_text(json.dumps({
+        write_atomically(self.options.out_dir / "info.json", (json.dumps({
             "name": self.options.name, "id": self.identity.id, "listen": self.options.listen,
             "public_key": self.identity.public_key.hex(), "data": self.data.info,
-        }, indent=2) + "\n")
+        }, indent=2) + "\n").encode())
         self.endpoint.start(self.options.bootstrap)
         try:
             joined = self.endpoint.wait_joined(timeout=self.cfg.round_timeout)
@@ -223,9 +225,31 @@ class Node:
             # A fresh mesh starts together: otherwise a peer still starting up would miss
             # round 1, and the same seed would not give the same run twice.
             self.endpoint.wait_for_peers(len(self.cfg.peers) - 1, self.cfg.round_timeout)
-        for round_no in range(first_round, self.cfg.rounds + 1):
+        elif first_round > 1:
+            # Resumed: the announces that came with our first hellos were too far ahead of
+            # round 0 to be kept; take the round first, then ask for them again.
+            self.endpoint.set_round(first_round)
+            self.endpoint.refresh_offers()
+        round_no = self._keep_up(first_round)
+        while round_no <= self.cfg.rounds:
             self._round(round_no)
+            round_no = self._keep_up(round_no + 1)
         self._linger()
+
+    def _keep_up(self, round_no: int) -> int:
+        """The round to do next: `round_no`, or the round of the slowest live peer when
+        every live peer is past it (this node was restarted, frozen or slow). Nobody
+        announces a round they all left, so doing it would cost a round_timeout each;
+        the node goes on from there with its own model."""
+        rounds = [peer.round for peer in self.endpoint.alive_peers()]
+        mesh_round = min(min(rounds, default=0), self.cfg.rounds)
+        if mesh_round <= round_no:
+            return round_no
+        log.info("%s: every live peer is past round %d; skipping to round %d",
+                 self.options.name, round_no, mesh_round)
+        self.endpoint.set_round(mesh_round)
+        self.endpoint.refresh_offers()  # the round's models, announced before we came
+        return mesh_round
 
     def _resume(self) -> int:
         state = load_checkpoint(self.checkpoint_path)
@@ -234,7 +258,9 @@ class Node:
             return 1
         self.model.load_state_dict(state["model"])
         self.algorithm.load_state_dict(state["algorithm"])
-        known = [p["addr"] for p in json.loads(state["peers"]) if p["addr"] != self.options.listen]
+        # KEY@ADDRESS: an encrypted mesh is dialled with each node's key (WIRE.md 1.1).
+        known = [contact(p["addr"], bytes.fromhex(p["key"])) for p in json.loads(state["peers"])
+                 if p["addr"] != self.options.listen]
         self.options.bootstrap = list(dict.fromkeys([*self.options.bootstrap, *known]))
         self.metrics.keep_until(state["round"])
         log.info("%s: resumed from the checkpoint of round %d", self.options.name, state["round"])
@@ -244,7 +270,10 @@ class Node:
         """A late joiner takes the mesh's current round and starts from the average of
         the models it receives for it."""
         peers = self.endpoint.alive_peers()
-        current = max((peer.round for peer in peers), default=0)
+        # The round most peers are at (a peer's round is what it says: one claiming round
+        # 2**64 must not make us skip the whole run), and never past the run's last.
+        current = min(statistics.median_low([peer.round for peer in peers] or [0]),
+                      self.cfg.rounds)
         if current < 1:
             return 1
         self.endpoint.set_round(current)
@@ -252,7 +281,7 @@ class Node:
         deadline = time.monotonic() + self.cfg.round_timeout
         blobs = self._collect(current, {MODEL_KIND}, {peer.public_key for peer in peers},
                               deadline, everything=True)
-        models = self._peer_models(blobs)[0].get(MODEL_KIND, {})
+        models = self._peer_models(blobs).received.get(MODEL_KIND, {})
         if models:
             uniform = {name: 1 / len(models) for name in models}
             self.model.load_state_dict(
@@ -265,35 +294,43 @@ class Node:
         seconds: dict[str, float] = {}
         stats_before = self.endpoint.stats()
         self.endpoint.set_round(round_no)
-        clock = time.perf_counter()
-        train_loss = train_local(
-            self.model, self.data.x_train, self.data.y_train, self.cfg.local_epochs,
-            self.cfg.batch_size, self.cfg.optimizer, self.cfg.lr,
-            seed=self.cfg.seed * 100_003 + self.options.node_index * 1009 + round_no,
-            momentum=self.cfg.momentum)
+        with self.cpu:  # seconds are counted once the CPU is ours, here and below
+            clock = time.perf_counter()
+            self.attack.start_round(self.model)  # a no-op on an honest node
+            train_loss = self._train(
+                self.model, self.data.x_train,
+                self.attack.training_labels(self.data.y_train, self.data.num_classes), None,
+                seed=draw_seed(self.cfg.seed, self.options.name, round_no, "train")
+            ) if self.attack.trains else None
+        self._straggle()
         seconds["train"] = time.perf_counter() - clock
 
         clock = time.perf_counter()
         publications = self.algorithm.publish(round_no, self._state_copy(), self.data)
+        publications, claimed = self.attack.tamper(round_no, publications, len(self.data.y_train))
         for kind, state in publications.items():
             self.endpoint.publish(make_blob(self.identity, round_no, kind, state_to_arrays(state),
-                                            self.schema, {"n": len(self.data.y_train)}))
+                                            self.schema, {"n": claimed}))
         deadline = time.monotonic() + self.cfg.round_timeout
         alive = {peer.public_key for peer in self.endpoint.alive_peers()}
-        blobs = self._collect(round_no, set(publications), alive, deadline)
+        blobs = self._collect(round_no, set(publications), alive, deadline,
+                              quorum=self.cfg.round_quorum)
         seconds["communicate"] = time.perf_counter() - clock
 
-        clock = time.perf_counter()
-        received, refused = self._peer_models(blobs)
-        own = PeerModel(self._state_copy(), len(self.data.y_train))
-        outcome = self.algorithm.aggregate(round_no, own, received, self.data)
-        self.model.load_state_dict(outcome.state)
-        seconds["aggregate"] = time.perf_counter() - clock
+        with self.cpu:
+            clock = time.perf_counter()
+            intake = self._peer_models(blobs)
+            self.attack.observe(intake.received)
+            outcome = self._aggregate(round_no, intake)
+            self.model.load_state_dict(outcome.state)
+            received = intake.received
+            seconds["aggregate"] = time.perf_counter() - clock
 
-        clock = time.perf_counter()
-        val = evaluate(self.model, self.data.x_val, self.data.y_val, self.data.num_classes)
-        test = evaluate(self.model, self.data.x_test, self.data.y_test, self.data.num_classes)
-        seconds["evaluate"] = time.perf_counter() - clock
+            clock = time.perf_counter()
+            val = evaluate(self.model, self.data.x_val, self.data.y_val, self.data.num_classes)
+            test = evaluate(self.model, self.data.x_test, self.data.y_test,
+                            self.data.num_classes)
+            seconds["evaluate"] = time.perf_counter() - clock
 
         after = self.endpoint.stats()
         self.metrics.append({
@@ -303,35 +340,44 @@ class Node:
             "weights": outcome.weights, "diagnostics": outcome.diagnostics,
             "received": sorted(received.get(MODEL_KIND, {})), "peers_alive": len(alive),
             "fetched": {kind: sorted(models) for kind, models in received.items()},
-            "refused": refused,
+            "refused": intake.refused, "refusals": dict(sorted(intake.reasons.items())),
             "transport_fetches": self._fetches_since(stats_before["fetched"]),
             "bytes_in": after["bytes_in"] - stats_before["bytes_in"],
             "bytes_out": after["bytes_out"] - stats_before["bytes_out"],
             "rejections": after["rejections"], "seconds": seconds,
-            "n_train": len(self.data.y_train),
+            "n_train": len(self.data.y_train), "attacker": self.attack.active,
         })
         self._save(round_no)
 
+    def _straggle(self) -> None:
+        """A peer given a `train_delay` (to measure what stragglers cost a mesh) sleeps it
+        after training."""
+        delay = next((peer.train_delay for peer in self.cfg.peers
+                      if peer.name == self.options.name), 0.0)
+        time.sleep(delay)
+
     def _collect(self, round_no: int, kinds: set[str], origins: set[bytes], deadline: float,
-                 everything: bool = False) -> dict[str, dict[str, Blob]]:
+                 everything: bool = False, quorum: float = 1.0) -> dict[str, dict[str, Blob]]:
         """The blobs of round `round_no` this node wants, by kind and peer name.
 
         Wanted blobs are fetched as their offers come in, so a live peer that never
-        announces costs the wait, not the others' blobs. The wait ends once every live
-        peer among `origins` announced every kind of `kinds` and every chosen blob is
-        here, or at the monotonic `deadline`.
+        announces costs the wait, not the others' blobs. The wait ends once a `quorum`
+        share of the peers among `origins` still alive announced every kind of `kinds`
+        and every chosen blob that a live peer can send is here, or at the monotonic
+        `deadline`. Liveness is judged anew each time: a peer marked down during the
+        round (dead or frozen) stops holding it.
         """
         pull = _RoundPull(ask_once=self.algorithm.ranks_offers and not everything,
                           choose_by=(time.monotonic() + deadline) / 2)
         while True:
             seen = self.endpoint.changes()
-            offered, complete = self._offered(round_no, kinds, origins)
+            offered, complete = self._offered(round_no, kinds, origins, quorum)
             if pull.should_ask(complete):
                 pull.chosen = self._choose(round_no, offered, everything)
                 self.endpoint.fetch(list(pull.chosen.values()))
             chosen = pull.chosen or {}
             arrived = self.endpoint.held([offer.id for offer in chosen.values()])
-            if (pull.chosen is not None and complete and len(arrived) == len(chosen)) \
+            if (pull.chosen is not None and complete and not self._coming(chosen, arrived)) \
                     or time.monotonic() >= deadline:
                 break
             self.endpoint.wait_change(seen, pull.wake_by(deadline))
@@ -341,10 +387,10 @@ class Node:
                 blobs.setdefault(kind, {})[name] = arrived[offer.id]
         return blobs
 
-    def _offered(self, round_no: int, kinds: set[str], origins: set[bytes]
+    def _offered(self, round_no: int, kinds: set[str], origins: set[bytes], quorum: float = 1.0
                  ) -> tuple[dict[str, dict[str, Offer]], bool]:
-        """The round's offers of `kinds` by kind and peer name, and whether every live
-        peer among `origins` has announced every kind."""
+        """The round's offers of `kinds` by kind and peer name, and whether a `quorum`
+        share (1.0: every one) of the live peers among `origins` announced every kind."""
         peers = self.endpoint.peers()
         names = {peer.public_key: peer.name for peer in peers}
         offered: dict[str, dict[str, Offer]] = {}
@@ -354,9 +400,25 @@ class Node:
                 offered.setdefault(offer.kind, {})[names[offer.origin]] = offer
         announced = {(offer.origin, offer.kind) for by_name in offered.values()
                      for offer in by_name.values()}
-        alive = {peer.public_key for peer in peers if peer.state == ALIVE} & origins
-        complete = all((origin, kind) in announced for origin in alive for kind in kinds)
-        return offered, complete
+        rounds = {peer.public_key: peer.round for peer in peers if peer.state == ALIVE}
+        delivered = {origin for origin in rounds.keys() & origins
+                     if all((origin, kind) in announced for kind in kinds)}
+        # A live peer that did not deliver is waited for only while it can: not once it
+        # is past this round, nor while it is two or more behind (it was frozen or cut
+        # off, and would hold every round for round_timeout as it catches up).
+        waiting = {origin for origin in rounds.keys() & origins - delivered
+                   if round_no - 1 <= rounds[origin] <= round_no}
+        # Rounded up, with a little slack for floating point: 0.7 of 10 peers is 7, not 8.
+        needed = math.ceil(quorum * (len(delivered) + len(waiting)) - 1e-9)
+        return offered, len(delivered) >= needed
+
+    def _coming(self, chosen: dict[tuple[str, str], Offer], arrived: dict[bytes, Blob]
+                ) -> list[Offer]:
+        """The chosen blobs not here yet that a live peer can still send: one whose
+        origin and every other holder are marked down holds the round no longer."""
+        alive = {peer.public_key for peer in self.endpoint.alive_peers()}
+        return [offer for offer in chosen.values() if offer.id not in arrived
+                and alive & {offer.origin, *offer.holders}]
 
     def _choose(self, round_no: int, offered: dict[str, dict[str, Offer]],
                 everything: bool) -> dict[tuple[str, str], Offer]:
@@ -376,20 +438,41 @@ class Node:
     def _state_copy(self) -> dict[str, torch.Tensor]:
         return {key: value.detach().clone() for key, value in self.model.state_dict().items()}
 
-    def _peer_models(self, blobs: dict[str, dict[str, Blob]]
-                     ) -> tuple[dict[str, dict[str, PeerModel]], dict[str, list[str]]]:
-        """The round's blobs as peer models by kind and peer name, and by kind the peers
-        whose blobs were refused as unusable (logged; the round goes on without them)."""
-        received: dict[str, dict[str, PeerModel]] = {}
-        refused: dict[str, list[str]] = {}
+    def _peer_models(self, blobs: dict[str, dict[str, Blob]]) -> PeerIntake:
+        """The round's blobs as peer models by kind and peer name; a blob that fails the
+        checks of node/blobs.py is refused (logged; the round goes on without it)."""
+        intake = PeerIntake()
         for kind, by_peer in blobs.items():
+            expected = self.algorithm.layouts(kind)
             for name, blob in sorted(by_peer.items()):
                 try:
-                    received.setdefault(kind, {})[name] = usable_peer_model(blob)
+                    model = peer_model(blob, expected)
                 except UnusableBlob as error:
                     log.warning("%s: refused %s's blob: %s", self.options.name, name, error)
-                    refused.setdefault(kind, []).append(name)
-        return received, refused
+                    intake.refuse(kind, name, error.reason)
+                    continue
+                intake.received.setdefault(kind, {})[name] = model
+        return intake
+
+    def _aggregate(self, round_no: int, intake: PeerIntake) -> Aggregate:
+        """The rule's aggregate of the admitted peers' models, contained: a peer whose
+        models make the rule raise is refused for the round (node/containment.py)."""
+        def step(admitted: frozenset[str]) -> Aggregate:
+            own = PeerModel(self._state_copy(), len(self.data.y_train))
+            received = {kind: {name: model for name, model in by_peer.items()
+                               if name in admitted}
+                        for kind, by_peer in intake.received.items()}
+            return self.algorithm.aggregate(round_no, own, received, self.data)
+
+        peers = {name for by_peer in intake.received.values() for name in by_peer}
+        contained = run_contained(step, peers, self.algorithm, self.options.name,
+                                  suspects=self._suspects)
+        self._suspects = set(contained.refused)
+        for name in contained.refused:
+            for kind, by_peer in intake.received.items():
+                if by_peer.pop(name, None) is not None:
+                    intake.refuse(kind, name, RULE_ERROR)
+        return contained.outcome
 
     def _save(self, round_no: int) -> None:
         peers = [{"name": p.name, "addr": p.address, "key": p.public_key.hex()}

@@ -18,10 +18,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .gossip import BlobStore, Offer, OfferBook
-from .identity import Identity, node_id
+from .identity import BadPublicKey, Identity, curve_public_key, node_id
 from .membership import ALIVE, LEFT, PeerEntry, PeerTable
-from .transport import Received, Transport, TransportOptions
+from .transport import (
+    Encryption,
+    Received,
+    Transport,
+    TransportOptions,
+    contact,
+    split_contact,
+)
 from .wire import (
+    PROTOCOL_VERSION,
     Blob,
     Decoder,
     Limits,
@@ -37,6 +45,12 @@ log = logging.getLogger("meshfl.endpoint")
 # Rejected after decoding, by the flows: a blob whose signed record is not what its
 # announce said (WIRE.md 7.4). Counted beside the decoder's reasons.
 OFFER_MISMATCH = "offer_mismatch"
+UNREAD_DIRECT, INBOX_FULL = "unread_direct", "inbox_full"
+# One round's direct message and the next round's may wait together; more is a flood.
+MAX_QUEUED_PER_SENDER = 2
+# Refused at the encrypted handshake, before any message: a client key a closed mesh
+# does not list (WIRE.md 1.1). Counted beside the decoder's reasons.
+REFUSED_HANDSHAKE = "refused_handshake"
 
 
 class Refused(Exception):
@@ -54,7 +68,11 @@ class EndpointSettings:
     max_inflight: int = 2  # blob fetches outstanding per peer
     fetch_timeout: float = 30.0  # an unanswered fetch frees its in-flight slot after this
     allowlist: frozenset[bytes] | None = None  # closed mesh: the only keys allowed
+    encrypt: bool = True  # ZeroMQ CURVE on every connection; off only for measurements
     status_per_second: int = 10  # status answers; each one to a stranger costs a connection
+    # The direct kinds this node reads (`next_message`): a coordinator `upload`s, a client
+    # `personal` blobs. Any other direct message is dropped and counted, unread.
+    direct_kinds: frozenset[str] = frozenset({"upload", "personal"})
     limits: Limits = Limits()
     transport: TransportOptions = TransportOptions()
 
@@ -159,6 +177,7 @@ class Endpoint:
         self._started = time.monotonic()
         self._fetches = _Fetches(settings.max_inflight, settings.fetch_timeout)
         self._inboxes: dict[str, queue.Queue[Message]] = defaultdict(queue.Queue)
+        self._queued: Counter[tuple[str, bytes]] = Counter()  # (kind, sender) in the inboxes
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._send_lock = threading.Lock()
@@ -168,7 +187,12 @@ class Endpoint:
         self._joined = threading.Event()
         self._refusal = ""
         self._stopping = threading.Event()
-        self.transport = Transport(settings.listen, settings.transport)
+        # The CURVE key of the node at each address we may dial, learned with the Ed25519
+        # key that address came with (bootstrap contact, hello, heartbeat, peer list).
+        self._curve_keys: dict[str, bytes] = {}
+        # Bootstrap addresses given without a key: greeted once some message names it.
+        self._greet_when_keyed: set[str] = set()
+        self.transport = Transport(settings.listen, settings.transport, self._encryption())
         self._worker = threading.Thread(target=self._work, name=f"mesh {settings.name}",
                                          daemon=True)
 
@@ -176,13 +200,53 @@ class Endpoint:
     def id(self) -> str:
         return self.identity.id
 
+    @property
+    def contact(self) -> str:
+        """How another node dials this one: KEY@ADDRESS (WIRE.md 1.1)."""
+        return contact(self.settings.address, self.identity.public_key)
+
+    def _encryption(self) -> Encryption | None:
+        if not self.settings.encrypt:
+            return None
+        admit = None
+        if self.settings.allowlist is not None:
+            listed = {_curve_key(key) for key in [*self.settings.allowlist,
+                                                   self.identity.public_key]}
+            admit = listed.__contains__
+        return Encryption(self.identity.curve_public_key, self.identity.curve_secret_key,
+                          admit)
+
+    def _learn(self, address: str, public_key: bytes, from_its_owner: bool = True) -> None:
+        """Dial `address` with the CURVE key of `public_key` from now on. A third party's
+        word (a peer list) does not replace what the address's own node said."""
+        if from_its_owner or address not in self._curve_keys:
+            curve_key = _curve_key(public_key)
+            if curve_key:
+                self._curve_keys[address] = curve_key
+        if address in self._greet_when_keyed and address in self._curve_keys:
+            # A bootstrap peer we could not dial: it dialled us first (or someone named
+            # its key). Our hello now gets the `peers` answer that makes us joined.
+            self._greet_when_keyed.discard(address)
+            self._send(address, "hello", self._hello_body())
+
     # --- the node's side --------------------------------------------------
 
     def start(self, bootstrap: Iterable[str] = ()) -> None:
-        """Start serving and say hello to every bootstrap address (any one is enough)."""
-        self._worker.start()
-        targets = [address for address in bootstrap if address != self.settings.address]
-        for address in targets:
+        """Start serving and say hello to every bootstrap contact (any one is enough):
+        KEY@tcp://HOST:PORT, or a bare address where the mesh does not encrypt."""
+        if self.settings.encrypt:
+            log.info("%s: listening encrypted; others dial it as %s", self.settings.name,
+                     self.contact)
+        targets = []
+        for address, key in map(split_contact, bootstrap):
+            if address != self.settings.address:
+                if key is not None:
+                    self._learn(address, key)
+                elif self.settings.encrypt and address not in self._curve_keys:
+                    self._greet_when_keyed.add(address)
+                targets.append(address)
+        self._worker.start()  # after the keys above are in place: it learns more
+        for address in dict.fromkeys(targets):  # a node listed bare and with its key: once
             self._send(address, "hello", self._hello_body())
         if not targets:
             self._joined.set()
@@ -318,14 +382,19 @@ class Endpoint:
     def next_message(self, kind: str, timeout: float) -> Message | None:
         """The next message of a direct kind (upload, personal), or None."""
         try:
-            return self._inboxes[kind].get(timeout=timeout)
+            message = self._inboxes[kind].get(timeout=timeout)
         except queue.Empty:
             return None
+        with self._lock:
+            self._queued[(kind, message.sender)] -= 1
+        return message
 
     def rejections(self) -> dict[str, int]:
         """Messages dropped, by reason: the decoder's and the flows'."""
         with self._lock:
-            return dict(Counter(self.decoder.rejection_counts()) + self.flow_rejections)
+            refused = Counter({REFUSED_HANDSHAKE: sum(self.transport.refused_keys.values())})
+            return dict(Counter(self.decoder.rejection_counts()) + self.flow_rejections
+                        + refused)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -359,16 +428,19 @@ class Endpoint:
         return {"name": self.settings.name, "addr": self.settings.address}
 
     def _send(self, address: str, kind: str, body: dict[str, Any],
-              blob: Blob | None = None, once: bool = False) -> None:
+              blob: Blob | None = None, once: bool = False, key: bytes | None = None) -> None:
+        """`key`: the Ed25519 key of the node at `address`, when it is not the one learned
+        for that address (an answer to a status probe or a twin)."""
+        server_key = _curve_key(key) if key is not None else self._curve_keys.get(address)
         # Numbering and queueing under one lock: messages leave in sequence order.
         with self._send_lock:
             self._seq += 1
             frames = encode(self.identity, self.mesh_id, kind, self._seq, self.round, body,
                             instance=self.instance, blob=blob)
             if once:
-                self.transport.send_once(address, frames)
+                self.transport.send_once(address, frames, server_key)
             else:
-                self.transport.send(address, frames)
+                self.transport.send(address, frames, server_key)
 
     def _pick_holder(self, offer: Offer) -> PeerEntry | None:
         candidates = [self.table.get(key) for key in [offer.origin, *offer.holders]]
@@ -428,7 +500,8 @@ class Endpoint:
         if key not in self._logged:
             self._logged.add(key)
             log.warning("%s: dropped a message (%s) from connection %s; further ones are "
-                        "only counted", self.settings.name, rejection, routing_id.hex())
+                        "only counted%s", self.settings.name, rejection, routing_id.hex(),
+                        _version_hint(rejection))
 
     def _admit(self, message: Message) -> str | None:
         allowlist = self.settings.allowlist
@@ -457,12 +530,25 @@ class Endpoint:
             live = self.table.get(message.sender)
             where = live.address if live else self.settings.address
             self._send(address, "refuse",
-                       {"reason": f"key {node_id(message.sender)} is already live at {where}"})
+                       {"reason": f"key {node_id(message.sender)} is already live at {where}"},
+                       key=message.sender)
 
     # --- one handler per kind ----------------------------------------------
 
+    def _name_refused(self, key: bytes, name: str) -> bool:
+        """True (and counted) when `key` may not go by `name` (membership.name_refusal):
+        names are how rules and metrics tell peers apart, so two live keys never share one
+        and nobody takes this node's own."""
+        refusal = self.table.name_refusal(key, name, self.settings.name)
+        if refusal is not None:
+            self.flow_rejections[refusal] += 1
+        return refusal is not None
+
     def _on_hello(self, message: Message) -> None:
         name, address = message.body["name"], message.body["addr"]
+        if self._name_refused(message.sender, name):
+            return
+        self._learn(address, message.sender)
         if self.table.upsert(message.sender, name, address, message.instance):
             log.info("%s: %s joined from %s", self.settings.name, name, address)
         self.table.heard_from(message.sender, message.round)
@@ -481,10 +567,13 @@ class Endpoint:
                     and isinstance(item.get("addr"), str) and isinstance(item.get("name"), str)):
                 continue
             key, address = item["key"], item["addr"]
+            if key == self.identity.public_key or self._name_refused(key, item["name"]):
+                continue  # ourselves, or a name this mesh already knows by another key
+            self._learn(address, key, from_its_owner=key == message.sender)
             if key == message.sender:
                 self.table.upsert(key, item["name"], address, message.instance)
                 self.table.heard_from(key, message.round)
-            elif key != self.identity.public_key and self.table.get(key) is None:
+            elif self.table.get(key) is None:
                 self._send(address, "hello", self._hello_body())
         self._joined.set()
 
@@ -496,7 +585,8 @@ class Endpoint:
     def _on_heartbeat(self, message: Message) -> None:
         if self.table.heard_from(message.sender, message.round) is None:
             name, address = message.body.get("name"), message.body.get("addr")
-            if isinstance(name, str) and isinstance(address, str):
+            if isinstance(address, str) and not self._name_refused(message.sender, name):
+                self._learn(address, message.sender)
                 self.table.upsert(message.sender, name, address, message.instance)
 
     def _on_bye(self, message: Message) -> None:
@@ -565,7 +655,8 @@ class Endpoint:
             return
         address = message.body["addr"]
         is_peer = any(entry.address == address for entry in self.table.entries.values())
-        self._send(address, "status_reply", {"status": self._status()}, once=not is_peer)
+        self._send(address, "status_reply", {"status": self._status()}, once=not is_peer,
+                   key=message.sender)
 
     def _status(self) -> dict[str, Any]:
         """This node as a status answer tells it (WIRE.md 7.6)."""
@@ -586,5 +677,31 @@ class Endpoint:
         pass  # a node never asks, so an answer is unsolicited: counted in `received` only
 
     def _on_direct(self, message: Message) -> None:
+        """Queue an `upload` or `personal` for `next_message`, if this node reads that kind
+        and its sender has fewer than MAX_QUEUED_PER_SENDER waiting: a sender that floods
+        must not fill this node's memory (a message may be 256 MiB)."""
         self.table.heard_from(message.sender, message.round)
-        self._inboxes[message.kind].put(message)
+        queued = (message.kind, message.sender)
+        if message.kind not in self.settings.direct_kinds:
+            self.flow_rejections[UNREAD_DIRECT] += 1
+        elif self._queued[queued] >= MAX_QUEUED_PER_SENDER:
+            self.flow_rejections[INBOX_FULL] += 1
+        else:
+            self._queued[queued] += 1
+            self._inboxes[message.kind].put(message)
+
+
+def _curve_key(public_key: bytes) -> bytes:
+    """The CURVE key bound to an Ed25519 public key; empty for bytes that are none."""
+    try:
+        return curve_public_key(public_key)
+    except BadPublicKey:
+        return b""
+
+
+def _version_hint(rejection: Rejected) -> str:
+    """A word for the operator when a message came from a node of another version."""
+    if rejection.reason == "bad_header" and rejection.detail.startswith("version "):
+        return (f"; the sender speaks meshfl protocol {rejection.detail.split()[1]}, this "
+                f"node {PROTOCOL_VERSION}: run the same meshfl version on every node")
+    return ""

@@ -20,6 +20,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 
 PUBLIC_KEY_BYTES = 32
 SIGNATURE_BYTES = 64
+# The prime of Curve25519 and Edwards25519: both curves share the field.
+_FIELD_PRIME = 2**255 - 19
 
 
 class KeyFileError(Exception):
@@ -40,6 +42,37 @@ def verify(public_key: bytes, signature: bytes, data: bytes) -> bool:
     return True
 
 
+class BadPublicKey(ValueError):
+    """Bytes that are not an Ed25519 public key with a Curve25519 counterpart."""
+
+
+def curve_public_key(public_key: bytes) -> bytes:
+    """The X25519 (CURVE) public key bound to an Ed25519 public key: the Montgomery u of
+    the same point, u = (1 + y) / (1 - y) mod 2^255 - 19 (RFC 7748, section 4.1), as 32
+    little-endian bytes. Anyone holding a node's Ed25519 key can dial it encrypted.
+    """
+    if len(public_key) != PUBLIC_KEY_BYTES:
+        raise BadPublicKey(f"a public key has {PUBLIC_KEY_BYTES} bytes, got {len(public_key)}")
+    # The top bit is the sign of x, which the Montgomery form does not need.
+    y = int.from_bytes(public_key, "little") & ((1 << 255) - 1)
+    if y >= _FIELD_PRIME or (1 - y) % _FIELD_PRIME == 0:
+        raise BadPublicKey("not the encoding of an Edwards25519 point with a Curve25519 twin")
+    u = (1 + y) * pow(1 - y, _FIELD_PRIME - 2, _FIELD_PRIME) % _FIELD_PRIME
+    return u.to_bytes(PUBLIC_KEY_BYTES, "little")
+
+
+def curve_secret_key(seed: bytes) -> bytes:
+    """The X25519 secret key bound to an Ed25519 private key (its 32-byte seed): the
+    clamped first half of SHA-512(seed), which is the scalar Ed25519 itself multiplies
+    the base point by (RFC 8032, section 5.1.5), so its X25519 public key is
+    `curve_public_key` of the Ed25519 public key."""
+    scalar = bytearray(hashlib.sha512(seed).digest()[:32])
+    scalar[0] &= 248
+    scalar[31] &= 127
+    scalar[31] |= 64
+    return bytes(scalar)
+
+
 class Identity:
     """A private key and what follows from it."""
 
@@ -49,6 +82,12 @@ class Identity:
             serialization.Encoding.Raw, serialization.PublicFormat.Raw
         )
         self.id: str = node_id(self.public_key)
+        # The CURVE key pair of the encrypted transport, derived from this very key, so
+        # one key file and one allowlist serve both signatures and encryption.
+        self.curve_public_key = curve_public_key(self.public_key)
+        self.curve_secret_key = curve_secret_key(private_key.private_bytes(
+            serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
+            serialization.NoEncryption()))
 
     @classmethod
     def generate(cls) -> Identity:

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 
 from .identity import node_id
 
 ALIVE, DOWN, LEFT = "alive", "down", "left"
+
+# A peer's name is what it calls itself, and what rules, metrics and folders call it:
+# a narrow alphabet (it becomes a file name), and at most one live key per name.
+PEER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+BAD_NAME, NAME_TAKEN = "bad_name", "name_taken"
 
 
 @dataclass
@@ -41,6 +47,16 @@ class PeerTable:
 
     def get(self, public_key: bytes) -> PeerEntry | None:
         return self.entries.get(public_key)
+
+    def name_refusal(self, public_key: bytes, name: str, own_name: str) -> str | None:
+        """Why `public_key` may not go by `name` here (BAD_NAME, NAME_TAKEN), or None. A
+        name is taken by this node's own, and by another key that is alive with it."""
+        if not isinstance(name, str) or not PEER_NAME.fullmatch(name):
+            return BAD_NAME
+        if name == own_name or any(entry.name == name and entry.public_key != public_key
+                                   and entry.state == ALIVE for entry in self.entries.values()):
+            return NAME_TAKEN
+        return None
 
     def heard_from(self, public_key: bytes, round_no: int) -> PeerEntry | None:
         """Note a valid message from a known peer; a down peer that speaks is alive again."""

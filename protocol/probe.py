@@ -3,7 +3,9 @@
 The probe binds a ROUTER of its own, since a node answers at the address the request
 names and never over the request's connection (WIRE.md section 1), sends the request
 from a DEALER and waits for a signed `status_reply`. It joins nothing: the node keeps
-no peer entry for it. WIRE.md section 7.6 specifies the exchange.
+no peer entry for it. WIRE.md section 7.6 specifies the exchange. Asked at a contact
+KEY@tcp://HOST:PORT, both connections are encrypted (section 1.1): the request's with
+the node's key, the answer's with the CURVE key of the probe's own signing key.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from typing import Any
 
 import zmq
 
-from .identity import Identity, node_id
+from .identity import Identity, curve_public_key, node_id
+from .transport import Encryption, curve_client, curve_server, split_contact
 from .wire import ANY_MESH, Decoder, Rejected, encode, new_instance
 
 
@@ -30,31 +33,40 @@ class StatusAnswer:
         return node_id(self.sender)
 
 
-def ask_status(identity: Identity, address: str, reply_host: str, timeout: float,
+def ask_status(identity: Identity, node: str, reply_host: str, timeout: float,
                mesh_id: bytes = ANY_MESH) -> StatusAnswer | None:
-    """The status the node at `address` answers within `timeout` seconds, else None.
+    """The status the node at `node` answers within `timeout` seconds, else None.
 
-    `reply_host` is this machine's address as the node can reach it.
+    `node` is KEY@tcp://HOST:PORT (encrypted) or a bare tcp://HOST:PORT (a node with
+    encryption off); `reply_host` is this machine's address as the node can reach it.
     """
+    address, node_key = split_contact(node)
+    encryption = None
+    if node_key is not None:
+        encryption = Encryption(identity.curve_public_key, identity.curve_secret_key)
     context = zmq.Context()
     try:
         inbox = context.socket(zmq.ROUTER)
         inbox.setsockopt(zmq.LINGER, 0)
-        port = inbox.bind_to_random_port(f"tcp://{reply_host}")
         outbox = context.socket(zmq.DEALER)
         outbox.setsockopt(zmq.LINGER, 0)
+        if encryption is not None and node_key is not None:
+            curve_server(inbox, encryption)  # the node answers with our signing key's twin
+            curve_client(outbox, encryption, curve_public_key(node_key))
+        port = inbox.bind_to_random_port(f"tcp://{reply_host}")
         outbox.connect(address)
         body = {"addr": f"tcp://{reply_host}:{port}"}
         # Clock-based, as every sender's numbers are; a status request does not move the
         # receiver's counter for this key, so a borrowed key stays usable by its node.
         outbox.send_multipart(encode(identity, mesh_id, "status", time.time_ns(), 0, body,
                                      instance=new_instance()))
-        return _await_answer(inbox, time.monotonic() + timeout)
+        return _await_answer(inbox, time.monotonic() + timeout, node_key)
     finally:
         context.destroy(linger=0)
 
 
-def _await_answer(inbox: zmq.Socket, deadline: float) -> StatusAnswer | None:
+def _await_answer(inbox: zmq.Socket, deadline: float,
+                  node_key: bytes | None) -> StatusAnswer | None:
     decoder = Decoder(None)  # we belong to no mesh: the answer tells us the node's
     while (left := deadline - time.monotonic()) > 0:
         if not inbox.poll(left * 1000):
@@ -64,6 +76,6 @@ def _await_answer(inbox: zmq.Socket, deadline: float) -> StatusAnswer | None:
             message = decoder.decode(frames)
         except Rejected:
             continue  # not an authentic message: wait on for the real answer
-        if message.kind == "status_reply":
+        if message.kind == "status_reply" and node_key in (None, message.sender):
             return StatusAnswer(message.sender, message.mesh, message.body["status"])
     return None

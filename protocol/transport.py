@@ -6,6 +6,13 @@ through a pipe, so messages leave in exactly the order they were queued (the
 receiver's replay check depends on that order). Received messages go to a
 bounded queue that the caller drains; when that queue is full the I/O thread
 stops reading and ZeroMQ's high-water marks push back on the senders.
+
+With `Encryption`, every socket speaks ZeroMQ CURVE (WIRE.md section 1.1): the ROUTER
+is a CURVE server holding the node's key pair, each DEALER a CURVE client that must be
+told the key of the node it dials. In a closed mesh a ZAP handler, answered on the I/O
+thread, admits at the handshake only the client keys the mesh lists, so an unlisted
+node never gets a message decoded. Each transport has a ZeroMQ context of its own,
+because a context has exactly one ZAP handler.
 """
 
 from __future__ import annotations
@@ -16,17 +23,51 @@ import queue
 import socket
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 log = logging.getLogger("meshfl.transport")
+
+# libzmq asks a context's ZAP handler at this fixed inproc address (ZeroMQ RFC 27).
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+# The events a socket monitor reports: a failed handshake is the only sign, at this
+# layer, of a node that does not encrypt (protocol version 2) or holds another key.
+_HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                       | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+INCOMING = "incoming"  # what the ROUTER's monitor watches: connections to us
 
 
 class TransportError(Exception):
     """The transport cannot start (bad address, port in use); one line for the user."""
+
+
+class BadContact(ValueError):
+    """A contact that is neither tcp://HOST:PORT nor KEY@tcp://HOST:PORT."""
+
+
+def split_contact(contact: str) -> tuple[str, bytes | None]:
+    """(address, Ed25519 public key or None) of `KEY@tcp://HOST:PORT` (KEY: 64 hex
+    digits) or of a bare `tcp://HOST:PORT`. An encrypted node is dialled with its key."""
+    key_hex, at, address = contact.rpartition("@")
+    if not at:
+        return contact, None
+    try:
+        key = bytes.fromhex(key_hex)
+    except ValueError:
+        key = b""
+    if len(key) != 32:
+        raise BadContact(f"{contact!r}: the part before @ must be a node's public key, "
+                         "64 hex digits")
+    return address, key
+
+
+def contact(address: str, public_key: bytes) -> str:
+    """How others dial a node: `KEY@ADDRESS`, KEY the hex of its Ed25519 public key."""
+    return f"{public_key.hex()}@{address}"
 
 
 def host_towards(address: str) -> str:
@@ -43,6 +84,31 @@ def host_towards(address: str) -> str:
         raise TransportError(f"cannot reach {address}: {err.strerror}") from None
     finally:
         probe.close()
+
+
+@dataclass(frozen=True)
+class Encryption:
+    """The CURVE settings of a transport; a transport without them speaks plain TCP."""
+
+    public_key: bytes  # this node's CURVE key pair, 32 raw bytes each
+    secret_key: bytes
+    # Closed mesh: which client CURVE keys may complete a handshake; None admits any.
+    admit: Callable[[bytes], bool] | None = None
+
+
+def curve_client(sock: zmq.Socket, encryption: Encryption, server_key: bytes) -> None:
+    """Make `sock` a CURVE client of the node whose CURVE key is `server_key`; before
+    it connects."""
+    sock.setsockopt(zmq.CURVE_SERVERKEY, server_key)
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, encryption.public_key)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, encryption.secret_key)
+
+
+def curve_server(sock: zmq.Socket, encryption: Encryption) -> None:
+    """Make `sock` a CURVE server holding `encryption`'s key pair; before it binds."""
+    sock.setsockopt(zmq.CURVE_SERVER, 1)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, encryption.secret_key)
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, encryption.public_key)
 
 
 @dataclass(frozen=True)
@@ -64,53 +130,87 @@ class Received:
     frames: list[Any]  # zmq.Frame objects: the bytes stay where ZeroMQ put them
 
 
+@dataclass(frozen=True)
+class _Outgoing:
+    address: str
+    frames: Sequence[Any]  # empty: close the DEALER to `address`
+    server_key: bytes | None = None  # the CURVE key of the node at `address`
+    once: bool = False
+
+
 class Transport:
-    def __init__(self, listen: str, options: TransportOptions = TransportOptions()) -> None:
+    def __init__(self, listen: str, options: TransportOptions = TransportOptions(),
+                 encryption: Encryption | None = None) -> None:
         self.listen = listen
         self.options = options
+        self.encryption = encryption
         self.inbox: queue.Queue[Received] = queue.Queue(options.receive_queue)
         self.bytes_out = 0
         self.bytes_in = 0
         self.dropped: Counter[str] = Counter()  # peer address -> messages dropped at HWM
+        # Client CURVE keys the ZAP handler turned away (closed mesh), by key.
+        self.refused_keys: Counter[bytes] = Counter()
+        # Failed encrypted handshakes, by the address we dialled or INCOMING.
+        self.failed_handshakes: Counter[str] = Counter()
+        self._logged: set[tuple[str, str]] = set()
         self._closing = threading.Event()
-        # (address, frames, once); empty frames: forget the address; None: stop.
-        self._outbox: queue.Queue[tuple[str, Sequence[Any], bool] | None] = queue.Queue()
+        self._outbox: queue.Queue[_Outgoing | None] = queue.Queue()  # None: stop
         self._wake_read, self._wake_write = os.pipe()
         # Non-blocking: a full pipe already means "wake up", so a lost byte is harmless.
         os.set_blocking(self._wake_write, False)
-        self._context = zmq.Context.instance()
+        self._context = zmq.Context()
+        self._poller = zmq.Poller()
+        self._zap = self._serve_zap()
         self._router = self._bind(listen)
-        self._dealers: dict[str, zmq.Socket] = {}
+        # address -> (DEALER, the CURVE key it dials with)
+        self._dealers: dict[str, tuple[zmq.Socket, bytes | None]] = {}
+        self._monitors: dict[zmq.Socket, str] = {}  # monitor socket -> what it watches
+        self._monitor(self._router, INCOMING)
         self._thread = threading.Thread(target=self._run, name=f"io {listen}", daemon=True)
         self._thread.start()
+
+    def _serve_zap(self) -> zmq.Socket | None:
+        if self.encryption is None or self.encryption.admit is None:
+            return None  # libzmq admits every CURVE client when no ZAP handler is bound
+        zap = self._context.socket(zmq.REP)
+        zap.setsockopt(zmq.LINGER, 0)
+        zap.bind(ZAP_ENDPOINT)
+        return zap
 
     def _bind(self, listen: str) -> zmq.Socket:
         router = self._context.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.RCVHWM, self.options.receive_hwm)
         router.setsockopt(zmq.MAXMSGSIZE, self.options.max_frame_bytes)
+        if self.encryption is not None:
+            curve_server(router, self.encryption)
         try:
             router.bind(listen)
         except zmq.ZMQError as err:
             router.close()
+            if self._zap is not None:
+                self._zap.close()
+            self._context.term()
             reason = "port in use" if err.errno == zmq.EADDRINUSE else err.strerror
             raise TransportError(f"cannot listen on {listen}: {reason}") from None
         return router
 
-    def send(self, address: str, frames: Sequence[Any]) -> None:
-        """Queue one message for `address`; never blocks, safe from any thread."""
-        self._queue(address, frames, once=False)
+    def send(self, address: str, frames: Sequence[Any], server_key: bytes | None = None) -> None:
+        """Queue one message for `address`; never blocks, safe from any thread.
+        `server_key`: the CURVE public key of the node there, needed when encrypting."""
+        self._queue(_Outgoing(address, frames, server_key))
 
-    def send_once(self, address: str, frames: Sequence[Any]) -> None:
+    def send_once(self, address: str, frames: Sequence[Any],
+                  server_key: bytes | None = None) -> None:
         """Send one message over a connection of its own, closed once it is out: for an
         answer to a node that is no peer (a status probe), which a DEALER kept open
         would go on redialling after the probe is gone."""
-        self._queue(address, frames, once=True)
+        self._queue(_Outgoing(address, frames, server_key, once=True))
 
-    def _queue(self, address: str, frames: Sequence[Any], once: bool) -> None:
+    def _queue(self, item: _Outgoing) -> None:
         if self._closing.is_set():
             return
-        self._outbox.put((address, frames, once))
+        self._outbox.put(item)
         self._wake()
 
     def _wake(self) -> None:
@@ -121,7 +221,7 @@ class Transport:
 
     def forget(self, address: str) -> None:
         """Close the DEALER to a peer that left (done on the I/O thread)."""
-        self._queue(address, (), once=False)
+        self._queue(_Outgoing(address, ()))
 
     def close(self) -> None:
         """Send what is queued, then close every socket without lingering."""
@@ -137,22 +237,34 @@ class Transport:
     # --- the I/O thread -------------------------------------------------
 
     def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._wake_read, zmq.POLLIN)
+        for sock in (self._router, self._wake_read, self._zap, *self._monitors):
+            if sock is not None:
+                self._poller.register(sock, zmq.POLLIN)
         try:
             while True:
-                events = dict(poller.poll())
+                events = dict(self._poller.poll())
                 if self._wake_read in events:
                     os.read(self._wake_read, 65536)
                     if not self._drain_outbox():
                         return
+                if self._zap is not None and self._zap in events:
+                    self._answer_zap()
+                for monitor in [m for m in self._monitors if m in events]:
+                    self._read_monitor(monitor)
                 if self._router in events:
                     self._receive_some()
         finally:
-            for dealer in self._dealers.values():
-                dealer.close(linger=self.options.close_linger_ms)
-            self._router.close(linger=0)
+            self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for address in list(self._dealers):
+            self._close_dealer(address, linger=self.options.close_linger_ms)
+        for monitor in self._monitors:
+            monitor.close(linger=0)
+        self._router.close(linger=0)
+        if self._zap is not None:
+            self._zap.close(linger=0)
+        self._context.term()  # returns once the DEALERs' lingering messages are out
 
     def _receive_some(self) -> None:
         # Read what is there now, but keep turns fair with the outbox.
@@ -164,6 +276,45 @@ class Transport:
             self.bytes_in += sum(len(frame) for frame in frames)
             self.inbox.put(Received(routing_id.bytes, frames))
 
+    def _answer_zap(self) -> None:
+        """One ZAP request (RFC 27: version, request id, domain, address, identity,
+        mechanism, credentials...), answered 200 or 400 by the mesh's allowlist."""
+        version, request_id, _domain, peer_ip, _identity, mechanism, *credentials = \
+            self._zap.recv_multipart()
+        key = credentials[0] if mechanism == b"CURVE" and credentials else b""
+        assert self.encryption is not None and self.encryption.admit is not None
+        if key and self.encryption.admit(key):
+            self._zap.send_multipart([version, request_id, b"200", b"OK", b"", b""])
+            return
+        self.refused_keys[key] += 1
+        self._log_once("refused", key.hex(), "refused a connection from %s at the handshake: "
+                       "its key (CURVE %s) is not listed in this closed mesh; further ones "
+                       "are only counted", peer_ip.decode(errors="replace"), key.hex())
+        self._zap.send_multipart([version, request_id, b"400", b"key not listed", b"", b""])
+
+    def _monitor(self, sock: zmq.Socket, watched: str) -> None:
+        if self.encryption is not None:
+            monitor = sock.get_monitor_socket(_HANDSHAKE_FAILURES)
+            self._monitors[monitor] = watched
+            if watched != INCOMING:  # the ROUTER's is registered when the thread starts
+                self._poller.register(monitor, zmq.POLLIN)
+
+    def _read_monitor(self, monitor: zmq.Socket) -> None:
+        event = recv_monitor_message(monitor, zmq.NOBLOCK)
+        watched = self._monitors[monitor]
+        if watched == INCOMING and event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            return  # our own ZAP refusal: counted and logged where it was made
+        self.failed_handshakes[watched] += 1
+        why = _handshake_failure(event, watched)
+        # Once per end and cause: a broken-off connection often comes before the cause.
+        self._log_once("handshake", f"{watched} {why}", "encrypted handshake with %s failed: "
+                       "%s; further such failures are only counted", watched, why)
+
+    def _log_once(self, kind: str, subject: str, text: str, *args: Any) -> None:
+        if (kind, subject) not in self._logged:
+            self._logged.add((kind, subject))
+            log.warning(text, *args)
+
     def _drain_outbox(self) -> bool:
         while True:
             try:
@@ -172,37 +323,60 @@ class Transport:
                 return True
             if item is None:
                 return False
-            address, frames, once = item
-            if once:
-                self._send_once_now(address, frames)
-            elif frames:
-                self._send_now(address, frames)
+            if item.once:
+                self._send_once_now(item)
+            elif item.frames:
+                self._send_now(item)
             else:
-                dealer = self._dealers.pop(address, None)
-                if dealer is not None:
-                    dealer.close(linger=0)
+                self._close_dealer(item.address)
 
-    def _send_now(self, address: str, frames: Sequence[Any]) -> None:
-        dealer = self._dealers.get(address)
+    def _close_dealer(self, address: str, linger: int = 0) -> None:
+        dealer, _ = self._dealers.pop(address, (None, None))
         if dealer is None:
-            dealer = self._connect(address)
+            return
+        for monitor in [m for m, watched in self._monitors.items() if watched == address]:
+            self._poller.unregister(monitor)
+            del self._monitors[monitor]
+            dealer.disable_monitor()
+            monitor.close(linger=0)
+        dealer.close(linger=linger)
+
+    def _send_now(self, item: _Outgoing) -> None:
+        dealer, dialled_with = self._dealers.get(item.address, (None, None))
+        if dealer is not None and item.server_key is not None and dialled_with != item.server_key:
+            # Another node (another key) now answers at this address: a DEALER dialling
+            # with the old key would never complete its handshake.
+            self._close_dealer(item.address)
+            dealer = None
+        if dealer is None:
+            dealer = self._connect(item)
             if dealer is None:
                 return
-            self._dealers[address] = dealer
-        self._put(dealer, address, frames)
+            self._dealers[item.address] = (dealer, item.server_key)
+            self._monitor(dealer, item.address)
+        self._put(dealer, item.address, item.frames)
 
-    def _send_once_now(self, address: str, frames: Sequence[Any]) -> None:
-        dealer = self._connect(address)
+    def _send_once_now(self, item: _Outgoing) -> None:
+        dealer = self._connect(item)
         if dealer is not None:
-            self._put(dealer, address, frames)
+            self._put(dealer, item.address, item.frames)
             # Closing does not wait: ZeroMQ sends the queued message in the background.
             dealer.close(linger=self.options.once_linger_ms)
 
-    def _connect(self, address: str) -> zmq.Socket | None:
+    def _connect(self, item: _Outgoing) -> zmq.Socket | None:
+        address = item.address
+        if self.encryption is not None and item.server_key is None:
+            self.dropped[address] += 1
+            self._log_once("unkeyed", address, "cannot dial %s: this mesh is encrypted and "
+                           "the public key of the node there is unknown (list its public_key "
+                           "in peers.yaml, or give KEY@%s)", address, address)
+            return None
         dealer = self._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.SNDHWM, self.options.send_hwm)
         dealer.setsockopt(zmq.IMMEDIATE, 0)
+        if self.encryption is not None and item.server_key is not None:
+            curve_client(dealer, self.encryption, item.server_key)
         try:
             dealer.connect(address)
         except zmq.ZMQError as err:
@@ -219,3 +393,21 @@ class Transport:
             self.dropped[address] += 1
             return
         self.bytes_out += sum(memoryview(frame).nbytes for frame in frames)
+
+
+def _handshake_failure(event: dict[str, Any], watched: str) -> str:
+    """Why an encrypted handshake failed, in words, from a socket monitor's event."""
+    if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and \
+            event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+        return ("the other side does not encrypt: a meshfl protocol-2 node, or one with "
+                "`encrypt: false`; it cannot take part in an encrypted mesh")
+    if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:  # on a DEALER: we were refused
+        return (f"the node refused our key (ZAP status {event['value']}): a closed mesh "
+                "that does not list this node")
+    if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+        return ("the connection closed during the handshake: the other side may hold "
+                "another key than the one it was dialled with, or speak without encryption")
+    if watched == INCOMING:
+        return ("a client did not complete the CURVE handshake: it dialled with another "
+                "key than this node's")
+    return "the node there holds another key than the one we dialled it with"

@@ -28,9 +28,11 @@ from blake3 import blake3
 
 from .identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, node_id, verify
 
-PROTOCOL_VERSION = 2  # 2: data frames digested with BLAKE3 instead of SHA-256
-HEADER_CONTEXT = b"meshfl/2 header\n"
-RECORD_CONTEXT = b"meshfl/2 blob\n"
+# 2: data frames digested with BLAKE3 instead of SHA-256; 3: every connection encrypted
+# with ZeroMQ CURVE under keys derived from the nodes' Ed25519 keys (WIRE.md 1.1).
+PROTOCOL_VERSION = 3
+HEADER_CONTEXT = b"meshfl/3 header\n"
+RECORD_CONTEXT = b"meshfl/3 blob\n"
 DIGEST_BYTES = 32
 MESH_ID_BYTES = 16
 INSTANCE_BYTES = 8
@@ -48,6 +50,8 @@ DTYPES = {  # wire name -> numpy dtype; nothing else is ever decoded
     "int8": np.dtype("i1"), "uint8": np.dtype("u1"), "int16": np.dtype("<i2"),
     "int32": np.dtype("<i4"), "int64": np.dtype("<i8"), "bool": np.dtype("?"),
 }
+
+MAX_DIMENSIONS = 64  # numpy's own limit: a tensor with more could not even be built
 
 REJECTION_REASONS = (
     "oversize", "too_many_frames", "bad_msgpack", "bad_header", "wrong_mesh",
@@ -255,13 +259,19 @@ _BODY_FIELDS: dict[str, dict[str, tuple[type, int | None]]] = {
 }
 
 
+def _is_count(value: Any) -> bool:
+    """An integer >= 0 on the wire; msgpack's booleans are Python ints, and refused."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _check_fields(where: str, values: Any, fields: Mapping[str, tuple[type, int | None]]) -> None:
     if not isinstance(values, dict):
         raise Rejected("bad_header", f"{where} is not a map")
     for name, (kind, length) in fields.items():
         value = values.get(name)
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise Rejected("bad_header", f"{where}.{name} missing or not {kind.__name__}")
+        if not (_is_count(value) if kind is int else isinstance(value, kind)):
+            raise Rejected("bad_header", f"{where}.{name} missing or not "
+                                         f"{'an integer >= 0' if kind is int else kind.__name__}")
         if length is not None and len(value) != length:
             raise Rejected("bad_header", f"{where}.{name} must be {length} bytes")
 
@@ -372,8 +382,6 @@ class Decoder:
         kind = header["kind"]
         if kind not in _BODY_FIELDS:
             raise Rejected("bad_header", f"unknown kind {kind[:32]!r}")
-        if header["seq"] < 0 or header["round"] < 0:
-            raise Rejected("bad_header", "negative seq or round")
         _check_fields(f"{kind}.body", header["body"], _BODY_FIELDS[kind])
         return Message(kind, header["from"], header["seq"], header["round"], header["inst"],
                        header["body"], mesh=header["mesh"])
@@ -384,7 +392,7 @@ class Decoder:
             raise Rejected("bad_header", "blob record is not a 7-item array")
         origin, round_no, kind, schema, record_digest, raw_index, meta = record
         if not (isinstance(origin, bytes) and len(origin) == PUBLIC_KEY_BYTES
-                and isinstance(round_no, int) and not isinstance(round_no, bool) and round_no >= 0
+                and _is_count(round_no)
                 and isinstance(kind, str) and isinstance(schema, bytes)
                 and isinstance(record_digest, bytes) and isinstance(raw_index, list)
                 and isinstance(meta, dict)):
@@ -408,12 +416,14 @@ class Decoder:
     def _tensor_info(entry: Any) -> TensorInfo:
         if not (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], str)
                 and isinstance(entry[1], str) and isinstance(entry[2], list)
-                and isinstance(entry[3], int)):
+                and _is_count(entry[3])):
             raise Rejected("bad_header", "tensor index entry")
         name, dtype, shape, nbytes = entry
         if dtype not in DTYPES:
             raise Rejected("forbidden_dtype", dtype[:32])
-        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in shape):
+            raise Rejected("bad_header", f"{name}: shape holds a non-integer")
+        if len(shape) > MAX_DIMENSIONS or not all(n >= 0 for n in shape):
             raise Rejected("shape_mismatch", f"{name}: shape")
         if int(np.prod(shape, dtype=object)) * DTYPES[dtype].itemsize != nbytes:
             raise Rejected("shape_mismatch", f"{name}: shape and length disagree")

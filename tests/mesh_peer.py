@@ -126,7 +126,7 @@ def main() -> int:
         endpoint.start(args.bootstrap)
         joined = endpoint.wait_joined(10.0)
         say("ready", id=endpoint.id, key=endpoint.identity.public_key.hex(),
-            address=endpoint.settings.address, joined=joined)
+            address=endpoint.settings.address, contact=endpoint.contact, joined=joined)
         for line in sys.stdin:
             words = line.split()
             if not words:

@@ -31,6 +31,8 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) 
     (["--dataset", "mnist", "--data-root", "/nonexistent/meshfl-data"], ["mnist", "--data-root"]),
     (["--set", "lr=-1"], ["lr", "-1"]),
     (["--set", "algorithm.gamma=2"], ["algorithm.gamma"]),
+    (["--algorithm", "pfedlia", "--rounds", "5", "--set", "algorithm.warmup=20"],
+     ["'algorithm.warmup'", "rounds 5", "algorithm.warmup_only=true"]),
 ])
 def test_launch_mistakes(tmp_path, flags, fragments):
     result = run_meshfl("launch", "--out", str(tmp_path / "run"), *flags)

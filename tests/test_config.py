@@ -157,6 +157,10 @@ BAD_OVERRIDES = [
     (["data.split=[0.5, 0.2, 0.2]"], "'data.split'", "[0.5, 0.2, 0.2]"),
     (["data.split=[0.8, 0.2, 0.0]"], "'data.split'", "0.0"),
     (["data.split=[0.5, 0.5]"], "'data.split'", "[0.5, 0.5]"),
+    # The data module's own bounds, checked once: three samples at least (train, val, test).
+    (["data.samples_per_node=2"], "'data.samples_per_node'", "2"),
+    (["data.samples_per_node=true"], "'data.samples_per_node'", "True"),
+    (["peers.1.data.samples_per_node=1"], "'peers.1.data.samples_per_node'", "1"),
     (["peers.0.public_key=" + "zz" * 32], "'peers.0.public_key'", "zz"),
     (["peers.0.public_key=abc123"], "'peers.0.public_key'", "'abc123'"),
     ([f"peers.0.public_key={KEY_A}", f"peers.1.public_key={KEY_A}"], "'peers.1.public_key'", KEY_A),
@@ -299,7 +303,7 @@ class _GammaParams:
     gamma: float = 5.0
 
 
-def _parse_gamma(name: str, params: dict) -> _GammaParams:
+def _parse_gamma(name: str, params: dict, rounds: int | None = None) -> _GammaParams:
     return _GammaParams(**{key: float(value) for key, value in params.items()})
 
 

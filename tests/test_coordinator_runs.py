@@ -19,6 +19,8 @@ from tests.nodes import (
     write_config,
 )
 
+pytestmark = pytest.mark.slow  # real processes over real sockets
+
 
 def start_coordinator(config, out):
     (out / "coordinator").mkdir(parents=True, exist_ok=True)

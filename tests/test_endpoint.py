@@ -24,10 +24,16 @@ import zmq
 
 from meshfl.protocol.endpoint import Endpoint, EndpointSettings, FetchRecord, Refused
 from meshfl.protocol.gossip import Offer
-from meshfl.protocol.identity import Identity, verify
+from meshfl.protocol.identity import Identity, curve_public_key, verify
 from meshfl.protocol.membership import ALIVE, DOWN, LEFT
 from meshfl.protocol.probe import ask_status
-from meshfl.protocol.transport import TransportError
+from meshfl.protocol.transport import (
+    Encryption,
+    TransportError,
+    curve_client,
+    curve_server,
+    split_contact,
+)
 from meshfl.protocol.wire import (
     HEADER_CONTEXT,
     RECORD_CONTEXT,
@@ -107,11 +113,16 @@ class RawPeer:
         self.seq = time.time_ns()
         self.inbox = context.socket(zmq.ROUTER)
         self.inbox.setsockopt(zmq.LINGER, 0)
-        self.inbox.bind("tcp://127.0.0.1:*")
-        self.address = self.inbox.getsockopt_string(zmq.LAST_ENDPOINT)
         self.out = context.socket(zmq.DEALER)
         self.out.setsockopt(zmq.LINGER, 0)
-        self.out.connect(target)
+        address, node_key = split_contact(target)  # KEY@ADDRESS: the endpoint encrypts
+        if node_key is not None:
+            keys = Encryption(self.identity.curve_public_key, self.identity.curve_secret_key)
+            curve_server(self.inbox, keys)
+            curve_client(self.out, keys, curve_public_key(node_key))
+        self.inbox.bind("tcp://127.0.0.1:*")
+        self.address = self.inbox.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.out.connect(address)
         self.decoder = Decoder(MESH)
         self.pending: list[Message] = []
 
@@ -342,7 +353,7 @@ def scene(context, make_endpoint):
         "target", allowlist=frozenset({raw_identity.public_key, origin.public_key}),
         limits=SMALL)
     endpoint.start()
-    raw = RawPeer(context, endpoint.settings.listen, raw_identity)
+    raw = RawPeer(context, endpoint.contact, raw_identity)
     raw.join()
     return Scene(endpoint, raw, origin, stranger)
 
@@ -384,7 +395,7 @@ def test_rejections_are_logged_once_per_connection_and_reason(context, make_endp
     caplog.set_level(logging.WARNING, logger="meshfl.endpoint")
     endpoint = make_endpoint("target")
     endpoint.start()
-    raw = RawPeer(context, endpoint.settings.listen)
+    raw = RawPeer(context, endpoint.contact)
     raw.join()
     bad = raw.frames("heartbeat", {}, mesh=OTHER_MESH)
 
@@ -398,7 +409,7 @@ def test_rejections_are_logged_once_per_connection_and_reason(context, make_endp
     assert endpoint.decoder.rejections["wrong_mesh"] == 5
     assert logged() == 1
 
-    other = RawPeer(context, endpoint.settings.listen)  # a second connection logs again
+    other = RawPeer(context, endpoint.contact)  # a second connection logs again
     other.send(bad)
     other.join()
     assert endpoint.decoder.rejections["wrong_mesh"] == 6
@@ -413,7 +424,7 @@ def test_a_second_process_with_a_live_key_is_refused(make_endpoint):
     live = make_endpoint("live", identity)
     live.start()
     twin = make_endpoint("twin", identity)
-    twin.start([live.settings.listen])
+    twin.start([live.contact])
     with pytest.raises(Refused, match=identity.id):
         twin.wait_joined(WAIT)
     assert live.decoder.rejections["duplicate_key"] == 1
@@ -425,12 +436,12 @@ def test_a_twin_joining_through_another_peer_is_refused(make_endpoint):
     live = make_endpoint("live", identity)
     live.start()
     friend = make_endpoint("friend")
-    friend.start([live.settings.listen])
+    friend.start([live.contact])
     assert friend.wait_joined(WAIT)
     assert live.wait_for_peers(1, WAIT) and friend.wait_for_peers(1, WAIT)
 
     twin = make_endpoint("twin", identity)
-    twin.start([friend.settings.listen])
+    twin.start([friend.contact])
     with pytest.raises(Refused, match=live.settings.listen):
         twin.wait_joined(WAIT)
     # The friend still knows the key at the live process's address.
@@ -450,7 +461,7 @@ def test_a_silent_peer_is_marked_down_within_timeout_plus_one_interval(context, 
     interval, timeout = 0.1, 0.8
     endpoint = make_endpoint("watcher", heartbeat_interval=interval, peer_timeout=timeout)
     endpoint.start()
-    raw = RawPeer(context, endpoint.settings.listen)
+    raw = RawPeer(context, endpoint.contact)
     sent = time.monotonic()
     raw.join()
     answered = time.monotonic()
@@ -473,7 +484,7 @@ def test_bye_marks_a_peer_left(make_endpoint):
     first = make_endpoint("first", peer_timeout=60.0)
     first.start()
     second = make_endpoint("second", peer_timeout=60.0)
-    second.start([first.settings.listen])
+    second.start([first.contact])
     assert second.wait_joined(WAIT) and first.wait_for_peers(1, WAIT)
     second.close()
 
@@ -488,7 +499,7 @@ def test_a_node_never_becomes_its_own_peer(context, make_endpoint):
     endpoint = make_endpoint("target")
     endpoint.start()
     own = endpoint.settings.listen
-    raw = RawPeer(context, own)
+    raw = RawPeer(context, endpoint.contact)
     # A hello whose answer address is the node's own, and a peer list that points a
     # stranger's key there: the node ends up talking to itself, and must not mind.
     raw.send(raw.frames("hello", {"name": "liar", "addr": own}))
@@ -509,7 +520,7 @@ def test_peers_learn_each_other_through_one_bootstrap(make_endpoint):
     hub.start()
     spokes = [make_endpoint(f"spoke{i}") for i in range(3)]
     for spoke in spokes:
-        spoke.start([hub.settings.listen])
+        spoke.start([hub.contact])
     for endpoint in [hub, *spokes]:
         assert endpoint.wait_for_peers(3, WAIT), endpoint.settings.name
     keys = {e.identity.public_key for e in [hub, *spokes]}
@@ -525,7 +536,7 @@ def joined_pair(make_endpoint, **settings) -> tuple[Endpoint, Endpoint]:
     first = make_endpoint("a", **settings)
     first.start()
     second = make_endpoint("b", **settings)
-    second.start([first.settings.listen])
+    second.start([first.contact])
     assert second.wait_joined(WAIT)
     assert first.wait_for_peers(1, WAIT) and second.wait_for_peers(1, WAIT)
     return first, second
@@ -582,7 +593,7 @@ def test_a_node_serves_a_blob_it_fetched_to_a_third_node(make_endpoint):
     origin.close()  # the origin is gone; only the relay holds the blob now
     assert poll_until(lambda: relay.alive_peers() == [])
     late = make_endpoint("late")
-    late.start([relay.settings.listen])
+    late.start([relay.contact])
     assert late.wait_joined(WAIT) and late.wait_for_peers(1, WAIT)
     assert origin.identity.public_key not in [e.public_key for e in late.peers()]
 
@@ -603,7 +614,7 @@ def test_a_node_serves_a_blob_it_fetched_to_a_third_node(make_endpoint):
 def test_fetches_in_flight_per_peer_are_capped(context, make_endpoint):
     endpoint = make_endpoint("puller", max_inflight=2, heartbeat_interval=5.0)
     endpoint.start()
-    holder = RawPeer(context, endpoint.settings.listen, name="holder")
+    holder = RawPeer(context, endpoint.contact, name="holder")
     holder.join()
     blobs = [small_blob(holder.identity, w=np.full(64, i, dtype=np.float32)) for i in range(5)]
     by_id = {blob.id: blob for blob in blobs}
@@ -646,7 +657,7 @@ def test_equal_tensors_from_two_origins_are_two_blobs_and_a_third_node_fetches_b
     puller.start()
     origins = [make_endpoint(name) for name in ("first", "second")]
     for origin in origins:
-        origin.start([puller.settings.listen])
+        origin.start([puller.contact])
     for endpoint in [puller, *origins]:
         assert endpoint.wait_for_peers(2, WAIT), endpoint.settings.name
     blobs = [make_blob(origin.identity, 1, "model", model_arrays(3), schema=SCHEMA)
@@ -711,7 +722,7 @@ def test_a_late_joiner_is_offered_the_latest_round_published_before_it_came(make
     origin.publish(latest)  # announced to nobody: nobody is there yet
 
     late = make_endpoint("late")
-    late.start([origin.settings.listen])
+    late.start([origin.contact])
     assert late.wait_joined(WAIT) and late.wait_for_peers(1, WAIT)
     offers = late.wait_offers(2, {"model"}, {origin.identity.public_key},
                               time.monotonic() + WAIT)
@@ -727,7 +738,7 @@ def test_a_joiner_far_behind_gets_the_offers_once_it_takes_the_mesh_round(make_e
     origin.publish(blob)
 
     late = make_endpoint("late")
-    late.start([origin.settings.listen])
+    late.start([origin.contact])
     assert late.wait_joined(WAIT) and late.wait_for_peers(1, WAIT)
     # Round 10 is too far ahead of the joiner's round 0: that first announce is ignored.
     assert poll_until(lambda: late.received["ignored_announce"] == 1)
@@ -759,7 +770,7 @@ def test_messages_are_decoded_without_holding_the_endpoint_lock(context, make_en
         return decode(frames)
 
     endpoint.decoder.decode = observed_decode
-    raw = RawPeer(context, endpoint.settings.listen)
+    raw = RawPeer(context, endpoint.contact)
     raw.join()
     raw.send(raw.frames("heartbeat", {}, mesh=OTHER_MESH))  # a rejected one too
     raw.join()
@@ -773,7 +784,7 @@ def test_messages_are_decoded_without_holding_the_endpoint_lock(context, make_en
 def test_a_node_answers_a_status_probe_and_does_not_take_it_for_a_peer(make_endpoint):
     node, peer = joined_pair(make_endpoint)
     node.status_extra = lambda: {"accuracies": [{"round": 1, "test_acc": 0.5}]}
-    answer = ask_status(Identity.generate(), node.settings.listen, "127.0.0.1", WAIT)
+    answer = ask_status(Identity.generate(), node.contact, "127.0.0.1", WAIT)
     assert answer is not None
     assert (answer.sender, answer.node_id, answer.mesh_id) == (
         node.identity.public_key, node.id, MESH)
@@ -790,31 +801,35 @@ def test_a_node_answers_a_status_probe_and_does_not_take_it_for_a_peer(make_endp
 def test_a_status_request_is_checked_like_any_message(make_endpoint):
     node = make_endpoint("node")
     node.start()
-    wrong_mesh = ask_status(Identity.generate(), node.settings.listen, "127.0.0.1", 0.5,
+    wrong_mesh = ask_status(Identity.generate(), node.contact, "127.0.0.1", 0.5,
                             mesh_id=OTHER_MESH)
     assert wrong_mesh is None and node.rejections() == {"wrong_mesh": 1}
-    assert ask_status(Identity.generate(), node.settings.listen, "127.0.0.1", WAIT,
+    assert ask_status(Identity.generate(), node.contact, "127.0.0.1", WAIT,
                       mesh_id=MESH) is not None, "the mesh's own id is fine too"
 
 
 def test_a_closed_mesh_answers_status_only_to_listed_keys_even_one_in_use(scene):
     endpoint, raw = scene.endpoint, scene.raw
-    address = endpoint.settings.listen
+    address = endpoint.contact
     assert ask_status(scene.stranger, address, "127.0.0.1", 0.5) is None
-    assert endpoint.rejections()["unknown_sender"] == 1
+    # Encrypted, the stranger's key is turned away at the handshake: nothing is decoded.
+    assert endpoint.rejections()["refused_handshake"] >= 1
+    assert "unknown_sender" not in endpoint.rejections()
+    unencrypted = ask_status(scene.stranger, endpoint.settings.listen, "127.0.0.1", 0.5)
+    assert unencrypted is None and "unknown_sender" not in endpoint.rejections()
     # The operator may sign with a listed key whose node is live: that is no twin, and
     # the probe's clock-based number must not make the live node's messages replays.
     answer = ask_status(raw.identity, address, "127.0.0.1", WAIT)
     assert answer is not None and answer.node_id == endpoint.id
     raw.join()
-    assert endpoint.rejections() == {"unknown_sender": 1}
+    assert set(endpoint.rejections()) == {"refused_handshake"}
 
 
 def test_status_answers_are_rate_limited(make_endpoint):
     node = make_endpoint("node", status_per_second=2)
     node._status_answers.period = 60.0  # so that a slow machine cannot spread the asks out
     node.start()
-    answers = [ask_status(Identity.generate(), node.settings.listen, "127.0.0.1", 1.0)
+    answers = [ask_status(Identity.generate(), node.contact, "127.0.0.1", 1.0)
                for _ in range(3)]
     assert [answer is not None for answer in answers] == [True, True, False]
     assert node.received["status_unanswered"] == 1

@@ -181,7 +181,7 @@ def test_a_run_writes_out_every_rule_parameter_and_a_changed_default_reads_as_a_
     base = tmp_path / "base.yaml"
     base.write_text("rounds: 1\n")
     planned = _planned_config(base, ["algorithm=pfedsv"], nodes=2)
-    assert planned.algorithm.params == explicit_params(AlgorithmConfig("pfedsv", {}))
+    assert planned.algorithm.params == explicit_params(AlgorithmConfig("pfedsv", {}), rounds=1)
     assert planned.algorithm.params["val_guard"] is True and "alpha" in planned.algorithm.params
     # A run saved with the guard off, read today when the default is on: a difference.
     saved_then = replace(planned, algorithm=AlgorithmConfig(

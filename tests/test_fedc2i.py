@@ -320,7 +320,8 @@ def test_a_real_mesh_records_influence_diagnostics_every_round(tmp_path):
     out = tmp_path / "run"
     done = subprocess.run(
         [sys.executable, "-m", "meshfl.launch.cli", "launch", "--algorithm", "fedc2i",
-         "--nodes", "3", "--rounds", "3", "--out", str(out), "--quiet"],
+         "--nodes", "3", "--rounds", "3", "--out", str(out), "--quiet",
+         "--set", "algorithm.screen=false"],  # the paper's rule: every peer weighed
         capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     for node in ("node0", "node1", "node2"):

@@ -9,6 +9,8 @@ import pytest
 
 from tests.nodes import free_ports, records, run_coordinated_mesh, write_config
 
+pytestmark = pytest.mark.slow  # real processes over real sockets
+
 NODES, ROUNDS, STEPS, SAMPLES = 3, 4, 2, 4
 LOGREG_ON_DIGITS = 64 * 10 + 10  # parameters: 8x8 pixels to 10 classes, plus the bias
 

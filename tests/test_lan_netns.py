@@ -38,7 +38,10 @@ from meshfl.node import config as cfgmod
 from meshfl.node.data import load_node_data
 from meshfl.node.models import build_model
 from meshfl.node.trainer import evaluate, train_local
+from meshfl.protocol.identity import Identity
 from tests.nodes import records
+
+pytestmark = pytest.mark.slow  # real processes over real sockets
 
 
 def can_build_namespaces() -> bool:
@@ -155,9 +158,18 @@ def lan():
         signal.signal(signal.SIGTERM, previous)
 
 
-def write_peers(path: Path) -> cfgmod.MeshConfig:
+def write_peers(path: Path, root: Path | None = None) -> cfgmod.MeshConfig:
+    """peers.yaml of the named hosts; with `root`, each host's key is made in its own
+    folder first and its public key listed, as on real machines: the mesh encrypts, and
+    a node dials another only with its key (WIRE.md 1.1)."""
     peers = [{"name": name, "listen": f"tcp://{VirtualLan.address(index)}:{PORT}"}
              for index, name in enumerate(NAMED)]
+    if root is not None:
+        for index, peer in enumerate(peers):
+            key_file = host_dir(root, index) / "keys" / f"{peer['name']}.pem"
+            identity = Identity.generate()
+            identity.save(key_file)
+            peer["public_key"] = identity.public_key.hex()
     path.write_text(yaml.safe_dump({**MESH, "peers": peers}))
     return cfgmod.load_config(path)
 
@@ -231,7 +243,8 @@ def test_three_hosts_and_a_joiner_learn_over_a_virtual_lan(lan, tmp_path):
                                        capture_output=True, text=True).stdout.strip()
         assert not default_route, "a host with a default route could send beyond the LAN"
     config = tmp_path / "peers.yaml"
-    cfg = write_peers(config)
+    cfg = write_peers(config, tmp_path)
+    assert cfg.encrypt, "the LAN mesh runs encrypted, the default"
     run_mesh(lan, config, tmp_path)
 
     hosts = {name: index for index, name in enumerate([*NAMED, JOINER])}
@@ -260,7 +273,7 @@ def test_a_late_member_listed_in_peers_yaml_joins_as_its_entry(tmp_path, monkeyp
     started = []
     monkeypatch.setattr(local, "_run", lambda options: started.append(options) or 0)
     config = tmp_path / "peers.yaml"
-    write_peers(config)
+    write_peers(config, tmp_path)  # alpha's listed key lets the joiner dial it encrypted
     assert main(["join", f"tcp://{VirtualLan.address(0)}:{PORT}", "--config", str(config),
                  "--name", "gamma", "--set", "peers.gamma.key=keys/gamma.pem"]) == 0
     (options,) = started

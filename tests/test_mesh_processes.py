@@ -19,6 +19,8 @@ import pytest
 
 from meshfl.protocol.identity import Identity
 
+pytestmark = pytest.mark.slow  # real processes over real sockets
+
 PEER_SCRIPT = Path(__file__).with_name("mesh_peer.py")
 HEARTBEAT, TIMEOUT = 0.25, 1.5  # seconds, passed to every peer
 BLOB_MB = 10
@@ -56,6 +58,7 @@ class Peer:
         threading.Thread(target=self._read, name=f"read {name}", daemon=True).start()
         ready = self.expect("ready", 20.0)
         self.id, self.key, self.address = ready["id"], ready["key"], ready["address"]
+        self.contact = ready["contact"]  # KEY@ADDRESS: the mesh encrypts (WIRE.md 1.1)
         assert ready["joined"], f"{name} did not join: {self.log_tail()}"
 
     def _read(self) -> None:
@@ -128,7 +131,7 @@ def spawn(tmp_path_factory, budget):
 def mesh(spawn) -> list[Peer]:
     """Four peers: the first alone, the other three joining through it only."""
     first = spawn("p0", [])
-    peers = [first] + [spawn(f"p{i}", [first.address]) for i in range(1, 4)]
+    peers = [first] + [spawn(f"p{i}", [first.contact]) for i in range(1, 4)]
     for peer in peers:
         reply = peer.ask("peers", 10.0, "peers", 3, 10)
         assert reply["ok"], f"{peer.name} sees {reply['alive']}"
@@ -157,7 +160,7 @@ def test_every_peer_gets_every_other_blob_verified(mesh):
 
 
 def test_a_newcomer_joins_through_one_address_and_everyone_knows_it(mesh, spawn):
-    newcomer = spawn("p4", [mesh[2].address])
+    newcomer = spawn("p4", [mesh[2].contact])
     reply = newcomer.ask("peers", 10.0, "peers", 4, 8)
     assert reply["ok"] and set(reply["alive"]) == {peer.id for peer in mesh}
     for peer in mesh:

@@ -4,7 +4,11 @@ clusters, and every client ends the run with its cluster as its group."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.nodes import free_ports, records, run_coordinated_mesh, write_config
+
+pytestmark = pytest.mark.slow  # real processes over real sockets
 
 NODES = 4  # clusters:2 puts node i in cluster i % 2
 WARMUP = 1  # round 2 is the lazy round, round 3 the scoring and clustering round

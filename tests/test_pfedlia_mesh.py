@@ -4,7 +4,11 @@ taken into its own cluster's groups, and gets a group of its own."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.nodes import meshfl, records, start_node, stop, wait_round, write_config
+
+pytestmark = pytest.mark.slow  # real processes over real sockets
 
 NODES = 4  # clusters:2 puts node i in cluster i % 2
 WARMUP = 1  # so round 2 is the lazy round

@@ -3,9 +3,12 @@ and no others, as the endpoint's log of the blobs it pulled and its byte counter
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.nodes import records, start_node, stop, write_config
+
+pytestmark = pytest.mark.slow  # real processes over real sockets
 
 NODES = 5
 ROUNDS = 3

@@ -116,3 +116,18 @@ def test_relevant_sets_come_from_the_coordinator_and_count_as_shares(tmp_path):
     mean = report.mean_matrix(run, report.MEASURES["relevant_sets"], found["relevant_sets"])
     assert mean.values == [[1.0, 0.5], [0.0, 1.0]]
     assert mean.caption == "mean over rounds 1-2"
+
+
+def test_the_summary_table_says_what_the_rule_decided_for_each_node(tmp_path):
+    (tmp_path / "config.yaml").write_text("algorithm: {name: pfedlia}\nrounds: 2\n")
+    write_node(tmp_path, "node0", [
+        {"round": 1, "test_acc": 0.5, "diagnostics": {"phase": "warmup"}},
+        {"round": 2, "test_acc": 0.6, "diagnostics": {"phase": "clustered",
+                                                      "group": ["node0", "node1"]}}])
+    write_node(tmp_path, "node1", [{"round": 1, "test_acc": 0.4,
+                                    "diagnostics": {"phase": "warmup"}}])
+    table = report.summary_markdown(report.read_run(tmp_path), []).splitlines()
+    assert table[4].endswith("| n_train | decision |")
+    assert table[6].startswith("| node0 | 1-2 |") and table[6].endswith(
+        "| group node0,node1 |")
+    assert table[7].endswith("| warm-up only, no group |")

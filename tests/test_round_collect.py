@@ -10,8 +10,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from meshfl.node.blobs import UnusableBlob, peer_model
 from meshfl.node.coordinator import CoordinatorNode
-from meshfl.node.runtime import Node, UnusableBlob, usable_peer_model
+from meshfl.node.runtime import Node
 from meshfl.protocol.identity import Identity
 from meshfl.protocol.wire import make_blob
 from tests.test_endpoint import SCHEMA, WAIT
@@ -46,7 +47,7 @@ def mesh_with_a_silent_peer(make_endpoint):
     puller.start()
     publisher, silent = make_endpoint("publisher"), make_endpoint("silent")
     for peer in (publisher, silent):
-        peer.start([puller.settings.listen])
+        peer.start([puller.contact])
     for endpoint in (puller, publisher, silent):
         assert endpoint.wait_for_peers(2, WAIT), endpoint.settings.name
     puller.set_round(1)
@@ -78,7 +79,7 @@ def test_the_wait_ends_once_every_live_peer_announced_and_its_blob_arrived(make_
     puller = make_endpoint("puller")
     puller.start()
     publisher = make_endpoint("publisher")
-    publisher.start([puller.settings.listen])
+    publisher.start([puller.contact])
     assert puller.wait_for_peers(1, WAIT) and publisher.wait_for_peers(1, WAIT)
     blob = make_blob(publisher.identity, 1, "model", {"w": np.ones(3, dtype=np.float32)},
                      schema=SCHEMA)
@@ -90,9 +91,13 @@ def test_the_wait_ends_once_every_live_peer_announced_and_its_blob_arrived(make_
     assert time.monotonic() - started < DEADLINE
 
 
+LAYOUT = (("w", "float32", (3,)), ("count", "int64", (3,)))
+
+
 def test_an_unusable_blob_is_refused_and_the_round_goes_on_without_it():
-    node = Node.__new__(Node)  # decoding uses the node's name only, for its log
+    node = Node.__new__(Node)  # decoding uses the node's name and its rule's layouts only
     node.options = SimpleNamespace(name="me")
+    node.algorithm = SimpleNamespace(layouts=lambda kind: (LAYOUT,) if kind == "model" else ())
 
     def signed(value, n=7):
         weights = np.array([0.5, value, 1.5], dtype=np.float32)
@@ -101,17 +106,18 @@ def test_an_unusable_blob_is_refused_and_the_round_goes_on_without_it():
 
     blobs = {"model": {"good": signed(1.0), "nan": signed(np.nan), "inf": signed(-np.inf),
                        "no_samples": signed(1.0, n=0), "vague": signed(1.0, n="many")}}
-    received, refused = node._peer_models(blobs)
-    assert refused == {"model": ["inf", "nan", "no_samples", "vague"]}
-    assert list(received["model"]) == ["good"]
-    good = received["model"]["good"]
+    intake = node._peer_models(blobs)
+    assert intake.refused == {"model": ["inf", "nan", "no_samples", "vague"]}
+    assert intake.reasons == {"not_finite": 2, "sample_count": 2}
+    assert list(intake.received["model"]) == ["good"]
+    good = intake.received["model"]["good"]
     assert good.n_samples == 7
     assert good.state["w"].tolist() == [0.5, 1.0, 1.5]
     assert good.state["count"].tolist() == [0, 1, 2]
-    with pytest.raises(UnusableBlob, match="model blob of round 1 holds NaN or inf in w"):
-        usable_peer_model(blobs["model"]["nan"])
-    with pytest.raises(UnusableBlob, match="sample count n is 0, not an integer >= 1"):
-        usable_peer_model(blobs["model"]["no_samples"])
+    with pytest.raises(UnusableBlob, match="'model' blob of round 1 holds NaN or inf in 'w'"):
+        peer_model(blobs["model"]["nan"], (LAYOUT,))
+    with pytest.raises(UnusableBlob, match="sample count n is 0, not an integer in 1..2"):
+        peer_model(blobs["model"]["no_samples"], (LAYOUT,))
 
 
 def test_the_coordinator_refuses_an_unusable_upload_without_waiting_out_the_round(
@@ -120,7 +126,7 @@ def test_the_coordinator_refuses_an_unusable_upload_without_waiting_out_the_roun
     coordinator.start()
     clients = {name: make_endpoint(name) for name in ("sane", "spoilt")}
     for client in clients.values():
-        client.start([coordinator.settings.listen])
+        client.start([coordinator.contact])
     for endpoint in (coordinator, *clients.values()):
         assert endpoint.wait_for_peers(2, WAIT), endpoint.settings.name
 
@@ -137,11 +143,15 @@ def test_the_coordinator_refuses_an_unusable_upload_without_waiting_out_the_roun
     upload("spoilt", 1, 3.0)  # one upload a round: the first was refused
     node = CoordinatorNode.__new__(CoordinatorNode)
     node.endpoint, node.cfg = coordinator, SimpleNamespace(round_timeout=30.0)
+    node.algorithm = SimpleNamespace(context=SimpleNamespace(layout=(("w", "float32", (2,)),)),
+                                     extras_fit=lambda kind, extras: not extras)
+    node.cfg.rounds = 5
     started = time.monotonic()
     uploads, refused = node._collect_uploads(
         1, {client.identity.public_key: name for name, client in clients.items()})
     assert time.monotonic() - started < 10, "a refused upload still ends the wait for it"
-    assert refused == ["spoilt"]
+    assert refused.refused == {"upload": ["spoilt"]}
+    assert refused.reasons == {"not_finite": 1}
     assert list(uploads) == ["sane"]
     assert uploads["sane"].state["w"].tolist() == [1.0, 2.0]
     assert uploads["sane"].n_samples == 5

@@ -14,6 +14,8 @@ import yaml
 
 from tests.nodes import free_ports, meshfl, records, wait_round
 
+pytestmark = pytest.mark.slow  # real processes over real sockets
+
 LAUNCH_START = 120.0  # generous: the machine may be shared and busy
 
 
@@ -69,7 +71,8 @@ def test_status_of_a_node_of_a_running_launch(running_launch):
     info = {name: json.loads((out / name / "info.json").read_text())
             for name in ("node0", "node1")}
 
-    result = run_status(address, "--json", "--timeout", "20")
+    contact = f"{info['node0']['public_key']}@{address}"  # the node encrypts: ask with its key
+    result = run_status(contact, "--json", "--timeout", "20")
     assert result.returncode == 0, result.stderr
     status = json.loads(result.stdout)
     assert (status["name"], status["id"], status["public_key"], status["addr"]) == (
@@ -85,12 +88,15 @@ def test_status_of_a_node_of_a_running_launch(running_launch):
         assert score["test_acc"] == done[score["round"]]
     assert isinstance(status["rejections"], dict)
 
-    readable = run_status(address, "--timeout", "20")
+    readable = run_status(contact, "--timeout", "20")
     assert readable.returncode == 0, readable.stderr
     first, *rest = readable.stdout.splitlines()
     assert first == f"node0  id {info['node0']['id']}  at {address}"
     assert any(line.split()[:2] == ["node1", "alive"] for line in rest)
     assert any(line.startswith("test accuracy: round ") for line in rest)
+
+    unkeyed = run_status(address, "--timeout", "1")
+    assert unkeyed.returncode == 2 and "KEY@tcp://HOST:PORT" in unkeyed.stderr
 
 
 def test_status_with_nobody_listening_is_one_line_and_exit_2():

@@ -348,3 +348,15 @@ def test_decoding_a_large_blob_copies_none_of_its_bytes():
         tracemalloc.stop()
     assert message.blob is not None and message.blob.size == big.nbytes
     assert peak < SLACK + 20 * LIMITS.max_envelope_bytes < big.nbytes
+
+
+def test_a_boolean_byte_length_is_a_bad_header_not_a_shape_mismatch():
+    frames = [bytes(1)]
+    digest = frames_digest(frames)
+    record = pack([ORIGIN.public_key, 1, "model", SCHEMA, digest, [["w", "uint8", [1], True]],
+                   {}])
+    header = {"v": PROTOCOL_VERSION, "mesh": MESH, "kind": "blob", "from": SENDER.public_key,
+              "inst": INSTANCE, "seq": 1, "round": 1, "digest": digest,
+              "body": {"record": record, "sig": ORIGIN.sign(RECORD_CONTEXT + record)}}
+    result = decode_bounded([signed_envelope(header), *frames])
+    assert isinstance(result, Rejected) and result.reason == "bad_header"

@@ -1,0 +1,55 @@
+"""`meshfl host`: run several named peers of a config in one process (node/host.py).
+
+`meshfl launch` starts about one host per core and splits the mesh's nodes among them;
+a host can also be started by hand, like `meshfl node`, for the peers it names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+from pathlib import Path
+from typing import Any
+
+from meshfl.node.coordinator import node_class
+from meshfl.node.host import FAILED, NodeHost
+
+from .cli import Stopped, UserError
+from .lifeline import watch_launcher
+from .local import STOP_SIGNALS, named_node_options, resolve_config, say_finished
+
+# A host whose nodes did not all finish exits with this status (their node.log says why).
+EXIT_NODE_FAILED = 3
+
+
+def hosted_names(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names or len(set(names)) != len(names):
+        raise UserError(f"--names: got {text!r}; allowed: peer names of --config, comma-"
+                        "separated, each once")
+    return names
+
+
+def run_host(args: argparse.Namespace) -> int:
+    cfg = resolve_config(args)
+    out = Path(args.out)
+    options = [named_node_options(cfg, name, out, local_nodes=args.local_nodes)
+               for name in hosted_names(args.names)]
+    host = NodeHost(options, lambda each: node_class(cfg.algorithm.name, "peer")(each))
+
+    def stop(signum: int, frame: Any) -> None:
+        host.stop()
+        raise Stopped(signum)
+
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, stop)
+    if args.launcher_fd is not None:
+        watch_launcher(args.launcher_fd, f"host of {args.names}")
+    try:
+        ends = host.run()
+    except KeyboardInterrupt:
+        host.stop()  # Ctrl-C: every node says bye; their last rounds are checkpointed
+        raise
+    for each in options:
+        say_finished(each)
+    return EXIT_NODE_FAILED if any(end.status == FAILED for end in ends.values()) else 0

@@ -1,0 +1,107 @@
+"""A peer's blob as the tensors a rule may take in, or a refusal with a named reason.
+
+A signature proves who sent a blob, not that it is usable. Before any rule sees a
+peer's tensors the node checks, in this order (the first failure names the reason):
+
+    layout        the tensors (names, order, wire dtypes, shapes) are one of the
+                  layouts the rule expects for the blob's kind: the mesh's model, a
+                  part of it, or the rule's own small tensors. The schema digest in
+                  the signed record only claims the model; this checks the claim.
+    sample_count  the sample count `n` is an integer in 1..2**53 (absent: 1); it weighs
+                  the averages. A count that is merely inflated cannot be told from a
+                  big dataset.
+    not_finite    no floating-point tensor holds NaN or inf (averaged in, one such
+                  value spoils every weight).
+
+Two more reasons: `meta`, an `upload` or `personal` message whose signed record or
+meta does not fit it (node/coordinator.py `checked_direct`), and `rule_error`, given
+by the round itself (node/containment.py) when a peer's tensors passed these checks and
+still made the rule raise.
+"""
+
+from __future__ import annotations
+
+import reprlib
+from collections.abc import Callable, Mapping
+
+import numpy as np
+import torch
+
+from meshfl.algorithms import PeerModel
+from meshfl.algorithms.base import Layout
+from meshfl.protocol.wire import Blob, wire_dtype
+
+# Beyond 2**53 a float weight no longer holds the count exactly; no node has that many
+# samples. (A count merely inflated below it cannot be told from a big dataset.)
+MAX_SAMPLE_COUNT = 2**53
+RULE_ERROR = "rule_error"
+REFUSAL_REASONS = ("layout", "sample_count", "not_finite", "meta", RULE_ERROR)
+
+
+class UnusableBlob(ValueError):
+    """A peer's blob no rule should take in; `reason` is one of REFUSAL_REASONS."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        assert reason in REFUSAL_REASONS, reason
+        super().__init__(detail)
+        self.reason = reason
+
+
+def blob_layout(blob: Blob) -> Layout:
+    return tuple((info.name, info.dtype, tuple(info.shape)) for info in blob.index)
+
+
+def layout_of(arrays: Mapping[str, np.ndarray]) -> Layout:
+    """The layout of tensors as they travel (what `make_blob` would index)."""
+    return tuple((name, wire_dtype(array), tuple(array.shape)) for name, array in arrays.items())
+
+
+def tensors_from_blob(blob: Blob) -> dict[str, torch.Tensor]:
+    # One copy: the received bytes are read-only ZeroMQ buffers.
+    return {name: torch.from_numpy(np.array(array)) for name, array in blob.arrays().items()}
+
+
+def describe_mismatch(got: Layout, expected: tuple[Layout, ...]) -> str:
+    """Where a layout first departs from the nearest expected one, in a few words."""
+    if not expected:
+        return "no blob of this kind is expected"
+    nearest = max(expected, key=lambda layout: _common_prefix(got, layout))
+    at = _common_prefix(got, nearest)
+    if at == len(got) == len(nearest):
+        return "layout matches"  # not reached for a refused blob
+    theirs = reprlib.repr(got[at]) if at < len(got) else "nothing"
+    ours = reprlib.repr(nearest[at]) if at < len(nearest) else "nothing"
+    return (f"{len(got)} tensors where {len(nearest)} are expected; tensor {at} is "
+            f"{theirs}, expected {ours}")
+
+
+def _common_prefix(a: Layout, b: Layout) -> int:
+    count = 0
+    for left, right in zip(a, b, strict=False):
+        if left != right:
+            break
+        count += 1
+    return count
+
+
+def peer_model(blob: Blob, expected: tuple[Layout, ...],
+               fits: Callable[[Layout], bool] | None = None) -> PeerModel:
+    """The blob's tensors and sample count, or UnusableBlob (see the module docstring).
+    The blob's layout must be one of `expected`, or pass `fits` where one is given (the
+    refusal still says where it departs from `expected`)."""
+    what = f"{reprlib.repr(blob.kind)} blob of round {blob.round}"
+    layout = blob_layout(blob)
+    if not (fits(layout) if fits is not None else layout in expected):
+        raise UnusableBlob("layout", f"{what}: its tensors are not the mesh's schema: "
+                                     f"{describe_mismatch(layout, expected)}")
+    n = blob.meta.get("n", 1)
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SAMPLE_COUNT:
+        raise UnusableBlob("sample_count", f"{what}: its sample count n is "
+                                           f"{reprlib.repr(n)}, not an integer in 1..2**53")
+    tensors = tensors_from_blob(blob)
+    spoilt = [name for name, tensor in tensors.items()
+              if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]
+    if spoilt:
+        raise UnusableBlob("not_finite", f"{what} holds NaN or inf in "
+                                         f"{reprlib.repr(', '.join(spoilt))}")
+    return PeerModel(tensors, n)

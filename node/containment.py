@@ -1,0 +1,97 @@
+"""Whatever a peer's tensors make a rule raise stops at the node's boundary for that peer.
+
+The blob checks (node/blobs.py) refuse what can be told from a blob alone. What is
+left, a value no check foresaw that makes a rule raise, is found by running the rule
+again, from its state as it was before the step: first without the peers that made it
+raise last time (a persistent attacker costs one extra step a round), else with each
+peer alone. The peers whose input makes it raise are refused for the round and the
+step runs once more without them. Only a step that raises with no peer at all is the
+node's own fault, and that one propagates.
+
+The price while no rule raises is one deep copy of the rule's state a step (its models,
+scores and scratch space; about what its checkpoint holds). When one raises, the search
+costs up to one step per peer, in that round only.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+log = logging.getLogger("meshfl.node")
+
+Outcome = TypeVar("Outcome")
+
+
+@dataclass
+class Contained(Generic[Outcome]):
+    """A rule step's outcome and the peers refused because their input made it raise."""
+
+    outcome: Outcome
+    refused: list[str]
+
+
+class Rewind:
+    """The rule's attributes as they are now, to put back exactly (not `load_state_dict`,
+    which is a resume and may merge). Its context (the node's data, model factory and
+    training recipe) is shared, not copied: a step never changes it."""
+
+    def __init__(self, rule: Any) -> None:
+        self.rule = rule
+        self.keep = {id(rule.context): rule.context}
+        self.saved = copy.deepcopy(vars(rule), dict(self.keep))
+
+    def __call__(self) -> None:
+        vars(self.rule).clear()
+        vars(self.rule).update(copy.deepcopy(self.saved, dict(self.keep)))
+
+
+def run_contained(step: Callable[[frozenset[str]], Outcome], peers: Iterable[str], rule: Any,
+                  where: str, suspects: Iterable[str] = ()) -> Contained[Outcome]:
+    """`step(admitted)` runs `rule` on the input of the `admitted` peers only; `suspects`
+    are the peers refused by the last contained step, tried without first."""
+    everyone = frozenset(peers)
+    rewind = Rewind(rule)
+    try:
+        return Contained(step(everyone), [])
+    except Exception:
+        if not everyone:
+            raise  # nobody else's input was in it: the node's own fault
+        log.exception("%s: the rule raised on its peers' input; finding whose", where)
+    for refused in _candidates(step, everyone, rewind, set(suspects) & everyone):
+        admitted = everyone - set(refused)
+        rewind()
+        try:
+            outcome = step(admitted)
+        except Exception:
+            if not admitted:
+                raise
+            continue
+        log.warning("%s: refused for this round, the rule raised on their input: %s",
+                    where, ", ".join(refused))
+        return Contained(outcome, refused)
+    raise AssertionError("not reached: the last candidate admits nobody")
+
+
+def _candidates(step: Callable[[frozenset[str]], Any], everyone: frozenset[str],
+                rewind: Rewind, suspects: set[str]) -> Iterable[list[str]]:
+    """Whom to refuse, in turn: last time's culprits; the peers that make the step raise
+    alone; everyone (the others only make it raise together)."""
+    if suspects:
+        yield sorted(suspects)
+    culprits = [peer for peer in sorted(everyone) if _raises(step, peer, rewind)]
+    if culprits:
+        yield culprits
+    yield sorted(everyone)
+
+
+def _raises(step: Callable[[frozenset[str]], Any], peer: str, rewind: Rewind) -> bool:
+    rewind()
+    try:
+        step(frozenset({peer}))
+    except Exception:
+        return True
+    return False

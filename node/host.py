@@ -1,0 +1,119 @@
+"""Many nodes in one process: a node host.
+
+A node process costs a whole interpreter with torch in it (about 490 MB), so one
+machine holds a few dozen. A host runs many node runtimes in one process, one thread
+each, and each stays a full peer: its own key and id, listening socket and port, peer
+table, blob store, rule state, metrics.jsonl, checkpoint and node.log. Nodes of one
+host talk to each other, and to nodes of other hosts, only over the wire (loopback TCP,
+WIRE.md), never through shared Python objects: a mesh of hosts behaves like a mesh of
+processes and like a LAN.
+
+CPU. A host lets one node at a time do CPU work (training, scoring, aggregation,
+evaluation) through `cpu`, a lock every node of the host holds for that work; with
+`meshfl launch` starting about one host per core, hosts × torch threads match the
+cores. A node that waits for its peers holds nothing, and its endpoint's threads
+(heartbeats, fetches) run whenever they have something to do.
+
+Failure. A node that raises is logged to its own node.log and stopped alone; the host
+and its other nodes go on, and the host's exit status says that one failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .logs import FORMAT, OneLineFormatter
+from .runtime import Node, NodeOptions
+
+log = logging.getLogger("meshfl.host")
+
+FINISHED, FAILED = "finished", "failed"
+
+
+@dataclass
+class NodeEnd:
+    """How one node of a host ended: FINISHED, or FAILED with its last error line."""
+
+    status: str
+    error: str = ""
+
+
+class NodeLog(logging.Filter):
+    """Routes a host's log records to one node's node.log: the records of the threads
+    that node owns (its round loop, its endpoint's worker and its transport's I/O)."""
+
+    def __init__(self, options: NodeOptions) -> None:
+        super().__init__()
+        self.threads = {node_thread_name(options.name), f"mesh {options.name}",
+                        f"io {options.listen}"}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.threadName in self.threads
+
+
+def node_thread_name(name: str) -> str:
+    return f"node {name}"
+
+
+class NodeHost:
+    """Runs the nodes of `options` in this process until each has finished or failed."""
+
+    def __init__(self, options: list[NodeOptions],
+                 make_node: Callable[[NodeOptions], Node]) -> None:
+        self.options = options
+        self.make_node = make_node
+        self.cpu = threading.Lock()
+        self.ends: dict[str, NodeEnd] = {}
+        self.nodes: dict[str, Node] = {}
+        self._handlers: list[logging.Handler] = []
+
+    def run(self) -> dict[str, NodeEnd]:
+        threads = [threading.Thread(target=self._run_one, args=(options,),
+                                    name=node_thread_name(options.name), daemon=True)
+                   for options in self.options]
+        self._open_logs()
+        try:
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                while thread.is_alive():  # join in slices, so that signals get through
+                    thread.join(timeout=0.5)
+        finally:
+            self._close_logs()
+        return self.ends
+
+    def stop(self) -> None:
+        """Say bye for every node still running (their last rounds are checkpointed)."""
+        for node in list(self.nodes.values()):
+            node.endpoint.close()
+
+    def _run_one(self, options: NodeOptions) -> None:
+        try:
+            node = self.make_node(options)
+            node.cpu = self.cpu
+            self.nodes[options.name] = node
+            node.run()
+        except Exception as error:  # this node's fault, not the host's
+            log.exception("%s: stopped by an error; the host's other nodes go on",
+                          options.name)
+            self.ends[options.name] = NodeEnd(FAILED, f"{type(error).__name__}: {error}")
+            return
+        self.ends[options.name] = NodeEnd(FINISHED)
+
+    def _open_logs(self) -> None:
+        for options in self.options:
+            options.out_dir.mkdir(parents=True, exist_ok=True)
+            handler = logging.FileHandler(options.out_dir / "node.log")
+            handler.setFormatter(OneLineFormatter(FORMAT))
+            handler.addFilter(NodeLog(options))
+            logging.getLogger().addHandler(handler)
+            self._handlers.append(handler)
+
+    def _close_logs(self) -> None:
+        for handler in self._handlers:
+            logging.getLogger().removeHandler(handler)
+            handler.close()
+

@@ -1,0 +1,31 @@
+"""A live mesh with an attacker: real node processes, the attacker signing correctly."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.nodes import records, start_node, stop, write_config
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_noise_attacker_is_screened_out_by_every_honest_node_on_a_live_mesh(tmp_path):
+    config = tmp_path / "peers.yaml"
+    write_config(config, 4, rounds=3, local_epochs=4, lr=0.1, algorithm="fedavg",
+                 attack={"nodes": ["node3"], "kind": "noise"})
+    processes = [start_node(config, f"node{i}", tmp_path) for i in range(4)]
+    try:
+        for process in processes:
+            assert process.wait(timeout=150) == 0
+    finally:
+        stop(processes)
+    assert all(record["attacker"] for record in records(tmp_path, "node3"))
+    for name in ("node0", "node1", "node2"):
+        history = records(tmp_path, name)
+        assert [record["round"] for record in history] == [1, 2, 3]
+        for record in history:
+            assert not record["attacker"]
+            assert "node3" in record["received"], "the attacker's blob was taken in..."
+            assert record["diagnostics"]["screened_out"]["node3"] == "val_loss", \
+                "...and screened out on the node's own val split"
+            assert "node3" not in record["weights"]

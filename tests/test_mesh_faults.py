@@ -1,0 +1,216 @@
+"""Faults injected from outside into real `meshfl launch` meshes on loopback: a node
+killed, restarted, frozen; the launcher stopped or killed; a node's files cut short; a
+full disk. Each test bounds its waits and kills whatever processes it started."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from meshfl.node.checkpoint import load_checkpoint
+from tests.nodes import meshfl, records, wait_round, wait_until, write_config
+
+pytestmark = pytest.mark.slow
+
+PEER_TIMEOUT = 1.5
+FAST = ["--set", "heartbeat_interval=0.3", "--set", f"peer_timeout={PEER_TIMEOUT}",
+        "--set", "round_timeout=10"]
+START = 120.0  # seconds for three nodes to import torch and finish a few rounds
+EXIT_NODE_FAILED = 3
+
+
+def node_pids(out: Path) -> dict[str, int]:
+    """The live node processes of the run in `out` by name (`ps` reads alike on Linux and
+    macOS; -ww, or it cuts lines to $COLUMNS, which pytest sets; a zombie is dead already)."""
+    listing = subprocess.run(["ps", "-ww", "-eo", "pid=,stat=,args="], capture_output=True,
+                             text=True, check=True).stdout
+    pids = {}
+    for line in listing.splitlines():
+        pid, stat, args = line.split(None, 2)
+        words = args.split()
+        if "meshfl.launch.cli" in words and f"{out}" in words and not stat.startswith("Z") \
+                and "--name" in words:
+            pids[words[words.index("--name") + 1]] = int(pid)
+    return pids
+
+
+class Launch:
+    """A `meshfl launch` of three nodes into `out`; `close` kills what is left of it."""
+
+    def __init__(self, out: Path, *args: str) -> None:
+        self.out = out
+        self.log = out.with_name(out.name + ".log")
+        self.process = meshfl("launch", "--nodes", "3", "--out", str(out), "--quiet", *FAST,
+                              *args, log=self.log)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"meshfl launch still running after {timeout} s:\n{self.output()}")
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def summary(self) -> dict[str, dict]:
+        nodes = json.loads((self.out / "summary.json").read_text())["nodes"]
+        return {node["name"]: node for node in nodes}
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=10)
+        for pid in node_pids(self.out).values():
+            _kill(pid)
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.fixture
+def launch(tmp_path):
+    started: list[Launch] = []
+
+    def start(*args: str) -> Launch:
+        started.append(Launch(tmp_path / f"run{len(started)}", *args))
+        return started[-1]
+
+    yield start
+    for run in started:
+        run.close()
+
+
+def kill_node_at_round(run: Launch, name: str, round_no: int) -> None:
+    wait_round(run.out, name, round_no, START)
+    os.kill(node_pids(run.out)[name], signal.SIGKILL)
+
+
+def test_a_killed_node_is_listed_failed_and_the_others_finish(launch):
+    run = launch("--rounds", "40")
+    kill_node_at_round(run, "node1", 3)
+    assert run.wait(120) == EXIT_NODE_FAILED, run.output()
+    nodes = run.summary()
+    assert nodes["node1"]["status"] == "failed" and nodes["node1"]["ended"] == "SIGKILL"
+    assert nodes["node1"]["round"] >= 3
+    for name in ("node0", "node2"):
+        assert nodes[name]["status"] == "finished" and nodes[name]["round"] == 40
+    summary = json.loads((run.out / "summary.json").read_text())
+    assert summary["mean_over"] == "2 finished nodes of 3"
+    assert "failed (SIGKILL)" in run.output() and "node1" in run.output()
+
+
+def test_a_killed_node_restarted_once_finishes_with_the_mesh(launch):
+    run = launch("--rounds", "120", "--restarts", "1")
+    kill_node_at_round(run, "node1", 3)
+    assert run.wait(180) == 0, run.output()
+    nodes = run.summary()
+    assert nodes["node1"]["status"] == "finished" and nodes["node1"]["restarts"] == 1
+    assert all(node["round"] == 120 for node in nodes.values())
+    assert "resumed from the checkpoint" in (run.out / "node1" / "node.log").read_text()
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL],
+                         ids=lambda stop: stop.name)
+def test_no_node_outlives_its_launcher(launch, stop):
+    run = launch("--rounds", "5000")
+    for name in ("node0", "node1", "node2"):
+        wait_round(run.out, name, 2, START)
+    os.kill(run.process.pid, stop)
+    code = run.wait(30)
+    assert code == (-stop if stop == signal.SIGKILL else 128 + stop), run.output()
+    wait_until(lambda: not node_pids(run.out), 10, "every node to stop")
+    for name in ("node0", "node1", "node2"):
+        if stop != signal.SIGKILL:  # a node stopped mid-save removes its temporary
+            assert not (run.out / name / "checkpoint.pt.tmp").exists()
+        # Whole, and of the last round in the metrics or the one before (a stop between
+        # the metrics line and the checkpoint; a resume redoes that round).
+        last = records(run.out, name)[-1]["round"]
+        assert load_checkpoint(run.out / name / "checkpoint.pt")["round"] in (last - 1, last)
+
+
+def test_a_frozen_peer_holds_no_round_longer_than_its_peer_timeout(launch):
+    # round_timeout is far longer than the margin: a round that waited it out shows.
+    run = launch("--rounds", "150", "--set", "round_timeout=30")
+    wait_round(run.out, "node1", 3, START)
+    frozen = node_pids(run.out)["node1"]
+    os.kill(frozen, signal.SIGSTOP)
+    time.sleep(4 * PEER_TIMEOUT)
+    os.kill(frozen, signal.SIGCONT)
+    assert run.wait(180) == 0, run.output()
+    margin = 3.0  # the marking itself lags by a heartbeat; the machine may be busy
+    for name in ("node0", "node2"):
+        rounds = records(run.out, name)[1:]  # round 1 waits for the mesh to start
+        worst = max(rounds, key=lambda record: record["seconds"]["communicate"])
+        assert worst["seconds"]["communicate"] <= PEER_TIMEOUT + margin, (name, worst["round"])
+        # The peer that came back is taken in again from its next announcement.
+        assert "node1" in rounds[-1]["received"], name
+
+
+def test_a_torn_metrics_tail_resumes_and_a_truncated_checkpoint_is_one_clear_line(tmp_path):
+    config = tmp_path / "peers.yaml"
+    write_config(config, 1, rounds=2)
+    node = ["node", "--config", str(config), "--name", "node0", "--out", str(tmp_path)]
+    run_node = [*(["python", "-m", "meshfl.launch.cli"]), *node]
+    first = subprocess.run(run_node, capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr
+    folder = tmp_path / "node0"
+    with open(folder / "metrics.jsonl", "a") as metrics:
+        metrics.write('{"round": 3, "node": "no')  # killed mid-append
+    shutil.copy(folder / "checkpoint.pt", folder / "checkpoint.pt.tmp")  # killed mid-save
+
+    resumed = subprocess.run([*run_node, "--rounds", "4"], capture_output=True, text=True,
+                             timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "dropped 1 line(s)" in resumed.stderr and "resumed from the checkpoint of round 2" \
+        in resumed.stderr
+    assert "checkpoint.pt.tmp" in resumed.stderr and not (folder / "checkpoint.pt.tmp").exists()
+    assert [record["round"] for record in records(tmp_path, "node0")] == [1, 2, 3, 4]
+
+    whole = (folder / "checkpoint.pt").read_bytes()
+    (folder / "checkpoint.pt").write_bytes(whole[:len(whole) // 2])
+    broken = subprocess.run([*run_node, "--rounds", "5"], capture_output=True, text=True,
+                            timeout=120)
+    assert broken.returncode == 2
+    errors = [line for line in broken.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "Traceback" not in broken.stderr, broken.stderr
+    assert str(folder / "checkpoint.pt") in errors[0] and "move it aside" in errors[0]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 600 kB tmpfs, where the test may mount one (root on Linux), else a skip."""
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    if shutil.which("mount") is None or os.geteuid() != 0:
+        pytest.skip("a full disk needs a small tmpfs: mount it as root on Linux")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs",
+                              str(mount_point)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.strip()}")
+    yield mount_point
+    subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_a_full_disk_is_one_clear_line_and_the_previous_checkpoint_stays_whole(small_disk):
+    run = Launch(small_disk / "run", "--rounds", "5000")
+    try:
+        assert run.wait(240) == EXIT_NODE_FAILED, run.output()
+    finally:
+        run.close()
+    for name, node in run.summary().items():
+        assert node["status"] == "failed" and node["ended"] == "exit code 2", node
+        assert "no space left on device" in node["last_error"], node
+        assert "cannot write " + str(run.out / name) in node["last_error"], node
+        assert load_checkpoint(run.out / name / "checkpoint.pt")["round"] >= 1
+    assert not list(run.out.rglob("*.tmp"))

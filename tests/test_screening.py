@@ -1,0 +1,180 @@
+"""Validation screening around the peer rules, on real digits shards and a real MLP."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from meshfl.algorithms import (
+    PeerAlgorithm,
+    PeerModel,
+    algorithm_class,
+    build_rule,
+    parse_params,
+)
+from meshfl.algorithms.base import Aggregate, Context
+from meshfl.algorithms.screening import (
+    Screened,
+    adopts,
+    copies,
+    inflated_claims,
+    state_digest,
+    worse_beyond_noise,
+)
+from meshfl.node.attacks import flip_labels, noise_like, scaled_update
+from meshfl.node.data import load_node_data
+from meshfl.node.models import body_keys, build_model, head_keys
+from meshfl.node.trainer import train_local
+
+NODES = 4
+
+
+def shard(index):
+    return load_node_data("digits", None, "iid", NODES, index, 0)
+
+
+def trained(start, data, labels=None, seed=0, epochs=2):
+    model = build_model("mlp", data.input_shape, data.num_classes, "last", seed=0)
+    model.load_state_dict(start)
+    y = data.y_train if labels is None else labels
+    train_local(model, data.x_train, y, epochs, 32, "sgd", 0.1, seed=seed, momentum=0.5)
+    return {key: value.detach().clone() for key, value in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def world():
+    """Node h0's own model, two honest peers and one attacker of each kind, all trained
+    for a round from one start (a model some rounds into a run) on their digits shards."""
+    shards = [shard(i) for i in range(NODES)]
+    model = build_model("mlp", shards[0].input_shape, 10, "last", seed=0)
+    initial = {key: value.detach().clone() for key, value in model.state_dict().items()}
+    start = trained(initial, shards[0], seed=99, epochs=10)
+    honest = {f"h{i}": trained(start, shards[i], seed=i) for i in range(3)}
+    flipped = trained(start, shards[3], flip_labels(shards[3].y_train, 10), seed=3)
+    attackers = {
+        "labelflip": flipped,
+        "scale": scaled_update(start, honest["h1"], 10.0),
+        "signflip": scaled_update(start, honest["h1"], -1.0),
+        "noise": noise_like(honest["h1"], torch.Generator().manual_seed(1)),
+    }
+
+    def context(rule_name):
+        return Context("h0", 0, 10, tuple(body_keys(model)), tuple(head_keys(model)),
+                       new_model=lambda: build_model("mlp", shards[0].input_shape, 10, "last",
+                                                     seed=0),
+                       train=lambda m, x, y, epochs, seed, max_steps=None: train_local(
+                           m, x, y, epochs or 1, 32, "sgd", 0.05, seed=seed,
+                           max_steps=max_steps),
+                       data=shards[0])
+    return SimpleNamespace(data=shards[0], start=start, honest=honest, attackers=attackers,
+                           context=context, n=len(shards[0].y_train))
+
+
+def screened(world, name, **params):
+    rounds = 10 if name == "pfedlia" else None
+    rule = algorithm_class(name)(parse_params(name, params, rounds), world.context(name))
+    return Screened(rule)
+
+
+def aggregate(rule, world, peers, round_no=2, counts=None):
+    counts = counts or {}
+    received = {"model": {p: PeerModel(s, counts.get(p, world.n)) for p, s in peers.items()}}
+    return rule.aggregate(round_no, PeerModel(world.honest["h0"], world.n), received, world.data)
+
+
+def test_the_guard_adopts_only_a_finite_aggregate_no_worse_on_val():
+    assert adopts(1.0, 1.0) and adopts(1.0, 0.5)
+    assert not adopts(1.0, 1.01) and not adopts(1.0, float("nan"))
+
+
+def test_claims_far_above_the_median_count_are_screened():
+    assert inflated_claims(100, {"a": 90, "b": 120, "c": 10**9}) == {"c"}
+    assert inflated_claims(100, {"a": 400}) == set(), "4 times the median is allowed"
+
+
+def test_copies_within_a_round_and_replays_of_earlier_rounds_are_found():
+    a, b = state_digest({"w": torch.ones(2)}), state_digest({"w": torch.zeros(2)})
+    old = state_digest({"w": torch.full((2,), 3.0)})
+    assert copies({"x": a, "y": a, "z": b, "r": old}, {old}) == {
+        "x": "copy", "y": "copy", "r": "replay"}
+
+
+def test_worse_beyond_noise_tolerates_the_noise_of_the_val_split():
+    own = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    assert not worse_beyond_noise(own, own + torch.tensor([0.1, -0.1, 0.1, -0.05]))
+    assert worse_beyond_noise(own, own + 1.0)
+    assert worse_beyond_noise(own, own * float("inf"))
+
+
+@pytest.mark.parametrize("kind", ["labelflip", "scale", "signflip", "noise"])
+def test_fedavg_screening_gives_each_attackers_model_no_weight(world, kind):
+    peers = {"h1": world.honest["h1"], "h2": world.honest["h2"], "bad": world.attackers[kind]}
+    outcome = aggregate(screened(world, "fedavg"), world, peers)
+    assert outcome.diagnostics["screened_out"].get("bad") == "val_loss"
+    assert outcome.weights.get("bad", 0.0) == 0.0
+    assert outcome.weights.get("h1", 0.0) > 0 and outcome.weights.get("h2", 0.0) > 0
+
+
+def test_inflated_counts_copies_and_replays_are_screened_before_any_val_pass(world):
+    rule = screened(world, "fedavg")
+    aggregate(rule, world, {"h1": world.honest["h1"]}, round_no=1)
+    peers = {"h2": world.honest["h2"], "liar": world.honest["h1"],
+             "c1": world.attackers["noise"], "c2": world.attackers["noise"]}
+    outcome = aggregate(rule, world, {**peers, "replayer": world.honest["h1"]}, round_no=2,
+                        counts={"liar": 10**9})
+    assert outcome.diagnostics["screened_out"] == {
+        "c1": "copy", "c2": "copy", "liar": "n_claim", "replayer": "replay"}
+    assert set(outcome.weights) == {"h0", "h2"}
+
+
+@pytest.mark.parametrize(("name", "params"), [
+    ("fedavg", {}), ("median", {}), ("trimmed_mean", {"beta": 0.2}), ("krum", {"f": 1}),
+    ("multikrum", {"f": 1}), ("fedc2i", {}), ("pfedlia", {}), ("pfedsv", {"k": 4, "k_max": 4}),
+])
+def test_every_peer_rule_behind_screening_leaves_attackers_no_weight(world, name, params):
+    rule = screened(world, name, **params)
+    peers = {**{p: s for p, s in world.honest.items() if p != "h0"}, **world.attackers}
+    outcome = aggregate(rule, world, peers)
+    assert not set(outcome.weights) & set(world.attackers), outcome.weights
+    assert set(world.attackers) <= set(outcome.diagnostics["screened_out"])
+    own_loss = float(rule._losses(world.honest["h0"], world.data).mean())
+    assert float(rule._losses(outcome.state, world.data).mean()) <= own_loss + 1e-6, \
+        "never worse than the own model on the val split"
+    assert rule.layouts("model") == rule.rule.layouts("model")
+
+
+def test_screen_false_builds_the_papers_rule_unchanged(world):
+    assert type(build_rule("fedavg", {"screen": False}, world.context("fedavg"))).__name__ == \
+        "FedAvg"
+    assert isinstance(build_rule("fedavg", {}, world.context("fedavg")), Screened)
+    assert type(build_rule("local", {}, world.context("local"))).__name__ == "Local"
+
+
+class _AddsNoise(PeerAlgorithm):
+    """A rule whose aggregate is the own model plus noise: what the guard is for."""
+
+    name = "base"
+
+    def aggregate(self, round_no, own, received, data):
+        noisy = noise_like(own.state, torch.Generator().manual_seed(0))
+        return Aggregate(noisy, {"h0": 0.5, **{peer: 0.5 for peer in received["model"]}})
+
+
+def test_the_guard_keeps_the_own_model_when_the_rules_aggregate_validates_worse(world):
+    rule = Screened(_AddsNoise(None, world.context("noise")))
+    outcome = aggregate(rule, world, {"h1": world.honest["h1"]})
+    assert outcome.weights == {"h0": 1.0}
+    assert outcome.diagnostics["screening"]["adopted"] is False
+    assert all(torch.equal(outcome.state[k], world.honest["h0"][k]) for k in outcome.state)
+
+
+def test_pfedsv_guards_once_its_val_guard_being_the_screening_guard(world):
+    rule = screened(world, "pfedsv", k=2, k_max=2)
+    outcome = aggregate(rule, world, {"h1": world.honest["h1"], "h2": world.honest["h2"]})
+    assert "val_loss_aggregate" not in outcome.diagnostics["screening"]
+    unguarded = screened(world, "pfedsv", k=2, k_max=2, val_guard=False)
+    outcome = aggregate(unguarded, world, {"h1": world.honest["h1"], "h2": world.honest["h2"]})
+    if outcome.diagnostics["screened_out"].keys() != {"h1", "h2"}:
+        assert "adopted" in outcome.diagnostics["screening"]
