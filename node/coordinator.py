@@ -167,7 +167,11 @@ class CoordinatorNode(Node):
         intake = PeerIntake()
         deadline = time.monotonic() + self.cfg.round_timeout
         waiting = dict(expected)
-        while waiting and (left := deadline - time.monotonic()) > 0:
+        # round_quorum: the share of the chosen clients whose uploads the round waits for
+        # (rounded up, as for peers); a refused upload counts as come.
+        needed = math.ceil(self.cfg.round_quorum * len(expected) - 1e-9)
+        while len(expected) - len(waiting) < needed \
+                and (left := deadline - time.monotonic()) > 0:
             message = self.endpoint.next_message(UPLOAD, timeout=min(left, 0.5))
             if message is None or message.blob is None or message.sender not in waiting:
                 continue  # nothing, or not from a client still awaited this round

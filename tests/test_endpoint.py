@@ -409,7 +409,7 @@ def test_rejections_are_logged_once_per_connection_and_reason(context, make_endp
     assert endpoint.decoder.rejections["wrong_mesh"] == 5
     assert logged() == 1
 
-    other = RawPeer(context, endpoint.contact)  # a second connection logs again
+    other = RawPeer(context, endpoint.contact, name="raw2")  # a second connection logs again
     other.send(bad)
     other.join()
     assert endpoint.decoder.rejections["wrong_mesh"] == 6
@@ -833,3 +833,20 @@ def test_status_answers_are_rate_limited(make_endpoint):
                for _ in range(3)]
     assert [answer is not None for answer in answers] == [True, True, False]
     assert node.received["status_unanswered"] == 1
+
+
+def test_a_name_is_held_by_one_live_key_and_never_by_a_stranger_as_ours(context, make_endpoint):
+    endpoint = make_endpoint("target")
+    endpoint.start()
+    first = RawPeer(context, endpoint.contact, name="alice")
+    first.join()
+    for name, reason in (("alice", "name_taken"), ("target", "name_taken"),
+                         ("evil/owner", "bad_name"), ("bad\nname", "bad_name")):
+        squatter = RawPeer(context, endpoint.contact, name=name)
+        squatter.send(squatter.hello())
+        deadline = time.monotonic() + WAIT
+        while endpoint.rejections().get(reason, 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert endpoint.rejections().get(reason, 0) >= 1, name
+        assert [peer.name for peer in endpoint.peers()].count(name) <= 1
+        assert squatter.public_key not in {peer.public_key for peer in endpoint.peers()}

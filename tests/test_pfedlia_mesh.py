@@ -24,7 +24,7 @@ def run_mesh_with_a_late_joiner(tmp_path):
     cfg = write_config(config, NODES, rounds=ROUNDS, local_epochs=40, round_timeout=20.0,
                        model={"name": "mlp"},
                        data={"dataset": "digits", "partition": "clusters:2"},
-                       algorithm={"name": "pfedlia", "warmup": WARMUP})
+                       algorithm={"name": "pfedlia", "warmup": WARMUP, "screen": False})
     processes = [start_node(config, f"node{i}", tmp_path) for i in range(NODES)]
     try:
         wait_round(tmp_path, "node0", WARMUP + 1, timeout=150)

@@ -23,7 +23,9 @@ def run_mesh(tmp_path, model=None, **algorithm):
     config = tmp_path / "peers.yaml"
     write_config(config, NODES, rounds=ROUNDS, round_timeout=20.0,
                  model=model or {"name": "mlp"},
-                 algorithm={"name": "pfedsv", "k": K, "k_min": K, "k_max": K, **algorithm})
+                 # The paper's rule: screening would hold back some of what it fetched.
+                 algorithm={"name": "pfedsv", "k": K, "k_min": K, "k_max": K,
+                            "screen": False, **algorithm})
     names = [f"node{i}" for i in range(NODES)]
     processes = [start_node(config, name, tmp_path) for name in names]
     try:

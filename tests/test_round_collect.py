@@ -120,8 +120,10 @@ def test_an_unusable_blob_is_refused_and_the_round_goes_on_without_it():
         peer_model(blobs["model"]["no_samples"], (LAYOUT,))
 
 
-def test_the_coordinator_refuses_an_unusable_upload_without_waiting_out_the_round(
-        make_endpoint):
+def coordinated(make_endpoint, quorum=1.0):
+    """A coordinator's endpoint with two clients, "sane" and "spoilt"; `upload(name,
+    round, value)` sends one upload, and `collect()` runs the coordinator's wait for round
+    1's uploads, returning them with its intake and the seconds it took."""
     coordinator = make_endpoint("coordinator")
     coordinator.start()
     clients = {name: make_endpoint(name) for name in ("sane", "spoilt")}
@@ -137,21 +139,40 @@ def test_the_coordinator_refuses_an_unusable_upload_without_waiting_out_the_roun
                          meta={"round": round_no, "n": 5})
         assert client.send_blob(coordinator.identity.public_key, "upload", blob)
 
+    def collect():
+        node = CoordinatorNode.__new__(CoordinatorNode)
+        node.endpoint = coordinator
+        node.cfg = SimpleNamespace(round_timeout=30.0, rounds=5, round_quorum=quorum)
+        node.algorithm = SimpleNamespace(
+            context=SimpleNamespace(layout=(("w", "float32", (2,)),)),
+            extras_fit=lambda kind, extras: not extras)
+        started = time.monotonic()
+        uploads, intake = node._collect_uploads(
+            1, {client.identity.public_key: name for name, client in clients.items()})
+        return uploads, intake, time.monotonic() - started
+
+    return upload, collect
+
+
+def test_the_coordinator_refuses_an_unusable_upload_without_waiting_out_the_round(
+        make_endpoint):
+    upload, collect = coordinated(make_endpoint)
     upload("sane", 0, 9.0)  # late for an earlier round: ignored, the client still counts
     upload("sane", 1, 1.0)
     upload("spoilt", 1, np.nan)
     upload("spoilt", 1, 3.0)  # one upload a round: the first was refused
-    node = CoordinatorNode.__new__(CoordinatorNode)
-    node.endpoint, node.cfg = coordinator, SimpleNamespace(round_timeout=30.0)
-    node.algorithm = SimpleNamespace(context=SimpleNamespace(layout=(("w", "float32", (2,)),)),
-                                     extras_fit=lambda kind, extras: not extras)
-    node.cfg.rounds = 5
-    started = time.monotonic()
-    uploads, refused = node._collect_uploads(
-        1, {client.identity.public_key: name for name, client in clients.items()})
-    assert time.monotonic() - started < 10, "a refused upload still ends the wait for it"
+    uploads, refused, seconds = collect()
+    assert seconds < 10, "a refused upload still ends the wait for it"
     assert refused.refused == {"upload": ["spoilt"]}
     assert refused.reasons == {"not_finite": 1}
     assert list(uploads) == ["sane"]
     assert uploads["sane"].state["w"].tolist() == [1.0, 2.0]
     assert uploads["sane"].n_samples == 5
+
+
+def test_a_coordinator_waits_for_its_quorum_of_clients_only(make_endpoint):
+    upload, collect = coordinated(make_endpoint, quorum=0.5)
+    upload("sane", 1, 1.0)  # "spoilt" never uploads: half of two is one
+    uploads, _, seconds = collect()
+    assert list(uploads) == ["sane"]
+    assert seconds < 10, "the round closes at its quorum, not at round_timeout (30 s)"
