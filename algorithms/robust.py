@@ -9,8 +9,9 @@ With n models (the own one included) of which at most f are an attacker's:
 - `trimmed_mean` (beta): per coordinate, drop the floor(beta·n) lowest and highest
   values and average the rest; a peer's weight is its share of the kept values.
 - `krum` (f): the model whose summed squared distance to its n − f − 2 nearest models
-  is smallest (Blanchard et al., 2017); n ≤ f + 2 leaves no neighbour to score, and the
-  rule keeps the own model.
+  is smallest (Blanchard et al., 2017). Where fewer than f + 3 models came (a small
+  mesh, or peers screened out), f is lowered to n − 3 for the round, so that each model
+  still has a neighbour to be scored by; with n ≤ 2 the rule keeps the own model.
 - `multikrum` (f, m): the plain average of the m models with the lowest Krum scores
   (m = 0: n − f).
 
@@ -148,10 +149,14 @@ class Krum(_RobustRule):
 
     def chosen(self, states: list[State], own: int) -> list[int]:
         """The models the rule keeps: Krum's best one (the own model when too few)."""
-        if len(states) <= self.params.f + 2:
+        if len(states) <= 2:
             return [own]
-        scores = krum_scores(states, self.params.f)
+        scores = krum_scores(states, self.round_f(len(states)))
         return [min(range(len(states)), key=lambda i: (scores[i], i))]
+
+    def round_f(self, models: int) -> int:
+        """f for a round of `models` models: the configured f, lowered to models − 3."""
+        return min(self.params.f, models - 3)
 
     def combine(self, states: list[State], own: int) -> tuple[State, list[float]]:
         picks = self.chosen(states, own)
@@ -163,8 +168,9 @@ class MultiKrum(Krum):
     name = "multikrum"
 
     def chosen(self, states: list[State], own: int) -> list[int]:
-        if len(states) <= self.params.f + 2:
+        if len(states) <= 2:
             return [own]
-        scores = krum_scores(states, self.params.f)
-        count = self.params.m or len(states) - self.params.f
+        f = self.round_f(len(states))
+        scores = krum_scores(states, f)
+        count = self.params.m or len(states) - f
         return sorted(sorted(range(len(states)), key=lambda i: (scores[i], i))[:count])

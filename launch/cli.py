@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the peers NAMES of --config in this one process, each a full peer "
                     "with its own key, port, metrics and checkpoint, talking to the others "
                     "only over the wire. torch loads once; the peers take turns at the CPU. "
-                    "`meshfl launch` starts hosts itself (--hosts).")
+                    "(`meshfl launch` still starts one process per node.)")
     _add_config_flags(host)
     host.add_argument("--names", required=True, metavar="NAME,NAME,...",
                       help="the peers of --config this host runs")

@@ -30,6 +30,8 @@ import torch
 
 from meshfl.algorithms.base import MODEL, PeerModel, State, draw_seed
 
+from .blobs import MAX_SAMPLE_COUNT  # a larger claim is refused before any rule sees it
+
 # kind -> what its ":<value>" is: None (no value), int or float.
 KINDS: dict[str, type | None] = {
     "labelflip": None, "scale": float, "noise": None, "signflip": None, "inflate_n": int,
@@ -37,7 +39,6 @@ KINDS: dict[str, type | None] = {
 }
 KINDS_ALLOWED = ("labelflip, scale:<s>, noise, signflip, inflate_n:<n>, replay, freeride, "
                  "collude:<k>")
-MAX_CLAIM = 2**53  # what a blob's sample count may say (node/blobs.py refuses more)
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ def parse_kind(text: str) -> AttackSpec:
         raise ValueError(f"got {text!r}; allowed: {kind}:<{value_type.__name__}>") from None
     if kind == "scale" and not torch.isfinite(torch.tensor(value)):
         raise ValueError(f"got {text!r}; the scale must be a finite number")
-    if kind == "inflate_n" and not 1 <= value <= MAX_CLAIM:
+    if kind == "inflate_n" and not 1 <= value <= MAX_SAMPLE_COUNT:
         raise ValueError(f"got {text!r}; the claimed count must be 1 to 2**53")
     if kind == "collude" and value < 2:
         raise ValueError(f"got {text!r}; collusion needs k >= 2 attackers")

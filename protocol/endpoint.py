@@ -245,9 +245,16 @@ class Endpoint:
                 elif self.settings.encrypt and address not in self._curve_keys:
                     self._greet_when_keyed.add(address)
                 targets.append(address)
+        waiting = sorted(self._greet_when_keyed)
+        if waiting:
+            # Nodes started together learn each other's keys from the first hellos; a
+            # bare address with no such node behind it shows as nobody answering.
+            log.info("%s: will greet %s once the key of each is known (from its own hello or a "
+                     "peer list)", self.settings.name, ", ".join(waiting))
         self._worker.start()  # after the keys above are in place: it learns more
         for address in dict.fromkeys(targets):  # a node listed bare and with its key: once
-            self._send(address, "hello", self._hello_body())
+            if address not in self._greet_when_keyed:
+                self._send(address, "hello", self._hello_body())
         if not targets:
             self._joined.set()
 

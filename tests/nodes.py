@@ -80,6 +80,17 @@ def stop(processes: list[subprocess.Popen]) -> None:
         process.wait(timeout=10)
 
 
+def run_nodes(config: Path, out: Path, count: int, timeout: float) -> None:
+    """Run node0..node{count-1} of `config` as real processes until all of them exit;
+    each must exit cleanly within `timeout` seconds."""
+    processes = [start_node(config, f"node{i}", out) for i in range(count)]
+    try:
+        for process in processes:
+            assert process.wait(timeout=timeout) == 0
+    finally:
+        stop(processes)
+
+
 def run_coordinated_mesh(config: Path, out: Path, nodes: int, timeout: float,
                          coordinator_args: tuple[str, ...] = ()) -> None:
     """Run `config`'s coordinator and its `nodes` clients as real processes until all of

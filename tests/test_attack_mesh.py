@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.nodes import records, start_node, stop, write_config
+from tests.nodes import records, run_nodes, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -13,12 +13,7 @@ def test_a_noise_attacker_is_screened_out_by_every_honest_node_on_a_live_mesh(tm
     config = tmp_path / "peers.yaml"
     write_config(config, 4, rounds=3, local_epochs=4, lr=0.1, algorithm="fedavg",
                  attack={"nodes": ["node3"], "kind": "noise"})
-    processes = [start_node(config, f"node{i}", tmp_path) for i in range(4)]
-    try:
-        for process in processes:
-            assert process.wait(timeout=150) == 0
-    finally:
-        stop(processes)
+    run_nodes(config, tmp_path, 4, timeout=150)
     assert all(record["attacker"] for record in records(tmp_path, "node3"))
     for name in ("node0", "node1", "node2"):
         history = records(tmp_path, name)

@@ -11,7 +11,16 @@ import sys
 import pytest
 import torch
 
-from tests.nodes import meshfl, records, start_node, stop, wait_round, wait_until, write_config
+from tests.nodes import (
+    meshfl,
+    records,
+    run_nodes,
+    start_node,
+    stop,
+    wait_round,
+    wait_until,
+    write_config,
+)
 
 pytestmark = pytest.mark.slow  # real processes over real sockets
 
@@ -25,12 +34,7 @@ def test_fedavg_round_over_full_mesh_leaves_every_node_with_the_same_model(tmp_p
     # The paper's FedAvg: screening (on by default) lets each node keep its own model
     # where the average validates worse, and the models would differ.
     write_config(config, 3, rounds=2, algorithm={"name": "fedavg", "screen": False})
-    processes = [start_node(config, f"node{i}", tmp_path) for i in range(3)]
-    try:
-        for process in processes:
-            assert process.wait(timeout=90) == 0
-    finally:
-        stop(processes)
+    run_nodes(config, tmp_path, 3, timeout=90)
     last = [records(tmp_path, f"node{i}")[-1] for i in range(3)]
     for record in last:
         assert record["round"] == 2

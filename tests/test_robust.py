@@ -64,9 +64,17 @@ def test_krum_picks_from_the_honest_cluster_and_multikrum_averages_it():
     assert multi.state["w"].tolist() == pytest.approx([1.5, 0.0])
 
 
+def test_krum_on_a_small_mesh_lowers_f_to_what_the_models_allow():
+    # 4 models and f = 2: each model needs n - f - 2 >= 1 neighbours, so f is 1 here.
+    honest = {"h1": {"w": torch.tensor([1.1])}, "h2": {"w": torch.tensor([0.9])}}
+    outcome = round_of(rule("krum", f=2), {"w": torch.tensor([1.0])},
+                       {**honest, "bad": {"w": torch.tensor([50.0])}})
+    assert outcome.weights.keys() <= {"me", "h1", "h2"} and len(outcome.weights) == 1
+
+
 def test_too_few_models_for_krum_keep_the_own_model_and_its_integer_buffers():
     own = {"w": torch.tensor([1.0]), "steps": torch.tensor(7)}
-    outcome = round_of(rule("krum", f=2), own, {"p": {"w": torch.tensor([5.0]),
+    outcome = round_of(rule("krum", f=0), own, {"p": {"w": torch.tensor([5.0]),
                                                       "steps": torch.tensor(99)}})
     assert outcome.weights == {"me": 1.0}
     assert outcome.state["w"].tolist() == [1.0] and int(outcome.state["steps"]) == 7
