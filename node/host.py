@@ -35,10 +35,9 @@ FINISHED, FAILED = "finished", "failed"
 
 @dataclass
 class NodeEnd:
-    """How one node of a host ended: FINISHED, or FAILED with its last error line."""
+    """How one node of a host ended: FINISHED, or FAILED (its node.log says why)."""
 
     status: str
-    error: str = ""
 
 
 class NodeLog(logging.Filter):
@@ -96,10 +95,10 @@ class NodeHost:
             node.cpu = self.cpu
             self.nodes[options.name] = node
             node.run()
-        except Exception as error:  # this node's fault, not the host's
+        except Exception:  # this node's fault, not the host's
             log.exception("%s: stopped by an error; the host's other nodes go on",
                           options.name)
-            self.ends[options.name] = NodeEnd(FAILED, f"{type(error).__name__}: {error}")
+            self.ends[options.name] = NodeEnd(FAILED)
             return
         self.ends[options.name] = NodeEnd(FINISHED)
 

@@ -28,7 +28,16 @@ def trained(cfg: MeshConfig) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
+# Every other field of the config, and why it is not a training field. A new field must
+# land in one of the two lists, so that one accepted but never used shows up here.
+NOT_TRAINING = {"mesh", "algorithm", "model", "data", "rounds", "seed", "round_timeout",
+                "round_quorum", "heartbeat_interval", "peer_timeout", "closed", "encrypt",
+                "coordinator", "attack", "peers"}
+
+
 def test_the_fields_checked_here_are_every_training_field_of_the_config():
+    names = {field.name for field in dataclasses.fields(MeshConfig)}
+    assert names - NOT_TRAINING == set(TRAINING_FIELDS), "a config field nobody sorted"
     defaults = MeshConfig()
     for name, value in TRAINING_FIELDS.items():
         assert getattr(defaults, name) != value, f"{name}: pick a value other than the default"
