@@ -17,7 +17,7 @@ from .base import (
     CoordinatorAlgorithm,
     PeerAlgorithm,
     PeerModel,
-    Received,
+    ReceivedModels,
     Upload,
 )
 from .base import parse_params as _parse_into
@@ -98,6 +98,6 @@ def build_rule(name: str, params: dict[str, Any], context: Context) -> PeerAlgor
 
 __all__ = [
     "ALGORITHMS", "ALGORITHM_NAMES", "MODEL", "Aggregate", "Context", "CoordinatorAlgorithm",
-    "PeerAlgorithm", "PeerModel", "Received", "Upload", "algorithm_class", "build_rule",
+    "PeerAlgorithm", "PeerModel", "ReceivedModels", "Upload", "algorithm_class", "build_rule",
     "is_coordinated", "parse_params", "screening_setting",
 ]

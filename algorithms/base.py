@@ -11,7 +11,7 @@ import dataclasses
 import hashlib
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,7 +79,7 @@ class NoParams:
 MODEL = "model"  # the kind of blob every node publishes unless its rule says otherwise
 
 # received[kind][peer] = that peer's blob of that kind for the round
-Received = dict[str, dict[str, PeerModel]]
+ReceivedModels = dict[str, dict[str, PeerModel]]
 
 
 class PeerAlgorithm:
@@ -107,6 +107,18 @@ class PeerAlgorithm:
     def __init__(self, params: Any, context: Context) -> None:
         self.params = params
         self.context = context
+        self._scratch: torch.nn.Module | None = None
+
+    def scratch_model(self) -> torch.nn.Module:
+        """A spare instance of the node's architecture, built on first use and kept: rules
+        load peers' weights into it to score them, so building one each time is waste.
+        Whatever it holds is what was loaded last."""
+        if self._scratch is None:
+            if self.context.new_model is None:
+                raise ValueError(f"{self.name} scores models on local data: the node must "
+                                 "pass Context.new_model")
+            self._scratch = self.context.new_model()
+        return self._scratch
 
     def publish(self, round_no: int, state: State, data: Any) -> dict[str, State]:
         """The blobs to announce this round, by kind; `state` is the freshly trained model."""
@@ -121,7 +133,8 @@ class PeerAlgorithm:
         A rule that publishes other kinds than the whole model lists them here."""
         return (self.context.layout,) if kind == MODEL else ()
 
-    def aggregate(self, round_no: int, own: PeerModel, received: Received, data: Any) -> Aggregate:
+    def aggregate(self, round_no: int, own: PeerModel, received: ReceivedModels, data: Any
+                  ) -> Aggregate:
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
@@ -206,6 +219,18 @@ def draw_seed(mesh_seed: int, node: str, round_no: int, purpose: str) -> int:
 
 def prefixed_layout(prefix: str, layout: Layout) -> Layout:
     return tuple((prefix + name, dtype, shape) for name, dtype, shape in layout)
+
+
+def sample_weights(models: Mapping[str, PeerModel | Upload]) -> dict[str, float]:
+    """FedAvg's weights: each model's share n_i / Σ_j n_j of the samples that trained
+    them all, in the order of `models` (the order a weighted average sums in)."""
+    total = sum(model.n_samples for model in models.values())
+    return {name: model.n_samples / total for name, model in models.items()}
+
+
+def state_part(state: State, keys: Iterable[str]) -> State:
+    """The entries of `state` under `keys` (a body, a head), in the order of `keys`."""
+    return {key: state[key] for key in keys}
 
 
 def weighted_average(states: dict[str, State], weights: dict[str, float]) -> State:

@@ -12,9 +12,10 @@ from .base import (
     CoordinatorAlgorithm,
     PeerAlgorithm,
     PeerModel,
-    Received,
+    ReceivedModels,
     State,
     Upload,
+    sample_weights,
     weighted_average,
 )
 
@@ -28,7 +29,8 @@ class Local(PeerAlgorithm):
     def wanted(self, round_no: int, offered: dict[str, list[str]]) -> dict[str, list[str]]:
         return {}
 
-    def aggregate(self, round_no: int, own: PeerModel, received: Received, data: Any) -> Aggregate:
+    def aggregate(self, round_no: int, own: PeerModel, received: ReceivedModels, data: Any
+                  ) -> Aggregate:
         return Aggregate(state=own.state, weights={self.context.node: 1.0})
 
 
@@ -37,11 +39,11 @@ class FedAvg(PeerAlgorithm):
 
     name = "fedavg"
 
-    def aggregate(self, round_no: int, own: PeerModel, received: Received, data: Any) -> Aggregate:
+    def aggregate(self, round_no: int, own: PeerModel, received: ReceivedModels, data: Any
+                  ) -> Aggregate:
         # One order for every node, so that over a full mesh all compute the same bits.
         models = dict(sorted({self.context.node: own, **received.get(MODEL, {})}.items()))
-        total = sum(model.n_samples for model in models.values())
-        weights = {name: model.n_samples / total for name, model in models.items()}
+        weights = sample_weights(models)
         state = weighted_average({name: models[name].state for name in models}, weights)
         return Aggregate(state=state, weights=weights)
 
@@ -67,8 +69,7 @@ class ServerFedAvg(CoordinatorAlgorithm):
     def aggregate_uploads(self, round_no: int, uploads: dict[str, Upload]) -> dict[str, Any]:
         if not uploads:
             return {}
-        total = sum(upload.n_samples for upload in uploads.values())
-        self.weights = {name: upload.n_samples / total for name, upload in sorted(uploads.items())}
+        self.weights = sample_weights(dict(sorted(uploads.items())))
         self.global_state = weighted_average(
             {name: upload.state for name, upload in uploads.items()}, self.weights)
         return {"weights": self.weights}

@@ -33,8 +33,10 @@ from .base import (
     Context,
     PeerAlgorithm,
     PeerModel,
-    Received,
+    ReceivedModels,
     State,
+    sample_weights,
+    state_part,
     weighted_average,
 )
 
@@ -180,7 +182,7 @@ def measure_influence(model: nn.Module, states: list[State], own_index: int, bod
     own_state = states[own_index]
     result = Influence()
     if vector:
-        bodies = [{key: state[key] for key in body_keys} for state in states]
+        bodies = [state_part(state, body_keys) for state in states]
         result.batch_losses = body_losses(model, own_state, leave_one_out_bodies(bodies), x, y)
         result.vector = influence_weights(result.batch_losses, gamma)
     if matrix:
@@ -244,9 +246,9 @@ class FedC2I(PeerAlgorithm):
         if context.new_model is None:
             raise ValueError("fedc2i scores models on local data: the node must pass "
                              "Context.new_model")
-        self._scratch: nn.Module | None = None
 
-    def aggregate(self, round_no: int, own: PeerModel, received: Received, data: Any) -> Aggregate:
+    def aggregate(self, round_no: int, own: PeerModel, received: ReceivedModels, data: Any
+                  ) -> Aggregate:
         me = self.context.node
         # One order for every node; the snapshot is read, never written.
         models = dict(sorted({me: own, **received.get(MODEL, {})}.items()))
@@ -260,14 +262,14 @@ class FedC2I(PeerAlgorithm):
         float_body_keys = [key for key in self.context.body_keys
                            if own.state[key].is_floating_point()]
         influence = measure_influence(
-            self._model(), states, names.index(me), float_body_keys, self.head_weight_key,
+            self.scratch_model(), states, names.index(me), float_body_keys, self.head_weight_key,
             self.head_bias_key, x, y, self.params.gamma,
             vector=self.params.body == "influence", matrix=self.params.head == "influence")
         body_weights = self._body_weights(models, influence)
         mixed: State = {}
         if self.params.body != "local":  # local: the own body bit for bit, not 1·own + 0·peers
             mixed.update(weighted_average(
-                {name: _pick(models[name].state, float_body_keys) for name in names},
+                {name: state_part(models[name].state, float_body_keys) for name in names},
                 body_weights))
         mixed.update(self._head(models, influence))
         # Integer buffers and the parts a rule keeps local are copies of the own entries.
@@ -276,26 +278,21 @@ class FedC2I(PeerAlgorithm):
         return Aggregate(state=state, weights=body_weights,
                          diagnostics=_diagnostics(names, influence))
 
-    def _model(self) -> nn.Module:
-        if self._scratch is None:
-            self._scratch = self.context.new_model()
-        return self._scratch
-
     def _body_weights(self, models: dict[str, PeerModel], influence: Influence) -> dict[str, float]:
         rule = self.params.body
         if rule == "influence":
             return dict(zip(models, influence.vector.tolist(), strict=True))
         if rule == "fedavg":
-            return _sample_weights(models)
+            return sample_weights(models)
         return {name: float(name == self.context.node) for name in models}
 
     def _head(self, models: dict[str, PeerModel], influence: Influence) -> State:
         rule, keys = self.params.head, (self.head_weight_key, self.head_bias_key)
         if rule == "local":
             return {}
-        states = {name: _pick(model.state, keys) for name, model in models.items()}
+        states = {name: state_part(model.state, keys) for name, model in models.items()}
         if rule == "fedavg":
-            return weighted_average(states, _sample_weights(models))
+            return weighted_average(states, sample_weights(models))
         weight, bias = influence_head(
             torch.stack([state[self.head_weight_key] for state in states.values()]),
             torch.stack([state[self.head_bias_key] for state in states.values()]),
@@ -311,15 +308,6 @@ def _class_vector_keys(head_keys: tuple[str, ...]) -> tuple[str, str]:
         raise ValueError("fedc2i reads class vectors as the rows of one linear head "
                          f"(model.head=last); this model's head has {list(head_keys)}")
     return weights[0], biases[0]
-
-
-def _pick(state: State, keys: list[str] | tuple[str, ...]) -> State:
-    return {key: state[key] for key in keys}
-
-
-def _sample_weights(models: dict[str, PeerModel]) -> dict[str, float]:
-    total = sum(model.n_samples for model in models.values())
-    return {name: model.n_samples / total for name, model in models.items()}
 
 
 def _diagnostics(names: list[str], influence: Influence) -> dict[str, Any]:

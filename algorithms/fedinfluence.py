@@ -59,6 +59,7 @@ from .base import (
     State,
     Upload,
     draw_seed,
+    sample_weights,
     weighted_average,
 )
 
@@ -292,7 +293,6 @@ class FedInfluence(CoordinatorAlgorithm):
         self.client_flags: dict[str, dict[str, bool]] = {}  # Alg. 4: tensor → uploader → up
         self.cleansed: list[str] = []
         self.last_fil: dict[str, float] = {}
-        self._scratch: nn.Module | None = None
         self._keys: list[str] | None = None
 
     # --- the schedule --------------------------------------------------------
@@ -371,8 +371,7 @@ class FedInfluence(CoordinatorAlgorithm):
         clock = time.perf_counter()
         uploads = dict(sorted(uploads.items()))
         old_global = self.global_state or self.initial or next(iter(uploads.values())).state
-        total = sum(upload.n_samples for upload in uploads.values())
-        self.weights = {name: upload.n_samples / total for name, upload in uploads.items()}
+        self.weights = sample_weights(uploads)
         self.global_state = weighted_average(
             {name: upload.state for name, upload in uploads.items()}, self.weights)
         seconds = {"average": time.perf_counter() - clock}
@@ -404,7 +403,7 @@ class FedInfluence(CoordinatorAlgorithm):
     def _parameter_keys(self) -> list[str]:
         """The tensors ε covers: the parameters (buffers, if any, are only averaged)."""
         if self._keys is None:
-            self._keys = [name for name, _ in self._model().named_parameters()]
+            self._keys = [name for name, _ in self.scratch_model().named_parameters()]
         return self._keys
 
     def _well_formed(self, uploads: dict[str, Upload]
@@ -413,7 +412,7 @@ class FedInfluence(CoordinatorAlgorithm):
         off the network, so a wrong shape must cost the sender its round, not the run."""
         if not self.params.estimator:
             return uploads, {}
-        shapes = {name: p.numel() for name, p in self._model().named_parameters()}
+        shapes = {name: p.numel() for name, p in self.scratch_model().named_parameters()}
         good, rejected = {}, {}
         for client, upload in uploads.items():
             problem = _gradient_problem(upload, shapes, self.params)
@@ -456,7 +455,7 @@ class FedInfluence(CoordinatorAlgorithm):
     def fip_of(self, client: str) -> State:
         """ε^{-c} as a state of parameter tensors (float64)."""
         row = self.clients.index(client)
-        reference = self._model().state_dict()
+        reference = self.scratch_model().state_dict()
         return {key: self.fip[key][row].reshape(reference[key].shape)
                 for key in self._parameter_keys()}
 
@@ -479,7 +478,7 @@ class FedInfluence(CoordinatorAlgorithm):
         x, y = self.evaluation_set()
         if len(y) == 0:
             return {}
-        model = self._model()
+        model = self.scratch_model()
         model.load_state_dict(self.global_state)
         loss, accuracy = loss_and_accuracy(model, x, y)
         result: dict[str, Any] = {"test_loss": loss, "test_acc": accuracy}
@@ -501,7 +500,7 @@ class FedInfluence(CoordinatorAlgorithm):
     def influence_on_performance(self, x: torch.Tensor, y: torch.Tensor, loss: float,
                                  accuracy: float) -> tuple[dict[str, float], dict[str, float]]:
         """FIL and FIA of every known client: w_t + ε^{-c} scored against w_t."""
-        model = self._model()
+        model = self.scratch_model()
         fil, fia = {}, {}
         for client in self.clients:
             shifted = {key: value.to(torch.float64) for key, value in
@@ -525,13 +524,6 @@ class FedInfluence(CoordinatorAlgorithm):
                                      self.params.cleanse_mode, self.context.seed)
         self.cleansed = sorted({*self.cleansed, *dropped})
         return dropped
-
-    def _model(self) -> nn.Module:
-        if self._scratch is None:
-            if self.context.new_model is None:
-                raise ValueError("fedinfluence needs the node's model: pass Context.new_model")
-            self._scratch = self.context.new_model()
-        return self._scratch
 
     # --- checkpoint ----------------------------------------------------------------
 

@@ -33,7 +33,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from .base import Context, CoordinatorAlgorithm, State, Upload, draw_seed, weighted_average
+from .base import (
+    Context,
+    CoordinatorAlgorithm,
+    State,
+    Upload,
+    draw_seed,
+    sample_weights,
+    state_part,
+    weighted_average,
+)
 
 # A client that shares its similarity row with only one peer has nothing to choose:
 # MDS ignores the gap between self and the best peer, and with K = 2 no other gap exists.
@@ -114,12 +123,6 @@ def ccp_still_on(history: Sequence[float], delta: float) -> bool:
     return peak <= 0 or history[-1] / peak > delta
 
 
-def sample_weights(members: Sequence[str], n_samples: dict[str, int]) -> dict[str, float]:
-    """|D_i| / Σ_{j ∈ members} |D_j| (Eq. 6 over everyone, Eq. 7 over A_k)."""
-    total = sum(n_samples[name] for name in members)
-    return {name: n_samples[name] / total for name in sorted(members)}
-
-
 def dependency_weights(client: str, counts: dict[str, int], present: Sequence[str]
                        ) -> dict[str, float]:
     """Eq. 10's weights G[k, i] / Σ_i G[k, i] over the clients `present` this round.
@@ -155,10 +158,6 @@ def own_group_fraction(relevant_sets: dict[str, Sequence[str]], group_of: dict[s
         return None
     same = sum(group_of.get(peer) == group_of[client] for client, peer in peers)
     return same / len(peers)
-
-
-def _pick(state: State, keys: Sequence[str]) -> State:
-    return {key: state[key] for key in keys}
 
 
 # --------------------------------------------------------------------------- the rule
@@ -201,7 +200,6 @@ class FedReMa(CoordinatorAlgorithm):
         self.dependency: dict[str, dict[str, int]] = {}  # G, counts > 0 only
         self.gap_history: list[float] = []  # Δs̄ of each CCP round that could choose
         self.ccp = True
-        self._scratch: nn.Module | None = None
 
     # --- what clients receive ----------------------------------------------
 
@@ -210,7 +208,7 @@ class FedReMa(CoordinatorAlgorithm):
             return initial
         # A client the rule has no head for (new, or absent so far) starts from the
         # initial head on the shared body.
-        head = self.heads.get(client) or _pick(initial, self.context.head_keys)
+        head = self.heads.get(client) or state_part(initial, self.context.head_keys)
         merged = {**self.body, **head}
         return {key: merged[key] for key in initial}
 
@@ -224,14 +222,13 @@ class FedReMa(CoordinatorAlgorithm):
             return {"ccp": self.ccp}
         snapshot = dict(sorted(uploads.items()))  # read, never written
         names = list(snapshot)
-        n_samples = {name: upload.n_samples for name, upload in snapshot.items()}
-        heads = {name: _pick(upload.state, self.context.head_keys)
+        heads = {name: state_part(upload.state, self.context.head_keys)
                  for name, upload in snapshot.items()}
-        self.body = weighted_average(
-            {name: _pick(upload.state, self.context.body_keys) for name, upload in
-             snapshot.items()}, sample_weights(names, n_samples))
+        self.body = weighted_average(  # Eq. 6: |D_i| / Σ_j |D_j| over every upload
+            {name: state_part(upload.state, self.context.body_keys) for name, upload in
+             snapshot.items()}, sample_weights(snapshot))
         if self.ccp:
-            weights, diagnostics = self._match(round_no, heads, n_samples)
+            weights, diagnostics = self._match(round_no, heads, snapshot)
         else:
             weights = {name: dependency_weights(name, self.dependency.get(name, {}), names)
                        for name in names}
@@ -242,7 +239,7 @@ class FedReMa(CoordinatorAlgorithm):
         diagnostics["head_weights"] = weights
         return diagnostics
 
-    def _match(self, round_no: int, heads: dict[str, State], n_samples: dict[str, int]
+    def _match(self, round_no: int, heads: dict[str, State], uploads: dict[str, Upload]
                ) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
         """One CCP round: S, the relevant sets, Eq. 7's weights, G and the CCP test."""
         names = list(heads)
@@ -260,7 +257,9 @@ class FedReMa(CoordinatorAlgorithm):
             # A round of one or two uploads separates nobody; its Δs̄ = 0 would end the CCP.
             self.gap_history.append(mean_gap)
             self.ccp = ccp_still_on(self.gap_history, self.params.delta)
-        weights = {name: sample_weights(members, n_samples) for name, members in relevant.items()}
+        # Eq. 7: |D_i| / Σ_{j ∈ A_k} |D_j| over each client's relevant set A_k
+        weights = {name: sample_weights({member: uploads[member] for member in sorted(members)})
+                   for name, members in relevant.items()}
         return weights, {
             "ccp": True, "ccp_continues": self.ccp, "clients": names,
             "similarity": similarity.tolist(), "relevant_sets": relevant,
@@ -270,7 +269,7 @@ class FedReMa(CoordinatorAlgorithm):
 
     def _similarity(self, round_no: int, heads: dict[str, State]) -> torch.Tensor:
         """S (K x K): row k compares every head with k's on k's own probe."""
-        model = self._scratch_model()
+        model = self.scratch_model()
         names = list(heads)
         probes = torch.stack([
             draw_probe(model.feature_dim, self.params.probe_high, self.context.seed, round_no,
@@ -278,11 +277,6 @@ class FedReMa(CoordinatorAlgorithm):
         logits = probe_logits(model, list(heads.values()), probes)  # (heads, probes, classes)
         return torch.stack([probe_similarity(logits[:, k], k, self.params.temperature)
                             for k in range(len(names))])
-
-    def _scratch_model(self) -> nn.Module:
-        if self._scratch is None:
-            self._scratch = self.context.new_model()
-        return self._scratch
 
     # --- checkpoint ------------------------------------------------------------
 

@@ -65,7 +65,7 @@ from .base import (
     NoParams,
     PeerAlgorithm,
     PeerModel,
-    Received,
+    ReceivedModels,
     State,
     draw_seed,
     weighted_average,
@@ -358,7 +358,8 @@ class PFedLIA(PeerAlgorithm):
 
     # --- aggregate ----------------------------------------------------------
 
-    def aggregate(self, round_no: int, own: PeerModel, received: Received, data: Any) -> Aggregate:
+    def aggregate(self, round_no: int, own: PeerModel, received: ReceivedModels, data: Any
+                  ) -> Aggregate:
         self._learn_truths(received.get(TRUTH, {}))
         if not self._after_warmup(round_no):
             outcome = self._fedavg.aggregate(round_no, own, received, data)
@@ -374,7 +375,7 @@ class PFedLIA(PeerAlgorithm):
         outcome.diagnostics = self._diagnostics(phase)
         return outcome
 
-    def _update_group(self, received: Received, data: Any) -> str:
+    def _update_group(self, received: ReceivedModels, data: Any) -> str:
         """Refresh the group from what arrived this round; return the phase it is in."""
         if self.params.oracle:
             own = self.truths[self.node]
@@ -398,7 +399,7 @@ class PFedLIA(PeerAlgorithm):
                     if peer not in self.scores and (state := contents(blob)) is not None}
         if self.node not in self.scores and self.lazy_model is not None:
             unscored[self.node] = self.lazy_model
-        new_scores = lazy_influence_scores(self._scratch_model(), self.anchor, unscored,
+        new_scores = lazy_influence_scores(self._fresh_model(), self.anchor, unscored,
                                            data.x_val, data.y_val)
         self.scores.update(new_scores)
         self._newly_scored = sorted(new_scores)
@@ -425,7 +426,7 @@ class PFedLIA(PeerAlgorithm):
             return
         assert self.context.train is not None, "the node provides its training recipe"
         self.lazy_model = train_lazy_model(
-            self._scratch_model(), self.anchor, data.x_train, data.y_train,
+            self._fresh_model(), self.anchor, data.x_train, data.y_train,
             self.params.lazy_batch, self.params.lazy_epochs, self.context.train,
             lazy_seed(self.context.seed, self.node))
 
@@ -433,13 +434,15 @@ class PFedLIA(PeerAlgorithm):
         for peer, blob in blobs.items():
             self.truths[peer] = int(blob.state[TRUTH_KEY].reshape(-1)[0])
 
-    def _scratch_model(self) -> torch.nn.Module:
+    def _fresh_model(self) -> torch.nn.Module:
+        """A new instance of the node's architecture, never a kept one: lazy models train
+        it, and the initial state must be the architecture's own initialisation."""
         assert self.context.new_model is not None, "the node provides its architecture"
         return self.context.new_model()
 
     def _initial_state(self) -> State:
         return {key: value.detach().clone()
-                for key, value in self._scratch_model().state_dict().items()}
+                for key, value in self._fresh_model().state_dict().items()}
 
     def _diagnostics(self, phase: str) -> dict[str, Any]:
         diagnostics: dict[str, Any] = {"phase": phase}

@@ -62,10 +62,10 @@ from .base import (
     State,
     Upload,
     prefixed_layout,
+    sample_weights,
     weighted_average,
 )
 from .baselines import ServerFedAvg
-from .fedrema import sample_weights
 from .pfedlia import (
     lazy_influence_scores,
     lazy_seed,
@@ -157,7 +157,7 @@ def group_averages(groups: Mapping[str, list[str]], uploads: Mapping[str, Upload
         present = tuple(m for m in groups.get(client, [client]) if m in uploads)
         if not present:
             continue
-        weights[client] = sample_weights(present, {m: uploads[m].n_samples for m in present})
+        weights[client] = sample_weights({member: uploads[member] for member in sorted(present)})
         if present not in averaged:
             averaged[present] = weighted_average({m: uploads[m].state for m in present},
                                                  weights[client])

@@ -62,9 +62,11 @@ from .base import (
     Layout,
     PeerAlgorithm,
     PeerModel,
-    Received,
+    ReceivedModels,
     State,
     draw_seed,
+    sample_weights,
+    state_part,
     weighted_average,
 )
 from .screening import adopts
@@ -350,8 +352,8 @@ class PFedSV(PeerAlgorithm):
             state = self._privatized(round_no, state)
         if not self.params.shared_body:
             return {MODEL: state}
-        return {BODY: {key: state[key] for key in self.context.body_keys},
-                HEAD: {key: state[key] for key in self.context.head_keys}}
+        return {BODY: state_part(state, self.context.body_keys),
+                HEAD: state_part(state, self.context.head_keys)}
 
     def _privatized(self, round_no: int, state: State) -> State:
         reference = self._round_start
@@ -386,7 +388,8 @@ class PFedSV(PeerAlgorithm):
 
     # --- aggregate ----------------------------------------------------------
 
-    def aggregate(self, round_no: int, own: PeerModel, received: Received, data: Any) -> Aggregate:
+    def aggregate(self, round_no: int, own: PeerModel, received: ReceivedModels, data: Any
+                  ) -> Aggregate:
         me = self.context.node
         players_states, base = self._players(own, received)
         logits_of = self._val_logits(players_states, data)
@@ -483,25 +486,24 @@ class PFedSV(PeerAlgorithm):
             return {me: 1.0}, players_states[me]
         return weights, weighted_average({p: players_states[p] for p in weights}, weights)
 
-    def _players(self, own: PeerModel, received: Received) -> tuple[dict[str, State], State]:
+    def _players(self, own: PeerModel, received: ReceivedModels) -> tuple[dict[str, State], State]:
         """Each player's model as the coalition game sees it, and the part of the new
         state that does not depend on the game (shared body: the averaged body)."""
         me = self.context.node
         if not self.params.shared_body:
             return {me: own.state, **{p: m.state for p, m in received.get(MODEL, {}).items()}}, {}
         body = self._mesh_body(own, received.get(BODY, {}))
-        heads = {me: {key: own.state[key] for key in self.context.head_keys},
+        heads = {me: state_part(own.state, self.context.head_keys),
                  **{peer: blob.state for peer, blob in received.get(HEAD, {}).items()}}
         return {player: {**body, **head} for player, head in heads.items()}, body
 
     def _mesh_body(self, own: PeerModel, bodies: dict[str, PeerModel]) -> State:
         """Sample-weighted average of the own body and every body received (FedAvg)."""
         me = self.context.node
-        parts = dict(sorted({me: PeerModel({key: own.state[key] for key in self.context.body_keys},
+        parts = dict(sorted({me: PeerModel(state_part(own.state, self.context.body_keys),
                                            own.n_samples), **bodies}.items()))
-        total = sum(part.n_samples for part in parts.values())
         return weighted_average({name: part.state for name, part in parts.items()},
-                                {name: part.n_samples / total for name, part in parts.items()})
+                                sample_weights(parts))
 
     def _update_relevance(self, shapley: dict[str, float]) -> None:
         alpha = self.params.alpha
@@ -519,7 +521,7 @@ class PFedSV(PeerAlgorithm):
         return dynamic_k(self.relevance, settled, self.params.k, self.params.k_min,
                          self.params.k_max)
 
-    def _mode_diagnostics(self, received: Received) -> dict[str, Any]:
+    def _mode_diagnostics(self, received: ReceivedModels) -> dict[str, Any]:
         extra: dict[str, Any] = {}
         if self.params.shared_body:
             extra["bodies"] = sorted(received.get(BODY, {}))

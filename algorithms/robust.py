@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .base import MODEL, Aggregate, PeerAlgorithm, PeerModel, Received, State
+from .base import MODEL, Aggregate, PeerAlgorithm, PeerModel, ReceivedModels, State
 
 
 def float_keys(state: State) -> list[str]:
@@ -93,7 +93,8 @@ def _average(states: list[State]) -> State:
 class _RobustRule(PeerAlgorithm):
     """Gathers the own model and every received one, in one order on every node."""
 
-    def aggregate(self, round_no: int, own: PeerModel, received: Received, data: Any) -> Aggregate:
+    def aggregate(self, round_no: int, own: PeerModel, received: ReceivedModels, data: Any
+                  ) -> Aggregate:
         models = dict(sorted({self.context.node: own, **received.get(MODEL, {})}.items()))
         names = list(models)
         own_ints = {key: value for key, value in own.state.items()

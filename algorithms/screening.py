@@ -37,7 +37,15 @@ from typing import Any
 import torch
 from torch.nn import functional
 
-from .base import MODEL, Aggregate, PeerAlgorithm, PeerModel, Received, State, weighted_average
+from .base import (
+    MODEL,
+    Aggregate,
+    PeerAlgorithm,
+    PeerModel,
+    ReceivedModels,
+    State,
+    weighted_average,
+)
 
 N_CLAIM_FACTOR = 4
 MEMORY_ROUNDS = 3
@@ -114,7 +122,6 @@ class Screened(PeerAlgorithm):
         self.name = rule.name
         self.ranks_offers = rule.ranks_offers
         self._seen: dict[int, set[bytes]] = {}  # round -> digests received or adopted
-        self._scratch: torch.nn.Module | None = None
 
     def __getattr__(self, name: str) -> Any:  # the rule's own state (groups, scores...)
         if "rule" not in self.__dict__:  # half-built (a copy being made)
@@ -136,7 +143,8 @@ class Screened(PeerAlgorithm):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.rule.load_state_dict(state)
 
-    def aggregate(self, round_no: int, own: PeerModel, received: Received, data: Any) -> Aggregate:
+    def aggregate(self, round_no: int, own: PeerModel, received: ReceivedModels, data: Any
+                  ) -> Aggregate:
         clock = time.perf_counter()
         me, models = self.context.node, received.get(MODEL, {})
         judged = len(data.y_val) > 0
@@ -181,10 +189,7 @@ class Screened(PeerAlgorithm):
         return reasons
 
     def _losses(self, state: State, data: Any) -> torch.Tensor:
-        if self._scratch is None:
-            assert self.context.new_model is not None, "the node provides its architecture"
-            self._scratch = self.context.new_model()
-        return per_sample_losses(self._scratch, state, data.x_val, data.y_val)
+        return per_sample_losses(self.scratch_model(), state, data.x_val, data.y_val)
 
     def _seen_before(self, round_no: int) -> set[bytes]:
         """Digests of earlier rounds only: a step the node re-runs (node/containment.py)

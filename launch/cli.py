@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 from collections.abc import Callable
@@ -10,24 +11,11 @@ from pathlib import Path
 
 from meshfl.node.logs import configure as configure_logging
 
-EXIT_USAGE = 2
-EXIT_NODE_FAILED = 3  # `meshfl launch`: the mesh ran, but some node failed (summary.json)
-EXIT_INTERRUPTED = 130  # Ctrl-C; a SIGTERM or SIGHUP gives 128 + its number
-
-
-class UserError(Exception):
-    """A mistake the user can fix: printed as one line, exit code 2."""
-
-
-class Stopped(KeyboardInterrupt):
-    """A stop signal (SIGTERM, SIGHUP) taken like Ctrl-C; exits with 128 + its number."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.exit_code = 128 + signum
+from .errors import EXIT_INTERRUPTED, EXIT_USAGE, UserError
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    # options.py turns the named flags into config overrides: a new one goes there too.
     parser.add_argument("--config", metavar="FILE",
                         help="peers.yaml with the mesh settings and peers (default: built-in "
                              "demo settings)")
@@ -59,14 +47,6 @@ def _add_launcher_fd(parser: argparse.ArgumentParser) -> None:
                              "descriptor reads end-of-file, i.e. when the launcher is gone")
 
 
-def _named_overrides(args: argparse.Namespace) -> list[str]:
-    named = {"algorithm": "algorithm", "dataset": "data.dataset", "data_root": "data.root",
-             "partition": "data.partition", "samples_per_node": "data.samples_per_node",
-             "rounds": "rounds", "seed": "seed"}
-    return [f"{key}={getattr(args, flag)}" for flag, key in named.items()
-            if getattr(args, flag, None) is not None]
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="meshfl",
@@ -78,12 +58,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     launch = commands.add_parser(
         "launch", help="start N local nodes and show their progress",
-        description="Start N node processes on this machine, show their progress, print a "
-                    "result table and write per-node metrics and summary.json to --out.")
+        description="Start N nodes on this machine, in about one process per core (see "
+                    "--hosts), show their progress, print a result table and write per-node "
+                    "metrics and summary.json to --out.")
     _add_config_flags(launch)
     launch.add_argument("--nodes", type=int, help="number of local nodes (default 4, or the "
                         "peers of --config)")
     launch.add_argument("--out", metavar="DIR", help="run folder (default runs/<time>-<rule>)")
+    launch.add_argument("--hosts", type=int, metavar="H",
+                        help="processes the nodes share (default: one per core, at most one "
+                             "per node). Each is a node host: torch loads once per host and "
+                             "its nodes take turns at the CPU, each still a full peer on the "
+                             "wire. --hosts equal to --nodes gives every node its own process")
     launch.add_argument("--quiet", action="store_true", help="no live progress line")
     launch.add_argument("--restarts", type=int, default=0, metavar="N",
                         help="restart a node that fails up to N times; it resumes from its "
@@ -121,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the peers NAMES of --config in this one process, each a full peer "
                     "with its own key, port, metrics and checkpoint, talking to the others "
                     "only over the wire. torch loads once; the peers take turns at the CPU. "
-                    "(`meshfl launch` still starts one process per node.)")
+                    "`meshfl launch` starts about one host per core.")
     _add_config_flags(host)
     host.add_argument("--names", required=True, metavar="NAME,NAME,...",
                       help="the peers of --config this host runs")
@@ -194,11 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser(
         "bench", help="measure the wire protocol's throughput or an algorithm's overhead")
-    bench.add_argument("what", choices=["wire", "fedc2i", "fedinfluence"],
-                       help="fedinfluence: Fed-Influence against exact leave-one-out, "
-                            "cleansing and overhead; wire: signed blob MB/s against raw "
-                            "ZeroMQ; fedc2i: influence "
-                            "seconds as a share of local training")
+    bench.add_argument("what", choices=list(BENCHMARKS),
+                       help="; ".join(f"{name}: {what}" for name, (_, what) in
+                                      BENCHMARKS.items()))
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark")
     return parser
 
@@ -230,14 +214,18 @@ def _is_user_error(err: Exception) -> bool:
     return isinstance(err, (UserError, *USER_ERRORS))
 
 
+# Each command imports its module when run: most load torch, which --help, keygen and
+# status do without.
+
+
 def _launch(args: argparse.Namespace) -> int:
-    from .local import launch_local
+    from .supervise import launch_local
 
     return launch_local(args)
 
 
 def _node(args: argparse.Namespace) -> int:
-    from .local import run_named_node
+    from .entry import run_named_node
 
     return run_named_node(args)
 
@@ -249,13 +237,13 @@ def _host(args: argparse.Namespace) -> int:
 
 
 def _coordinator(args: argparse.Namespace) -> int:
-    from .local import run_coordinator
+    from .entry import run_coordinator
 
     return run_coordinator(args)
 
 
 def _join(args: argparse.Namespace) -> int:
-    from .local import run_joiner
+    from .entry import run_joiner
 
     return run_joiner(args)
 
@@ -293,23 +281,20 @@ def _status(args: argparse.Namespace) -> int:
     return run_status(args)
 
 
+# Each benchmark: (its module, what it measures). Imported only when run: most load torch.
+BENCHMARKS = {
+    "wire": ("bench_wire", "signed and encrypted blob MB/s against raw ZeroMQ"),
+    "scale": ("bench_scale", "wall time, memory and bytes of meshes of 16, 50 and 100 nodes"),
+    "fedc2i": ("bench_fedc2i", "influence seconds as a share of local training"),
+    "fedinfluence": ("bench_fedinfluence",
+                     "Fed-Influence against exact leave-one-out, cleansing and overhead"),
+}
+
+
 def _bench(args: argparse.Namespace) -> int:
-    if args.what == "fedinfluence":
-        from .bench_fedinfluence import main as main_fedinfluence
-
-        return main_fedinfluence(args.rest)
-    if args.what == "fedc2i":
-        from .bench_fedc2i import main as main_fedc2i
-
-        return main_fedc2i(args.rest)
-    from .bench import main_wire
-
-    return main_wire(args.rest)
+    module = importlib.import_module(f"meshfl.launch.{BENCHMARKS[args.what][0]}")
+    return module.main(args.rest)
 
 
 if __name__ == "__main__":
-    # Run the importable module, not this `__main__` copy: the subcommands raise
-    # `meshfl.launch.cli.UserError`, which must be the class `main` catches.
-    from meshfl.launch.cli import main as importable_main
-
-    sys.exit(importable_main())
+    sys.exit(main())

@@ -23,7 +23,7 @@ from meshfl.node.coordinator import COORDINATOR
 from meshfl.protocol.identity import Identity, KeyFileError
 from meshfl.protocol.transport import BadContact, contact, split_contact
 
-from .cli import UserError
+from .errors import UserError
 
 
 def key_path(out: Path, name: str, key: str | None = None) -> Path:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from importlib import resources
 from pathlib import Path
@@ -23,8 +24,10 @@ import yaml
 
 from meshfl.node import config as cfgmod
 
-from .cli import UserError
-from .local import failed_nodes, run_mesh, with_local_peers, write_summary
+from .errors import UserError
+from .measures import ROUND_COSTS, TableRow, score_rows
+from .summary import failed_nodes, write_summary
+from .supervise import run_mesh, with_local_peers
 
 
 def available() -> dict[str, Path]:
@@ -206,58 +209,29 @@ def _differences(there: dict[str, Any], now: dict[str, Any], prefix: str = "") -
     return found
 
 
-# Scores from launch.local.write_summary: how well a rule found who shares data, and
-# why it helped or hurt; each pooled over the seeds as its row title says.
-POOLED = {statistics.fmean: "mean over seeds", min: "lowest over seeds"}
-SCORE_ROWS = {
-    "ari": ("ARI of the groups", statistics.fmean),
-    "own_group_share_ccp": ("own-group share of relevant sets in the CCP", statistics.fmean),
-    "own_group_share_lowest": ("own-group share of relevant sets, lowest CCP round", min),
-    "top_k_precision": ("precision of the final top-k against \"shares a label\"",
-                        statistics.fmean),
-    "shapley_sharing_a_label": ("Shapley value of a peer sharing a label", statistics.fmean),
-    "shapley_sharing_no_label": ("Shapley value of a peer sharing no label", statistics.fmean),
-    "weight_on_label_sharing_peers": ("weight on label-sharing peers per round",
-                                      statistics.fmean),
-    "average_below_own": ("share of rounds the average's val accuracy was below the own "
-                          "model's", statistics.fmean),
-    "average_adopted": ("share of rounds the node adopted the weighted average",
-                        statistics.fmean),
-    "influence_own_share": ("influence vector's share for the own model", statistics.fmean),
-    "class_influence_peak": ("largest class-level weight, times uniform", statistics.fmean),
-}
-
-
-# What a round costs a node (launch.local.write_summary), as the median over the seeds.
-COST_ROWS = {
-    "mb_in_per_round": ("MB received per node and round (median)", "{:.2f}"),
-    "shapley_to_train": ("Shapley seconds per training second (median)", "{:.3f}"),
-    "aggregate_to_train": ("aggregation seconds (screening included) per training second "
-                           "(median)", "{:.3f}"),
-}
-
-
 def _score_rows(summaries: dict[str, list[dict[str, Any]]]) -> list[str]:
-    """A row per score that some variant has, its seeds pooled as SCORE_ROWS says."""
-    rows = []
-    for key, (title, pool) in SCORE_ROWS.items():
-        scores = [[s[key] for s in runs if key in s] for runs in summaries.values()]
-        if any(scores):
-            rows.append(f"| {title} ({POOLED[pool]}) | "
-                        + " | ".join(f"{pool(x):.3f}" if x else "" for x in scores) + " |")
-    return rows
+    """A row per score that some variant has (launch/measures.py says which rule reports
+    which, and how its seeds pool)."""
+    return _table_rows(summaries, score_rows(), lambda summary: summary)
 
 
 def _cost_rows(summaries: dict[str, list[dict[str, Any]]]) -> list[str]:
-    """A row per cost that some variant measured, the median over its seeds."""
-    rows = []
-    for key, (title, form) in COST_ROWS.items():
-        costs = [[s["cost"][key] for s in runs if key in s.get("cost", {})]
-                 for runs in summaries.values()]
-        if any(costs):
-            rows.append(f"| {title} | " + " | ".join(
-                form.format(statistics.median(x)) if x else "" for x in costs) + " |")
-    return rows
+    """A row per cost of a round that some variant measured, the median over its seeds."""
+    return _table_rows(summaries, ROUND_COSTS.rows, lambda summary: summary.get("cost", {}))
+
+
+def _table_rows(summaries: dict[str, list[dict[str, Any]]], rows: dict[str, TableRow],
+                section: Callable[[dict[str, Any]], dict[str, Any]]) -> list[str]:
+    """A markdown row per key of `rows` that some variant's summaries have in their
+    `section`, a cell per variant pooling its seeds; blank where a variant has none."""
+    lines = []
+    for key, row in rows.items():
+        values = [[section(summary)[key] for summary in runs if key in section(summary)]
+                  for runs in summaries.values()]
+        if any(values):
+            lines.append(f"| {row.title} | " + " | ".join(
+                row.form.format(row.pool(seeds)) if seeds else "" for seeds in values) + " |")
+    return lines
 
 
 def _share_per_round(summaries: dict[str, list[dict[str, Any]]], seeds: list[int]) -> list[str]:

@@ -11,15 +11,13 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from meshfl.node.coordinator import node_class
-from meshfl.node.host import FAILED, NodeHost
+from meshfl.node.coordinator import make_node
+from meshfl.node.host import FAILED, NodeHost, raise_open_files_limit
 
-from .cli import Stopped, UserError
+from .entry import named_node_options, say_finished
+from .errors import EXIT_NODE_FAILED, STOP_SIGNALS, Stopped, UserError
 from .lifeline import watch_launcher
-from .local import STOP_SIGNALS, named_node_options, resolve_config, say_finished
-
-# A host whose nodes did not all finish exits with this status (their node.log says why).
-EXIT_NODE_FAILED = 3
+from .options import resolve_config
 
 
 def hosted_names(text: str) -> list[str]:
@@ -35,7 +33,8 @@ def run_host(args: argparse.Namespace) -> int:
     out = Path(args.out)
     options = [named_node_options(cfg, name, out, local_nodes=args.local_nodes)
                for name in hosted_names(args.names)]
-    host = NodeHost(options, lambda each: node_class(cfg.algorithm.name, "peer")(each))
+    raise_open_files_limit()
+    host = NodeHost(options, make_node)
 
     def stop(signum: int, frame: Any) -> None:
         host.stop()
@@ -52,4 +51,5 @@ def run_host(args: argparse.Namespace) -> int:
         raise
     for each in options:
         say_finished(each)
+    # A host whose nodes did not all finish fails as a launch does (node.log says why).
     return EXIT_NODE_FAILED if any(end.status == FAILED for end in ends.values()) else 0

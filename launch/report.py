@@ -28,8 +28,10 @@ from typing import Any
 
 import yaml
 
-from .cli import UserError
-from .decisions import node_decisions
+from meshfl.node.metrics import CoordinatorRecord, Record, RoundRecord, read_records
+
+from .errors import UserError
+from .measures import measures_of, node_decisions
 
 COORDINATOR = "coordinator"  # the folder of the coordinator node (node/coordinator.py)
 # A node's true cluster as its data facts (info.json) name it, by partition.
@@ -46,9 +48,9 @@ Rows = dict[str, dict[str, float]]  # learner -> peer -> value
 class Run:
     folder: Path
     config: dict[str, Any]
-    records: dict[str, list[dict[str, Any]]]  # node -> its metrics, by round
+    records: dict[str, list[RoundRecord]]  # node -> its metrics, by round
     infos: dict[str, dict[str, Any]]
-    coordinator: list[dict[str, Any]] = field(default_factory=list)
+    coordinator: list[CoordinatorRecord] = field(default_factory=list)
 
     @property
     def algorithm(self) -> str:
@@ -67,7 +69,7 @@ class Run:
 def read_run(folder: Path) -> Run:
     if not folder.is_dir():
         raise UserError(f"RUN_DIR: {folder} is not a folder")
-    records = {path.parent.name: _read_jsonl(path)
+    records = {path.parent.name: _by_round(read_records(path, RoundRecord))
                for path in folder.glob("*/metrics.jsonl") if path.parent.name != COORDINATOR}
     records = {name: lines for name, lines in records.items() if lines}
     if not records:
@@ -77,7 +79,8 @@ def read_run(folder: Path) -> Run:
     return Run(folder=folder, config=_read_config(folder / "config.yaml"),
                records={name: records[name] for name in names},
                infos={name: _read_json(folder / name / "info.json") for name in names},
-               coordinator=_read_jsonl(folder / COORDINATOR / "metrics.jsonl"))
+               coordinator=_by_round(read_records(folder / COORDINATOR / "metrics.jsonl",
+                                                  CoordinatorRecord)))
 
 
 def _natural(name: str) -> list[Any]:
@@ -85,16 +88,8 @@ def _natural(name: str) -> list[Any]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    lines = []
-    for line in path.read_text().splitlines():
-        try:
-            lines.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line cut short by a killed node
-    return sorted(lines, key=lambda record: record.get("round", 0))
+def _by_round(records: list[Record]) -> list[Record]:
+    return sorted(records, key=lambda record: record.round)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -116,7 +111,7 @@ def _read_config(path: Path) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class Measure:
+class MatrixMeasure:
     """One who-learns-from-whom quantity: per round, a row of values for each learner."""
 
     key: str
@@ -128,7 +123,7 @@ class Measure:
     averaged: bool = True  # also show the mean over rounds (not for running totals)
 
 
-def node_rows(extract: Callable[[dict[str, Any]], Any]) -> Callable[[Run], dict[int, Rows]]:
+def node_rows(extract: Callable[[RoundRecord], Any]) -> Callable[[Run], dict[int, Rows]]:
     """Rows from each node's own metrics: `extract(record)` is that node's row or None."""
     def rows(run: Run) -> dict[int, Rows]:
         by_round: dict[int, Rows] = {}
@@ -136,7 +131,7 @@ def node_rows(extract: Callable[[dict[str, Any]], Any]) -> Callable[[Run], dict[
             for record in records:
                 row = extract(record)
                 if row:
-                    by_round.setdefault(record["round"], {})[name] = _as_row(row)
+                    by_round.setdefault(record.round, {})[name] = _as_row(row)
         return by_round
     return rows
 
@@ -148,61 +143,53 @@ def _as_row(row: dict[str, Any] | list[str]) -> dict[str, float]:
     return {peer: float(value) for peer, value in row.items()}
 
 
-def diagnostic(key: str) -> Callable[[dict[str, Any]], Any]:
-    return lambda record: (record.get("diagnostics") or {}).get(key)
+def diagnostic(key: str) -> Callable[[RoundRecord], Any]:
+    return lambda record: (record.diagnostics or {}).get(key)
 
 
 def relevant_set_rows(run: Run) -> dict[int, Rows]:
     """FedReMa's relevant sets, chosen by the coordinator in its CCP rounds."""
-    return {record["round"]: {client: _as_row(members) for client, members in sets.items()}
+    return {record.round: {client: _as_row(members) for client, members in sets.items()}
             for record in run.coordinator
-            if (sets := (record.get("diagnostics") or {}).get("relevant_sets"))}
+            if (sets := (record.diagnostics or {}).get("relevant_sets"))}
 
 
-WEIGHTS = Measure(
+WEIGHTS = MatrixMeasure(
     "weights", "Aggregation weights", "weight of the column's model in the row's new model",
-    node_rows(lambda record: record.get("weights")))
+    node_rows(lambda record: record.weights))
 IN_SET = "1: the column is in the row's {0}, 0: it is not"
-MEASURES = {
+# Which of them a rule's run shows: its `matrices` in launch/measures.py.
+MATRIX_MEASURES = {
     "weights": WEIGHTS,
-    "influence_vector": Measure(
+    "influence_vector": MatrixMeasure(
         "influence_vector", "FedC²I client-level influence λ",
         "influence λ of the column's model on the row", node_rows(diagnostic("influence_vector"))),
-    "shapley": Measure(
+    "shapley": MatrixMeasure(
         "shapley", "pFedSV Shapley values",
         "Shapley value of the column for the row (> 0: it adds to the row's val accuracy)",
         node_rows(diagnostic("shapley")), signed=True, absent_is_zero=False),
-    "lazy_scores": Measure(
+    "lazy_scores": MatrixMeasure(
         "lazy_scores", "pFedLIA lazy-influence scores",
         "the column's lazy-influence score, summed over rounds (> 0: it helps the row)",
         node_rows(diagnostic("lazy_scores")), signed=True, absent_is_zero=False,
         averaged=False),
-    "group": Measure(
+    "group": MatrixMeasure(
         "group", "pFedLIA groups found", IN_SET.format("group"),
         node_rows(diagnostic("group")), averaged=False),
-    "relevant_sets": Measure(
+    "relevant_sets": MatrixMeasure(
         "relevant_sets", "FedReMa relevant sets",
         IN_SET.format("relevant set") + " (mean: the share of rounds it is in it)",
         relevant_set_rows),
 }
-ALGORITHM_MEASURES = {
-    "fedc2i": ["influence_vector"],
-    "pfedsv": ["shapley", "weights"],
-    "pfedlia": ["lazy_scores", "group", "weights"],
-    "fedrema": ["relevant_sets", "weights"],
-}
 
 
-def measures_for(run: Run) -> list[tuple[Measure, dict[int, Rows]]]:
-    """The algorithm's measures that the run recorded, with their rows: weights for a rule
-    without measures of its own, any measure found where no config names the rule."""
-    if run.algorithm in ALGORITHM_MEASURES:
-        keys = ALGORITHM_MEASURES[run.algorithm]
-    else:
-        keys = ["weights"] if run.config else list(MEASURES)
+def matrix_measures_for(run: Run) -> list[tuple[MatrixMeasure, dict[int, Rows]]]:
+    """The rule's matrix measures that the run recorded, with their rows; any found where
+    no config names the rule (`meshfl node` writes none)."""
+    keys = measures_of(run.algorithm).matrices if run.config else list(MATRIX_MEASURES)
     found = []
     for key in keys:
-        measure = MEASURES[key]
+        measure = MATRIX_MEASURES[key]
         rows = measure.rows(run)
         if rows:
             found.append((measure, rows))
@@ -229,7 +216,7 @@ def node_order(run: Run, extra: list[str]) -> list[str]:
     return sorted(names, key=cluster_first)
 
 
-def final_matrix(run: Run, measure: Measure, by_round: dict[int, Rows]) -> Matrix:
+def final_matrix(run: Run, measure: MatrixMeasure, by_round: dict[int, Rows]) -> Matrix:
     """Each learner's row of the last round it recorded one."""
     last: dict[str, tuple[int, dict[str, float]]] = {}
     for round_no in sorted(by_round):
@@ -242,7 +229,7 @@ def final_matrix(run: Run, measure: Measure, by_round: dict[int, Rows]) -> Matri
     return Matrix(names, _grid(names, rows, measure), caption)
 
 
-def mean_matrix(run: Run, measure: Measure, by_round: dict[int, Rows]) -> Matrix:
+def mean_matrix(run: Run, measure: MatrixMeasure, by_round: dict[int, Rows]) -> Matrix:
     """Each cell's mean over the rounds in which its learner recorded a row."""
     names = node_order(run, _everyone(by_round))
     grids = [_grid(names, rows, measure) for rows in by_round.values()]
@@ -258,7 +245,7 @@ def _everyone(by_round: dict[int, Rows]) -> list[str]:
                  for name in (learner, *row)})
 
 
-def _grid(names: list[str], rows: Rows, measure: Measure) -> list[list[float]]:
+def _grid(names: list[str], rows: Rows, measure: MatrixMeasure) -> list[list[float]]:
     absent = 0.0 if measure.absent_is_zero else math.nan
     return [[rows[learner].get(peer, absent) if learner in rows else math.nan
              for peer in names] for learner in names]
@@ -292,7 +279,7 @@ def node_label(run: Run, name: str) -> str:
 def draw_accuracy(run: Run, path: Path) -> None:
     figure = _matplotlib()(figsize=(8, 4.8), layout="constrained")
     axes = figure.subplots()
-    curves = {name: [(r["round"], r["test_acc"]) for r in records if "test_acc" in r]
+    curves = {name: [(record.round, record.test_acc) for record in _evaluated(records)]
               for name, records in run.records.items()}
     for name, points in curves.items():
         axes.plot(*zip(*points, strict=True), marker="o", markersize=3, linewidth=1,
@@ -309,6 +296,11 @@ def draw_accuracy(run: Run, path: Path) -> None:
     figure.savefig(path, dpi=120)
 
 
+def _evaluated(records: list[RoundRecord]) -> list[RoundRecord]:
+    """The records of the rounds the node was tested in."""
+    return [record for record in records if record.test_acc is not None]
+
+
 def _mean_curve(curves: dict[str, list[tuple[int, float]]]) -> list[tuple[int, float]]:
     by_round: dict[int, list[float]] = {}
     for points in curves.values():
@@ -317,7 +309,8 @@ def _mean_curve(curves: dict[str, list[tuple[int, float]]]) -> list[tuple[int, f
     return [(round_no, statistics.fmean(values)) for round_no, values in sorted(by_round.items())]
 
 
-def draw_matrix(run: Run, measure: Measure, by_round: dict[int, Rows], path: Path) -> None:
+def draw_matrix(run: Run, measure: MatrixMeasure, by_round: dict[int, Rows],
+                path: Path) -> None:
     matrices = [final_matrix(run, measure, by_round)]
     if measure.averaged and len(by_round) > 1:
         matrices.append(mean_matrix(run, measure, by_round))
@@ -333,7 +326,7 @@ def draw_matrix(run: Run, measure: Measure, by_round: dict[int, Rows], path: Pat
     figure.savefig(path, dpi=120)
 
 
-def _colour_scale(measure: Measure, matrices: list[Matrix]) -> dict[str, Any]:
+def _colour_scale(measure: MatrixMeasure, matrices: list[Matrix]) -> dict[str, Any]:
     values = [v for matrix in matrices for row in matrix.values for v in row if not math.isnan(v)]
     if measure.signed:
         bound = max((abs(v) for v in values), default=1.0) or 1.0
@@ -407,15 +400,16 @@ def summary_markdown(run: Run, figures: list[tuple[str, str]]) -> str:
              "|---|---|---|---|---|---|---|" + ("---|" if decisions else "")]
     finals = []
     for name, records in run.records.items():
-        scored = [r for r in records if "test_acc" in r]
+        scored = _evaluated(records)
         if not scored:
             continue
         first, last = scored[0], scored[-1]
-        best = max(r["test_acc"] for r in scored)
-        finals.append(last["test_acc"])
-        lines.append(f"| {node_label(run, name)} | {first['round']}-{last['round']} | "
-                     f"{first['test_acc']:.3f} | {last['test_acc']:.3f} | {best:.3f} | "
-                     f"{last.get('val_acc', math.nan):.3f} | {last.get('n_train', '?')} |"
+        best = max(record.test_acc for record in scored)
+        finals.append(last.test_acc)
+        val_acc = math.nan if last.val_acc is None else last.val_acc
+        lines.append(f"| {node_label(run, name)} | {first.round}-{last.round} | "
+                     f"{first.test_acc:.3f} | {last.test_acc:.3f} | {best:.3f} | "
+                     f"{val_acc:.3f} | {'?' if last.n_train is None else last.n_train} |"
                      + (f" {decisions.get(name, '-')} |" if decisions else ""))
     if finals:
         lines += ["", f"Final test accuracy: mean {statistics.fmean(finals):.3f}, "
@@ -433,7 +427,7 @@ def write_report(run_dir: Path, out: Path | None = None) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     figures = [("accuracy.png", "test accuracy per round, each node and the mean")]
     draw_accuracy(run, out / "accuracy.png")
-    for measure, by_round in measures_for(run):
+    for measure, by_round in matrix_measures_for(run):
         file = f"matrix-{measure.key}.png"
         draw_matrix(run, measure, by_round, out / file)
         figures.append((file, f"{measure.title}; row: learner, column: the peer it learns "

@@ -13,11 +13,12 @@ import re
 from typing import Any
 
 from meshfl.node.logs import escape_controls
+from meshfl.node.metrics import RoundRecord
 from meshfl.protocol.identity import Identity
 from meshfl.protocol.probe import StatusAnswer, ask_status
 from meshfl.protocol.transport import BadContact, host_towards, split_contact
 
-from .cli import UserError
+from .errors import UserError
 
 ADDRESS = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):\d{1,5}")
 
@@ -87,9 +88,12 @@ def _progress_line(report: dict[str, Any]) -> str:
 
 
 def _accuracy_line(accuracies: list[dict[str, Any]]) -> str:
+    """The node's last scores: each is its metrics record of that round, cut to the scores
+    (a ValueError or TypeError where the node sent something else)."""
     if not accuracies:
         return "test accuracy: no round evaluated yet"
-    scores = ", ".join(f"round {score['round']} {score['test_acc']:.3f}" for score in accuracies)
+    scores = ", ".join(f"round {record.round} {record.test_acc:.3f}"
+                       for record in map(RoundRecord.from_json, accuracies))
     return f"test accuracy: {scores}"
 
 

@@ -38,12 +38,13 @@ from meshfl.protocol.wire import Message, make_blob
 
 from .blobs import RULE_ERROR, UnusableBlob, peer_model
 from .containment import run_contained
-from .runtime import Node, PeerIntake
+from .metrics import CoordinatorRecord, RoundRecord
+from .runtime import Node, NodeOptions, PeerIntake, build_node
 from .trainer import evaluate, state_to_arrays
 
 log = logging.getLogger("meshfl.coordinator")
 
-COORDINATOR = "coordinator"
+PEER, COORDINATOR = "peer", "coordinator"  # the roles a process runs in
 UPLOAD, PERSONAL = "upload", "personal"  # the direct kinds of WIRE.md 7.6
 EXTRA = "extra/"  # prefix of the rule's extra tensors in an upload or personal blob
 # A client waits this many deadlines at least: a coordinator's wait for its peers at
@@ -109,7 +110,7 @@ class CoordinatorNode(Node):
 
     def _run_rounds(self, first_round: int) -> None:
         self.endpoint.wait_for_peers(len(self.cfg.peers), timeout=self.cfg.round_timeout)
-        initial = self._new_model().state_dict()
+        initial = self.new_model().state_dict()
         for round_no in range(first_round, self.cfg.rounds + 1):
             self._coordinate(round_no, initial)
         final_round = self.cfg.rounds + 1
@@ -125,8 +126,8 @@ class CoordinatorNode(Node):
         chosen = self.algorithm.clients_for_round(round_no, sorted(clients))
         for name in chosen:
             self._send_personal(clients[name], name, round_no, initial, train=True)
-        uploads, intake = self._collect_uploads(round_no,
-                                                {clients[name]: name for name in chosen})
+        uploads, intake = self.collect_uploads(round_no,
+                                               {clients[name]: name for name in chosen})
         seconds = {"wait": time.perf_counter() - clock}
         clock = time.perf_counter()
         contained = run_contained(
@@ -139,15 +140,15 @@ class CoordinatorNode(Node):
             intake.refuse(UPLOAD, name, RULE_ERROR)
         seconds["aggregate"] = time.perf_counter() - clock
         after = self.endpoint.stats()
-        self.metrics.append({
-            "round": round_no, "clients": chosen, "uploaded": sorted(uploads),
-            "refused": sorted(intake.refused.get(UPLOAD, [])),
-            "refusals": dict(sorted(intake.reasons.items())),
-            "rejections": after["rejections"],
-            "diagnostics": diagnostics, "seconds": seconds,
-            "bytes_in": after["bytes_in"] - before["bytes_in"],
-            "bytes_out": after["bytes_out"] - before["bytes_out"],
-        })
+        self.metrics.append(CoordinatorRecord(
+            round=round_no, clients=chosen, uploaded=sorted(uploads),
+            refused=sorted(intake.refused.get(UPLOAD, [])),
+            refusals=dict(sorted(intake.reasons.items())),
+            rejections=after["rejections"],
+            diagnostics=diagnostics, seconds=seconds,
+            bytes_in=after["bytes_in"] - before["bytes_in"],
+            bytes_out=after["bytes_out"] - before["bytes_out"],
+        ).to_json())
         self._save(round_no)
 
     def _send_personal(self, key: bytes, name: str, round_no: int,
@@ -159,8 +160,8 @@ class CoordinatorNode(Node):
         blob = make_blob(self.identity, round_no, PERSONAL, arrays, self.schema, meta)
         self.endpoint.send_blob(key, PERSONAL, blob)
 
-    def _collect_uploads(self, round_no: int, expected: dict[bytes, str]
-                         ) -> tuple[dict[str, Upload], PeerIntake]:
+    def collect_uploads(self, round_no: int, expected: dict[bytes, str]
+                        ) -> tuple[dict[str, Upload], PeerIntake]:
         """The round's uploads by client name, and the clients whose upload was refused as
         unusable (logged; the round goes on as if they had not uploaded)."""
         uploads: dict[str, Upload] = {}
@@ -272,16 +273,18 @@ class ClientNode(Node):
 
     def _train_locally(self) -> None:
         """While the coordinator is away, the time still goes into the own model."""
-        self._train(self.model, self.data.x_train, self.data.y_train, None,
-                    seed=draw_seed(self.cfg.seed, self.options.name, self.last_written,
-                                   "train_alone"))
+        with self.cpu:
+            self.train(self.model, self.data.x_train, self.data.y_train, None,
+                       seed=draw_seed(self.cfg.seed, self.options.name, self.last_written,
+                                      "train_alone"))
 
     def _train_and_upload(self, round_no: int, coordinator: bytes) -> _RoundInFlight:
         self.endpoint.set_round(round_no)
         before = self.endpoint.stats()
-        clock = time.perf_counter()
-        train_loss, extras = self.algorithm.client_update(round_no, self.model, self.data)
-        seconds = {"train": time.perf_counter() - clock}
+        with self.cpu:  # counted once the CPU is ours, as a peer's seconds are
+            clock = time.perf_counter()
+            train_loss, extras = self.algorithm.client_update(round_no, self.model, self.data)
+            seconds = {"train": time.perf_counter() - clock}
         arrays = {k: a.copy() for k, a in state_to_arrays(self.model).items()}
         arrays.update(_extra_arrays(extras))
         meta = {"round": round_no, "n": len(self.data.y_train)}
@@ -294,21 +297,25 @@ class ClientNode(Node):
         """Evaluate the coordinator's answer to round `done.round` and write its line."""
         if done.round <= self.last_written:
             return
-        clock = time.perf_counter()
-        val = evaluate(self.model, self.data.x_val, self.data.y_val, self.data.num_classes)
-        test = evaluate(self.model, self.data.x_test, self.data.y_test, self.data.num_classes)
+        with self.cpu:
+            clock = time.perf_counter()
+            val = evaluate(self.model, self.data.x_val, self.data.y_val, self.data.num_classes)
+            test = evaluate(self.model, self.data.x_test, self.data.y_test,
+                            self.data.num_classes)
+            seconds = time.perf_counter() - clock
         after = self.endpoint.stats()
-        self.metrics.append({
-            "round": done.round, "node": self.options.name, "train_loss": done.train_loss,
-            "val_loss": val.loss, "val_acc": val.accuracy, "test_loss": test.loss,
-            "test_acc": test.accuracy, "weights": weights, "diagnostics": {},
-            "bytes_in": after["bytes_in"] - done.bytes_before["bytes_in"],
-            "bytes_out": after["bytes_out"] - done.bytes_before["bytes_out"],
-            "rejections": after["rejections"],
-            "refusals": dict(sorted(self.refusals.items())),
-            "seconds": {**done.seconds, "evaluate": time.perf_counter() - clock},
-            "n_train": len(self.data.y_train),
-        })
+        self.metrics.append(RoundRecord(
+            round=done.round, node=self.options.name, train_loss=done.train_loss,
+            val_loss=val.loss, val_acc=val.accuracy, test_loss=test.loss,
+            test_acc=test.accuracy, weights=weights, diagnostics={},
+            bytes_in=after["bytes_in"] - done.bytes_before["bytes_in"],
+            bytes_out=after["bytes_out"] - done.bytes_before["bytes_out"],
+            rejections=after["rejections"],
+            refusals=dict(sorted(self.refusals.items())),
+            bytes_sent_by_kind=after["bytes_sent_by_kind"],  # since the node started
+            seconds={**done.seconds, "evaluate": seconds},
+            n_train=len(self.data.y_train),
+        ).to_json())
         self.refusals.clear()
         self.last_written = done.round
         self._save(done.round)
@@ -318,12 +325,13 @@ def needs_coordinator(algorithm_name: str) -> bool:
     return is_coordinated(algorithm_name)
 
 
-def node_class(algorithm_name: str, role: str) -> type[Node]:
-    """The runtime for a rule and a role: gossip peer, coordinated client, coordinator."""
-    if not needs_coordinator(algorithm_name):
-        return Node
-    return CoordinatorNode if role == COORDINATOR else ClientNode
+def make_node(options: NodeOptions, role: str = PEER) -> Node:
+    """The node `options` describe, in `role` (PEER or COORDINATOR): a gossip peer, or
+    under a server-centric rule a coordinated client or the coordinator."""
+    if not needs_coordinator(options.config.algorithm.name):
+        return build_node(options, Node)
+    return build_node(options, CoordinatorNode if role == COORDINATOR else ClientNode)
 
 
-__all__ = ["COORDINATOR", "ClientNode", "CoordinatorGone", "CoordinatorNode",
-           "needs_coordinator", "node_class"]
+__all__ = ["COORDINATOR", "PEER", "ClientNode", "CoordinatorGone", "CoordinatorNode",
+           "make_node", "needs_coordinator"]

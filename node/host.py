@@ -21,6 +21,7 @@ and its other nodes go on, and the host's exit status says that one failed.
 from __future__ import annotations
 
 import logging
+import resource
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +34,28 @@ log = logging.getLogger("meshfl.host")
 FINISHED, FAILED = "finished", "failed"
 
 
+def files_per_node(mesh_size: int) -> int:
+    """Open files a node of a full mesh of `mesh_size` nodes may hold at once: per peer
+    a DEALER socket, the connection out and the one in, and, until that DEALER's first
+    handshake is done, its monitor's two sockets; plus its ROUTER, ZeroMQ context and
+    wake pipe. A host of k such nodes needs k times this under one open-files limit."""
+    return 5 * (mesh_size - 1) + 16
+
+
+def open_files_limit() -> int:
+    """The most files this process may open once `raise_open_files_limit` ran."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    return 1 << 20 if hard == resource.RLIM_INFINITY else hard
+
+
+def raise_open_files_limit() -> None:
+    """Lift this process's soft open-files limit (often 1024) to its hard one: a node
+    holds a few files per peer, and a host holds dozens of nodes."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < open_files_limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (open_files_limit(), hard))
+
+
 @dataclass
 class NodeEnd:
     """How one node of a host ended: FINISHED, or FAILED (its node.log says why)."""
@@ -42,15 +65,17 @@ class NodeEnd:
 
 class NodeLog(logging.Filter):
     """Routes a host's log records to one node's node.log: the records of the threads
-    that node owns (its round loop, its endpoint's worker and its transport's I/O)."""
+    that node owns (its round loop, its endpoint's worker and its transport's I/O).
+    `outside=True`: the records of no node's threads, for the host's own log."""
 
-    def __init__(self, options: NodeOptions) -> None:
+    def __init__(self, options: list[NodeOptions], outside: bool = False) -> None:
         super().__init__()
-        self.threads = {node_thread_name(options.name), f"mesh {options.name}",
-                        f"io {options.listen}"}
+        self.threads = {thread for each in options for thread in (
+            node_thread_name(each.name), f"mesh {each.name}", f"io {each.listen}")}
+        self.outside = outside
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.threadName in self.threads
+        return (record.threadName in self.threads) != self.outside
 
 
 def node_thread_name(name: str) -> str:
@@ -68,6 +93,7 @@ class NodeHost:
         self.ends: dict[str, NodeEnd] = {}
         self.nodes: dict[str, Node] = {}
         self._handlers: list[logging.Handler] = []
+        self._host_only = NodeLog(options, outside=True)
 
     def run(self) -> dict[str, NodeEnd]:
         threads = [threading.Thread(target=self._run_one, args=(options,),
@@ -103,11 +129,14 @@ class NodeHost:
         self.ends[options.name] = NodeEnd(FINISHED)
 
     def _open_logs(self) -> None:
+        # What a node logs goes to its node.log only, not also to the host's own log.
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(self._host_only)
         for options in self.options:
             options.out_dir.mkdir(parents=True, exist_ok=True)
             handler = logging.FileHandler(options.out_dir / "node.log")
             handler.setFormatter(OneLineFormatter(FORMAT))
-            handler.addFilter(NodeLog(options))
+            handler.addFilter(NodeLog([options]))
             logging.getLogger().addHandler(handler)
             self._handlers.append(handler)
 
@@ -115,4 +144,6 @@ class NodeHost:
         for handler in self._handlers:
             logging.getLogger().removeHandler(handler)
             handler.close()
+        for handler in logging.getLogger().handlers:
+            handler.removeFilter(self._host_only)
 

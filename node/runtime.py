@@ -9,6 +9,7 @@ There is no barrier: a node goes on with whatever arrived by the deadline.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -16,6 +17,7 @@ import math
 import statistics
 import time
 from collections import Counter
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,27 +26,32 @@ from typing import Any
 import msgpack
 import torch
 
-from meshfl.algorithms import Aggregate, Context, PeerModel, build_rule
+from meshfl.algorithms import Aggregate, Context, PeerAlgorithm, PeerModel, build_rule
 from meshfl.algorithms.base import MODEL, draw_seed, weighted_average
 from meshfl.protocol.endpoint import Endpoint, EndpointSettings
-from meshfl.protocol.gossip import Offer
 from meshfl.protocol.identity import Identity, node_id
 from meshfl.protocol.membership import ALIVE
+from meshfl.protocol.offers import Offer
 from meshfl.protocol.transport import contact
 from meshfl.protocol.wire import Blob, make_blob
 
 from . import config as cfgmod
-from .attacks import attack_for
+from .attacks import Attack, attack_for
 from .blobs import RULE_ERROR, UnusableBlob, layout_of, peer_model
 from .checkpoint import MetricsLog, load_checkpoint, save_checkpoint, write_atomically
 from .containment import run_contained
 from .data import NodeData, load_node_data
+from .metrics import RoundRecord
 from .models import body_keys, build_model, head_keys, model_schema
-from .trainer import evaluate, set_torch_threads, state_to_arrays, train_local
+from .trainer import (
+    TrainRecipe,
+    evaluate,
+    set_torch_threads,
+    state_to_arrays,
+    training_recipe,
+)
 
 log = logging.getLogger("meshfl.node")
-
-MODEL_KIND = MODEL
 
 
 class JoinError(Exception):
@@ -68,7 +75,10 @@ class NodeOptions:
     join_hint: str = ""  # how the next node can join through this one, said once joined
 
 
-def schema_digest(schema: list[tuple[str, str, tuple[int, ...]]]) -> bytes:
+def model_digest(model: torch.nn.Module) -> bytes:
+    """The digest of a model's tensor layout (names, dtypes, shapes): blobs name it, and
+    it is part of the mesh id."""
+    schema = model_schema(model)
     return hashlib.sha256(msgpack.packb([list(item) for item in schema])).digest()
 
 
@@ -113,74 +123,45 @@ class PeerIntake:
 
 
 class Node:
+    """One peer of the mesh, made of the parts it is given; `build_node` makes them from a
+    NodeOptions, and a test may give parts of its own."""
+
     # The direct messages this role reads (a gossip peer reads none; see coordinator.py).
     DIRECT_KINDS: frozenset[str] = frozenset()
 
-    def __init__(self, options: NodeOptions) -> None:
+    def __init__(self, options: NodeOptions, *, data: NodeData, model: torch.nn.Module,
+                 new_model: Callable[[], torch.nn.Module], train: TrainRecipe,
+                 algorithm: PeerAlgorithm, endpoint: Endpoint, attack: Attack,
+                 metrics: MetricsLog, checkpoint_path: Path) -> None:
         self.options = options
-        cfg = options.config
-        self.cfg = cfg
-        self.threads = set_torch_threads(options.local_nodes)
-        data_cfg = cfgmod.data_for(cfg, cfgmod.PeerConfig(options.name, options.listen))
-        data_cfg = self._own_data(data_cfg)
-        self.data: NodeData = load_node_data(
-            data_cfg.dataset, data_cfg.root, data_cfg.partition, options.num_nodes,
-            options.node_index, cfg.seed, data_cfg.samples_per_node, tuple(data_cfg.split))
-        self.model = build_model(cfg.model.name, self.data.input_shape, self.data.num_classes,
-                                 cfg.model.head, seed=cfg.seed)
-        self.schema = schema_digest(model_schema(self.model))
-        self.algorithm = build_rule(
-            cfg.algorithm.name, cfg.algorithm.params,
-            Context(options.name, cfg.seed, self.data.num_classes,
-                    tuple(body_keys(self.model)), tuple(head_keys(self.model)),
-                    batch_size=cfg.batch_size, new_model=self._new_model, train=self._train,
-                    data=self.data, layout=layout_of(state_to_arrays(self.model))))
-        self.identity = Identity.load_or_create(options.key_path)
-        self.endpoint = Endpoint(self.identity, mesh_id(cfg, self.schema), self._settings(),
-                                 schema=self.schema)
-        options.out_dir.mkdir(parents=True, exist_ok=True)
-        self.metrics = MetricsLog(options.out_dir / "metrics.jsonl")
-        self.checkpoint_path = options.out_dir / "checkpoint.pt"
-        self.attack = attack_for(options.name, cfg.attack.nodes, cfg.attack.kind, cfg.seed,
-                                 lambda: self._new_model().state_dict())
-        self.endpoint.status_extra = self._status_extra
+        self.cfg = options.config
+        self.data = data
+        self.model = model
+        self.new_model = new_model  # the mesh's initial model, built afresh
+        self.train = train  # the mesh's local training recipe
+        self.algorithm = algorithm
+        self.endpoint = endpoint
+        self.attack = attack  # an honest Attack() on an honest node
+        self.metrics = metrics
+        self.checkpoint_path = checkpoint_path
         # Held for CPU work (training, aggregation, evaluation): a node host shares one
         # among its nodes (node/host.py); a node alone in its process needs none.
         self.cpu: AbstractContextManager[Any] = contextlib.nullcontext()
         self._suspects: set[str] = set()  # peers whose input made the rule raise last round
 
-    def _status_extra(self) -> dict[str, Any]:
+    @property
+    def identity(self) -> Identity:
+        return self.endpoint.identity
+
+    @functools.cached_property
+    def schema(self) -> bytes:
+        """The digest of the model's tensor layout, which every blob of ours names."""
+        return model_digest(self.model)
+
+    def status_extra(self) -> dict[str, Any]:
         """What this node adds to the endpoint's status answer; runs on its worker thread."""
         return {"algorithm": self.cfg.algorithm.name, "rounds": self.cfg.rounds,
                 "accuracies": self.metrics.recent_scores()}
-
-    def _new_model(self) -> torch.nn.Module:
-        return build_model(self.cfg.model.name, self.data.input_shape, self.data.num_classes,
-                           self.cfg.model.head, seed=self.cfg.seed)
-
-    def _train(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
-               epochs: int | None, seed: int, max_steps: int | None = None) -> float:
-        """The node's local training recipe, for algorithms that train models of their own."""
-        epochs = self.cfg.local_epochs if epochs is None else epochs
-        return train_local(model, x, y, epochs, self.cfg.batch_size, self.cfg.optimizer,
-                           self.cfg.lr, seed=seed, momentum=self.cfg.momentum,
-                           weight_decay=self.cfg.weight_decay, max_steps=max_steps)
-
-    def _own_data(self, data_cfg: cfgmod.DataConfig) -> cfgmod.DataConfig:
-        for peer in self.cfg.peers:
-            if peer.name == self.options.name:
-                return cfgmod.data_for(self.cfg, peer)
-        return data_cfg
-
-    def _settings(self) -> EndpointSettings:
-        cfg = self.cfg
-        allowlist = None
-        if cfg.closed:
-            allowlist = frozenset(bytes.fromhex(p.public_key) for p in cfg.peers if p.public_key)
-        return EndpointSettings(
-            name=self.options.name, listen=self.options.listen,
-            heartbeat_interval=cfg.heartbeat_interval, peer_timeout=cfg.peer_timeout,
-            allowlist=allowlist, encrypt=cfg.encrypt, direct_kinds=self.DIRECT_KINDS)
 
     # --- the run ----------------------------------------------------------
 
@@ -279,9 +260,9 @@ class Node:
         self.endpoint.set_round(current)
         self.endpoint.refresh_offers()  # the current round's models, announced before we came
         deadline = time.monotonic() + self.cfg.round_timeout
-        blobs = self._collect(current, {MODEL_KIND}, {peer.public_key for peer in peers},
-                              deadline, everything=True)
-        models = self._peer_models(blobs).received.get(MODEL_KIND, {})
+        blobs = self.collect(current, {MODEL}, {peer.public_key for peer in peers},
+                             deadline, everything=True)
+        models = self.peer_models(blobs).received.get(MODEL, {})
         if models:
             uniform = {name: 1 / len(models) for name in models}
             self.model.load_state_dict(
@@ -297,7 +278,7 @@ class Node:
         with self.cpu:  # seconds are counted once the CPU is ours, here and below
             clock = time.perf_counter()
             self.attack.start_round(self.model)  # a no-op on an honest node
-            train_loss = self._train(
+            train_loss = self.train(
                 self.model, self.data.x_train,
                 self.attack.training_labels(self.data.y_train, self.data.num_classes), None,
                 seed=draw_seed(self.cfg.seed, self.options.name, round_no, "train")
@@ -313,13 +294,13 @@ class Node:
                                             self.schema, {"n": claimed}))
         deadline = time.monotonic() + self.cfg.round_timeout
         alive = {peer.public_key for peer in self.endpoint.alive_peers()}
-        blobs = self._collect(round_no, set(publications), alive, deadline,
-                              quorum=self.cfg.round_quorum)
+        blobs = self.collect(round_no, set(publications), alive, deadline,
+                             quorum=self.cfg.round_quorum)
         seconds["communicate"] = time.perf_counter() - clock
 
         with self.cpu:
             clock = time.perf_counter()
-            intake = self._peer_models(blobs)
+            intake = self.peer_models(blobs)
             self.attack.observe(intake.received)
             outcome = self._aggregate(round_no, intake)
             self.model.load_state_dict(outcome.state)
@@ -333,31 +314,31 @@ class Node:
             seconds["evaluate"] = time.perf_counter() - clock
 
         after = self.endpoint.stats()
-        self.metrics.append({
-            "round": round_no, "node": self.options.name, "train_loss": train_loss,
-            "val_loss": val.loss, "val_acc": val.accuracy,
-            "test_loss": test.loss, "test_acc": test.accuracy,
-            "weights": outcome.weights, "diagnostics": outcome.diagnostics,
-            "received": sorted(received.get(MODEL_KIND, {})), "peers_alive": len(alive),
-            "fetched": {kind: sorted(models) for kind, models in received.items()},
-            "refused": intake.refused, "refusals": dict(sorted(intake.reasons.items())),
-            "transport_fetches": self._fetches_since(stats_before["fetched"]),
-            "bytes_in": after["bytes_in"] - stats_before["bytes_in"],
-            "bytes_out": after["bytes_out"] - stats_before["bytes_out"],
-            "rejections": after["rejections"], "seconds": seconds,
-            "n_train": len(self.data.y_train), "attacker": self.attack.active,
-        })
+        self.metrics.append(RoundRecord(
+            round=round_no, node=self.options.name, train_loss=train_loss,
+            val_loss=val.loss, val_acc=val.accuracy,
+            test_loss=test.loss, test_acc=test.accuracy,
+            weights=outcome.weights, diagnostics=outcome.diagnostics,
+            received=sorted(received.get(MODEL, {})), peers_alive=len(alive),
+            fetched={kind: sorted(models) for kind, models in received.items()},
+            refused=intake.refused, refusals=dict(sorted(intake.reasons.items())),
+            transport_fetches=self._fetches_since(stats_before["fetched"]),
+            bytes_in=after["bytes_in"] - stats_before["bytes_in"],
+            bytes_out=after["bytes_out"] - stats_before["bytes_out"],
+            bytes_sent_by_kind=after["bytes_sent_by_kind"],  # since the node started
+            rejections=after["rejections"], seconds=seconds,
+            n_train=len(self.data.y_train), attacker=self.attack.active,
+        ).to_json())
         self._save(round_no)
 
     def _straggle(self) -> None:
         """A peer given a `train_delay` (to measure what stragglers cost a mesh) sleeps it
         after training."""
-        delay = next((peer.train_delay for peer in self.cfg.peers
-                      if peer.name == self.options.name), 0.0)
-        time.sleep(delay)
+        listed = listed_peer(self.options)
+        time.sleep(listed.train_delay if listed else 0.0)
 
-    def _collect(self, round_no: int, kinds: set[str], origins: set[bytes], deadline: float,
-                 everything: bool = False, quorum: float = 1.0) -> dict[str, dict[str, Blob]]:
+    def collect(self, round_no: int, kinds: set[str], origins: set[bytes], deadline: float,
+                everything: bool = False, quorum: float = 1.0) -> dict[str, dict[str, Blob]]:
         """The blobs of round `round_no` this node wants, by kind and peer name.
 
         Wanted blobs are fetched as their offers come in, so a live peer that never
@@ -438,7 +419,7 @@ class Node:
     def _state_copy(self) -> dict[str, torch.Tensor]:
         return {key: value.detach().clone() for key, value in self.model.state_dict().items()}
 
-    def _peer_models(self, blobs: dict[str, dict[str, Blob]]) -> PeerIntake:
+    def peer_models(self, blobs: dict[str, dict[str, Blob]]) -> PeerIntake:
         """The round's blobs as peer models by kind and peer name; a blob that fails the
         checks of node/blobs.py is refused (logged; the round goes on without it)."""
         intake = PeerIntake()
@@ -491,3 +472,75 @@ class Node:
             if all(peer.round > self.cfg.rounds for peer in self.endpoint.alive_peers()):
                 return
             time.sleep(0.1)
+
+
+# --- assembling a node ------------------------------------------------------------
+
+
+def build_node(options: NodeOptions, role: type[Node] = Node) -> Node:
+    """A node of `role` (a gossip peer, or a role of node/coordinator.py) with the parts
+    `options` call for: its shard of the data, the mesh's model and rule, its key, its
+    endpoint (bound at its listen address), its metrics log and checkpoint path."""
+    cfg = options.config
+    set_torch_threads(options.local_nodes)
+    data = own_data(options)
+    new_model = model_maker(cfg, data)
+    model = new_model()
+    train = training_recipe(cfg)
+    algorithm = build_rule(cfg.algorithm.name, cfg.algorithm.params,
+                           rule_context(options, data, model, new_model, train))
+    schema = model_digest(model)
+    endpoint = Endpoint(Identity.load_or_create(options.key_path), mesh_id(cfg, schema),
+                        endpoint_settings(options, role.DIRECT_KINDS), schema=schema)
+    options.out_dir.mkdir(parents=True, exist_ok=True)
+    node = role(options, data=data, model=model, new_model=new_model, train=train,
+                algorithm=algorithm, endpoint=endpoint,
+                attack=attack_for(options.name, cfg.attack.nodes, cfg.attack.kind, cfg.seed,
+                                  lambda: new_model().state_dict()),
+                metrics=MetricsLog(options.out_dir / "metrics.jsonl"),
+                checkpoint_path=options.out_dir / "checkpoint.pt")
+    endpoint.status_extra = node.status_extra
+    return node
+
+
+def listed_peer(options: NodeOptions) -> cfgmod.PeerConfig | None:
+    """This node's entry in the config's peer list; None for a node not listed there (a
+    joiner from outside the list, the coordinator)."""
+    return next((peer for peer in options.config.peers if peer.name == options.name), None)
+
+
+def own_data(options: NodeOptions) -> NodeData:
+    """This node's shard: its listed entry's data settings, else the mesh-wide ones."""
+    cfg = options.config
+    listed = listed_peer(options)
+    settings = cfgmod.data_for(cfg, listed) if listed else cfg.data
+    return load_node_data(settings.dataset, settings.root, settings.partition,
+                          options.num_nodes, options.node_index, cfg.seed,
+                          settings.samples_per_node, tuple(settings.split))
+
+
+def model_maker(cfg: cfgmod.MeshConfig, data: NodeData) -> Callable[[], torch.nn.Module]:
+    """Builds the mesh's model for `data` afresh: seeded, so every call (on every node)
+    gives the mesh's initial model."""
+    return lambda: build_model(cfg.model.name, data.input_shape, data.num_classes,
+                               cfg.model.head, seed=cfg.seed)
+
+
+def rule_context(options: NodeOptions, data: NodeData, model: torch.nn.Module,
+                 new_model: Callable[[], torch.nn.Module], train: TrainRecipe) -> Context:
+    """What the node's rule may know about, and do in, this node (algorithms.Context)."""
+    cfg = options.config
+    return Context(options.name, cfg.seed, data.num_classes, tuple(body_keys(model)),
+                   tuple(head_keys(model)), batch_size=cfg.batch_size, new_model=new_model,
+                   train=train, data=data, layout=layout_of(state_to_arrays(model)))
+
+
+def endpoint_settings(options: NodeOptions, direct_kinds: frozenset[str]) -> EndpointSettings:
+    cfg = options.config
+    allowlist = None
+    if cfg.closed:
+        allowlist = frozenset(bytes.fromhex(p.public_key) for p in cfg.peers if p.public_key)
+    return EndpointSettings(
+        name=options.name, listen=options.listen,
+        heartbeat_interval=cfg.heartbeat_interval, peer_timeout=cfg.peer_timeout,
+        allowlist=allowlist, encrypt=cfg.encrypt, direct_kinds=direct_kinds)

@@ -1,4 +1,4 @@
-"""Local training, evaluation and the conversions between models, arrays and averages.
+"""Local training, evaluation, and a model's tensors as numpy arrays (as they travel).
 
 Datasets are small and held in memory as whole tensors, so batches are cut from
 a seeded index permutation: no DataLoader, no worker processes, and the same
@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import islice
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional
+
+if TYPE_CHECKING:
+    from .config import MeshConfig
 
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adam")
 
@@ -79,6 +82,26 @@ def _shuffled_batches(
     generator = torch.Generator().manual_seed(seed)
     for _ in range(epochs):
         yield from torch.randperm(num_samples, generator=generator).split(batch_size)
+
+
+# train(model, x, y, epochs, seed, max_steps=None) -> mean loss: see training_recipe
+TrainRecipe = Callable[..., float]
+
+
+def training_recipe(cfg: MeshConfig) -> TrainRecipe:
+    """The mesh's local training, `train(model, x, y, epochs, seed, max_steps=None)`: the
+    config's optimizer, lr, batch size, momentum and weight decay (epochs None: the
+    mesh's local_epochs); it returns the mean loss. A node trains its own model with it,
+    and so do the rules that train models of their own (algorithms.Context.train)."""
+
+    def train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int | None,
+              seed: int, max_steps: int | None = None) -> float:
+        return train_local(model, x, y, cfg.local_epochs if epochs is None else epochs,
+                           cfg.batch_size, cfg.optimizer, cfg.lr, seed=seed,
+                           momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                           max_steps=max_steps)
+
+    return train
 
 
 def train_local(
@@ -189,51 +212,3 @@ def state_to_arrays(source: nn.Module | Mapping[str, torch.Tensor]) -> dict[str,
             tensor = tensor.to(torch.float32)
         arrays[key] = tensor.cpu().numpy()
     return arrays
-
-
-def _checked_tensor(key: str, target: torch.Tensor, array: np.ndarray) -> torch.Tensor:
-    if tuple(array.shape) != tuple(target.shape):
-        raise ValueError(
-            f"state entry {key!r}: array shape {tuple(array.shape)} does not match "
-            f"the model's {tuple(target.shape)}"
-        )
-    if target.is_floating_point() != (array.dtype.kind == "f"):
-        raise ValueError(
-            f"state entry {key!r}: array dtype {array.dtype} does not fit the model's "
-            f"{str(target.dtype).removeprefix('torch.')}"
-        )
-    if not array.dtype.isnative:
-        raise ValueError(f"state entry {key!r}: array is not in native byte order")
-    with warnings.catch_warnings():
-        # Arrays decoded from received frames are read-only; torch warns because the
-        # tensor could be written through, but it is only read here, copied into the model.
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return torch.from_numpy(array)
-
-
-def arrays_to_state(
-    model: nn.Module, arrays: Mapping[str, np.ndarray], keys: list[str] | None = None
-) -> None:
-    """Copy ``arrays`` into the model in place.
-
-    With ``keys=None`` the arrays must be the whole state, no more and no less.
-    With ``keys`` only those entries are loaded (e.g. the head out of a full model);
-    each must exist in both the model and ``arrays``.
-    """
-    state = model.state_dict()
-    if keys is None:
-        missing, extra = set(state) - set(arrays), set(arrays) - set(state)
-        if missing or extra:
-            raise ValueError(
-                f"arrays do not match the model: missing {sorted(missing)}, "
-                f"unexpected {sorted(extra)}"
-            )
-        keys = list(state)
-    unknown = [key for key in keys if key not in state or key not in arrays]
-    if unknown:
-        raise ValueError(f"keys not in both the model and the arrays: {unknown}")
-    sources = {key: _checked_tensor(key, state[key], arrays[key]) for key in keys}
-    # Everything is checked before anything is written, so a bad blob never half-loads.
-    with torch.no_grad():
-        for key, source in sources.items():
-            state[key].copy_(source)

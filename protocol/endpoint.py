@@ -17,9 +17,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .gossip import BlobStore, Offer, OfferBook
 from .identity import BadPublicKey, Identity, curve_public_key, node_id
-from .membership import ALIVE, LEFT, PeerEntry, PeerTable
+from .membership import ALIVE, LEFT, PeerEntry, PeerTable, liveness_stretch
+from .offers import BlobStore, Offer, OfferBook
 from .transport import (
     Encryption,
     Received,
@@ -48,6 +48,11 @@ OFFER_MISMATCH = "offer_mismatch"
 UNREAD_DIRECT, INBOX_FULL = "unread_direct", "inbox_full"
 # One round's direct message and the next round's may wait together; more is a flood.
 MAX_QUEUED_PER_SENDER = 2
+
+# What a receiver does not count as a sign of life (WIRE.md 7.3): a message of any other
+# kind to a peer stands in for a heartbeat to it.
+NO_PROOF_OF_LIFE = frozenset({"refuse", "bye", "status", "status_reply"})
+
 # Refused at the encrypted handshake, before any message: a client key a closed mesh
 # does not list (WIRE.md 1.1). Counted beside the decoder's reasons.
 REFUSED_HANDSHAKE = "refused_handshake"
@@ -161,13 +166,18 @@ class Endpoint:
         self.settings = settings
         self.instance = new_instance()
         self.round = 0
-        self.table = PeerTable(settings.peer_timeout)
+        # Up to when the worker has read its inbox (monotonic): the arrival time of the
+        # message it handles, or now when the inbox is empty. The peer table's clock.
+        self._read_up_to = time.monotonic()
+        self.table = PeerTable(settings.peer_timeout, clock=lambda: self._read_up_to)
         self.store = BlobStore(settings.store_bytes)
         self.offer_book = OfferBook()
         self.decoder = Decoder(mesh_id, settings.limits, schema, self._admit, self._accept)
         self.received: Counter[str] = Counter()  # messages delivered, by kind
         self.flow_rejections: Counter[str] = Counter()  # OFFER_MISMATCH
         self.fetch_log: list[FetchRecord] = []
+        self.bytes_sent_by_kind: Counter[str] = Counter()
+        self._last_sent: dict[str, float] = {}  # address -> when we last told it anything
         self._latest_published: list[Blob] = []  # re-announced to whoever says hello
         self._changes = 0  # counts handled messages and heartbeat ticks: see wait_change
         # What the node adds to a status answer (accuracies...); called on the worker
@@ -245,6 +255,7 @@ class Endpoint:
                 elif self.settings.encrypt and address not in self._curve_keys:
                     self._greet_when_keyed.add(address)
                 targets.append(address)
+        self.table.listed = len(set(targets))
         waiting = sorted(self._greet_when_keyed)
         if waiting:
             # Nodes started together learn each other's keys from the first hellos; a
@@ -252,9 +263,11 @@ class Endpoint:
             log.info("%s: will greet %s once the key of each is known (from its own hello or a "
                      "peer list)", self.settings.name, ", ".join(waiting))
         self._worker.start()  # after the keys above are in place: it learns more
-        for address in dict.fromkeys(targets):  # a node listed bare and with its key: once
-            if address not in self._greet_when_keyed:
-                self._send(address, "hello", self._hello_body())
+        greet = [address for address in dict.fromkeys(targets)  # listed bare and keyed: once
+                 if address not in self._greet_when_keyed]
+        for index, address in enumerate(greet):
+            # One peer list is enough: the others were named to us already (WIRE.md 7.1).
+            self._send(address, "hello", self._hello_body(wants_peers=index == 0))
         if not targets:
             self._joined.set()
 
@@ -269,6 +282,8 @@ class Endpoint:
         self.round = round_no
         with self._lock:
             self.offer_book.forget_before(round_no)
+            self.store.forget_before(round_no, self.identity.public_key,
+                                     self.offer_book.keep_rounds)
 
     def peers(self) -> list[PeerEntry]:
         with self._lock:
@@ -305,7 +320,7 @@ class Endpoint:
         joiner calls this once it took the mesh's round: announces that came with its
         first hellos were too far ahead of its round 0 to be kept."""
         for entry in self.alive_peers():
-            self._send(entry.address, "hello", self._hello_body())
+            self._send(entry.address, "hello", self._hello_body(wants_peers=False))
 
     def changes(self) -> int:
         """A counter that moves whenever the endpoint handled a message or checked
@@ -407,10 +422,15 @@ class Endpoint:
         with self._lock:
             return {
                 "bytes_in": self.transport.bytes_in, "bytes_out": self.transport.bytes_out,
+                "bytes_sent_by_kind": self._bytes_sent_by_kind(),
                 "rejections": self.rejections(), "received": dict(self.received),
                 "dropped": sum(self.transport.dropped.values()),
                 "fetched": len(self.fetch_log),
             }
+
+    def _bytes_sent_by_kind(self) -> dict[str, int]:
+        with self._send_lock:  # the lock that senders count under
+            return dict(self.bytes_sent_by_kind)
 
     def fetches_since(self, start: int) -> list[FetchRecord]:
         """The blobs this endpoint pulled, from the `start`-th on (`stats()["fetched"]`
@@ -431,8 +451,11 @@ class Endpoint:
 
     # --- sending ----------------------------------------------------------
 
-    def _hello_body(self) -> dict[str, Any]:
-        return {"name": self.settings.name, "addr": self.settings.address}
+    def _hello_body(self, wants_peers: bool = True) -> dict[str, Any]:
+        body = {"name": self.settings.name, "addr": self.settings.address}
+        if not wants_peers:
+            body["list"] = False  # answer with yourself only: we know the mesh (WIRE.md 7.1)
+        return body
 
     def _send(self, address: str, kind: str, body: dict[str, Any],
               blob: Blob | None = None, once: bool = False, key: bytes | None = None) -> None:
@@ -448,6 +471,9 @@ class Endpoint:
                 self.transport.send_once(address, frames, server_key)
             else:
                 self.transport.send(address, frames, server_key)
+                if kind not in NO_PROOF_OF_LIFE:
+                    self._last_sent[address] = time.monotonic()
+            self.bytes_sent_by_kind[kind] += sum(memoryview(frame).nbytes for frame in frames)
 
     def _pick_holder(self, offer: Offer) -> PeerEntry | None:
         candidates = [self.table.get(key) for key in [offer.origin, *offer.holders]]
@@ -462,19 +488,27 @@ class Endpoint:
             try:
                 received = self.transport.inbox.get(timeout=0.05)
             except queue.Empty:
-                received = None
-            if received is not None:
+                self._read_up_to = time.monotonic()
+            else:
+                self._read_up_to = received.arrived
                 self._handle_frames(received)
             if time.monotonic() >= next_beat:
                 next_beat = time.monotonic() + self.settings.heartbeat_interval
                 self._beat()
 
     def _beat(self) -> None:
+        """Mark silent peers down, and heartbeat each peer we told nothing for a while.
+        In a mesh of more than HEARTBEAT_FANOUT peers both waits stretch with its size
+        (membership.liveness_stretch); any other message is as good as a heartbeat."""
+        now = time.monotonic()
         with self._lock:
             for entry in self.table.expire():
                 log.warning("%s: peer %s (%s) is down", self.settings.name, entry.name,
                             entry.address)
-            targets = [e.address for e in self.table.entries.values() if e.state != LEFT]
+            period = self.settings.heartbeat_interval * liveness_stretch(self.table.known())
+            targets = [entry.address for entry in self.table.entries.values()
+                       if entry.state != LEFT
+                       and now - self._last_sent.get(entry.address, -period) >= period]
             self._changes += 1
             self._changed.notify_all()
         for address in targets:
@@ -561,7 +595,8 @@ class Endpoint:
         self.table.heard_from(message.sender, message.round)
         me = {"name": self.settings.name, "addr": self.settings.address,
               "key": self.identity.public_key}
-        listed = [entry.describe() for entry in self.table.alive()]
+        wants_peers = message.body.get("list", True) is not False
+        listed = [entry.describe() for entry in self.table.alive()] if wants_peers else []
         self._send(address, "peers", {"peers": [me, *listed]})
         # Whoever says hello may have missed our announces: a late joiner, or a node
         # asking again once it took the mesh's round (refresh_offers).
@@ -581,7 +616,7 @@ class Endpoint:
                 self.table.upsert(key, item["name"], address, message.instance)
                 self.table.heard_from(key, message.round)
             elif self.table.get(key) is None:
-                self._send(address, "hello", self._hello_body())
+                self._send(address, "hello", self._hello_body(wants_peers=False))
         self._joined.set()
 
     def _on_refuse(self, message: Message) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .identity import node_id
@@ -14,6 +15,17 @@ ALIVE, DOWN, LEFT = "alive", "down", "left"
 # a narrow alphabet (it becomes a file name), and at most one live key per name.
 PEER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 BAD_NAME, NAME_TAKEN = "bad_name", "name_taken"
+
+# Heartbeats a node sends per `heartbeat_interval` in a big mesh: past this many peers,
+# each peer is beaten less often and given longer before it counts as down, so that the
+# control traffic of a full mesh grows with its size, not with its square (WIRE.md 7.3).
+HEARTBEAT_FANOUT = 10
+
+
+def liveness_stretch(peers: int) -> float:
+    """How much longer than the configured interval and timeout a node with `peers`
+    known peers waits between heartbeats to one peer, and before marking it down."""
+    return max(1.0, peers / HEARTBEAT_FANOUT)
 
 
 @dataclass
@@ -36,11 +48,24 @@ class PeerEntry:
 
 
 class PeerTable:
-    """Peers keyed by public key. Not thread-safe: the endpoint's worker owns it."""
+    """Peers keyed by public key. Not thread-safe: the endpoint's worker owns it.
 
-    def __init__(self, timeout: float) -> None:
+    `clock` says when what the table is told happened: the endpoint's is the arrival
+    time of the message it is handling, so a node that reads its inbox late (a busy
+    process) neither ages its peers nor marks them down for its own delay."""
+
+    def __init__(self, timeout: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.timeout = timeout
+        self.clock = clock
         self.entries: dict[bytes, PeerEntry] = {}
+        # The peers the node was told to dial at start: the size of its mesh before it
+        # has heard from them all (a 100-node mesh starting up is not a 5-node one).
+        self.listed = 0
+
+    def known(self) -> int:
+        """Peers not marked left (the ones a node heartbeats), or the peers it was
+        listed at start if there are more of those."""
+        return max(self.listed, sum(entry.state != LEFT for entry in self.entries.values()))
 
     def alive(self) -> list[PeerEntry]:
         return [entry for entry in self.entries.values() if entry.state == ALIVE]
@@ -62,7 +87,7 @@ class PeerTable:
         """Note a valid message from a known peer; a down peer that speaks is alive again."""
         entry = self.entries.get(public_key)
         if entry is not None:
-            entry.last_seen = time.monotonic()
+            entry.last_seen = self.clock()
             entry.round = max(entry.round, round_no)
             if entry.state == DOWN:
                 entry.state = ALIVE
@@ -72,11 +97,12 @@ class PeerTable:
         """Add or refresh a peer; True when it is new or came back."""
         entry = self.entries.get(public_key)
         if entry is None:
-            self.entries[public_key] = PeerEntry(public_key, name, address, instance)
+            self.entries[public_key] = PeerEntry(public_key, name, address, instance,
+                                                 last_seen=self.clock())
             return True
         came_back = entry.state != ALIVE or entry.instance != instance
         entry.name, entry.address, entry.instance = name, address, instance
-        entry.state, entry.last_seen = ALIVE, time.monotonic()
+        entry.state, entry.last_seen = ALIVE, self.clock()
         return came_back
 
     def conflicting_instance(self, public_key: bytes, instance: bytes, address: str | None) -> str:
@@ -99,11 +125,10 @@ class PeerTable:
         return entry
 
     def expire(self) -> list[PeerEntry]:
-        """Mark peers silent for longer than the timeout as down; return them."""
-        now = time.monotonic()
-        expired = [
-            entry for entry in self.alive() if now - entry.last_seen > self.timeout
-        ]
+        """Mark peers silent for longer than the timeout (stretched to the mesh's size)
+        as of `clock()` as down; return them."""
+        now, timeout = self.clock(), self.timeout * liveness_stretch(self.known())
+        expired = [entry for entry in self.alive() if now - entry.last_seen > timeout]
         for entry in expired:
             entry.state = DOWN
         return expired

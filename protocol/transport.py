@@ -22,9 +22,10 @@ import os
 import queue
 import socket
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -39,6 +40,10 @@ ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 _HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
                        | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 INCOMING = "incoming"  # what the ROUTER's monitor watches: connections to us
+# A DEALER is watched until its first handshake succeeds, then its monitor is closed: a
+# monitor costs two sockets, and a node of a 100-node mesh dials 99 peers (node hosts
+# run dozens of nodes under one open-files limit).
+_DEALER_EVENTS = _HANDSHAKE_FAILURES | zmq.EVENT_HANDSHAKE_SUCCEEDED
 
 
 class TransportError(Exception):
@@ -128,6 +133,9 @@ class TransportOptions:
 class Received:
     routing_id: bytes
     frames: list[Any]  # zmq.Frame objects: the bytes stay where ZeroMQ put them
+    # When the socket thread read it (monotonic): a peer was alive then, however long
+    # the message waits in the inbox of a busy node.
+    arrived: float = field(default_factory=time.monotonic)
 
 
 @dataclass(frozen=True)
@@ -294,7 +302,8 @@ class Transport:
 
     def _monitor(self, sock: zmq.Socket, watched: str) -> None:
         if self.encryption is not None:
-            monitor = sock.get_monitor_socket(_HANDSHAKE_FAILURES)
+            monitor = sock.get_monitor_socket(
+                _HANDSHAKE_FAILURES if watched == INCOMING else _DEALER_EVENTS)
             self._monitors[monitor] = watched
             if watched != INCOMING:  # the ROUTER's is registered when the thread starts
                 self._poller.register(monitor, zmq.POLLIN)
@@ -302,6 +311,9 @@ class Transport:
     def _read_monitor(self, monitor: zmq.Socket) -> None:
         event = recv_monitor_message(monitor, zmq.NOBLOCK)
         watched = self._monitors[monitor]
+        if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._unmonitor(watched)
+            return
         if watched == INCOMING and event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
             return  # our own ZAP refusal: counted and logged where it was made
         self.failed_handshakes[watched] += 1
@@ -334,12 +346,17 @@ class Transport:
         dealer, _ = self._dealers.pop(address, (None, None))
         if dealer is None:
             return
+        self._unmonitor(address, dealer)
+        dealer.close(linger=linger)
+
+    def _unmonitor(self, address: str, dealer: zmq.Socket | None = None) -> None:
+        """Stop watching the DEALER to `address` (given, or the one in use)."""
+        dealer = dealer if dealer is not None else self._dealers[address][0]
         for monitor in [m for m, watched in self._monitors.items() if watched == address]:
             self._poller.unregister(monitor)
             del self._monitors[monitor]
             dealer.disable_monitor()
             monitor.close(linger=0)
-        dealer.close(linger=linger)
 
     def _send_now(self, item: _Outgoing) -> None:
         dealer, dialled_with = self._dealers.get(item.address, (None, None))

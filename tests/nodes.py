@@ -1,11 +1,12 @@
-"""Start and watch real `meshfl node` / `meshfl join` processes for multi-process tests."""
+"""Nodes for tests: real `meshfl node` / `meshfl join` processes for multi-process tests,
+and nodes in this process made of the parts a test gives (`node_from`)."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,16 +15,22 @@ from typing import Any
 
 import yaml
 
+from meshfl.launch.supervise import free_ports
+from meshfl.node.config import MeshConfig
+from meshfl.node.runtime import Node, NodeOptions
 
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
+
+def node_from(role: type[Node] = Node, *, name: str = "me", config: MeshConfig | None = None,
+              **parts: Any) -> Node:
+    """A node of `role` named `name`, made of the `parts` a test gives (endpoint=,
+    algorithm=, ...; build_node makes a real node's). A part left out is None: the code
+    under test must not reach it."""
+    options = NodeOptions(config or MeshConfig(), name, listen="tcp://127.0.0.1:0",
+                          out_dir=Path("unused"), key_path=Path("unused"), node_index=0,
+                          num_nodes=1)
+    left_out = {part: None for part, parameter in inspect.signature(role).parameters.items()
+                if parameter.kind is parameter.KEYWORD_ONLY}
+    return role(options, **{**left_out, **parts})
 
 
 def write_config(path: Path, count: int, **settings: Any) -> dict[str, Any]:

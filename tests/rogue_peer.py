@@ -20,10 +20,10 @@ from pathlib import Path
 import msgpack
 import numpy as np
 
-from meshfl.launch.local import named_node_options
+from meshfl.launch.entry import named_node_options
 from meshfl.node import config as cfgmod
 from meshfl.node.coordinator import ClientNode, _RoundInFlight
-from meshfl.node.runtime import Node
+from meshfl.node.runtime import Node, build_node
 from meshfl.node.trainer import state_to_arrays
 from meshfl.protocol.identity import Identity
 from meshfl.protocol.wire import RECORD_CONTEXT, Blob, TensorInfo, frames_digest, make_blob
@@ -105,7 +105,7 @@ class RoguePeer(Node):
         self.endpoint.set_round(round_no)
         self.endpoint.publish(mutated_blob(self, round_no, "model", mutation_of(round_no), {}))
         alive = {peer.public_key for peer in self.endpoint.alive_peers()}
-        self._collect(round_no, {"model"}, alive, time.monotonic() + self.cfg.round_timeout)
+        self.collect(round_no, {"model"}, alive, time.monotonic() + self.cfg.round_timeout)
         report(round_no)
 
 
@@ -125,7 +125,7 @@ class RogueClient(ClientNode):
 def main(config: str, name: str, out: str) -> None:
     cfg = cfgmod.load_config(config)
     options = named_node_options(cfg, name, Path(out))  # exactly as `meshfl node` would
-    (RogueClient if cfg.coordinator else RoguePeer)(options).run()
+    build_node(options, RogueClient if cfg.coordinator else RoguePeer).run()
 
 
 if __name__ == "__main__":

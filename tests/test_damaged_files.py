@@ -11,7 +11,8 @@ import logging
 import pytest
 import torch
 
-from meshfl.launch.local import FAILED, FINISHED, last_error_line, write_summary
+from meshfl.launch.summary import FAILED, FINISHED, write_summary
+from meshfl.launch.supervise import last_error_line
 from meshfl.node.checkpoint import (
     CheckpointError,
     MetricsLog,

@@ -222,7 +222,7 @@ def test_a_node_that_does_not_encrypt_is_told_apart_and_nothing_crashes(endpoint
         encrypted_dialler = endpoints("encrypted-joiner")
         encrypted_dialler.start([contact(plain.settings.listen, plain.identity.public_key)])
         assert not plain_dialler.wait_joined(1.0) and not encrypted_dialler.wait_joined(0.5)
-        assert poll_until(lambda: caplog.text.count("does not encrypt") >= 2, 3.0)
+        assert poll_until(lambda: caplog.text.count("does not encrypt") >= 2, 10.0)
     assert "encrypted handshake with incoming failed" in caplog.text
     assert f"encrypted handshake with {plain.settings.listen} failed" in caplog.text
     assert encrypted.peers() == [] and plain.peers() == []

@@ -23,9 +23,16 @@ import pytest
 import zmq
 
 from meshfl.protocol.endpoint import Endpoint, EndpointSettings, FetchRecord, Refused
-from meshfl.protocol.gossip import Offer
 from meshfl.protocol.identity import Identity, curve_public_key, verify
-from meshfl.protocol.membership import ALIVE, DOWN, LEFT
+from meshfl.protocol.membership import (
+    ALIVE,
+    DOWN,
+    HEARTBEAT_FANOUT,
+    LEFT,
+    PeerTable,
+    liveness_stretch,
+)
+from meshfl.protocol.offers import Offer
 from meshfl.protocol.probe import ask_status
 from meshfl.protocol.transport import (
     Encryption,
@@ -478,6 +485,58 @@ def test_a_silent_peer_is_marked_down_within_timeout_plus_one_interval(context, 
 
     raw.send(raw.frames("heartbeat", {}))  # a down peer that speaks is alive again
     assert poll_until(lambda: state() == ALIVE)
+
+
+def test_a_node_that_reads_its_inbox_late_does_not_blame_its_peers(context, make_endpoint,
+                                                                   caplog):
+    interval, timeout = 0.1, 0.5
+    endpoint = make_endpoint("busy", heartbeat_interval=interval, peer_timeout=timeout)
+    endpoint.start()
+    peers = [RawPeer(context, endpoint.contact, name=f"raw{i}") for i in range(2)]
+    for peer in peers:
+        peer.join()
+    # The node's worker is held up (a busy process) for three timeouts while both peers
+    # go on heartbeating: their heartbeats wait in its inbox and are read late.
+    with caplog.at_level(logging.WARNING, logger="meshfl.endpoint"):
+        with endpoint._lock:
+            for _ in range(15):
+                for peer in peers:
+                    peer.send(peer.frames("heartbeat", {}))
+                time.sleep(timeout / 5)
+        for _ in range(5):
+            for peer in peers:
+                peer.send(peer.frames("heartbeat", {}))
+            time.sleep(interval)
+    assert [e.state for e in endpoint.peers()] == [ALIVE, ALIVE]
+    assert "is down" not in caplog.text
+
+
+def test_heartbeats_stop_while_other_messages_show_life_and_stretch_in_a_big_mesh():
+    assert liveness_stretch(5) == 1.0 and liveness_stretch(HEARTBEAT_FANOUT) == 1.0
+    assert liveness_stretch(100) == 100 / HEARTBEAT_FANOUT
+    now = [0.0]
+    table = PeerTable(timeout=5.0, clock=lambda: now[0])
+    for index in range(100):
+        table.upsert(bytes([index]) * 32, f"n{index}", f"tcp://h:{index}", b"i" * 16)
+    now[0] = 5.0 * 9.9  # silent for longer than the timeout, less than it stretched
+    assert table.expire() == []
+    now[0] = 5.0 * 10.1
+    assert len(table.expire()) == 100
+
+
+def test_a_hello_that_asks_for_no_list_is_answered_by_the_node_alone(context, make_endpoint):
+    endpoint = make_endpoint("target")
+    endpoint.start()
+    first = RawPeer(context, endpoint.contact, name="first")
+    first.join()
+    second = RawPeer(context, endpoint.contact, name="second")
+    second.send(second.frames("hello", {"name": "second", "addr": second.address,
+                                        "list": False}))
+    answer = second.expect("peers")
+    assert [entry["name"] for entry in answer.body["peers"]] == ["target"]
+    second.send(second.hello())
+    listed = {entry["name"] for entry in second.expect("peers").body["peers"]}
+    assert listed == {"target", "first", "second"}
 
 
 def test_bye_marks_a_peer_left(make_endpoint):

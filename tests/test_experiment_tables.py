@@ -17,16 +17,18 @@ from meshfl.launch.experiments import (
     _what_decides_results,
     render_table,
 )
-from meshfl.launch.local import (
-    _grouping_scores,
-    _influence_shape,
-    _own_versus_average,
-    _round_costs,
-    _shapley_by_label_overlap,
-    _top_k_precision,
-    records,
+from meshfl.launch.measures import (
+    RunRecords,
+    influence_shape,
+    own_group_share,
+    own_versus_average,
+    round_costs,
+    shapley_by_label_overlap,
+    top_k_precision,
 )
+from meshfl.launch.summary import records
 from meshfl.node.config import AlgorithmConfig, explicit_params
+from meshfl.node.metrics import CoordinatorRecord, RoundRecord
 
 SPEC = {"title": "t", "caps": "c", "nodes": 2}
 
@@ -64,16 +66,24 @@ def test_the_table_shows_the_median_cost_of_a_round_where_it_was_measured():
     assert "| mean (std over seeds) | **80.0** | **90.0** |" in table, "no spread of one seed"
 
 
-def test_the_share_is_scored_over_ccp_rounds_only(tmp_path):
-    nodes = [{"name": name, "data": {"group": group}}
-             for name, group in [("a1", 0), ("a2", 0), ("b1", 1)]]
+def run_of(history: dict[str, list[RoundRecord]], **labels: set[int]) -> RunRecords:
+    """A run of `history` whose nodes' train splits hold `labels`."""
+    return RunRecords(history, data={name: {"labels": sorted(held)}
+                                     for name, held in labels.items()})
+
+
+def rounds_of(*records: dict) -> list[RoundRecord]:
+    """Records of rounds 1, 2, ... holding the fields of `records`."""
+    return [RoundRecord(round=number, **fields) for number, fields in enumerate(records, 1)]
+
+
+def test_the_share_is_scored_over_ccp_rounds_only():
+    groups = {"a1": {"group": 0}, "a2": {"group": 0}, "b1": {"group": 1}}
     coordinator = [
-        {"round": 1, "diagnostics": {"ccp": True, "relevant_sets": {"a1": ["a1", "a2"]}}},
-        {"round": 2, "diagnostics": {"ccp": True, "relevant_sets": {"a1": ["a1", "a2", "b1"]}}},
-        {"round": 3, "diagnostics": {"ccp": False, "relevant_sets": {"a1": ["a1", "b1"]}}}]
-    path = tmp_path / "metrics.jsonl"
-    path.write_text("\n".join(json.dumps(record) for record in coordinator) + "\n")
-    scores = _grouping_scores(nodes, {}, path)
+        CoordinatorRecord(1, {"ccp": True, "relevant_sets": {"a1": ["a1", "a2"]}}),
+        CoordinatorRecord(2, {"ccp": True, "relevant_sets": {"a1": ["a1", "a2", "b1"]}}),
+        CoordinatorRecord(3, {"ccp": False, "relevant_sets": {"a1": ["a1", "b1"]}})]
+    scores = own_group_share(RunRecords({}, coordinator, data=groups))
     assert scores["own_group_share"] == {"1": 1.0, "2": 0.5}
     assert scores["own_group_share_ccp"] == pytest.approx(0.75)
     assert scores["own_group_share_lowest"] == 0.5
@@ -82,7 +92,7 @@ def test_the_share_is_scored_over_ccp_rounds_only(tmp_path):
 def test_records_skip_a_line_a_crash_left_half_written(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"round": 1}\n{"round": 2}\n{"round": 3, "seco\n')
-    assert records(path) == [{"round": 1}, {"round": 2}]
+    assert records(path) == [RoundRecord(round=1), RoundRecord(round=2)]
     assert records(tmp_path / "missing.jsonl") == []
 
 
@@ -91,9 +101,11 @@ def test_round_costs_are_medians_over_every_node_round():
         diagnostics = {} if shapley is None else {"shapley_seconds": shapley}
         return {"bytes_in": bytes_in, "seconds": {"train": train}, "diagnostics": diagnostics}
 
-    history = {"a": [record(2e6, 4.0, 1.0), record(1e6, 2.0, 1.0), record(1e6, 2.0, 0.5)],
-               "b": [record(3e6, 4.0), {"seconds": {}}], "missing": []}
-    assert _round_costs(history) == {"mb_in_per_round": 1.5, "shapley_to_train": 0.25}
+    history = {"a": rounds_of(record(2e6, 4.0, 1.0), record(1e6, 2.0, 1.0),
+                              record(1e6, 2.0, 0.5)),
+               "b": rounds_of(record(3e6, 4.0), {}), "missing": []}
+    assert round_costs(RunRecords(history)) == {"mb_in_per_round": 1.5,
+                                                "shapley_to_train": 0.25}
 
 
 def test_top_k_precision_scores_the_last_pull_against_shared_labels():
@@ -102,19 +114,20 @@ def test_top_k_precision_scores_the_last_pull_against_shared_labels():
     def chose(*peers):
         return {"diagnostics": {"selected": list(peers)}}
 
-    history = {"a": [chose("c"), chose("b", "d")], "b": [chose("a")], "c": [{}], "d": []}
-    assert _top_k_precision(history, labels) == {"top_k_precision": (0.5 + 1.0) / 2}
-    assert _top_k_precision({"a": [{}]}, labels) == {}
+    history = {"a": rounds_of(chose("c"), chose("b", "d")), "b": rounds_of(chose("a")),
+               "c": rounds_of({}), "d": []}
+    assert top_k_precision(run_of(history, **labels)) == {"top_k_precision": (0.5 + 1.0) / 2}
+    assert top_k_precision(run_of({"a": rounds_of({})}, **labels)) == {}
 
 
 def test_shapley_values_and_weights_are_split_by_whether_a_peer_shares_a_label():
     labels = {"a": {0, 1}, "b": {1, 2}, "c": {3, 4}}
-    rounds = [{"diagnostics": {"shapley": {"a": 0.6, "b": 0.3, "c": -0.1}},
-               "weights": {"a": 0.7, "b": 0.3}},
-              {"diagnostics": {"shapley": {"a": 0.8, "b": 0.1, "c": -0.3}},
-               "weights": {"a": 0.9, "b": 0.1}},
-              {"diagnostics": {}, "weights": {"a": 1.0}}]  # a rule without a game
-    scores = _shapley_by_label_overlap({"a": rounds}, labels)
+    rounds = rounds_of({"diagnostics": {"shapley": {"a": 0.6, "b": 0.3, "c": -0.1}},
+                        "weights": {"a": 0.7, "b": 0.3}},
+                       {"diagnostics": {"shapley": {"a": 0.8, "b": 0.1, "c": -0.3}},
+                        "weights": {"a": 0.9, "b": 0.1}},
+                       {"diagnostics": {}, "weights": {"a": 1.0}})  # a rule without a game
+    scores = shapley_by_label_overlap(run_of({"a": rounds}, **labels))
     assert scores["shapley_sharing_a_label"] == pytest.approx(0.2)
     assert scores["shapley_sharing_no_label"] == pytest.approx(-0.2)
     assert scores["weight_on_label_sharing_peers"] == pytest.approx(0.2)
@@ -126,23 +139,23 @@ def test_influence_shape_is_the_own_share_of_lambda_and_the_class_peak_of_big_la
                               "influence_matrix": {"a": [0.6, 0.7], "b": [0.3, 0.2],
                                                    "c": [0.1, 0.1]}}}
     alone = {"diagnostics": {"influence_vector": {"a": 1.0}, "influence_matrix": {"a": [1.0, 1.0]}}}
-    scores = _influence_shape({"a": [shaped, alone]})
+    scores = influence_shape(RunRecords({"a": rounds_of(shaped, alone)}))
     assert scores["influence_own_share"] == pytest.approx(0.2), "a round alone says nothing"
     assert scores["class_influence_peak"] == pytest.approx((0.6 * 3 + 0.7 * 3) / 2)
-    assert _influence_shape({"a": []}) == {}
+    assert influence_shape(RunRecords({"a": []})) == {}
 
 
 def test_own_versus_average_reads_the_guarded_average_and_counts_adopted_averages():
     averaged, own = {"a": 0.6, "b": 0.4}, {"a": 1.0}
-    rounds = [{"val_acc": 0.8, "weights": averaged, "diagnostics": {"v_own": 0.9}},
-              {"val_acc": 0.9, "weights": own,  # the guard kept the own model
-               "diagnostics": {"v_own": 0.9, "v_aggregate": 0.7}},
-              {"val_acc": 0.95, "weights": averaged, "diagnostics": {"v_own": 0.9}},
-              {"val_acc": 0.9, "weights": averaged,
-               "diagnostics": {"v_own": 0.9}},  # a tie is not below
-              {"val_acc": 0.5, "weights": averaged, "diagnostics": {}}]  # no v_own recorded
-    assert _own_versus_average({"a": rounds}) == {"average_below_own": pytest.approx(2 / 4),
-                                                  "average_adopted": pytest.approx(3 / 4)}
+    rounds = rounds_of({"val_acc": 0.8, "weights": averaged, "diagnostics": {"v_own": 0.9}},
+                       {"val_acc": 0.9, "weights": own,  # the guard kept the own model
+                        "diagnostics": {"v_own": 0.9, "v_aggregate": 0.7}},
+                       {"val_acc": 0.95, "weights": averaged, "diagnostics": {"v_own": 0.9}},
+                       {"val_acc": 0.9, "weights": averaged,
+                        "diagnostics": {"v_own": 0.9}},  # a tie is not below
+                       {"val_acc": 0.5, "weights": averaged, "diagnostics": {}})  # no v_own
+    assert own_versus_average(RunRecords({"a": rounds})) == {
+        "average_below_own": pytest.approx(2 / 4), "average_adopted": pytest.approx(3 / 4)}
 
 
 def test_an_experiment_runs_each_variant_once_and_a_rerun_keeps_and_rescores_them(tmp_path):

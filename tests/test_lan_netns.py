@@ -32,7 +32,7 @@ import pytest
 import torch
 import yaml
 
-from meshfl.launch import local
+from meshfl.launch import entry
 from meshfl.launch.cli import main
 from meshfl.node import config as cfgmod
 from meshfl.node.data import load_node_data
@@ -271,7 +271,7 @@ def test_a_late_member_listed_in_peers_yaml_joins_as_its_entry(tmp_path, monkeyp
     """The way into a closed mesh: `meshfl join --name` of a listed peer takes that
     peer's address, key and shard, not a free port and shard N of N+1."""
     started = []
-    monkeypatch.setattr(local, "_run", lambda options: started.append(options) or 0)
+    monkeypatch.setattr(entry, "_run", lambda options: started.append(options) or 0)
     config = tmp_path / "peers.yaml"
     write_peers(config, tmp_path)  # alpha's listed key lets the joiner dial it encrypted
     assert main(["join", f"tcp://{VirtualLan.address(0)}:{PORT}", "--config", str(config),

@@ -27,28 +27,34 @@ EXIT_NODE_FAILED = 3
 
 
 def node_pids(out: Path) -> dict[str, int]:
-    """The live node processes of the run in `out` by name (`ps` reads alike on Linux and
-    macOS; -ww, or it cuts lines to $COLUMNS, which pytest sets; a zombie is dead already)."""
+    """The live process of each node of the run in `out`, by node name: its own, or its
+    host's (`ps` reads alike on Linux and macOS; -ww, or it cuts lines to $COLUMNS, which
+    pytest sets; a zombie is dead already)."""
     listing = subprocess.run(["ps", "-ww", "-eo", "pid=,stat=,args="], capture_output=True,
                              text=True, check=True).stdout
     pids = {}
     for line in listing.splitlines():
         pid, stat, args = line.split(None, 2)
         words = args.split()
-        if "meshfl.launch.cli" in words and f"{out}" in words and not stat.startswith("Z") \
-                and "--name" in words:
-            pids[words[words.index("--name") + 1]] = int(pid)
+        if "meshfl.launch.cli" in words and f"{out}" in words and not stat.startswith("Z"):
+            if "--name" in words:
+                pids[words[words.index("--name") + 1]] = int(pid)
+            if "--names" in words:
+                pids.update(dict.fromkeys(words[words.index("--names") + 1].split(","),
+                                          int(pid)))
     return pids
 
 
 class Launch:
-    """A `meshfl launch` of three nodes into `out`; `close` kills what is left of it."""
+    """A `meshfl launch` of three nodes into `out`, a process each unless `args` say
+    `--hosts`; `close` kills what is left of it."""
 
     def __init__(self, out: Path, *args: str) -> None:
         self.out = out
         self.log = out.with_name(out.name + ".log")
+        hosts = [] if "--hosts" in args else ["--hosts", "3"]
         self.process = meshfl("launch", "--nodes", "3", "--out", str(out), "--quiet", *FAST,
-                              *args, log=self.log)
+                              *hosts, *args, log=self.log)
 
     def wait(self, timeout: float) -> int:
         try:
@@ -118,6 +124,35 @@ def test_a_killed_node_restarted_once_finishes_with_the_mesh(launch):
     assert nodes["node1"]["status"] == "finished" and nodes["node1"]["restarts"] == 1
     assert all(node["round"] == 120 for node in nodes.values())
     assert "resumed from the checkpoint" in (run.out / "node1" / "node.log").read_text()
+
+
+def test_a_killed_host_stops_only_its_nodes(launch):
+    run = launch("--rounds", "40", "--hosts", "2")  # node0 and node1 in one host, node2 alone
+    wait_round(run.out, "node2", 1, START)
+    pids = node_pids(run.out)
+    assert pids["node0"] == pids["node1"] != pids["node2"]
+    kill_node_at_round(run, "node0", 3)
+    assert run.wait(120) == EXIT_NODE_FAILED, run.output()
+    nodes = run.summary()
+    for name in ("node0", "node1"):
+        assert nodes[name]["status"] == "failed" and nodes[name]["ended"] == "SIGKILL", name
+    assert nodes["node2"]["status"] == "finished" and nodes["node2"]["round"] == 40
+
+
+def test_a_killed_host_restarted_resumes_its_nodes_while_the_others_go_on(launch):
+    run = launch("--rounds", "120", "--hosts", "2", "--restarts", "1")
+    wait_round(run.out, "node2", 1, START)
+    before = node_pids(run.out)
+    kill_node_at_round(run, "node0", 3)
+    wait_until(lambda: node_pids(run.out).get("node0", before["node0"]) != before["node0"],
+               60, "the host's restart")
+    assert node_pids(run.out)["node2"] == before["node2"]  # the other process went on
+    assert run.wait(180) == 0, run.output()
+    nodes = run.summary()
+    assert [nodes[name]["restarts"] for name in ("node0", "node1", "node2")] == [1, 1, 0]
+    assert all(node["status"] == "finished" and node["round"] == 120 for node in nodes.values())
+    for name in ("node0", "node1"):
+        assert "resumed from the checkpoint" in (run.out / name / "node.log").read_text()
 
 
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL],

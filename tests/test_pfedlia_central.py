@@ -3,7 +3,6 @@ averages, the whole schedule in process on real digits, and the launcher's ARI."
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
@@ -222,18 +221,15 @@ def test_bad_parameters_name_the_field_the_value_and_what_is_allowed(field, valu
         parse_params("pfedlia_central", {field: value})
 
 
-def test_the_summary_scores_the_coordinators_last_groups_when_the_peers_record_none(tmp_path):
-    from meshfl.launch.local import _grouping_scores
+def test_the_summary_scores_the_coordinators_last_groups():
+    from meshfl.launch.measures import RunRecords, coordinator_groups_ari
+    from meshfl.node.metrics import CoordinatorRecord
 
-    metrics = tmp_path / "metrics.jsonl"
-    records = [{"round": 1, "diagnostics": {"phase": "warmup"}},
-               {"round": 2, "diagnostics": {"groups": {"a": ["a"], "b": ["b"], "c": ["c"]}}},
-               {"round": 3, "diagnostics": {"groups": {"a": ["a", "b"], "b": ["a", "b"],
-                                                       "c": ["c"]}}},
-               {"round": 4, "diagnostics": {}}]
-    metrics.write_text("".join(json.dumps(record) + "\n" for record in records))
-    nodes = [{"name": name, "data": {"true_cluster": cluster}}
-             for name, cluster in {"a": 0, "b": 0, "c": 1}.items()]
-    assert _grouping_scores(nodes, {}, metrics)["ari"] == 1.0
-    peer_groups = {"a": ["a"], "b": ["b"], "c": ["c"]}
-    assert _grouping_scores(nodes, peer_groups, metrics)["ari"] != 1.0, "the peers' win"
+    coordinator = [CoordinatorRecord(1, {"phase": "warmup"}),
+                   CoordinatorRecord(2, {"groups": {"a": ["a"], "b": ["b"], "c": ["c"]}}),
+                   CoordinatorRecord(3, {"groups": {"a": ["a", "b"], "b": ["a", "b"],
+                                                    "c": ["c"]}}),
+                   CoordinatorRecord(4, {})]
+    truth = {name: {"true_cluster": cluster} for name, cluster in {"a": 0, "b": 0, "c": 1}.items()}
+    run = RunRecords({}, coordinator, data=truth)
+    assert coordinator_groups_ari(run) == {"ari": 1.0}

@@ -87,7 +87,7 @@ def test_shapley_matrix_orders_by_cluster_and_leaves_unmeasured_cells_blank(tmp_
     ], cluster=0)
     write_node(tmp_path, "node2", [{"round": 1, "test_acc": 0.4}], cluster=1)
     run = report.read_run(tmp_path)
-    (measure, by_round), = [found for found in report.measures_for(run)
+    (measure, by_round), = [found for found in report.matrix_measures_for(run)
                             if found[0].key == "shapley"]
 
     final = report.final_matrix(run, measure, by_round)
@@ -111,9 +111,10 @@ def test_relevant_sets_come_from_the_coordinator_and_count_as_shares(tmp_path):
     write_node(tmp_path, "coordinator", coordinator)
     run = report.read_run(tmp_path)
     assert list(run.records) == ["a", "b"], "the coordinator is no learner"
-    found = {measure.key: rows for measure, rows in report.measures_for(run)}
+    found = {measure.key: rows for measure, rows in report.matrix_measures_for(run)}
     assert list(found) == ["relevant_sets", "weights"]
-    mean = report.mean_matrix(run, report.MEASURES["relevant_sets"], found["relevant_sets"])
+    relevant_sets = report.MATRIX_MEASURES["relevant_sets"]
+    mean = report.mean_matrix(run, relevant_sets, found["relevant_sets"])
     assert mean.values == [[1.0, 0.5], [0.0, 1.0]]
     assert mean.caption == "mean over rounds 1-2"
 

@@ -1,4 +1,4 @@
-"""A node's round collection (Node._collect) over real endpoints on loopback: wanted blobs
+"""A node's round collection (Node.collect) over real endpoints on loopback: wanted blobs
 are fetched as their offers arrive, and the round's deadline bounds the whole wait; what
 comes in is decoded with unusable (NaN or inf) models refused."""
 
@@ -11,10 +11,12 @@ import numpy as np
 import pytest
 
 from meshfl.node.blobs import UnusableBlob, peer_model
+from meshfl.node.config import MeshConfig
 from meshfl.node.coordinator import CoordinatorNode
 from meshfl.node.runtime import Node
 from meshfl.protocol.identity import Identity
 from meshfl.protocol.wire import make_blob
+from tests.nodes import node_from
 from tests.test_endpoint import SCHEMA, WAIT
 from tests.test_endpoint import make_endpoint as make_endpoint  # the fixture
 
@@ -34,10 +36,8 @@ class Wanted:
 
 
 def collector(endpoint, rule) -> Node:
-    """A Node reduced to what its round collection uses: endpoint, identity and rule."""
-    node = Node.__new__(Node)
-    node.endpoint, node.identity, node.algorithm = endpoint, endpoint.identity, rule
-    return node
+    """A Node made of what its round collection uses: its endpoint and rule."""
+    return node_from(endpoint=endpoint, algorithm=rule)
 
 
 @pytest.fixture
@@ -64,8 +64,7 @@ def test_a_peer_that_never_announces_does_not_cost_the_others_blobs(
     mesh = mesh_with_a_silent_peer
     rule = Wanted(ranks_offers)
     started = time.monotonic()
-    blobs = collector(mesh.puller, rule)._collect(1, {"model"}, mesh.origins,
-                                                  started + DEADLINE)
+    blobs = collector(mesh.puller, rule).collect(1, {"model"}, mesh.origins, started + DEADLINE)
     waited = time.monotonic() - started
     assert set(blobs) == {"model"} and set(blobs["model"]) == {"publisher"}
     assert blobs["model"]["publisher"].id == mesh.blob.id
@@ -85,7 +84,7 @@ def test_the_wait_ends_once_every_live_peer_announced_and_its_blob_arrived(make_
                      schema=SCHEMA)
     publisher.publish(blob)
     started = time.monotonic()
-    blobs = collector(puller, Wanted(False))._collect(
+    blobs = collector(puller, Wanted(False)).collect(
         1, {"model"}, {publisher.identity.public_key}, started + 10 * DEADLINE)
     assert blobs["model"]["publisher"].id == blob.id
     assert time.monotonic() - started < DEADLINE
@@ -95,9 +94,9 @@ LAYOUT = (("w", "float32", (3,)), ("count", "int64", (3,)))
 
 
 def test_an_unusable_blob_is_refused_and_the_round_goes_on_without_it():
-    node = Node.__new__(Node)  # decoding uses the node's name and its rule's layouts only
-    node.options = SimpleNamespace(name="me")
-    node.algorithm = SimpleNamespace(layouts=lambda kind: (LAYOUT,) if kind == "model" else ())
+    # Decoding uses the node's name and its rule's layouts only.
+    node = node_from(name="me", algorithm=SimpleNamespace(
+        layouts=lambda kind: (LAYOUT,) if kind == "model" else ()))
 
     def signed(value, n=7):
         weights = np.array([0.5, value, 1.5], dtype=np.float32)
@@ -106,7 +105,7 @@ def test_an_unusable_blob_is_refused_and_the_round_goes_on_without_it():
 
     blobs = {"model": {"good": signed(1.0), "nan": signed(np.nan), "inf": signed(-np.inf),
                        "no_samples": signed(1.0, n=0), "vague": signed(1.0, n="many")}}
-    intake = node._peer_models(blobs)
+    intake = node.peer_models(blobs)
     assert intake.refused == {"model": ["inf", "nan", "no_samples", "vague"]}
     assert intake.reasons == {"not_finite": 2, "sample_count": 2}
     assert list(intake.received["model"]) == ["good"]
@@ -140,14 +139,13 @@ def coordinated(make_endpoint, quorum=1.0):
         assert client.send_blob(coordinator.identity.public_key, "upload", blob)
 
     def collect():
-        node = CoordinatorNode.__new__(CoordinatorNode)
-        node.endpoint = coordinator
-        node.cfg = SimpleNamespace(round_timeout=30.0, rounds=5, round_quorum=quorum)
-        node.algorithm = SimpleNamespace(
-            context=SimpleNamespace(layout=(("w", "float32", (2,)),)),
-            extras_fit=lambda kind, extras: not extras)
+        node = node_from(
+            CoordinatorNode, name="coordinator", endpoint=coordinator,
+            config=MeshConfig(round_timeout=30.0, rounds=5, round_quorum=quorum),
+            algorithm=SimpleNamespace(context=SimpleNamespace(layout=(("w", "float32", (2,)),)),
+                                      extras_fit=lambda kind, extras: not extras))
         started = time.monotonic()
-        uploads, intake = node._collect_uploads(
+        uploads, intake = node.collect_uploads(
             1, {client.identity.public_key: name for name, client in clients.items()})
         return uploads, intake, time.monotonic() - started
 

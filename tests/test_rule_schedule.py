@@ -7,8 +7,8 @@ import pytest
 import yaml
 
 from meshfl.algorithms import ALGORITHM_NAMES
-from meshfl.launch.decisions import DECISIONS, node_decisions
 from meshfl.launch.experiments import _planned_config, available, with_attack_grid
+from meshfl.launch.measures import RULES, node_decisions
 from meshfl.node.config import (
     AlgorithmConfig,
     ConfigError,
@@ -20,6 +20,7 @@ from meshfl.node.config import (
     validate,
     with_explicit_params,
 )
+from meshfl.node.metrics import RoundRecord
 
 COORDINATED = ["coordinator=tcp://127.0.0.1:7999"]
 
@@ -128,11 +129,12 @@ def test_every_variant_of_every_experiment_passes_the_check_with_the_values_it_n
 def test_every_rule_but_the_baselines_has_a_decision():
     baselines = {"local", "fedavg", "fedavg_server", "median", "trimmed_mean", "krum",
                  "multikrum"}
-    assert set(DECISIONS) == set(ALGORITHM_NAMES) - baselines
+    decided = {rule for rule, measures in RULES.items() if measures.decide}
+    assert decided == set(ALGORITHM_NAMES) - baselines
 
 
-def rounds_of(*diagnostics: dict) -> list[dict]:
-    return [{"round": index + 1, "diagnostics": found}
+def rounds_of(*diagnostics: dict) -> list[RoundRecord]:
+    return [RoundRecord(round=index + 1, diagnostics=found)
             for index, found in enumerate(diagnostics)]
 
 
@@ -170,7 +172,7 @@ def test_server_rules_decide_from_the_coordinators_latest_diagnostics():
 
 def test_the_shortest_default_runs_the_check_allows():
     # pfedlia_central needs its lazy round and its clustering round; the others one round.
-    assert {rule: fewest_rounds(rule) for rule in DECISIONS} == {
+    assert {rule: fewest_rounds(rule) for rule in RULES} == {
         "pfedlia": 1, "pfedlia_central": 2, "pfedsv": 1, "fedc2i": 1, "fedrema": 1,
         "fedinfluence": 1}
 

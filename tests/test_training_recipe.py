@@ -13,7 +13,7 @@ from meshfl.algorithms import Context, algorithm_class, parse_params
 from meshfl.algorithms.base import draw_seed
 from meshfl.node.config import MeshConfig
 from meshfl.node.models import build_model
-from meshfl.node.runtime import Node
+from meshfl.node.trainer import training_recipe
 
 TRAINING_FIELDS = {"local_epochs": 2, "batch_size": 8, "optimizer": "adam", "lr": 0.01,
                    "momentum": 0.9, "weight_decay": 0.5}
@@ -24,7 +24,7 @@ def trained(cfg: MeshConfig) -> torch.Tensor:
     x = torch.randn(40, 64, generator=generator)
     y = torch.randint(0, 10, (40,), generator=generator)
     model = build_model("mlp", (64,), 10, seed=0)
-    Node._train(SimpleNamespace(cfg=cfg), model, x, y, None, seed=1)  # the node's recipe
+    training_recipe(cfg)(model, x, y, None, seed=1)  # the node's recipe
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 

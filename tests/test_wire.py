@@ -352,7 +352,7 @@ def test_importing_the_protocol_does_not_import_torch_or_upper_layers():
                           text=True, timeout=60, check=True)
     report = json.loads(done.stdout)
     assert {"meshfl.protocol.identity", "meshfl.protocol.wire", "meshfl.protocol.transport",
-            "meshfl.protocol.membership", "meshfl.protocol.gossip",
+            "meshfl.protocol.membership", "meshfl.protocol.offers",
             "meshfl.protocol.endpoint"} <= set(report["modules"])
     # (pickle itself is loaded by numpy; that it is never *used* is the source check below)
     forbidden = ("torch", "meshfl.node", "meshfl.algorithms", "meshfl.launch")

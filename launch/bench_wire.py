@@ -391,7 +391,7 @@ def _detail(row: dict[str, Any]) -> list[str]:
     return lines
 
 
-def main_wire(argv: list[str]) -> int:
+def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="meshfl bench wire",
         description="Throughput of signed blobs (sign, send, verify), plain and over "
@@ -428,4 +428,4 @@ def main_wire(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main_wire(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:]))

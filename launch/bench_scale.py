@@ -1,0 +1,179 @@
+"""`meshfl bench scale`: what a mesh of N local nodes costs, at several N.
+
+Each size runs the real thing, `meshfl launch --nodes N`, in a child process and
+samples the proportional set size (PSS) of every process of its tree once a second:
+PSS splits a shared page among the processes that map it, so the total is what the
+run costs the machine (RSS would count torch's shared pages once per process). After
+the run it reads what the nodes wrote: bytes each node sent by message kind, and the
+"is down" lines of the node logs (a live peer marked down because it was not heard
+from in time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from .summary import last_record
+
+BLOB_KINDS = ("blob",)  # what carries model bytes; everything else is control traffic
+
+
+@dataclass
+class ScaleResult:
+    nodes: int
+    hosts: str
+    rounds: int
+    wall_s: float
+    pss_mb: float
+    bytes_by_kind: Counter[str]  # bytes sent by all nodes together, by message kind
+    down_marks: int
+    failed: bool
+
+    def line(self) -> str:
+        per_node_round = sum(self.bytes_by_kind.values()) / (self.nodes * self.rounds)
+        blob = sum(self.bytes_by_kind[kind] for kind in BLOB_KINDS)
+        control = sum(self.bytes_by_kind.values()) - blob
+        kinds = " ".join(f"{kind}_b={count / (self.nodes * self.rounds):.0f}"
+                         for kind, count in sorted(self.bytes_by_kind.items()))
+        return (f"nodes={self.nodes} hosts={self.hosts} rounds={self.rounds} "
+                f"wall_s={self.wall_s:.1f} pss_mb={self.pss_mb:.0f} "
+                f"pss_per_node_mb={self.pss_mb / self.nodes:.1f} "
+                f"bytes_per_node_round={per_node_round:.0f} "
+                f"control_share={control / blob if blob else float('nan'):.3f} "
+                f"down_marks={self.down_marks}{' FAILED' if self.failed else ''}\n"
+                f"  per node and round: {kinds}")
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and every process descended from it, read from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                stat = Path(entry.path, "stat").read_text()
+            except OSError:
+                continue  # gone while we looked
+            parent = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(entry.name))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree
+
+
+def pss_kb(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1])
+    except OSError:
+        pass  # exited, or not ours to read
+    return 0
+
+
+class PeakPss:
+    """Samples the total PSS of a process tree every `period` seconds; keeps the peak."""
+
+    def __init__(self, root: int, period: float = 1.0) -> None:
+        self.root, self.period, self.peak_kb = root, period, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.period):
+            total = sum(pss_kb(pid) for pid in process_tree(self.root))
+            self.peak_kb = max(self.peak_kb, total)
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return self.peak_kb / 1024
+
+
+def run_size(nodes: int, hosts: int | None, rounds: int, out: Path,
+             settings: list[str]) -> ScaleResult:
+    command = [sys.executable, "-m", "meshfl.launch.cli", "launch", "--nodes", str(nodes),
+               "--rounds", str(rounds), "--out", str(out), "--quiet"]
+    if hosts is not None:
+        command += ["--hosts", str(hosts)]
+    for assignment in settings:
+        command += ["--set", assignment]
+    clock = time.perf_counter()
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    pss = PeakPss(process.pid)
+    _, stderr = process.communicate()
+    wall = time.perf_counter() - clock
+    peak = pss.stop()
+    if process.returncode not in (0, 3):
+        raise RuntimeError(f"meshfl launch --nodes {nodes} failed: {stderr.decode()[-800:]}")
+    return ScaleResult(nodes, str(hosts) if hosts is not None else "auto", rounds, wall, peak,
+                       sent_bytes(out), down_marks(out), process.returncode != 0)
+
+
+def sent_bytes(out: Path) -> Counter[str]:
+    """Bytes every node sent by message kind, up to its last round (bye excluded)."""
+    total: Counter[str] = Counter()
+    for metrics in out.glob("*/metrics.jsonl"):
+        record = last_record(metrics)
+        if record is not None:
+            total.update(record.get("bytes_sent_by_kind", {}))
+    return total
+
+
+def down_marks(out: Path) -> int:
+    return sum(log.read_text(errors="replace").count(" is down")
+               for log in out.glob("*/node.log"))
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"got {text!r}; allowed: node counts, e.g. 16,50,100")
+    return sizes
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="meshfl bench scale",
+        description="Wall time, total PSS and bytes per node and round of `meshfl launch "
+                    "--nodes N` on the embedded digits (FedAvg unless --set says otherwise), "
+                    "one line per size.")
+    parser.add_argument("--sizes", type=_sizes, default=[16, 50, 100],
+                        help="node counts, comma-separated (default: 16,50,100)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds per run (default: 5)")
+    parser.add_argument("--hosts", type=int, default=None,
+                        help="node host processes per run (default: what launch picks)")
+    parser.add_argument("--set", dest="settings", action="append", default=[],
+                        metavar="KEY=VALUE", help="a config change for every run, repeatable")
+    parser.add_argument("--keep", metavar="DIR", default=None,
+                        help="keep each run's folder under DIR (default: a temporary folder)")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    with tempfile.TemporaryDirectory(prefix="meshfl-scale-") as scratch:
+        root = Path(args.keep or scratch)
+        for size in args.sizes:
+            result = run_size(size, args.hosts, args.rounds, root / f"nodes{size}",
+                              args.settings)
+            print(result.line(), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,30 @@
+"""From a command's config flags (--config, --algorithm, --set ...) to its MeshConfig."""
+
+from __future__ import annotations
+
+import argparse
+
+from meshfl.node import config as cfgmod
+
+# The config fields that have a flag of their own (cli.py), by the flag's dest.
+_FLAG_FIELDS = {"algorithm": "algorithm", "dataset": "data.dataset", "data_root": "data.root",
+                "partition": "data.partition", "samples_per_node": "data.samples_per_node",
+                "rounds": "rounds", "seed": "seed"}
+
+
+def named_overrides(args: argparse.Namespace) -> list[str]:
+    """The named flags given, as KEY=VALUE assignments like those of --set."""
+    return [f"{key}={getattr(args, flag)}" for flag, key in _FLAG_FIELDS.items()
+            if getattr(args, flag, None) is not None]
+
+
+def resolve_config(args: argparse.Namespace, check: bool = True) -> cfgmod.MeshConfig:
+    """--config (or the built-in demo settings) with the named flags, then --set, applied;
+    checked unless `check` is False."""
+    cfg = cfgmod.load_config(args.config)
+    cfg = cfgmod.apply_overrides(cfg, named_overrides(args) + list(args.assignments))
+    if check:
+        cfgmod.validate(cfg)
+        # The node runs the rule parameters the check fitted to `rounds` (a warm-up).
+        cfg = cfgmod.with_explicit_params(cfg)
+    return cfg

@@ -1,0 +1,185 @@
+"""Reading a run folder back: the nodes' metrics records and summary.json.
+
+`write_summary` turns what the nodes wrote (<node>/metrics.jsonl, info.json) into the
+run's summary: each node's last scores and how it ended, the mean over finished honest
+nodes, and, where the rule and the partition record them, scores of what the rule
+decided (grouping, peer ranking, Shapley values, influence: launch/measures.py has which
+rule reports which) and what a round cost.
+`print_table` shows it as the table `meshfl launch` ends with.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+from meshfl.node import config as cfgmod
+from meshfl.node import metrics
+from meshfl.node.coordinator import COORDINATOR
+from meshfl.node.metrics import CoordinatorRecord, RoundRecord
+
+from . import measures
+
+log = logging.getLogger("meshfl.launch")
+
+FINISHED, FAILED = "finished", "failed"  # a node's status in summary.json
+
+
+def file_lines(path: Path) -> list[str]:
+    """A text file's lines ([] when it cannot be read, or is not there yet)."""
+    try:
+        return path.read_text().splitlines()
+    except OSError:
+        return []
+
+
+def records(path: Path) -> list[RoundRecord]:
+    """Every complete record of a node's metrics file ([] when there is none yet)."""
+    return metrics.read_records(path, RoundRecord)
+
+
+def last_record(path: Path) -> dict[str, Any] | None:
+    """The last complete record of a node's metrics file as its JSON object: for the
+    callers that still read it by key (launch/supervise.py, entry.py, bench_scale.py);
+    new code reads `meshfl.node.metrics.last_record`."""
+    record = metrics.last_record(path, RoundRecord)
+    return None if record is None else record.to_json()
+
+
+def failed_nodes(summary: dict[str, Any]) -> list[str]:
+    """The names of the nodes the summary lists as not finished."""
+    return [node["name"] for node in summary["nodes"] if node["status"] != FINISHED]
+
+
+def write_summary(cfg: cfgmod.MeshConfig, out: Path,
+                  outcomes: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Summarize the run in `out` and write summary.json. `outcomes` says how each node
+    ended (supervise.py: SupervisedNode.outcome); without it (a summary made again later) it is what
+    the previous summary.json said, else judged by the rounds each node finished."""
+    outcomes = outcomes or _recorded_outcomes(out)
+    history = {peer.name: records(out / peer.name / "metrics.jsonl") for peer in cfg.peers}
+    coordinator = metrics.read_records(out / COORDINATOR / "metrics.jsonl", CoordinatorRecord)
+    nodes = []
+    for peer in cfg.peers:
+        record = history[peer.name][-1] if history[peer.name] else None
+        outcome = outcomes.get(peer.name) or _judged_by_rounds(record, cfg.rounds)
+        nodes.append(_node_entry(peer.name, record, outcome, out))
+    decisions = measures.node_decisions(cfg.algorithm.name, history, coordinator)
+    for node in nodes:
+        if node["name"] in decisions:
+            node["decision"] = decisions[node["name"]]
+    if COORDINATOR in outcomes and outcomes[COORDINATOR]["status"] != FINISHED:
+        nodes.append({"name": COORDINATOR, "round": coordinator[-1].round if coordinator else 0,
+                      "test_acc": None, "val_acc": None, "n_train": None, "data": {},
+                      **outcomes[COORDINATOR]})
+    attackers = frozenset(cfg.attack.nodes)
+    for node in nodes:
+        if node["name"] in attackers:
+            node["attacker"] = True
+    # Failed nodes stopped early: their accuracies are of another round, left out; an
+    # attacker's own scores say nothing of what the rule does for honest nodes.
+    accuracies = [node["test_acc"] for node in nodes
+                  if node["status"] == FINISHED and node["test_acc"] is not None
+                  and node["name"] not in attackers]
+    run = measures.RunRecords(history, coordinator, attackers=attackers, data={
+        node["name"]: node["data"] for node in nodes if node["test_acc"] is not None})
+    summary = {
+        "algorithm": cfg.algorithm.name, "dataset": cfg.data.dataset,
+        "partition": cfg.data.partition, "rounds": cfg.rounds, "seed": cfg.seed,
+        "nodes": nodes,
+        "mean_test_acc": statistics.fmean(accuracies) if accuracies else None,
+        "std_test_acc": statistics.pstdev(accuracies) if accuracies else None,
+        "mean_over": f"{len(accuracies)} finished nodes of {len(nodes)}"
+                     + (f" ({len(attackers)} attackers left out)" if attackers else ""),
+        "worst_test_acc": min(accuracies) if accuracies else None,
+        **measures.rule_scores(cfg.algorithm.name, run),
+        "cost": measures.ROUND_COSTS.compute(run),
+    }
+    _write_summary_file(out / "summary.json", summary)
+    return summary
+
+
+def _node_entry(name: str, record: RoundRecord | None, outcome: dict[str, Any],
+                out: Path) -> dict[str, Any]:
+    """A node's line of the summary: its last round's scores (None before its first
+    round) and how it ended."""
+    last = record or RoundRecord(round=0)
+    return {"name": name, "test_acc": last.test_acc, "val_acc": last.val_acc,
+            "n_train": last.n_train, "round": last.round,
+            "data": _read_info(out / name / "info.json").get("data", {}), **outcome}
+
+
+def _judged_by_rounds(record: RoundRecord | None, rounds: int) -> dict[str, Any]:
+    finished = record is not None and record.round >= rounds
+    return {"status": FINISHED if finished else FAILED}
+
+
+def _recorded_outcomes(out: Path) -> dict[str, dict[str, Any]]:
+    """How each node ended, as a previous summary.json of `out` says ({} without one)."""
+    try:
+        nodes = json.loads((out / "summary.json").read_text())["nodes"]
+        keys = ("status", "restarts", "ended", "last_error")
+        return {node["name"]: {key: node[key] for key in keys if key in node}
+                for node in nodes if "status" in node}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def _read_info(path: Path) -> dict[str, Any]:
+    """A node's info.json ({} when missing, or cut short by a crash: said once)."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as error:
+        log.warning("%s is unreadable (%s); its data facts are left out of the summary",
+                    path, error)
+        return {}
+
+
+def _write_summary_file(path: Path, summary: dict[str, Any]) -> None:
+    """Write summary.json whole or not at all; a full disk is one line, not a crash (the
+    table still shows what it holds)."""
+    temporary = path.with_name(path.name + ".tmp")
+    try:
+        temporary.write_text(json.dumps(summary, indent=2) + "\n")
+        os.replace(temporary, path)
+    except OSError as error:
+        temporary.unlink(missing_ok=True)
+        log.warning("cannot write %s: %s", path, (error.strerror or str(error)).lower())
+
+
+def print_table(summary: dict[str, Any]) -> None:
+    # The rule's decision per node (launch/decisions.py); no column for the baselines.
+    decided = max((len(node.get("decision", "")) for node in summary["nodes"]), default=0)
+    decision = f"  {'decision':<{decided}}" if decided else ""
+    print(f"\n{'node':<12}{'rounds':>7}{'n_train':>9}{'val_acc':>9}{'test_acc':>10}"
+          f"{decision}  status")
+    for node in summary["nodes"]:
+        decision = f"  {node.get('decision', '-'):<{decided}}" if decided else ""
+        print(f"{node['name']:<12}{node['round']:>7}{_cell(node['n_train'], 9, 'd')}"
+              f"{_cell(node['val_acc'], 9, '.3f')}{_cell(node['test_acc'], 10, '.3f')}"
+              f"{decision}  {_status_cell(node)}")
+    if summary["mean_test_acc"] is not None:
+        print(f"{'mean (std)':<37}{summary['mean_test_acc']:>7.3f} "
+              f"({summary['std_test_acc']:.3f})  over {summary['mean_over']}")
+    else:
+        print("mean: no node finished")
+    for node in summary["nodes"]:
+        if node.get("last_error"):
+            print(f"{node['name']}: {node['last_error']}")
+
+
+def _cell(value: float | int | None, width: int, form: str) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}{form}}"
+
+
+def _status_cell(node: dict[str, Any]) -> str:
+    """"finished", or "failed (SIGKILL)", with the restarts when there were any."""
+    status = node["status"] + (f" ({node['ended']})" if node.get("ended") else "")
+    restarts = node.get("restarts", 0)
+    return status + (f", restarted {restarts}x" if restarts else "")

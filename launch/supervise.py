@@ -1,0 +1,345 @@
+"""`meshfl launch`: a mesh of local nodes in a few processes, supervised until all exit.
+
+The peers run in node hosts (`meshfl host`, node/host.py), about one per core, each
+host a process holding a share of the peers; `--hosts N` gives every peer a process of
+its own (`meshfl node`). A coordinator runs alone (`meshfl coordinator`). Every
+process has its own session and writes under the run folder; launch shows their
+progress, restarts a failed process's unfinished nodes from their checkpoints when
+asked to, stops them all on Ctrl-C or a stop signal, and ends with the run's summary
+(summary.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from meshfl.node import config as cfgmod
+from meshfl.node.coordinator import COORDINATOR, needs_coordinator
+from meshfl.node.data import load_node_data
+from meshfl.node.host import files_per_node, open_files_limit
+
+from .contacts import key_path, own_contact
+from .errors import EXIT_NODE_FAILED, STOP_SIGNALS, UserError, raise_stopped
+from .lifeline import Lifeline
+from .options import resolve_config
+from .summary import (
+    FAILED,
+    FINISHED,
+    failed_nodes,
+    file_lines,
+    last_record,
+    print_table,
+    write_summary,
+)
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """Ports the OS calls free right now (held open together so they differ)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket()
+            sock.bind((host, 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def launch_local(args: argparse.Namespace) -> int:
+    """`meshfl launch`: run the mesh, print its table; EXIT_NODE_FAILED when a node failed."""
+    cfg = resolve_config(args, check=False)  # run_mesh checks it with its local addresses
+    if args.nodes is not None or args.config is None:
+        count = args.nodes if args.nodes is not None else len(cfg.peers)
+        cfg = with_local_peers(cfg, count)
+    if args.restarts < 0:
+        raise UserError(f"--restarts: got {args.restarts}; allowed: 0 or more")
+    if args.hosts is not None and not 1 <= args.hosts <= len(cfg.peers):
+        raise UserError(f"--hosts: got {args.hosts}; allowed: 1 to the number of nodes "
+                        f"({len(cfg.peers)}), which gives every node a process of its own")
+    out = Path(args.out or _default_run_dir(cfg))
+    summary = run_mesh(cfg, out, quiet=args.quiet, restarts=args.restarts, hosts=args.hosts)
+    print_table(summary)
+    failed = failed_nodes(summary)
+    if failed:
+        print(f"meshfl: {len(failed)} of {len(summary['nodes'])} nodes failed: "
+              f"{', '.join(failed)} (see {out / 'summary.json'})", file=sys.stderr)
+        return EXIT_NODE_FAILED
+    return 0
+
+
+def with_local_peers(cfg: cfgmod.MeshConfig, count: int) -> cfgmod.MeshConfig:
+    """`cfg` with `count` peers (and a coordinator) on free loopback ports."""
+    if count < 1:
+        raise UserError(f"--nodes: got {count}; allowed: 1 or more")
+    *ports, coordinator_port = free_ports(count + 1)
+    peers = [replace(peer, listen=f"tcp://127.0.0.1:{port}")
+             for peer, port in zip(cfgmod.local_peers(count), ports, strict=True)]
+    coordinator = f"tcp://127.0.0.1:{coordinator_port}"
+    return replace(cfg, peers=peers,
+                   coordinator=coordinator if needs_coordinator(cfg.algorithm.name) else None)
+
+
+def default_hosts(peers: int) -> int:
+    """About one node host per core, so each host's torch has a core of its own; more
+    where the nodes' connections would not fit one process's open-files limit (a node
+    of a full mesh holds a few per peer), with a fifth of the limit to spare."""
+    per_core = min(peers, os.cpu_count() or 1)
+    by_files = math.ceil(peers * files_per_node(peers) / (0.8 * open_files_limit()))
+    return max(1, per_core, min(peers, by_files))
+
+
+def run_mesh(cfg: cfgmod.MeshConfig, out: Path, quiet: bool = False,
+             restarts: int = 0, hosts: int | None = None) -> dict[str, Any]:
+    """Run every peer of `cfg` on this machine in `hosts` processes (default: about one
+    per core; as many as peers: one each) until all have exited; write and return the
+    summary. A process that fails does not stop the others: its unfinished nodes are
+    restarted up to `restarts` times, then listed as failed. SIGTERM and SIGHUP stop
+    the mesh as Ctrl-C does (KeyboardInterrupt), and the nodes stop on their own if this
+    process dies (launch/lifeline.py)."""
+    cfgmod.validate(cfg)
+    _check_data(cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    config_path = out / "config.yaml"
+    # Fitted rule parameters written out: a joiner with other `rounds` still agrees.
+    cfgmod.save_config(cfgmod.with_explicit_params(cfg), config_path)
+    first = cfg.peers[0]
+    # Made before the node that loads it starts, so that the join line can carry its key.
+    joinable = own_contact(cfg, first.listen, key_path(out, first.name, first.key))
+    groups = host_groups([peer.name for peer in cfg.peers],
+                         hosts if hosts is not None else default_hosts(len(cfg.peers)))
+    if cfg.coordinator is not None:
+        groups.append([COORDINATOR])
+    lifeline = Lifeline()
+    start = partial(_spawn, config_path, out=out, processes=len(groups),
+                    launcher_fd=lifeline.node_fd)
+    supervised: list[SupervisedProcess] = []
+    try:
+        with _stop_signals_as_interrupts():
+            for index, names in enumerate(groups):
+                supervised.append(SupervisedProcess(f"host{index}", names, start(names)))
+            if not quiet:
+                print(f"meshfl: {len(cfg.peers)} nodes in {len(groups)} processes, "
+                      f"{cfg.algorithm.name} on {cfg.data.dataset} ({cfg.data.partition}), "
+                      f"{cfg.rounds} rounds -> {out}")
+                print(f"meshfl: join this mesh with: meshfl join {joinable} "
+                      f"--config {config_path}")
+            _supervise(supervised, start, restarts, out, cfg.rounds, quiet=quiet)
+    finally:
+        _stop([each.process for each in supervised])
+        lifeline.close()
+    outcomes = {name: each.outcome(name, out, cfg.rounds)
+                for each in supervised for name in each.names}
+    return write_summary(cfg, out, outcomes)
+
+
+def host_groups(names: list[str], hosts: int) -> list[list[str]]:
+    """`names` in `hosts` runs of consecutive names, as even in size as can be."""
+    size, extra = divmod(len(names), hosts)
+    groups, start = [], 0
+    for index in range(hosts):
+        end = start + size + (index < extra)
+        groups.append(names[start:end])
+        start = end
+    return groups
+
+
+@contextmanager
+def _stop_signals_as_interrupts() -> Iterator[None]:
+    """SIGTERM (timeout, CI runners, systemd, container stops) and SIGHUP (a closed
+    terminal) raise `Stopped`, a KeyboardInterrupt: the mesh stops as on Ctrl-C."""
+    previous = {signum: signal.signal(signum, raise_stopped) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _default_run_dir(cfg: cfgmod.MeshConfig) -> str:
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    return os.path.join("runs", f"{stamp}-{cfg.algorithm.name}-{cfg.data.dataset}")
+
+
+def _check_data(cfg: cfgmod.MeshConfig) -> None:
+    """Load the first node's data here, so a wrong path fails once, before any process."""
+    data = cfgmod.data_for(cfg, cfg.peers[0])
+    load_node_data(data.dataset, data.root, data.partition, len(cfg.peers), 0, cfg.seed,
+                   data.samples_per_node, tuple(data.split))
+
+
+def _spawn(config_path: Path, names: list[str], out: Path, processes: int,
+           launcher_fd: int) -> subprocess.Popen:
+    """Start the process that runs `names`: the coordinator, one node, or a host."""
+    for name in names:
+        (out / name).mkdir(parents=True, exist_ok=True)
+    if names == [COORDINATOR]:
+        role = ["coordinator"]
+    elif len(names) == 1:
+        role = ["node", "--name", names[0]]
+    else:
+        role = ["host", "--names", ",".join(names)]
+    command = [sys.executable, "-m", "meshfl.launch.cli", *role, "--config", str(config_path),
+               "--out", str(out), "--local-nodes", str(processes),
+               "--launcher-fd", str(launcher_fd)]
+    # Its own session, so that a Ctrl-C in the terminal reaches launch alone, which then
+    # stops every process in order; the lifeline covers a launcher that cannot. A host
+    # writes each node's log itself; what it prints goes to the host's own log.
+    with open(_process_log(out, names), "ab") as log_file:
+        return subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
+                                start_new_session=True, pass_fds=(launcher_fd,))
+
+
+def _process_log(out: Path, names: list[str]) -> Path:
+    if len(names) == 1:
+        return out / names[0] / "node.log"
+    return out / f"host-{names[0]}-{names[-1]}.log"
+
+
+@dataclass
+class SupervisedProcess:
+    """A process of `meshfl launch` for the nodes `names`, and how often it was
+    restarted; a restart runs only the nodes that had not finished (`running`)."""
+
+    label: str
+    names: list[str]
+    process: subprocess.Popen
+    restarts: int = 0
+    running: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.running = self.running or list(self.names)
+
+    def failed(self) -> bool:
+        return self.process.poll() not in (None, 0)
+
+    def outcome(self, name: str, out: Path, rounds: int) -> dict[str, Any]:
+        """How node `name` ended, for the summary: finished, or failed with how its
+        process ended and the last error line of its log (else of its host's log). A
+        node of a failed host that had finished its rounds finished."""
+        code = self.process.poll()
+        if code == 0 or name not in self.running or \
+                (len(self.running) > 1 and _finished(out, name, rounds)):
+            return {"status": FINISHED, "restarts": self.restarts}
+        error = last_error_line(out / name / "node.log") \
+            or last_error_line(_process_log(out, self.running))
+        return {"status": FAILED, "restarts": self.restarts, "ended": how_it_ended(code),
+                "last_error": error}
+
+
+def _finished(out: Path, name: str, rounds: int) -> bool:
+    record = last_record(out / name / "metrics.jsonl")
+    return record is not None and record["round"] >= rounds
+
+
+def how_it_ended(code: int | None) -> str:
+    """A process's end in words: "exit code 2", "SIGKILL", or "still running"."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+Start = Callable[[list[str]], subprocess.Popen]
+
+
+def _supervise(supervised: list[SupervisedProcess], start: Start, restarts: int, out: Path,
+               rounds: int, quiet: bool) -> None:
+    """Show progress and restart failed processes (up to `restarts` times each) until
+    every process has exited."""
+    progress = _Progress(out, rounds, quiet)
+    while any(each.process.poll() is None for each in supervised):
+        time.sleep(0.5)
+        for each in supervised:
+            if each.failed() and each.restarts < restarts:
+                _restart(each, start, restarts, out, rounds, quiet)
+        progress.show([name for each in supervised if not each.failed()
+                       for name in each.running])
+    progress.end()
+
+
+def _restart(failed: SupervisedProcess, start: Start, restarts: int, out: Path, rounds: int,
+             quiet: bool) -> None:
+    unfinished = [name for name in failed.running if not _finished(out, name, rounds)]
+    if not unfinished:
+        return  # it failed after every node of it finished: nothing to run again
+    failed.restarts += 1
+    failed.running = unfinished
+    if not quiet:
+        last = {name: last_record(out / name / "metrics.jsonl") for name in unfinished}
+        after = ", ".join(f"{name} after round {record['round'] if record else 0}"
+                          for name, record in last.items())
+        print(f"\nmeshfl: {failed.label} failed ({how_it_ended(failed.process.returncode)}): "
+              f"{after}; restarting from the checkpoints ({failed.restarts} of {restarts})",
+              flush=True)
+    failed.process = start(unfinished)
+
+
+class _Progress:
+    """The live line on a terminal, else a line each time every running node finished
+    another round."""
+
+    def __init__(self, out: Path, rounds: int, quiet: bool) -> None:
+        self.out, self.rounds, self.quiet = out, rounds, quiet
+        self.live = sys.stdout.isatty() and not quiet
+        self.shown_round = 0
+
+    def show(self, names: list[str]) -> None:
+        records = {name: last_record(self.out / name / "metrics.jsonl") for name in names}
+        done = min((r["round"] if r else 0 for r in records.values()), default=0)
+        if self.live:
+            accuracies = " ".join(f"{name}:{r['test_acc']:.2f}" for name, r in records.items()
+                                  if r and "test_acc" in r)
+            print(f"\r  round {done}/{self.rounds}  {accuracies}   ", end="", flush=True)
+        elif not self.quiet and done > self.shown_round:
+            self.shown_round = done
+            print(f"  round {done}/{self.rounds} done by every running node", flush=True)
+
+    def end(self) -> None:
+        if self.live:
+            print()
+
+
+# What counts as an error in a node's log: our one-line errors, a traceback's last line
+# (an exception name and its message), and the warnings a node logs when it gives up.
+_ERROR_LINE = re.compile(r"(meshfl: error: .*|Traceback \(most recent call last\):"
+                         r"|[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b(: .*)?)")
+
+
+def last_error_line(log_path: Path) -> str | None:
+    """The last error or traceback line of a node's log, or None when it has none (a
+    SIGKILL leaves no word)."""
+    errors = [line.strip() for line in file_lines(log_path) if _ERROR_LINE.fullmatch(line.strip())]
+    return errors[-1] if errors else None
+
+
+def _stop(processes: list[subprocess.Popen]) -> None:
+    for process in processes:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
