@@ -29,8 +29,12 @@ def _discover() -> dict[str, type[PeerAlgorithm]]:
     for module_info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
         module = importlib.import_module(f"{__name__}.{module_info.name}")
         for value in vars(module).values():
-            if (isinstance(value, type) and issubclass(value, PeerAlgorithm)
-                    and value.__module__ == module.__name__ and value.name != "base"):
+            if (
+                isinstance(value, type)
+                and issubclass(value, PeerAlgorithm)
+                and value.__module__ == module.__name__
+                and value.name != "base"
+            ):
                 # PeerAlgorithm subclasses include the coordinator rules.
                 rules[value.name] = value
     return rules
@@ -82,8 +86,10 @@ def screening_setting(name: str, params: dict[str, Any]) -> dict[str, bool]:
         return {}  # an unknown name is reported, with the allowed ones, by its own check
     if not ALGORITHMS[name].screenable:
         if SCREEN_KEY in params:
-            raise ValueError(f"algorithm.{SCREEN_KEY}: got {screen!r}; allowed: nothing, "
-                             f"{name} takes no peer models to screen")
+            raise ValueError(
+                f"algorithm.{SCREEN_KEY}: got {screen!r}; allowed: nothing, "
+                f"{name} takes no peer models to screen"
+            )
         return {}
     if not isinstance(screen, bool):
         raise ValueError(f"algorithm.{SCREEN_KEY}: got {screen!r}; expected bool")
@@ -97,7 +103,19 @@ def build_rule(name: str, params: dict[str, Any], context: Context) -> PeerAlgor
 
 
 __all__ = [
-    "ALGORITHMS", "ALGORITHM_NAMES", "MODEL", "Aggregate", "Context", "CoordinatorAlgorithm",
-    "PeerAlgorithm", "PeerModel", "ReceivedModels", "Upload", "algorithm_class", "build_rule",
-    "is_coordinated", "parse_params", "screening_setting",
+    "ALGORITHMS",
+    "ALGORITHM_NAMES",
+    "MODEL",
+    "Aggregate",
+    "Context",
+    "CoordinatorAlgorithm",
+    "PeerAlgorithm",
+    "PeerModel",
+    "ReceivedModels",
+    "Upload",
+    "algorithm_class",
+    "build_rule",
+    "is_coordinated",
+    "parse_params",
+    "screening_setting",
 ]

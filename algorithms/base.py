@@ -115,8 +115,9 @@ class PeerAlgorithm:
         Whatever it holds is what was loaded last."""
         if self._scratch is None:
             if self.context.new_model is None:
-                raise ValueError(f"{self.name} scores models on local data: the node must "
-                                 "pass Context.new_model")
+                raise ValueError(
+                    f"{self.name} scores models on local data: the node must pass Context.new_model"
+                )
             self._scratch = self.context.new_model()
         return self._scratch
 
@@ -133,8 +134,9 @@ class PeerAlgorithm:
         A rule that publishes other kinds than the whole model lists them here."""
         return (self.context.layout,) if kind == MODEL else ()
 
-    def aggregate(self, round_no: int, own: PeerModel, received: ReceivedModels, data: Any
-                  ) -> Aggregate:
+    def aggregate(
+        self, round_no: int, own: PeerModel, received: ReceivedModels, data: Any
+    ) -> Aggregate:
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
@@ -199,8 +201,9 @@ class CoordinatorAlgorithm(PeerAlgorithm):
         """Fold the round's uploads into the rule's state; return diagnostics."""
         raise NotImplementedError
 
-    def client_update(self, round_no: int, model: torch.nn.Module, data: Any
-                      ) -> tuple[float, dict[str, torch.Tensor]]:
+    def client_update(
+        self, round_no: int, model: torch.nn.Module, data: Any
+    ) -> tuple[float, dict[str, torch.Tensor]]:
         """On the client: train `model` in place; return (mean loss, extra tensors to
         upload). Default: the node's own local training, no extras."""
         assert self.context.train is not None
@@ -256,8 +259,9 @@ def parse_params(cls: type, raw: dict[str, Any], prefix: str = "algorithm") -> A
     for key in raw:
         if key not in known:
             allowed = ", ".join(known) or "none"
-            raise ValueError(f"{prefix}.{key}: got {raw[key]!r} for an unknown parameter; "
-                             f"allowed: {allowed}")
+            raise ValueError(
+                f"{prefix}.{key}: got {raw[key]!r} for an unknown parameter; allowed: {allowed}"
+            )
     hints = typing.get_type_hints(cls)
     values = {key: _coerce(f"{prefix}.{key}", value, hints[key]) for key, value in raw.items()}
     try:

@@ -29,8 +29,9 @@ class Local(PeerAlgorithm):
     def wanted(self, round_no: int, offered: dict[str, list[str]]) -> dict[str, list[str]]:
         return {}
 
-    def aggregate(self, round_no: int, own: PeerModel, received: ReceivedModels, data: Any
-                  ) -> Aggregate:
+    def aggregate(
+        self, round_no: int, own: PeerModel, received: ReceivedModels, data: Any
+    ) -> Aggregate:
         return Aggregate(state=own.state, weights={self.context.node: 1.0})
 
 
@@ -39,8 +40,9 @@ class FedAvg(PeerAlgorithm):
 
     name = "fedavg"
 
-    def aggregate(self, round_no: int, own: PeerModel, received: ReceivedModels, data: Any
-                  ) -> Aggregate:
+    def aggregate(
+        self, round_no: int, own: PeerModel, received: ReceivedModels, data: Any
+    ) -> Aggregate:
         # One order for every node, so that over a full mesh all compute the same bits.
         models = dict(sorted({self.context.node: own, **received.get(MODEL, {})}.items()))
         weights = sample_weights(models)
@@ -71,7 +73,8 @@ class ServerFedAvg(CoordinatorAlgorithm):
             return {}
         self.weights = sample_weights(dict(sorted(uploads.items())))
         self.global_state = weighted_average(
-            {name: upload.state for name, upload in uploads.items()}, self.weights)
+            {name: upload.state for name, upload in uploads.items()}, self.weights
+        )
         return {"weights": self.weights}
 
     def state_dict(self) -> dict[str, Any]:

@@ -78,14 +78,20 @@ def leave_one_out_bodies(bodies: list[State]) -> list[State]:
     caller takes them from its own model.
     """
     float_keys = [key for key, tensor in bodies[0].items() if tensor.is_floating_point()]
-    means = {key: leave_one_out_means(torch.stack([body[key] for body in bodies]))
-             for key in float_keys}
+    means = {
+        key: leave_one_out_means(torch.stack([body[key] for body in bodies])) for key in float_keys
+    }
     return [{key: means[key][index] for key in float_keys} for index in range(len(bodies))]
 
 
-def class_losses_vectorized(features: torch.Tensor, heads_weight: torch.Tensor,
-                            heads_bias: torch.Tensor, own_weight: torch.Tensor,
-                            own_bias: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def class_losses_vectorized(
+    features: torch.Tensor,
+    heads_weight: torch.Tensor,
+    heads_bias: torch.Tensor,
+    own_weight: torch.Tensor,
+    own_bias: torch.Tensor,
+    labels: torch.Tensor,
+) -> torch.Tensor:
     """l^{i,-c} for all K peers and C classes (K x C), from one batch of features.
 
     heads_weight (K, C, D) and heads_bias (K, C) are the K heads; own_weight (C, D) and
@@ -102,13 +108,18 @@ def class_losses_vectorized(features: torch.Tensor, heads_weight: torch.Tensor,
     is_swapped = torch.eye(classes, dtype=torch.bool, device=features.device)
     logits = torch.where(is_swapped, swapped_columns.unsqueeze(-1), own_logits[:, None, None, :])
     per_sample = functional.cross_entropy(
-        logits.reshape(-1, classes), labels.repeat_interleave(peers * classes),
-        reduction="none")
+        logits.reshape(-1, classes), labels.repeat_interleave(peers * classes), reduction="none"
+    )
     return per_sample.view(samples, peers, classes).mean(dim=0)
 
 
-def class_losses_naive(model: nn.Module, heads_weight: torch.Tensor, heads_bias: torch.Tensor,
-                       x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def class_losses_naive(
+    model: nn.Module,
+    heads_weight: torch.Tensor,
+    heads_bias: torch.Tensor,
+    x: torch.Tensor,
+    labels: torch.Tensor,
+) -> torch.Tensor:
     """The reference for `class_losses_vectorized`, read literally from the paper: for each
     of the K·C candidates, put row c of the own head (which `model` holds, with the own
     body) to the mean of the other peers' rows c and run the whole model on the batch.
@@ -131,8 +142,9 @@ def class_losses_naive(model: nn.Module, heads_weight: torch.Tensor, heads_bias:
     return losses
 
 
-def body_losses(model: nn.Module, own_state: State, loo_bodies: list[State],
-                x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def body_losses(
+    model: nn.Module, own_state: State, loo_bodies: list[State], x: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor:
     """l^{-i} (Eq. 4-5): the loss on (x, y) of each θ^{-i} under the node's own head.
 
     `model` is scratch space: it is overwritten with own_state plus each body in turn.
@@ -147,12 +159,12 @@ def body_losses(model: nn.Module, own_state: State, loo_bodies: list[State],
     return losses
 
 
-def influence_head(heads_weight: torch.Tensor, heads_bias: torch.Tensor,
-                   matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def influence_head(
+    heads_weight: torch.Tensor, heads_bias: torch.Tensor, matrix: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Eq. 10 with its typo fixed: φ̄_c = Σ_i Λ[i, c] φ_{i,c}, for weight rows and biases."""
     weights = matrix.to(heads_weight.dtype)
-    return (torch.einsum("kc,kcd->cd", weights, heads_weight),
-            (weights * heads_bias).sum(dim=0))
+    return (torch.einsum("kc,kcd->cd", weights, heads_weight), (weights * heads_bias).sum(dim=0))
 
 
 # --------------------------------------------------------------------------- the measurement
@@ -168,10 +180,20 @@ class Influence:
     seconds: float = 0.0
 
 
-def measure_influence(model: nn.Module, states: list[State], own_index: int, body_keys: list[str],
-                      head_weight_key: str, head_bias_key: str, x: torch.Tensor, y: torch.Tensor,
-                      gamma: float, vector: bool = True, matrix: bool = True,
-                      naive: bool = False) -> Influence:
+def measure_influence(
+    model: nn.Module,
+    states: list[State],
+    own_index: int,
+    body_keys: list[str],
+    head_weight_key: str,
+    head_bias_key: str,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    gamma: float,
+    vector: bool = True,
+    matrix: bool = True,
+    naive: bool = False,
+) -> Influence:
     """λ and/or Λ of the node at `own_index` among `states`, on the batch (x, y).
 
     `model` (the node's architecture, with a `body` and a one-layer `head`) is scratch
@@ -195,15 +217,21 @@ def measure_influence(model: nn.Module, states: list[State], own_index: int, bod
                 losses = class_losses_naive(model, heads_weight, heads_bias, x, y)
             else:
                 losses = class_losses_vectorized(  # the one feature pass
-                    model.body(x), heads_weight, heads_bias, own_state[head_weight_key],
-                    own_state[head_bias_key], y)
+                    model.body(x),
+                    heads_weight,
+                    heads_bias,
+                    own_state[head_weight_key],
+                    own_state[head_bias_key],
+                    y,
+                )
         result.matrix = influence_weights(losses, gamma)
     result.seconds = time.perf_counter() - started
     return result
 
 
-def influence_batch(x: torch.Tensor, y: torch.Tensor, size: int,
-                    seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def influence_batch(
+    x: torch.Tensor, y: torch.Tensor, size: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One random batch B of `size` samples (all of them if fewer), drawn without replacement."""
     generator = torch.Generator().manual_seed(seed)
     chosen = torch.randperm(len(y), generator=generator)[:size]
@@ -237,46 +265,71 @@ class FedC2I(PeerAlgorithm):
                 raise ValueError(f"gamma: got {self.gamma!r}; allowed: a finite number >= 0")
             for part in ("body", "head"):
                 if getattr(self, part) not in PART_RULES:
-                    raise ValueError(f"{part}: got {getattr(self, part)!r}; "
-                                     f"allowed: {', '.join(PART_RULES)}")
+                    raise ValueError(
+                        f"{part}: got {getattr(self, part)!r}; allowed: {', '.join(PART_RULES)}"
+                    )
 
     def __init__(self, params: Any, context: Context) -> None:
         super().__init__(params, context)
         self.head_weight_key, self.head_bias_key = _class_vector_keys(context.head_keys)
         if context.new_model is None:
-            raise ValueError("fedc2i scores models on local data: the node must pass "
-                             "Context.new_model")
+            raise ValueError(
+                "fedc2i scores models on local data: the node must pass Context.new_model"
+            )
 
-    def aggregate(self, round_no: int, own: PeerModel, received: ReceivedModels, data: Any
-                  ) -> Aggregate:
+    def aggregate(
+        self, round_no: int, own: PeerModel, received: ReceivedModels, data: Any
+    ) -> Aggregate:
         me = self.context.node
         # One order for every node; the snapshot is read, never written.
         models = dict(sorted({me: own, **received.get(MODEL, {})}.items()))
         names = list(models)
         if len(models) == 1:
-            return Aggregate(state=own.state, weights={me: 1.0},
-                             diagnostics={"influence_vector": {me: 1.0}, "influence_seconds": 0.0})
-        x, y = influence_batch(data.x_train, data.y_train, self.context.batch_size,
-                               round_seed(self.context.seed, me, round_no))
+            return Aggregate(
+                state=own.state,
+                weights={me: 1.0},
+                diagnostics={"influence_vector": {me: 1.0}, "influence_seconds": 0.0},
+            )
+        x, y = influence_batch(
+            data.x_train,
+            data.y_train,
+            self.context.batch_size,
+            round_seed(self.context.seed, me, round_no),
+        )
         states = [models[name].state for name in names]
-        float_body_keys = [key for key in self.context.body_keys
-                           if own.state[key].is_floating_point()]
+        float_body_keys = [
+            key for key in self.context.body_keys if own.state[key].is_floating_point()
+        ]
         influence = measure_influence(
-            self.scratch_model(), states, names.index(me), float_body_keys, self.head_weight_key,
-            self.head_bias_key, x, y, self.params.gamma,
-            vector=self.params.body == "influence", matrix=self.params.head == "influence")
+            self.scratch_model(),
+            states,
+            names.index(me),
+            float_body_keys,
+            self.head_weight_key,
+            self.head_bias_key,
+            x,
+            y,
+            self.params.gamma,
+            vector=self.params.body == "influence",
+            matrix=self.params.head == "influence",
+        )
         body_weights = self._body_weights(models, influence)
         mixed: State = {}
         if self.params.body != "local":  # local: the own body bit for bit, not 1·own + 0·peers
-            mixed.update(weighted_average(
-                {name: state_part(models[name].state, float_body_keys) for name in names},
-                body_weights))
+            mixed.update(
+                weighted_average(
+                    {name: state_part(models[name].state, float_body_keys) for name in names},
+                    body_weights,
+                )
+            )
         mixed.update(self._head(models, influence))
         # Integer buffers and the parts a rule keeps local are copies of the own entries.
-        state = {key: mixed[key] if key in mixed else tensor.clone()
-                 for key, tensor in own.state.items()}
-        return Aggregate(state=state, weights=body_weights,
-                         diagnostics=_diagnostics(names, influence))
+        state = {
+            key: mixed[key] if key in mixed else tensor.clone() for key, tensor in own.state.items()
+        }
+        return Aggregate(
+            state=state, weights=body_weights, diagnostics=_diagnostics(names, influence)
+        )
 
     def _body_weights(self, models: dict[str, PeerModel], influence: Influence) -> dict[str, float]:
         rule = self.params.body
@@ -296,7 +349,8 @@ class FedC2I(PeerAlgorithm):
         weight, bias = influence_head(
             torch.stack([state[self.head_weight_key] for state in states.values()]),
             torch.stack([state[self.head_bias_key] for state in states.values()]),
-            influence.matrix)
+            influence.matrix,
+        )
         return {self.head_weight_key: weight, self.head_bias_key: bias}
 
 
@@ -305,8 +359,10 @@ def _class_vector_keys(head_keys: tuple[str, ...]) -> tuple[str, str]:
     weights = [key for key in head_keys if key.endswith(".weight")]
     biases = [key for key in head_keys if key.endswith(".bias")]
     if len(head_keys) != 2 or len(weights) != 1 or len(biases) != 1:
-        raise ValueError("fedc2i reads class vectors as the rows of one linear head "
-                         f"(model.head=last); this model's head has {list(head_keys)}")
+        raise ValueError(
+            "fedc2i reads class vectors as the rows of one linear head "
+            f"(model.head=last); this model's head has {list(head_keys)}"
+        )
     return weights[0], biases[0]
 
 

@@ -80,8 +80,7 @@ def propagate(fip: torch.Tensor, gradient_sets: torch.Tensor, lr: float) -> torc
     return sigma
 
 
-def mixing_weights(n_samples: Sequence[int], rows: Sequence[int], num_clients: int
-                   ) -> torch.Tensor:
+def mixing_weights(n_samples: Sequence[int], rows: Sequence[int], num_clients: int) -> torch.Tensor:
     """mix[c, k] = n_k / N(C_t∖{c}) for k ≠ c, and 0 on k = c: the weight of uploader
     k's local sequential influence in client c's σ. `rows[k]` is uploader k's row."""
     counts = torch.tensor(n_samples, dtype=torch.float64)
@@ -95,8 +94,12 @@ def mixing_weights(n_samples: Sequence[int], rows: Sequence[int], num_clients: i
     return mix
 
 
-def combinatorial_terms(uploaded: torch.Tensor, n_samples: Sequence[int],
-                        new_global: torch.Tensor, old_global: torch.Tensor) -> torch.Tensor:
+def combinatorial_terms(
+    uploaded: torch.Tensor,
+    n_samples: Sequence[int],
+    new_global: torch.Tensor,
+    old_global: torch.Tensor,
+) -> torch.Tensor:
     """κ for each uploader (rows of `uploaded`, K × p): w_t(C_t∖{c}) − w_t. If c was the
     only uploader, removing it leaves the round without training: w_{t−1} − w_t."""
     counts = torch.tensor(n_samples, dtype=torch.float64).unsqueeze(1)
@@ -133,8 +136,9 @@ def update_tensor_flag(inputs: RoundInputs, flag_up: bool) -> tuple[torch.Tensor
     return sigma + inputs.kappa, True
 
 
-def update_client_flags(inputs: RoundInputs, flags_up: Sequence[bool]
-                        ) -> tuple[torch.Tensor, list[bool]]:
+def update_client_flags(
+    inputs: RoundInputs, flags_up: Sequence[bool]
+) -> tuple[torch.Tensor, list[bool]]:
     """Alg. 4 for one tensor: each uploader k with its flag up adds σ^k to the clients it
     mixes into, unless ‖σ^k‖ > ‖ε_{t−1}‖ for any of them, which drops k's flag."""
     previous_norm = inputs.fip.norm(dim=1)
@@ -148,7 +152,7 @@ def update_client_flags(inputs: RoundInputs, flags_up: Sequence[bool]
         if bool((local.norm(dim=1) > previous_norm)[mixes_into].any()):
             kept[k] = False
             continue
-        sigma = sigma + inputs.mix[:, k:k + 1] * local
+        sigma = sigma + inputs.mix[:, k : k + 1] * local
     return sigma + inputs.kappa, kept
 
 
@@ -157,20 +161,23 @@ def sequential_term(inputs: RoundInputs, included: Sequence[bool]) -> torch.Tens
     sigma = inputs.fip * inputs.alone()
     for k, gradient_sets in enumerate(inputs.gradients):
         if included[k]:
-            sigma = sigma + inputs.mix[:, k:k + 1] * propagate(inputs.fip, gradient_sets,
-                                                               inputs.lr)
+            sigma = sigma + inputs.mix[:, k : k + 1] * propagate(
+                inputs.fip, gradient_sets, inputs.lr
+            )
     return sigma
 
 
-def per_sample_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor
-                         ) -> dict[str, torch.Tensor]:
+def per_sample_gradients(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """Gradient of each sample's cross-entropy, per parameter: name → (samples, *shape),
     by vectorizing one sample's gradient over the batch (no Python loop over samples)."""
     params = {name: p.detach() for name, p in model.named_parameters()}
     buffers = {name: b.detach() for name, b in model.named_buffers()}
 
-    def loss_of_one(weights: dict[str, torch.Tensor], sample: torch.Tensor,
-                    label: torch.Tensor) -> torch.Tensor:
+    def loss_of_one(
+        weights: dict[str, torch.Tensor], sample: torch.Tensor, label: torch.Tensor
+    ) -> torch.Tensor:
         logits = functional_call(model, (weights, buffers), (sample.unsqueeze(0),))
         return nn.functional.cross_entropy(logits, label.unsqueeze(0))
 
@@ -178,14 +185,15 @@ def per_sample_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor
 
 
 @torch.no_grad()
-def loss_and_accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                      batch: int = 1024) -> tuple[float, float]:
+def loss_and_accuracy(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 1024
+) -> tuple[float, float]:
     """Mean cross-entropy and accuracy of `model` on (x, y)."""
     model.eval()
     total_loss, correct = 0.0, 0
     for start in range(0, len(y), batch):
-        logits = model(x[start:start + batch])
-        labels = y[start:start + batch]
+        logits = model(x[start : start + batch])
+        labels = y[start : start + batch]
         total_loss += nn.functional.cross_entropy(logits, labels, reduction="sum").item()
         correct += int((logits.argmax(dim=1) == labels).sum())
     model.train()
@@ -201,8 +209,7 @@ def pick_clients(pool: Sequence[str], count: int, seed: int, round_no: int) -> l
     return sorted(ordered[i] for i in rng.choice(len(ordered), size=count, replace=False))
 
 
-def clients_to_cleanse(fil: dict[str, float], fraction: float, mode: str, seed: int
-                       ) -> list[str]:
+def clients_to_cleanse(fil: dict[str, float], fraction: float, mode: str, seed: int) -> list[str]:
     """The share `fraction` of the clients in `fil` (rounded, at least one if the
     fraction is positive) with the lowest or highest FIL, or drawn at random."""
     names = sorted(fil)
@@ -216,7 +223,8 @@ def clients_to_cleanse(fil: dict[str, float], fraction: float, mode: str, seed: 
 
 def client_stream(seed: int, stream: int, round_no: int, client: str) -> torch.Generator:
     return torch.Generator().manual_seed(
-        draw_seed(seed, client, round_no, f"fedinfluence/{stream}"))
+        draw_seed(seed, client, round_no, f"fedinfluence/{stream}")
+    )
 
 
 def _flat(state: State, keys: Sequence[str]) -> dict[str, torch.Tensor]:
@@ -257,29 +265,40 @@ class FedInfluence(CoordinatorAlgorithm):
         def __post_init__(self) -> None:
             if not (math.isfinite(self.lr) and self.lr > 0):
                 raise ValueError(f"lr: got {self.lr!r}; allowed: a finite number > 0")
-            for name, least in (("local_steps", 1), ("samples_per_step", 1),
-                                ("clients_per_round", 0), ("evaluate_every", 1),
-                                ("cleanse_at", 0)):
+            for name, least in (
+                ("local_steps", 1),
+                ("samples_per_step", 1),
+                ("clients_per_round", 0),
+                ("evaluate_every", 1),
+                ("cleanse_at", 0),
+            ):
                 if getattr(self, name) < least:
-                    raise ValueError(f"{name}: got {getattr(self, name)!r}; allowed: an "
-                                     f"integer >= {least}")
+                    raise ValueError(
+                        f"{name}: got {getattr(self, name)!r}; allowed: an integer >= {least}"
+                    )
             if not 0 <= self.cleanse_fraction < 1:
-                raise ValueError(f"cleanse_fraction: got {self.cleanse_fraction!r}; allowed: "
-                                 "a number >= 0 and < 1")
+                raise ValueError(
+                    f"cleanse_fraction: got {self.cleanse_fraction!r}; allowed: "
+                    "a number >= 0 and < 1"
+                )
 
         def for_rounds(self, rounds: int) -> FedInfluence.Params:
             """These parameters, checked against a run of `rounds` rounds (see
             parse_params): the cleansing round must come, and with the estimator on,
             some round must measure FIL (every `evaluate_every`-th, and `cleanse_at`)."""
             if self.cleanse_at > rounds:
-                raise ValueError(f"cleanse_at: got {self.cleanse_at}, but with rounds {rounds} "
-                                 f"the cleansing never comes; allowed: 0 (never) or 1 to "
-                                 f"{rounds}, or rounds >= {self.cleanse_at}")
+                raise ValueError(
+                    f"cleanse_at: got {self.cleanse_at}, but with rounds {rounds} "
+                    f"the cleansing never comes; allowed: 0 (never) or 1 to "
+                    f"{rounds}, or rounds >= {self.cleanse_at}"
+                )
             if self.estimator and self.evaluate_every > rounds and not self.cleanse_at:
-                raise ValueError(f"evaluate_every: got {self.evaluate_every}, but with rounds "
-                                 f"{rounds} no round measures the clients' influence (FIL); "
-                                 f"allowed: 1 to {rounds}, rounds >= {self.evaluate_every}, "
-                                 "a cleanse_at round, or algorithm.estimator=false")
+                raise ValueError(
+                    f"evaluate_every: got {self.evaluate_every}, but with rounds "
+                    f"{rounds} no round measures the clients' influence (FIL); "
+                    f"allowed: 1 to {rounds}, rounds >= {self.evaluate_every}, "
+                    "a cleanse_at round, or algorithm.estimator=false"
+                )
             return self
 
     def __init__(self, params: Any, context: Context) -> None:
@@ -316,18 +335,26 @@ class FedInfluence(CoordinatorAlgorithm):
         (local_steps, 1..samples_per_step, numel) in `gradient_dtype`; nothing else."""
         if kind != "upload" or not self.params.estimator:
             return not extras
-        numels = {name: math.prod(shape) for name, dtype, shape in self.context.layout
-                  if dtype == "float32"}
-        return all(name in numels and dtype == self.params.gradient_dtype and len(shape) == 3
-                   and shape[0] == self.params.local_steps
-                   and 1 <= shape[1] <= self.params.samples_per_step
-                   and shape[2] == numels[name]
-                   for name, dtype, shape in extras)
+        numels = {
+            name: math.prod(shape)
+            for name, dtype, shape in self.context.layout
+            if dtype == "float32"
+        }
+        return all(
+            name in numels
+            and dtype == self.params.gradient_dtype
+            and len(shape) == 3
+            and shape[0] == self.params.local_steps
+            and 1 <= shape[1] <= self.params.samples_per_step
+            and shape[2] == numels[name]
+            for name, dtype, shape in extras
+        )
 
     # --- the client ------------------------------------------------------------
 
-    def client_update(self, round_no: int, model: nn.Module, data: Any
-                      ) -> tuple[float, dict[str, torch.Tensor]]:
+    def client_update(
+        self, round_no: int, model: nn.Module, data: Any
+    ) -> tuple[float, dict[str, torch.Tensor]]:
         """`local_steps` plain SGD steps on batches of the mesh's batch size (the whole
         train split if it is smaller), with the gradient sets recorded before each step."""
         x, y = data.x_train, data.y_train
@@ -373,7 +400,8 @@ class FedInfluence(CoordinatorAlgorithm):
         old_global = self.global_state or self.initial or next(iter(uploads.values())).state
         self.weights = sample_weights(uploads)
         self.global_state = weighted_average(
-            {name: upload.state for name, upload in uploads.items()}, self.weights)
+            {name: upload.state for name, upload in uploads.items()}, self.weights
+        )
         seconds = {"average": time.perf_counter() - clock}
         diagnostics["weights"] = dict(self.weights)
         if self.params.estimator:
@@ -406,8 +434,7 @@ class FedInfluence(CoordinatorAlgorithm):
             self._keys = [name for name, _ in self.scratch_model().named_parameters()]
         return self._keys
 
-    def _well_formed(self, uploads: dict[str, Upload]
-                     ) -> tuple[dict[str, Upload], dict[str, str]]:
+    def _well_formed(self, uploads: dict[str, Upload]) -> tuple[dict[str, Upload], dict[str, str]]:
         """The uploads fit to aggregate, and why the others are not: their gradients come
         off the network, so a wrong shape must cost the sender its round, not the run."""
         if not self.params.estimator:
@@ -437,7 +464,10 @@ class FedInfluence(CoordinatorAlgorithm):
             inputs = RoundInputs(
                 fip=self.fip.get(key, torch.zeros_like(kappa)),
                 gradients=[uploads[n].extras[key].to(torch.float64) for n in names],
-                mix=mix, kappa=kappa, lr=self.params.lr)
+                mix=mix,
+                kappa=kappa,
+                lr=self.params.lr,
+            )
             self.fip[key] = self._lwet(key, names, inputs)
 
     def _lwet(self, key: str, uploaders: list[str], inputs: RoundInputs) -> torch.Tensor:
@@ -445,7 +475,8 @@ class FedInfluence(CoordinatorAlgorithm):
             return sequential_term(inputs, [True] * len(uploaders)) + inputs.kappa
         if self.params.lwet == "tensor":
             fip, self.tensor_flags[key] = update_tensor_flag(
-                inputs, self.tensor_flags.get(key, True))
+                inputs, self.tensor_flags.get(key, True)
+            )
             return fip
         flags = self.client_flags.setdefault(key, {})
         fip, kept = update_client_flags(inputs, [flags.get(n, True) for n in uploaders])
@@ -456,20 +487,24 @@ class FedInfluence(CoordinatorAlgorithm):
         """ε^{-c} as a state of parameter tensors (float64)."""
         row = self.clients.index(client)
         reference = self.scratch_model().state_dict()
-        return {key: self.fip[key][row].reshape(reference[key].shape)
-                for key in self._parameter_keys()}
+        return {
+            key: self.fip[key][row].reshape(reference[key].shape) for key in self._parameter_keys()
+        }
 
     def fip_norms(self) -> dict[str, float]:
         if not self.fip:
             return {name: 0.0 for name in self.clients}
         squares = sum(matrix.pow(2).sum(dim=1) for matrix in self.fip.values())
-        return {name: float(value) for name, value in zip(self.clients, squares.sqrt(),
-                                                          strict=True)}
+        return {
+            name: float(value) for name, value in zip(self.clients, squares.sqrt(), strict=True)
+        }
 
     def _flags_for_metrics(self) -> dict[str, Any]:
         if self.params.lwet == "client":
-            return {key: {name: int(up) for name, up in sorted(flags.items())}
-                    for key, flags in self.client_flags.items()}
+            return {
+                key: {name: int(up) for name, up in sorted(flags.items())}
+                for key, flags in self.client_flags.items()
+            }
         return {key: int(self.tensor_flags.get(key, True)) for key in self._parameter_keys()}
 
     # --- influence on loss and accuracy, cleansing ---------------------------------
@@ -494,21 +529,24 @@ class FedInfluence(CoordinatorAlgorithm):
         data = self.context.data
         if data is None:
             return torch.zeros(0), torch.zeros(0, dtype=torch.long)
-        return (torch.cat([data.x_train, data.x_val, data.x_test]),
-                torch.cat([data.y_train, data.y_val, data.y_test]))
+        return (
+            torch.cat([data.x_train, data.x_val, data.x_test]),
+            torch.cat([data.y_train, data.y_val, data.y_test]),
+        )
 
-    def influence_on_performance(self, x: torch.Tensor, y: torch.Tensor, loss: float,
-                                 accuracy: float) -> tuple[dict[str, float], dict[str, float]]:
+    def influence_on_performance(
+        self, x: torch.Tensor, y: torch.Tensor, loss: float, accuracy: float
+    ) -> tuple[dict[str, float], dict[str, float]]:
         """FIL and FIA of every known client: w_t + ε^{-c} scored against w_t."""
         model = self.scratch_model()
         fil, fia = {}, {}
         for client in self.clients:
-            shifted = {key: value.to(torch.float64) for key, value in
-                       self.global_state.items()}
+            shifted = {key: value.to(torch.float64) for key, value in self.global_state.items()}
             for key, delta in self.fip_of(client).items():
                 shifted[key] = shifted[key] + delta
-            model.load_state_dict({key: value.to(self.global_state[key].dtype)
-                                   for key, value in shifted.items()})
+            model.load_state_dict(
+                {key: value.to(self.global_state[key].dtype) for key, value in shifted.items()}
+            )
             shifted_loss, shifted_accuracy = loss_and_accuracy(model, x, y)
             fil[client], fia[client] = shifted_loss - loss, shifted_accuracy - accuracy
         return fil, fia
@@ -516,22 +554,31 @@ class FedInfluence(CoordinatorAlgorithm):
     def cleanse(self) -> list[str]:
         """Drop `cleanse_fraction` of the clients not yet dropped, by the latest FIL (or at
         random), from every later round; the round `cleanse_at` calls it."""
-        candidates = {name: value for name, value in self.last_fil.items()
-                      if name not in self.cleansed}
+        candidates = {
+            name: value for name, value in self.last_fil.items() if name not in self.cleansed
+        }
         if self.params.cleanse_mode == "random":
             candidates = {name: 0.0 for name in self.clients if name not in self.cleansed}
-        dropped = clients_to_cleanse(candidates, self.params.cleanse_fraction,
-                                     self.params.cleanse_mode, self.context.seed)
+        dropped = clients_to_cleanse(
+            candidates, self.params.cleanse_fraction, self.params.cleanse_mode, self.context.seed
+        )
         self.cleansed = sorted({*self.cleansed, *dropped})
         return dropped
 
     # --- checkpoint ----------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        return {"global_state": self.global_state, "initial": self.initial,
-                "weights": self.weights, "clients": list(self.clients), "fip": self.fip,
-                "tensor_flags": self.tensor_flags, "client_flags": self.client_flags,
-                "cleansed": list(self.cleansed), "last_fil": self.last_fil}
+        return {
+            "global_state": self.global_state,
+            "initial": self.initial,
+            "weights": self.weights,
+            "clients": list(self.clients),
+            "fip": self.fip,
+            "tensor_flags": self.tensor_flags,
+            "client_flags": self.client_flags,
+            "cleansed": list(self.cleansed),
+            "last_fil": self.last_fil,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.global_state, self.initial = state["global_state"], state["initial"]

@@ -52,8 +52,9 @@ MIN_CLIENTS_FOR_MATCHING = 3
 # --------------------------------------------------------------------------- pure rules
 
 
-def draw_probe(feature_dim: int, high: float, seed: int, round_no: int, client: str
-               ) -> torch.Tensor:
+def draw_probe(
+    feature_dim: int, high: float, seed: int, round_no: int, client: str
+) -> torch.Tensor:
     """The random feature h ~ U[0, high)^d that client `client`'s similarities are read
     at in round `round_no`; the same on every run with the same seed."""
     rng = np.random.default_rng(draw_seed(seed, client, round_no, "fedrema/probe"))
@@ -61,8 +62,9 @@ def draw_probe(feature_dim: int, high: float, seed: int, round_no: int, client: 
 
 
 @torch.no_grad()
-def probe_logits(model: nn.Module, head_states: Sequence[State], probes: torch.Tensor
-                 ) -> torch.Tensor:
+def probe_logits(
+    model: nn.Module, head_states: Sequence[State], probes: torch.Tensor
+) -> torch.Tensor:
     """logits[j, k] = φ̂_j(h_k): every head on every probe, shape (heads, probes, classes).
 
     `model` is a scratch model with a `head` module; each head state (its head keys only)
@@ -92,8 +94,9 @@ def probe_similarity(logits: torch.Tensor, self_index: int, temperature: float) 
     return row
 
 
-def relevant_set(similarities_row: Sequence[float] | torch.Tensor, self_index: int
-                 ) -> tuple[list[int], float]:
+def relevant_set(
+    similarities_row: Sequence[float] | torch.Tensor, self_index: int
+) -> tuple[list[int], float]:
     """Maximum difference segmentation (Alg. 1): (indices of A_k in ascending order, Δs*_k).
 
     Sort the row ascending with self on top, take the gaps between neighbours, ignore the
@@ -110,7 +113,7 @@ def relevant_set(similarities_row: Sequence[float] | torch.Tensor, self_index: i
     gaps = [values[upper] - values[lower] for lower, upper in pairwise(order)]
     candidates = gaps[:-1]
     cut = candidates.index(max(candidates))
-    return sorted(order[cut + 1:]), candidates[cut]
+    return sorted(order[cut + 1 :]), candidates[cut]
 
 
 def ccp_still_on(history: Sequence[float], delta: float) -> bool:
@@ -123,8 +126,9 @@ def ccp_still_on(history: Sequence[float], delta: float) -> bool:
     return peak <= 0 or history[-1] / peak > delta
 
 
-def dependency_weights(client: str, counts: dict[str, int], present: Sequence[str]
-                       ) -> dict[str, float]:
+def dependency_weights(
+    client: str, counts: dict[str, int], present: Sequence[str]
+) -> dict[str, float]:
     """Eq. 10's weights G[k, i] / Σ_i G[k, i] over the clients `present` this round.
 
     A client with no count for anyone present (it joined after the CCP) keeps its own
@@ -136,24 +140,33 @@ def dependency_weights(client: str, counts: dict[str, int], present: Sequence[st
     return {name: counts[name] / total for name in sorted(present) if counts.get(name, 0)}
 
 
-def aggregate_heads(heads: dict[str, State], weights: dict[str, dict[str, float]]
-                    ) -> dict[str, State]:
+def aggregate_heads(
+    heads: dict[str, State], weights: dict[str, dict[str, float]]
+) -> dict[str, State]:
     """φ_k = Σ_i weights[k][i] φ̂_i for every k in `weights`, into new tensors.
 
     Reads `heads` (the round's snapshot) and never writes it, and sums in name order,
     so each φ_k is the same bits whatever order the clients are taken in.
     """
-    return {client: weighted_average({name: heads[name] for name in sorted(row)}, row)
-            for client, row in sorted(weights.items())}
+    return {
+        client: weighted_average({name: heads[name] for name in sorted(row)}, row)
+        for client, row in sorted(weights.items())
+    }
 
 
-def own_group_fraction(relevant_sets: dict[str, Sequence[str]], group_of: dict[str, int]
-                       ) -> float | None:
+def own_group_fraction(
+    relevant_sets: dict[str, Sequence[str]], group_of: dict[str, int]
+) -> float | None:
     """The share of relevant-set members, self left out, that are in their client's own
     group, pooled over the clients whose group is known; None if they chose no peer.
     The coordinator never knows the groups: this is for tests and analysis."""
-    peers = [(client, peer) for client, members in relevant_sets.items()
-             if client in group_of for peer in members if peer != client]
+    peers = [
+        (client, peer)
+        for client, members in relevant_sets.items()
+        if client in group_of
+        for peer in members
+        if peer != client
+    ]
     if not peers:
         return None
     same = sum(group_of.get(peer) == group_of[client] for client, peer in peers)
@@ -192,8 +205,9 @@ class FedReMa(CoordinatorAlgorithm):
     def __init__(self, params: Any, context: Context) -> None:
         super().__init__(params, context)
         if context.new_model is None:
-            raise ValueError("fedrema reads heads on random features: the node must pass "
-                             "Context.new_model")
+            raise ValueError(
+                "fedrema reads heads on random features: the node must pass Context.new_model"
+            )
         self.body: State | None = None  # θ
         self.heads: dict[str, State] = {}  # φ_k, the last one computed for each client
         self.head_weights: dict[str, dict[str, float]] = {}
@@ -222,16 +236,24 @@ class FedReMa(CoordinatorAlgorithm):
             return {"ccp": self.ccp}
         snapshot = dict(sorted(uploads.items()))  # read, never written
         names = list(snapshot)
-        heads = {name: state_part(upload.state, self.context.head_keys)
-                 for name, upload in snapshot.items()}
+        heads = {
+            name: state_part(upload.state, self.context.head_keys)
+            for name, upload in snapshot.items()
+        }
         self.body = weighted_average(  # Eq. 6: |D_i| / Σ_j |D_j| over every upload
-            {name: state_part(upload.state, self.context.body_keys) for name, upload in
-             snapshot.items()}, sample_weights(snapshot))
+            {
+                name: state_part(upload.state, self.context.body_keys)
+                for name, upload in snapshot.items()
+            },
+            sample_weights(snapshot),
+        )
         if self.ccp:
             weights, diagnostics = self._match(round_no, heads, snapshot)
         else:
-            weights = {name: dependency_weights(name, self.dependency.get(name, {}), names)
-                       for name in names}
+            weights = {
+                name: dependency_weights(name, self.dependency.get(name, {}), names)
+                for name in names
+            }
             diagnostics = {"ccp": False}
         self.heads.update(aggregate_heads(heads, weights))
         self.head_weights.update(weights)
@@ -239,8 +261,9 @@ class FedReMa(CoordinatorAlgorithm):
         diagnostics["head_weights"] = weights
         return diagnostics
 
-    def _match(self, round_no: int, heads: dict[str, State], uploads: dict[str, Upload]
-               ) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
+    def _match(
+        self, round_no: int, heads: dict[str, State], uploads: dict[str, Upload]
+    ) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
         """One CCP round: S, the relevant sets, Eq. 7's weights, G and the CCP test."""
         names = list(heads)
         similarity = self._similarity(round_no, heads)
@@ -258,12 +281,18 @@ class FedReMa(CoordinatorAlgorithm):
             self.gap_history.append(mean_gap)
             self.ccp = ccp_still_on(self.gap_history, self.params.delta)
         # Eq. 7: |D_i| / Σ_{j ∈ A_k} |D_j| over each client's relevant set A_k
-        weights = {name: sample_weights({member: uploads[member] for member in sorted(members)})
-                   for name, members in relevant.items()}
+        weights = {
+            name: sample_weights({member: uploads[member] for member in sorted(members)})
+            for name, members in relevant.items()
+        }
         return weights, {
-            "ccp": True, "ccp_continues": self.ccp, "clients": names,
-            "similarity": similarity.tolist(), "relevant_sets": relevant,
-            "max_gaps": gaps, "mean_max_gap": mean_gap,
+            "ccp": True,
+            "ccp_continues": self.ccp,
+            "clients": names,
+            "similarity": similarity.tolist(),
+            "relevant_sets": relevant,
+            "max_gaps": gaps,
+            "mean_max_gap": mean_gap,
             "peak_mean_max_gap": max(self.gap_history, default=0.0),
         }
 
@@ -271,19 +300,30 @@ class FedReMa(CoordinatorAlgorithm):
         """S (K x K): row k compares every head with k's on k's own probe."""
         model = self.scratch_model()
         names = list(heads)
-        probes = torch.stack([
-            draw_probe(model.feature_dim, self.params.probe_high, self.context.seed, round_no,
-                       name) for name in names])
+        probes = torch.stack(
+            [
+                draw_probe(
+                    model.feature_dim, self.params.probe_high, self.context.seed, round_no, name
+                )
+                for name in names
+            ]
+        )
         logits = probe_logits(model, list(heads.values()), probes)  # (heads, probes, classes)
-        return torch.stack([probe_similarity(logits[:, k], k, self.params.temperature)
-                            for k in range(len(names))])
+        return torch.stack(
+            [probe_similarity(logits[:, k], k, self.params.temperature) for k in range(len(names))]
+        )
 
     # --- checkpoint ------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        return {"body": self.body, "heads": self.heads, "head_weights": self.head_weights,
-                "dependency": self.dependency, "gap_history": self.gap_history,
-                "ccp": self.ccp}
+        return {
+            "body": self.body,
+            "heads": self.heads,
+            "head_weights": self.head_weights,
+            "dependency": self.dependency,
+            "gap_history": self.gap_history,
+            "ccp": self.ccp,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.body, self.heads = state["body"], state["heads"]

@@ -90,8 +90,9 @@ def fitted_warmup(rounds: int, after_warmup: int) -> int:
     return max(0, min(PAPER_WARMUP, rounds // 2, rounds - after_warmup))
 
 
-def warmup_for_rounds(warmup: int | None, warmup_only: bool, rounds: int,
-                      after_warmup: int, phase: str) -> int:
+def warmup_for_rounds(
+    warmup: int | None, warmup_only: bool, rounds: int, after_warmup: int, phase: str
+) -> int:
     """W for a run of `rounds` rounds (`warmup` None: fitted to it), or ValueError when
     `phase`, which needs `after_warmup` rounds after the warm-up, never comes, unless
     `warmup_only` says so on purpose (then the whole run may be warm-up, and must be)."""
@@ -100,26 +101,32 @@ def warmup_for_rounds(warmup: int | None, warmup_only: bool, rounds: int,
         if warmup is None:
             return rounds
         if warmup < rounds:
-            raise ValueError(f"warmup_only: got true, but rounds {rounds} run past warmup "
-                             f"{warmup}; allowed: false, or algorithm.warmup >= rounds "
-                             f"({rounds})")
+            raise ValueError(
+                f"warmup_only: got true, but rounds {rounds} run past warmup "
+                f"{warmup}; allowed: false, or algorithm.warmup >= rounds "
+                f"({rounds})"
+            )
         return warmup
     told = "left out" if warmup is None else f"got {warmup}"
     if warmup is None:
         warmup = fitted_warmup(rounds, after_warmup)
     if warmup > latest:
         shorter = f"warmup 0 to {latest} for rounds {rounds}, " if latest >= 0 else ""
-        raise ValueError(f"warmup: {told}, but with rounds {rounds} {phase} never "
-                         f"comes; allowed: {shorter}rounds >= {warmup + after_warmup}, or "
-                         "algorithm.warmup_only=true to run only the warm-up")
+        raise ValueError(
+            f"warmup: {told}, but with rounds {rounds} {phase} never "
+            f"comes; allowed: {shorter}rounds >= {warmup + after_warmup}, or "
+            "algorithm.warmup_only=true to run only the warm-up"
+        )
     return warmup
 
 
 def require_fitted_warmup(warmup: int | None) -> None:
     """A rule cannot run an unknown W: the node's config fits it to `rounds` first."""
     if warmup is None:
-        raise ValueError("algorithm.warmup: not fitted to the run's rounds; parse the "
-                         "parameters with parse_params(name, params, rounds)")
+        raise ValueError(
+            "algorithm.warmup: not fitted to the run's rounds; parse the "
+            "parameters with parse_params(name, params, rounds)"
+        )
 
 
 @dataclass(frozen=True)
@@ -135,8 +142,9 @@ class PFedLIAParams:
 
     def __post_init__(self) -> None:
         if self.warmup is not None and self.warmup < 0:
-            raise ValueError(f"warmup: got {self.warmup!r}; allowed: an integer >= 0 or "
-                             "null (fitted to rounds)")
+            raise ValueError(
+                f"warmup: got {self.warmup!r}; allowed: an integer >= 0 or null (fitted to rounds)"
+            )
         if self.lazy_epochs < 1:
             raise ValueError(f"lazy_epochs: got {self.lazy_epochs!r}; allowed: an integer >= 1")
         if self.lazy_batch < 1:
@@ -144,39 +152,63 @@ class PFedLIAParams:
 
     def for_rounds(self, rounds: int) -> PFedLIAParams:
         """These parameters with W fitted to a run of `rounds` rounds (see parse_params)."""
-        return replace(self, warmup=warmup_for_rounds(
-            self.warmup, self.warmup_only, rounds, 1,
-            "the lazy round that finds the groups (round warmup + 1)"))
+        return replace(
+            self,
+            warmup=warmup_for_rounds(
+                self.warmup,
+                self.warmup_only,
+                rounds,
+                1,
+                "the lazy round that finds the groups (round warmup + 1)",
+            ),
+        )
 
 
 # --------------------------------------------------------------------------- lazy influence
 
 
-def validation_loss_sum(model: torch.nn.Module, state: State, x: torch.Tensor,
-                        y: torch.Tensor, batch_size: int = 1024) -> float:
+def validation_loss_sum(
+    model: torch.nn.Module, state: State, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024
+) -> float:
     """Σ_z L(z, state) over (x, y): cross-entropy summed, not averaged, as in Eq. 1."""
     model.load_state_dict(state)
     model.eval()
     total = 0.0
     with torch.no_grad():
         for start in range(0, len(y), batch_size):
-            logits = model(x[start:start + batch_size])
-            total += float(functional.cross_entropy(logits, y[start:start + batch_size],
-                                                    reduction="sum"))
+            logits = model(x[start : start + batch_size])
+            total += float(
+                functional.cross_entropy(logits, y[start : start + batch_size], reduction="sum")
+            )
     return total
 
 
-def lazy_influence_scores(model: torch.nn.Module, anchor: State, lazy_models: Mapping[str, State],
-                          x_val: torch.Tensor, y_val: torch.Tensor) -> dict[str, float]:
+def lazy_influence_scores(
+    model: torch.nn.Module,
+    anchor: State,
+    lazy_models: Mapping[str, State],
+    x_val: torch.Tensor,
+    y_val: torch.Tensor,
+) -> dict[str, float]:
     """I(i,j) = Σ_{z∈val_i} [L(z,θ_0) − L(z,θ̃_j)] for every lazy model θ̃_j given: positive
     when j's few steps from θ_0 lowered i's validation loss."""
     anchor_loss = validation_loss_sum(model, anchor, x_val, y_val)
-    return {peer: anchor_loss - validation_loss_sum(model, state, x_val, y_val)
-            for peer, state in sorted(lazy_models.items())}
+    return {
+        peer: anchor_loss - validation_loss_sum(model, state, x_val, y_val)
+        for peer, state in sorted(lazy_models.items())
+    }
 
 
-def train_lazy_model(model: torch.nn.Module, anchor: State, x: torch.Tensor, y: torch.Tensor,
-                     batch: int, epochs: int, train: Any, seed: int) -> State:
+def train_lazy_model(
+    model: torch.nn.Module,
+    anchor: State,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    batch: int,
+    epochs: int,
+    train: Any,
+    seed: int,
+) -> State:
     """θ̃: `epochs` epochs of the node's training recipe `train`, from θ_0, on one seeded
     draw Z of `batch` training samples (all of them when the split is smaller)."""
     chosen = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))[:batch]
@@ -225,24 +257,26 @@ def two_means_split(scores: Mapping[str, float], seed: int) -> tuple[set[str], S
         kmeans = KMeans(n_clusters=2, n_init=KMEANS_RESTARTS, random_state=seed).fit(values)
     centers = kmeans.cluster_centers_.ravel()
     best = int(np.argmax(centers))
-    beneficial = {peer for peer, label in zip(peers, kmeans.labels_, strict=True)
-                  if label == best}
+    beneficial = {peer for peer, label in zip(peers, kmeans.labels_, strict=True) if label == best}
     return beneficial, Split(float(centers[best]), float(centers[1 - best]))
 
 
 # --------------------------------------------------------------------------- ground truth
 
 
-def precision_recall(node: str, group: Iterable[str], truths: Mapping[str, int]
-                     ) -> dict[str, float | None]:
+def precision_recall(
+    node: str, group: Iterable[str], truths: Mapping[str, int]
+) -> dict[str, float | None]:
     """The group's peers (self left out: it is in both by construction) against the
     known peers with the node's true cluster. None where a denominator is empty."""
     own = truths[node]
     chosen = {peer for peer in group if peer != node and peer in truths}
     relevant = {peer for peer, cluster in truths.items() if peer != node and cluster == own}
     hits = len(chosen & relevant)
-    return {"precision": hits / len(chosen) if chosen else None,
-            "recall": hits / len(relevant) if relevant else None}
+    return {
+        "precision": hits / len(chosen) if chosen else None,
+        "recall": hits / len(relevant) if relevant else None,
+    }
 
 
 def groups_ari(groups: Mapping[str, Iterable[str]], truth: Mapping[str, int]) -> float:
@@ -309,8 +343,10 @@ class PFedLIA(PeerAlgorithm):
         info = getattr(context.data, "info", None) or {}
         own_cluster = int(info.get(TRUTH_KEY, UNKNOWN_CLUSTER))
         if params.oracle and own_cluster == UNKNOWN_CLUSTER:
-            raise ValueError("algorithm.oracle: got true; allowed: true only with a partition "
-                             "that has true clusters (clusters:<k>), and this node has none")
+            raise ValueError(
+                "algorithm.oracle: got true; allowed: true only with a partition "
+                "that has true clusters (clusters:<k>), and this node has none"
+            )
         self.truths: dict[str, int] = {context.node: own_cluster}
         self.anchor: State | None = None  # θ_0
         self.lazy_model: State | None = None  # θ̃ of this node
@@ -341,15 +377,21 @@ class PFedLIA(PeerAlgorithm):
 
     def layouts(self, kind: str) -> tuple[Layout, ...]:
         model = self.context.layout
-        return {MODEL: (model,), LAZY: (model, NOT_READY_LAYOUT),
-                ANCHOR: (model, NOT_READY_LAYOUT), TRUTH: (TRUTH_LAYOUT,)}.get(kind, ())
+        return {
+            MODEL: (model,),
+            LAZY: (model, NOT_READY_LAYOUT),
+            ANCHOR: (model, NOT_READY_LAYOUT),
+            TRUTH: (TRUTH_LAYOUT,),
+        }.get(kind, ())
 
     def wanted(self, round_no: int, offered: dict[str, list[str]]) -> dict[str, list[str]]:
         models = offered.get(MODEL, [])
         if self._after_warmup(round_no) and self.group is not None:
             models = [peer for peer in models if peer in self.group]
-        pulls = {MODEL: list(models),
-                 TRUTH: [peer for peer in offered.get(TRUTH, []) if peer not in self.truths]}
+        pulls = {
+            MODEL: list(models),
+            TRUTH: [peer for peer in offered.get(TRUTH, []) if peer not in self.truths],
+        }
         if self._after_warmup(round_no) and not self.params.oracle:
             pulls[LAZY] = [peer for peer in offered.get(LAZY, []) if peer not in self.scores]
             if self.anchor is None:
@@ -358,8 +400,9 @@ class PFedLIA(PeerAlgorithm):
 
     # --- aggregate ----------------------------------------------------------
 
-    def aggregate(self, round_no: int, own: PeerModel, received: ReceivedModels, data: Any
-                  ) -> Aggregate:
+    def aggregate(
+        self, round_no: int, own: PeerModel, received: ReceivedModels, data: Any
+    ) -> Aggregate:
         self._learn_truths(received.get(TRUTH, {}))
         if not self._after_warmup(round_no):
             outcome = self._fedavg.aggregate(round_no, own, received, data)
@@ -395,12 +438,16 @@ class PFedLIA(PeerAlgorithm):
     def _score(self, lazy_blobs: Mapping[str, PeerModel], data: Any) -> None:
         """Score the lazy models not scored before; fit the split the first time there
         are scores, else place the new peers on the existing split."""
-        unscored = {peer: state for peer, blob in lazy_blobs.items()
-                    if peer not in self.scores and (state := contents(blob)) is not None}
+        unscored = {
+            peer: state
+            for peer, blob in lazy_blobs.items()
+            if peer not in self.scores and (state := contents(blob)) is not None
+        }
         if self.node not in self.scores and self.lazy_model is not None:
             unscored[self.node] = self.lazy_model
-        new_scores = lazy_influence_scores(self._fresh_model(), self.anchor, unscored,
-                                           data.x_val, data.y_val)
+        new_scores = lazy_influence_scores(
+            self._fresh_model(), self.anchor, unscored, data.x_val, data.y_val
+        )
         self.scores.update(new_scores)
         self._newly_scored = sorted(new_scores)
         if self.split is None and len(self.scores) >= 2:
@@ -408,15 +455,17 @@ class PFedLIA(PeerAlgorithm):
             self.group = beneficial | {self.node}
         elif self.split is not None:
             self.group = (self.group or {self.node}) | {
-                peer for peer, score in new_scores.items() if self.split.is_beneficial(score)}
+                peer for peer, score in new_scores.items() if self.split.is_beneficial(score)
+            }
         else:
             self.group = {self.node}  # alone so far: the split waits for a second score
 
     def _agreed_anchor(self, anchors: Mapping[str, PeerModel]) -> State | None:
         """θ_0 for a node that missed the warm-up's end: the average of the anchors that
         arrived (identical over a full mesh; their consensus otherwise)."""
-        ready = {peer: state for peer, blob in anchors.items()
-                 if (state := contents(blob)) is not None}
+        ready = {
+            peer: state for peer, blob in anchors.items() if (state := contents(blob)) is not None
+        }
         if not ready:
             return None
         return weighted_average(ready, {peer: 1 / len(ready) for peer in ready})
@@ -426,9 +475,15 @@ class PFedLIA(PeerAlgorithm):
             return
         assert self.context.train is not None, "the node provides its training recipe"
         self.lazy_model = train_lazy_model(
-            self._fresh_model(), self.anchor, data.x_train, data.y_train,
-            self.params.lazy_batch, self.params.lazy_epochs, self.context.train,
-            lazy_seed(self.context.seed, self.node))
+            self._fresh_model(),
+            self.anchor,
+            data.x_train,
+            data.y_train,
+            self.params.lazy_batch,
+            self.params.lazy_epochs,
+            self.context.train,
+            lazy_seed(self.context.seed, self.node),
+        )
 
     def _learn_truths(self, blobs: Mapping[str, PeerModel]) -> None:
         for peer, blob in blobs.items():
@@ -441,8 +496,9 @@ class PFedLIA(PeerAlgorithm):
         return self.context.new_model()
 
     def _initial_state(self) -> State:
-        return {key: value.detach().clone()
-                for key, value in self._fresh_model().state_dict().items()}
+        return {
+            key: value.detach().clone() for key, value in self._fresh_model().state_dict().items()
+        }
 
     def _diagnostics(self, phase: str) -> dict[str, Any]:
         diagnostics: dict[str, Any] = {"phase": phase}
@@ -460,11 +516,17 @@ class PFedLIA(PeerAlgorithm):
     # --- checkpoint ---------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        split = None if self.split is None else [self.split.beneficial_center,
-                                                 self.split.other_center]
-        return {"anchor": self.anchor, "lazy_model": self.lazy_model, "scores": self.scores,
-                "split": split, "group": None if self.group is None else sorted(self.group),
-                "truths": self.truths}
+        split = (
+            None if self.split is None else [self.split.beneficial_center, self.split.other_center]
+        )
+        return {
+            "anchor": self.anchor,
+            "lazy_model": self.lazy_model,
+            "scores": self.scores,
+            "split": split,
+            "group": None if self.group is None else sorted(self.group),
+            "truths": self.truths,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.anchor, self.lazy_model = state["anchor"], state["lazy_model"]

@@ -91,17 +91,28 @@ class PFedLIACentralParams:
     warmup_only: bool = False
 
     def __post_init__(self) -> None:
-        for name, least in (("warmup", 0), ("lazy_epochs", 1), ("lazy_batch", 1),
-                            ("min_samples", 2)):
+        for name, least in (
+            ("warmup", 0),
+            ("lazy_epochs", 1),
+            ("lazy_batch", 1),
+            ("min_samples", 2),
+        ):
             value = getattr(self, name)
             if value is not None and value < least:
                 raise ValueError(f"{name}: got {value!r}; allowed: an integer >= {least}")
 
     def for_rounds(self, rounds: int) -> PFedLIACentralParams:
         """These parameters with W fitted to a run of `rounds` rounds (see parse_params)."""
-        return replace(self, warmup=warmup_for_rounds(
-            self.warmup, self.warmup_only, rounds, 2,
-            "the round that clusters the clients (round warmup + 2)"))
+        return replace(
+            self,
+            warmup=warmup_for_rounds(
+                self.warmup,
+                self.warmup_only,
+                rounds,
+                2,
+                "the round that clusters the clients (round warmup + 2)",
+            ),
+        )
 
 
 # --------------------------------------------------------------------------- clustering
@@ -110,12 +121,12 @@ class PFedLIACentralParams:
 def shared_finite_columns(rows: Mapping[str, Mapping[str, float]]) -> list[str]:
     """The lazy models that every row scored with a finite number, sorted."""
     columns = set.intersection(*(set(row) for row in rows.values())) if rows else set()
-    return sorted(column for column in columns
-                  if all(math.isfinite(row[column]) for row in rows.values()))
+    return sorted(
+        column for column in columns if all(math.isfinite(row[column]) for row in rows.values())
+    )
 
 
-def optics_clusters(rows: Mapping[str, Mapping[str, float]], min_samples: int
-                    ) -> dict[str, int]:
+def optics_clusters(rows: Mapping[str, Mapping[str, float]], min_samples: int) -> dict[str, int]:
     """client → OPTICS cluster of its score row (NOISE: in none). With fewer rows than
     `min_samples`, or no column every row shares, nobody is clustered."""
     # Imported here: scikit-learn is slow to import and only the coordinator needs it.
@@ -128,8 +139,9 @@ def optics_clusters(rows: Mapping[str, Mapping[str, float]], min_samples: int
     columns = shared_finite_columns(rows)
     if len(clients) < min_samples or not columns:
         return {client: NOISE for client in clients}
-    matrix = np.array([[rows[client][column] for column in columns] for client in clients],
-                      dtype=np.float64)
+    matrix = np.array(
+        [[rows[client][column] for column in columns] for client in clients], dtype=np.float64
+    )
     with threadpool_limits(limits=1):
         labels = OPTICS(min_samples=min_samples).fit(matrix).labels_
     return {client: int(label) for client, label in zip(clients, labels, strict=True)}
@@ -141,12 +153,15 @@ def groups_of(labels: Mapping[str, int]) -> dict[str, list[str]]:
     for client, label in sorted(labels.items()):
         if label != NOISE:
             members.setdefault(label, []).append(client)
-    return {client: members[label] if label != NOISE else [client]
-            for client, label in sorted(labels.items())}
+    return {
+        client: members[label] if label != NOISE else [client]
+        for client, label in sorted(labels.items())
+    }
 
 
-def group_averages(groups: Mapping[str, list[str]], uploads: Mapping[str, Upload]
-                   ) -> tuple[dict[str, State], dict[str, dict[str, float]]]:
+def group_averages(
+    groups: Mapping[str, list[str]], uploads: Mapping[str, Upload]
+) -> tuple[dict[str, State], dict[str, dict[str, float]]]:
     """For every client with a group member among the uploads: the sample-weighted
     average of those members' models and its weights. A client without a group is
     alone. Members that share a group share one average (computed once)."""
@@ -159,8 +174,9 @@ def group_averages(groups: Mapping[str, list[str]], uploads: Mapping[str, Upload
             continue
         weights[client] = sample_weights({member: uploads[member] for member in sorted(present)})
         if present not in averaged:
-            averaged[present] = weighted_average({m: uploads[m].state for m in present},
-                                                 weights[client])
+            averaged[present] = weighted_average(
+                {m: uploads[m].state for m in present}, weights[client]
+            )
         models[client] = averaged[present]
     return models, weights
 
@@ -173,8 +189,9 @@ def prefixed(prefix: str, state: State) -> dict[str, torch.Tensor]:
 
 
 def unprefixed(prefix: str, tensors: Mapping[str, torch.Tensor]) -> State:
-    return {key.removeprefix(prefix): value for key, value in tensors.items()
-            if key.startswith(prefix)}
+    return {
+        key.removeprefix(prefix): value for key, value in tensors.items() if key.startswith(prefix)
+    }
 
 
 def per_client(prefix: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, State]:
@@ -227,14 +244,16 @@ class PFedLIACentral(CoordinatorAlgorithm):
             scores = [spec for spec in extras if not spec[0].startswith(LAZY)]
             return lazy in ((), prefixed_layout(LAZY, model)) and all(
                 name.startswith(SCORE) and dtype == "float64" and shape == (1,)
-                for name, dtype, shape in scores)
+                for name, dtype, shape in scores
+            )
         if not extras:
             return True
         anchor = prefixed_layout(ANCHOR, model)
-        lazy = extras[len(anchor):]
+        lazy = extras[len(anchor) :]
         owners = dict.fromkeys(name.removeprefix(LAZY).partition("/")[0] for name, _, _ in lazy)
-        return extras[:len(anchor)] == anchor and lazy == tuple(
-            spec for owner in owners for spec in prefixed_layout(f"{LAZY}{owner}/", model))
+        return extras[: len(anchor)] == anchor and lazy == tuple(
+            spec for owner in owners for spec in prefixed_layout(f"{LAZY}{owner}/", model)
+        )
 
     # --- the coordinator: what clients receive -------------------------------
 
@@ -266,8 +285,9 @@ class PFedLIACentral(CoordinatorAlgorithm):
             if lazy := unprefixed(LAZY, upload.extras):
                 self.lazy_models[client] = lazy
             if row := unprefixed(SCORE, upload.extras):
-                self.rows[client] = {peer: float(score.reshape(-1)[0])
-                                     for peer, score in sorted(row.items())}
+                self.rows[client] = {
+                    peer: float(score.reshape(-1)[0]) for peer, score in sorted(row.items())
+                }
         if self.groups is None and self.rows:
             return {"phase": "clustered", **self._cluster(), **self._average_groups(uploads)}
         if self.groups is not None:
@@ -298,8 +318,9 @@ class PFedLIACentral(CoordinatorAlgorithm):
         anchor, lazy_models = unprefixed(ANCHOR, extras), per_client(LAZY, extras)
         self._to_score = (anchor, lazy_models) if anchor and lazy_models else None
 
-    def client_update(self, round_no: int, model: torch.nn.Module, data: Any
-                      ) -> tuple[float, dict[str, torch.Tensor]]:
+    def client_update(
+        self, round_no: int, model: torch.nn.Module, data: Any
+    ) -> tuple[float, dict[str, torch.Tensor]]:
         extras: dict[str, torch.Tensor] = {}
         if round_no == self._lazy_round():
             # The model this round starts from is θ_0: keep it before training moves it.
@@ -312,29 +333,45 @@ class PFedLIACentral(CoordinatorAlgorithm):
 
     def _train_lazy_model(self, anchor: State, data: Any) -> State:
         assert self.context.new_model is not None and self.context.train is not None
-        return train_lazy_model(self.context.new_model(), anchor, data.x_train, data.y_train,
-                                self.params.lazy_batch, self.params.lazy_epochs,
-                                self.context.train, lazy_seed(self.context.seed,
-                                                              self.context.node))
+        return train_lazy_model(
+            self.context.new_model(),
+            anchor,
+            data.x_train,
+            data.y_train,
+            self.params.lazy_batch,
+            self.params.lazy_epochs,
+            self.context.train,
+            lazy_seed(self.context.seed, self.context.node),
+        )
 
     def _score_row(self, data: Any) -> dict[str, torch.Tensor]:
         assert self._to_score is not None and self.context.new_model is not None
         anchor, lazy_models = self._to_score
         self._to_score = None
-        scores = lazy_influence_scores(self.context.new_model(), anchor, lazy_models,
-                                       data.x_val, data.y_val)
+        scores = lazy_influence_scores(
+            self.context.new_model(), anchor, lazy_models, data.x_val, data.y_val
+        )
         # A lazy model so far off that its loss overflows scores NaN or inf: leave its
         # column out (the coordinator keeps the columns every row has), rather than
         # spoil this client's upload, which the coordinator would refuse whole.
-        return {SCORE + peer: torch.tensor([score], dtype=torch.float64)
-                for peer, score in scores.items() if math.isfinite(score)}
+        return {
+            SCORE + peer: torch.tensor([score], dtype=torch.float64)
+            for peer, score in scores.items()
+            if math.isfinite(score)
+        }
 
     # --- checkpoint ------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        return {"fedavg": self._fedavg.state_dict(), "anchor": self.anchor,
-                "lazy_models": self.lazy_models, "rows": self.rows, "groups": self.groups,
-                "personal": self.personal, "group_weights": self.group_weights}
+        return {
+            "fedavg": self._fedavg.state_dict(),
+            "anchor": self.anchor,
+            "lazy_models": self.lazy_models,
+            "rows": self.rows,
+            "groups": self.groups,
+            "personal": self.personal,
+            "group_weights": self.group_weights,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._fedavg.load_state_dict(state["fedavg"])

@@ -103,19 +103,24 @@ class PFedSVParams:
         if self.k_min < 1:
             raise ValueError(f"k_min: got {self.k_min!r}; allowed: an integer >= 1")
         if self.k_max < self.k_min:
-            raise ValueError(f"k_max: got {self.k_max!r}; allowed: an integer >= k_min "
-                             f"({self.k_min})")
+            raise ValueError(
+                f"k_max: got {self.k_max!r}; allowed: an integer >= k_min ({self.k_min})"
+            )
         if not self.k_min <= self.k <= self.k_max:
-            raise ValueError(f"k: got {self.k!r}; allowed: k_min <= k <= k_max "
-                             f"({self.k_min}..{self.k_max})")
+            raise ValueError(
+                f"k: got {self.k!r}; allowed: k_min <= k <= k_max ({self.k_min}..{self.k_max})"
+            )
         if self.dp_clip is not None and not (self.dp_clip > 0 and math.isfinite(self.dp_clip)):
-            raise ValueError(f"dp_clip: got {self.dp_clip!r}; allowed: a finite number > 0 "
-                             "or null (no DP)")
+            raise ValueError(
+                f"dp_clip: got {self.dp_clip!r}; allowed: a finite number > 0 or null (no DP)"
+            )
         if not (self.dp_sigma >= 0 and math.isfinite(self.dp_sigma)):
             raise ValueError(f"dp_sigma: got {self.dp_sigma!r}; allowed: a finite number >= 0")
         if self.dp_sigma > 0 and self.dp_clip is None:
-            raise ValueError(f"dp_sigma: got {self.dp_sigma!r}; allowed: 0 unless dp_clip is "
-                             "set (the noise scale is dp_sigma * dp_clip)")
+            raise ValueError(
+                f"dp_sigma: got {self.dp_sigma!r}; allowed: 0 unless dp_clip is "
+                "set (the noise scale is dp_sigma * dp_clip)"
+            )
 
 
 # --------------------------------------------------------------------------- Shapley values
@@ -136,8 +141,9 @@ def cached_utility(utility: Utility) -> Utility:
 def exact_shapley(players: Sequence[str], utility: Utility) -> dict[str, float]:
     """φ_p = Σ_{X ⊆ N∖{p}} |X|!(n−|X|−1)!/n! · (v(X ∪ {p}) − v(X)), over all subsets."""
     n = len(players)
-    factor = [math.factorial(size) * math.factorial(n - size - 1) / math.factorial(n)
-              for size in range(n)]
+    factor = [
+        math.factorial(size) * math.factorial(n - size - 1) / math.factorial(n) for size in range(n)
+    ]
     values = {player: 0.0 for player in players}
     for player in players:
         others = [other for other in players if other != player]
@@ -149,8 +155,9 @@ def exact_shapley(players: Sequence[str], utility: Utility) -> dict[str, float]:
     return values
 
 
-def monte_carlo_shapley(players: Sequence[str], utility: Utility, rounds: int,
-                        rng: np.random.Generator) -> dict[str, float]:
+def monte_carlo_shapley(
+    players: Sequence[str], utility: Utility, rounds: int, rng: np.random.Generator
+) -> dict[str, float]:
     """The mean marginal contribution of each player over `rounds` random orders
     (paper Algorithm 2); unbiased, and exact in the limit."""
     if rounds < 1:
@@ -167,8 +174,9 @@ def monte_carlo_shapley(players: Sequence[str], utility: Utility, rounds: int,
     return {player: total / rounds for player, total in totals.items()}
 
 
-def shapley_values(players: Sequence[str], utility: Utility,
-                   rng: np.random.Generator) -> dict[str, float]:
+def shapley_values(
+    players: Sequence[str], utility: Utility, rng: np.random.Generator
+) -> dict[str, float]:
     """Exact for small coalitions, Monte Carlo with R = 3|S| permutations above."""
     if len(players) <= EXACT_SHAPLEY_MAX_PLAYERS:
         return exact_shapley(players, utility)
@@ -178,8 +186,9 @@ def shapley_values(players: Sequence[str], utility: Utility,
 # --------------------------------------------------------------------------- weights
 
 
-def shapley_weights(shapley: dict[str, float], own: str,
-                    distances: dict[str, float] | None = None) -> dict[str, float]:
+def shapley_weights(
+    shapley: dict[str, float], own: str, distances: dict[str, float] | None = None
+) -> dict[str, float]:
     """Normalized w_j ∝ max(SV_j, 0) / d_j (Eq. 6 and 7); {} when no weight is positive.
 
     `distances` holds d_j = ‖θ_own − θ_j‖ for the peers; None drops the division. The
@@ -220,30 +229,34 @@ def model_distance(first: State, second: State, keys: Iterable[str] | None = Non
 # --------------------------------------------------------------------------- top-k and k
 
 
-def select_top_k(scores: dict[str, float], candidates: Sequence[str], k: int,
-                 rng: np.random.Generator) -> list[str]:
+def select_top_k(
+    scores: dict[str, float], candidates: Sequence[str], k: int, rng: np.random.Generator
+) -> list[str]:
     """The `k` candidates with the highest score, best first; equal scores in random
     order. A candidate without a score counts 0: above every peer that proved harmful."""
     ordered = sorted(candidates)  # the draw must not depend on the caller's order
     tie_breaks = dict(zip(ordered, rng.random(len(ordered)), strict=True))
     ranked = sorted(ordered, key=lambda peer: (-scores.get(peer, 0.0), tie_breaks[peer]))
-    return ranked[:max(k, 0)]
+    return ranked[: max(k, 0)]
 
 
 def positive_peers(scores: dict[str, float]) -> frozenset[str]:
     return frozenset(peer for peer, score in scores.items() if score > 0)
 
 
-def scores_settled(candidates: Iterable[str], explored: Iterable[str],
-                   positive_now: frozenset[str], positive_before: frozenset[str]) -> bool:
+def scores_settled(
+    candidates: Iterable[str],
+    explored: Iterable[str],
+    positive_now: frozenset[str],
+    positive_before: frozenset[str],
+) -> bool:
     """The scores have settled when every peer on offer has been scored at least once
     (no unknown 0 left that could still turn out relevant) and the set of peers with a
     positive score came out of the last update unchanged."""
     return set(candidates) <= set(explored) and positive_now == positive_before
 
 
-def dynamic_k(scores: dict[str, float], settled: bool, start_k: int, k_min: int,
-              k_max: int) -> int:
+def dynamic_k(scores: dict[str, float], settled: bool, start_k: int, k_min: int, k_max: int) -> int:
     """Once settled, k = #peers with a positive score, clamped to [k_min, k_max]; until
     then (first rounds, a newcomer, a relevant peer turning negative) the start k, so
     the node explores."""
@@ -255,8 +268,9 @@ def dynamic_k(scores: dict[str, float], settled: bool, start_k: int, k_min: int,
 # --------------------------------------------------------------------------- helpers
 
 
-def batched_logits(forward: Callable[[torch.Tensor], torch.Tensor],
-                   x: torch.Tensor, batch_size: int = 1024) -> torch.Tensor:
+def batched_logits(
+    forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, batch_size: int = 1024
+) -> torch.Tensor:
     """`forward` over `x` in batches and without gradients: a large val split never
     has to pass through the model at once."""
     with torch.no_grad():
@@ -275,8 +289,9 @@ def mean_cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> float:
     return float(functional.cross_entropy(logits, y.long())) if len(y) else 0.0
 
 
-def _guard_verdict(own_logits: torch.Tensor, average_logits: torch.Tensor,
-                   y_val: torch.Tensor) -> tuple[bool, dict[str, float]]:
+def _guard_verdict(
+    own_logits: torch.Tensor, average_logits: torch.Tensor, y_val: torch.Tensor
+) -> tuple[bool, dict[str, float]]:
     """Whether the val guard adopts the Shapley-weighted average, with the figures it
     judged by: it adopts only when the average's val loss is finite and at most the own
     model's. Loss, not accuracy: a good own model gets
@@ -284,8 +299,11 @@ def _guard_verdict(own_logits: torch.Tensor, average_logits: torch.Tensor,
     still tells the models apart, and a tie is no evidence that the average is better."""
     own_loss = mean_cross_entropy(own_logits, y_val)
     average_loss = mean_cross_entropy(average_logits, y_val)
-    return adopts(own_loss, average_loss), {"v_aggregate": accuracy(average_logits, y_val),
-                   "val_loss_own": own_loss, "val_loss_aggregate": average_loss}
+    return adopts(own_loss, average_loss), {
+        "v_aggregate": accuracy(average_logits, y_val),
+        "val_loss_own": own_loss,
+        "val_loss_aggregate": average_loss,
+    }
 
 
 def uniform_average(states: Sequence[State]) -> State:
@@ -297,8 +315,9 @@ def state_bytes(state: State) -> int:
     return sum(tensor.numel() * tensor.element_size() for tensor in state.values())
 
 
-def clip_and_noise(state: State, reference: State, clip: float, sigma: float,
-                   generator: torch.Generator) -> tuple[State, float]:
+def clip_and_noise(
+    state: State, reference: State, clip: float, sigma: float, generator: torch.Generator
+) -> tuple[State, float]:
     """reference + clip(state − reference, C) + N(0, σ²C²) per float coordinate; returns
     the noised state and the update's norm before clipping."""
     float_keys = [key for key, tensor in state.items() if tensor.is_floating_point()]
@@ -343,7 +362,8 @@ class PFedSV(PeerAlgorithm):
 
     def _rng(self, round_no: int, stream: int) -> np.random.Generator:
         return np.random.default_rng(
-            draw_seed(self.context.seed, self.context.node, round_no, f"pfedsv/{stream}"))
+            draw_seed(self.context.seed, self.context.node, round_no, f"pfedsv/{stream}")
+        )
 
     # --- publish and pull ---------------------------------------------------
 
@@ -352,8 +372,10 @@ class PFedSV(PeerAlgorithm):
             state = self._privatized(round_no, state)
         if not self.params.shared_body:
             return {MODEL: state}
-        return {BODY: state_part(state, self.context.body_keys),
-                HEAD: state_part(state, self.context.head_keys)}
+        return {
+            BODY: state_part(state, self.context.body_keys),
+            HEAD: state_part(state, self.context.head_keys),
+        }
 
     def _privatized(self, round_no: int, state: State) -> State:
         reference = self._round_start
@@ -364,23 +386,28 @@ class PFedSV(PeerAlgorithm):
             # clipped, never leaky.
             reference = self.context.new_model().state_dict()
         generator = torch.Generator().manual_seed(
-            int(self._rng(round_no, _STREAM_DP).integers(2**63)))
+            int(self._rng(round_no, _STREAM_DP).integers(2**63))
+        )
         noised, self._dp_update_norm = clip_and_noise(
-            state, reference, self.params.dp_clip, self.params.dp_sigma, generator)
+            state, reference, self.params.dp_clip, self.params.dp_sigma, generator
+        )
         return noised
 
     def layouts(self, kind: str) -> tuple[Layout, ...]:
         context = self.context
         if not self.params.shared_body:
             return super().layouts(kind)
-        parts = {BODY: context.model_part(context.body_keys),
-                 HEAD: context.model_part(context.head_keys)}
+        parts = {
+            BODY: context.model_part(context.body_keys),
+            HEAD: context.model_part(context.head_keys),
+        }
         return (parts[kind],) if kind in parts else ()
 
     def wanted(self, round_no: int, offered: dict[str, list[str]]) -> dict[str, list[str]]:
         self._offered = list(offered.get(self.scored_kind, []))
-        self._selected = select_top_k(self.relevance, self._offered, self.k,
-                                      self._rng(round_no, _STREAM_SELECT))
+        self._selected = select_top_k(
+            self.relevance, self._offered, self.k, self._rng(round_no, _STREAM_SELECT)
+        )
         pulls = {self.scored_kind: self._selected}
         if self.params.shared_body:
             pulls[BODY] = list(offered.get(BODY, []))  # the body is averaged over the mesh
@@ -388,8 +415,9 @@ class PFedSV(PeerAlgorithm):
 
     # --- aggregate ----------------------------------------------------------
 
-    def aggregate(self, round_no: int, own: PeerModel, received: ReceivedModels, data: Any
-                  ) -> Aggregate:
+    def aggregate(
+        self, round_no: int, own: PeerModel, received: ReceivedModels, data: Any
+    ) -> Aggregate:
         me = self.context.node
         players_states, base = self._players(own, received)
         logits_of = self._val_logits(players_states, data)
@@ -413,20 +441,29 @@ class PFedSV(PeerAlgorithm):
         diagnostics = {
             **game,
             "relevance": dict(sorted(self.relevance.items())),
-            "k": k_used, "k_next": self.k,
+            "k": k_used,
+            "k_next": self.k,
             "selected": list(self._selected),
             "downloaded": sorted(received.get(self.scored_kind, {})),
-            "bytes_downloaded": sum(state_bytes(peer.state) for by_peer in received.values()
-                                    for peer in by_peer.values()),
+            "bytes_downloaded": sum(
+                state_bytes(peer.state)
+                for by_peer in received.values()
+                for peer in by_peer.values()
+            ),
             **self._mode_diagnostics(received),
         }
-        return Aggregate(state=state, weights=dict(sorted(weights.items())),
-                         diagnostics=diagnostics)
+        return Aggregate(
+            state=state, weights=dict(sorted(weights.items())), diagnostics=diagnostics
+        )
 
-    def _play(self, round_no: int, players_states: dict[str, State],
-              logits_of: Callable[[State], torch.Tensor],
-              player_logits: Callable[[str], torch.Tensor], y_val: torch.Tensor
-              ) -> dict[str, Any]:
+    def _play(
+        self,
+        round_no: int,
+        players_states: dict[str, State],
+        logits_of: Callable[[State], torch.Tensor],
+        player_logits: Callable[[str], torch.Tensor],
+        y_val: torch.Tensor,
+    ) -> dict[str, Any]:
         """Shapley values of the coalition game on the own val split, with its cost and
         v({i}), v(S) (whether the coalition beats the own model at all)."""
         me = self.context.node
@@ -444,12 +481,17 @@ class PFedSV(PeerAlgorithm):
         clock = time.perf_counter()
         utility = cached_utility(coalition_accuracy)
         shapley = shapley_values(players, utility, self._rng(round_no, _STREAM_SHAPLEY))
-        return {"shapley": shapley, "shapley_seconds": time.perf_counter() - clock,
-                "utility_evaluations": evaluations, "v_own": utility(frozenset([me])),
-                "v_coalition": utility(frozenset(players))}
+        return {
+            "shapley": shapley,
+            "shapley_seconds": time.perf_counter() - clock,
+            "utility_evaluations": evaluations,
+            "v_own": utility(frozenset([me])),
+            "v_coalition": utility(frozenset(players)),
+        }
 
-    def _val_logits(self, players_states: dict[str, State],
-                    data: Any) -> Callable[[State], torch.Tensor]:
+    def _val_logits(
+        self, players_states: dict[str, State], data: Any
+    ) -> Callable[[State], torch.Tensor]:
         """state -> its logits on the own val split. With a shared body every player has
         the same body, so its features are computed once and each coalition only runs its
         averaged head: the same logits at a fraction of the cost."""
@@ -458,29 +500,37 @@ class PFedSV(PeerAlgorithm):
         x_val = data.x_val
         split = self.params.shared_body and hasattr(model, "body") and hasattr(model, "head")
         if not split or len(x_val) == 0:
+
             def whole_model(state: State) -> torch.Tensor:
                 model.load_state_dict(state)
                 return batched_logits(model, x_val)
+
             return whole_model
         model.load_state_dict(players_states[self.context.node])  # any player: one body
         features = batched_logits(model.body, x_val)
         prefix = "head."  # head_keys are the model's state keys under its `head` module
 
         def head_only(state: State) -> torch.Tensor:
-            model.head.load_state_dict({key.removeprefix(prefix): state[key]
-                                        for key in self.context.head_keys})
+            model.head.load_state_dict(
+                {key.removeprefix(prefix): state[key] for key in self.context.head_keys}
+            )
             return batched_logits(model.head, features)
+
         return head_only
 
-    def _combine(self, shapley: dict[str, float],
-                 players_states: dict[str, State]) -> tuple[dict[str, float], State]:
+    def _combine(
+        self, shapley: dict[str, float], players_states: dict[str, State]
+    ) -> tuple[dict[str, float], State]:
         """The normalized Shapley weights and the weighted average of the snapshot; the own
         model alone when no weight is positive."""
         me = self.context.node
         distances = None
         if self.params.distance:
-            distances = {peer: model_distance(players_states[me], players_states[peer])
-                         for peer in players_states if peer != me}
+            distances = {
+                peer: model_distance(players_states[me], players_states[peer])
+                for peer in players_states
+                if peer != me
+            }
         weights = shapley_weights(shapley, me, distances)
         if not weights:
             return {me: 1.0}, players_states[me]
@@ -493,17 +543,26 @@ class PFedSV(PeerAlgorithm):
         if not self.params.shared_body:
             return {me: own.state, **{p: m.state for p, m in received.get(MODEL, {}).items()}}, {}
         body = self._mesh_body(own, received.get(BODY, {}))
-        heads = {me: state_part(own.state, self.context.head_keys),
-                 **{peer: blob.state for peer, blob in received.get(HEAD, {}).items()}}
+        heads = {
+            me: state_part(own.state, self.context.head_keys),
+            **{peer: blob.state for peer, blob in received.get(HEAD, {}).items()},
+        }
         return {player: {**body, **head} for player, head in heads.items()}, body
 
     def _mesh_body(self, own: PeerModel, bodies: dict[str, PeerModel]) -> State:
         """Sample-weighted average of the own body and every body received (FedAvg)."""
         me = self.context.node
-        parts = dict(sorted({me: PeerModel(state_part(own.state, self.context.body_keys),
-                                           own.n_samples), **bodies}.items()))
-        return weighted_average({name: part.state for name, part in parts.items()},
-                                sample_weights(parts))
+        parts = dict(
+            sorted(
+                {
+                    me: PeerModel(state_part(own.state, self.context.body_keys), own.n_samples),
+                    **bodies,
+                }.items()
+            )
+        )
+        return weighted_average(
+            {name: part.state for name, part in parts.items()}, sample_weights(parts)
+        )
 
     def _update_relevance(self, shapley: dict[str, float]) -> None:
         alpha = self.params.alpha
@@ -515,19 +574,22 @@ class PFedSV(PeerAlgorithm):
 
     def _next_k(self) -> int:
         positive_now = positive_peers(self.relevance)
-        settled = scores_settled(self._offered, self.explored, positive_now,
-                                 self.positive_before)
+        settled = scores_settled(self._offered, self.explored, positive_now, self.positive_before)
         self.positive_before = positive_now
-        return dynamic_k(self.relevance, settled, self.params.k, self.params.k_min,
-                         self.params.k_max)
+        return dynamic_k(
+            self.relevance, settled, self.params.k, self.params.k_min, self.params.k_max
+        )
 
     def _mode_diagnostics(self, received: ReceivedModels) -> dict[str, Any]:
         extra: dict[str, Any] = {}
         if self.params.shared_body:
             extra["bodies"] = sorted(received.get(BODY, {}))
         if self.params.dp_clip is not None:
-            extra["dp"] = {"clip": self.params.dp_clip, "sigma": self.params.dp_sigma,
-                           "update_norm": self._dp_update_norm}
+            extra["dp"] = {
+                "clip": self.params.dp_clip,
+                "sigma": self.params.dp_sigma,
+                "update_norm": self._dp_update_norm,
+            }
         return extra
 
     # --- checkpoint ---------------------------------------------------------
@@ -536,15 +598,19 @@ class PFedSV(PeerAlgorithm):
         """Plain values (JSON-able), plus under DP the round-start model that the next
         published update is measured from, so a resumed node clips the true update."""
         state: dict[str, Any] = {
-            "relevance": dict(sorted(self.relevance.items())), "k": self.k,
-            "explored": sorted(self.explored), "positive_before": sorted(self.positive_before)}
+            "relevance": dict(sorted(self.relevance.items())),
+            "k": self.k,
+            "explored": sorted(self.explored),
+            "positive_before": sorted(self.positive_before),
+        }
         if self._round_start is not None:
             state["dp_round_start"] = self._round_start
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.relevance = {str(peer): float(score)
-                          for peer, score in state.get("relevance", {}).items()}
+        self.relevance = {
+            str(peer): float(score) for peer, score in state.get("relevance", {}).items()
+        }
         self.k = int(state.get("k", self.params.k))
         self.explored = set(state.get("explored", []))
         self.positive_before = frozenset(state.get("positive_before", []))

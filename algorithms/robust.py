@@ -58,10 +58,10 @@ def trimmed_mean(states: list[State], beta: float) -> tuple[State, list[float]]:
     for key in float_keys(states[0]):
         ordered, order = stacked(states, key).sort(dim=0)
         middle = slice(trim, len(states) - trim)
-        result[key] = ordered[middle].mean(dim=0).reshape(states[0][key].shape).to(
-            states[0][key].dtype)
-        kept += torch.bincount(order[middle].reshape(-1), minlength=len(states)).to(
-            torch.float64)
+        result[key] = (
+            ordered[middle].mean(dim=0).reshape(states[0][key].shape).to(states[0][key].dtype)
+        )
+        kept += torch.bincount(order[middle].reshape(-1), minlength=len(states)).to(torch.float64)
     return result, _shares(kept)
 
 
@@ -72,7 +72,7 @@ def krum_scores(states: list[State], f: int) -> list[float]:
     neighbours = len(states) - f - 2
     scores = []
     for row, model_distances in enumerate(distances):
-        others = torch.cat([model_distances[:row], model_distances[row + 1:]])
+        others = torch.cat([model_distances[:row], model_distances[row + 1 :]])
         scores.append(float(others.sort().values[:neighbours].sum()))
     return scores
 
@@ -85,22 +85,24 @@ def _shares(counts: torch.Tensor) -> list[float]:
 def _average(states: list[State]) -> State:
     result = dict(states[0])
     for key in float_keys(states[0]):
-        result[key] = stacked(states, key).mean(dim=0).reshape(states[0][key].shape).to(
-            states[0][key].dtype)
+        result[key] = (
+            stacked(states, key).mean(dim=0).reshape(states[0][key].shape).to(states[0][key].dtype)
+        )
     return result
 
 
 class _RobustRule(PeerAlgorithm):
     """Gathers the own model and every received one, in one order on every node."""
 
-    def aggregate(self, round_no: int, own: PeerModel, received: ReceivedModels, data: Any
-                  ) -> Aggregate:
+    def aggregate(
+        self, round_no: int, own: PeerModel, received: ReceivedModels, data: Any
+    ) -> Aggregate:
         models = dict(sorted({self.context.node: own, **received.get(MODEL, {})}.items()))
         names = list(models)
-        own_ints = {key: value for key, value in own.state.items()
-                    if not value.is_floating_point()}
-        state, shares = self.combine([models[name].state for name in names],
-                                     names.index(self.context.node))
+        own_ints = {key: value for key, value in own.state.items() if not value.is_floating_point()}
+        state, shares = self.combine(
+            [models[name].state for name in names], names.index(self.context.node)
+        )
         weights = {name: share for name, share in zip(names, shares, strict=True) if share > 0}
         return Aggregate(state={**state, **own_ints}, weights=weights)
 

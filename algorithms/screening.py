@@ -83,8 +83,13 @@ def copies(digests: dict[str, bytes], seen_before: set[bytes]) -> dict[str, str]
     for digest in digests.values():
         holders[digest] = holders.get(digest, 0) + 1
     found = {peer: "replay" for peer, digest in digests.items() if digest in seen_before}
-    found.update({peer: "copy" for peer, digest in digests.items()
-                  if holders[digest] > 1 and peer not in found})
+    found.update(
+        {
+            peer: "copy"
+            for peer, digest in digests.items()
+            if holders[digest] > 1 and peer not in found
+        }
+    )
     return found
 
 
@@ -100,14 +105,20 @@ def worse_beyond_noise(own_losses: torch.Tensor, other_losses: torch.Tensor) -> 
     return float(differences.mean()) > noise
 
 
-def per_sample_losses(model: torch.nn.Module, state: State, x: torch.Tensor,
-                      y: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
+def per_sample_losses(
+    model: torch.nn.Module, state: State, x: torch.Tensor, y: torch.Tensor, batch_size: int = 512
+) -> torch.Tensor:
     model.load_state_dict(state)
     model.eval()
     with torch.no_grad():
-        return torch.cat([functional.cross_entropy(model(x[i:i + batch_size]),
-                                                   y[i:i + batch_size].long(), reduction="none")
-                          for i in range(0, len(x), batch_size)])
+        return torch.cat(
+            [
+                functional.cross_entropy(
+                    model(x[i : i + batch_size]), y[i : i + batch_size].long(), reduction="none"
+                )
+                for i in range(0, len(x), batch_size)
+            ]
+        )
 
 
 # --------------------------------------------------------------------------- the wrapper
@@ -143,8 +154,9 @@ class Screened(PeerAlgorithm):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.rule.load_state_dict(state)
 
-    def aggregate(self, round_no: int, own: PeerModel, received: ReceivedModels, data: Any
-                  ) -> Aggregate:
+    def aggregate(
+        self, round_no: int, own: PeerModel, received: ReceivedModels, data: Any
+    ) -> Aggregate:
         clock = time.perf_counter()
         me, models = self.context.node, received.get(MODEL, {})
         judged = len(data.y_val) > 0
@@ -160,30 +172,52 @@ class Screened(PeerAlgorithm):
             assert own_losses is not None
             own_loss = float(own_losses.mean())
             aggregate_loss = float(self._losses(outcome.state, data).mean())
-            report.update(val_loss_own=own_loss, val_loss_aggregate=aggregate_loss,
-                          adopted=adopts(own_loss, aggregate_loss))
+            report.update(
+                val_loss_own=own_loss,
+                val_loss_aggregate=aggregate_loss,
+                adopted=adopts(own_loss, aggregate_loss),
+            )
             if not report["adopted"]:
                 outcome = Aggregate(own.state, {me: 1.0}, outcome.diagnostics)
         self._remember(round_no, [state_digest(outcome.state)])
         report["seconds"] = time.perf_counter() - clock
-        outcome.diagnostics = {**outcome.diagnostics, "screened_out": dict(sorted(reasons.items())),
-                               "screening": report}
+        outcome.diagnostics = {
+            **outcome.diagnostics,
+            "screened_out": dict(sorted(reasons.items())),
+            "screening": report,
+        }
         return outcome
 
-    def _screen(self, round_no: int, own: PeerModel, models: dict[str, PeerModel], data: Any,
-                own_losses: torch.Tensor | None) -> dict[str, str]:
+    def _screen(
+        self,
+        round_no: int,
+        own: PeerModel,
+        models: dict[str, PeerModel],
+        data: Any,
+        own_losses: torch.Tensor | None,
+    ) -> dict[str, str]:
         """{peer: reason} for the received whole models kept out of the rule."""
-        reasons = {peer: "n_claim" for peer in inflated_claims(
-            own.n_samples, {peer: model.n_samples for peer, model in models.items()})}
+        reasons = {
+            peer: "n_claim"
+            for peer in inflated_claims(
+                own.n_samples, {peer: model.n_samples for peer, model in models.items()}
+            )
+        }
         digests = {peer: state_digest(model.state) for peer, model in models.items()}
-        reasons.update({peer: why for peer, why in copies(digests, self._seen_before(round_no))
-                        .items() if peer not in reasons})
+        reasons.update(
+            {
+                peer: why
+                for peer, why in copies(digests, self._seen_before(round_no)).items()
+                if peer not in reasons
+            }
+        )
         self._remember(round_no, digests.values())
         if own_losses is None:
             return reasons
         for peer in sorted(set(models) - set(reasons)):
-            pair = weighted_average({"own": own.state, peer: models[peer].state},
-                                    {"own": 0.5, peer: 0.5})
+            pair = weighted_average(
+                {"own": own.state, peer: models[peer].state}, {"own": 0.5, peer: 0.5}
+            )
             if worse_beyond_noise(own_losses, self._losses(pair, data)):
                 reasons[peer] = "val_loss"
         return reasons
@@ -194,8 +228,9 @@ class Screened(PeerAlgorithm):
     def _seen_before(self, round_no: int) -> set[bytes]:
         """Digests of earlier rounds only: a step the node re-runs (node/containment.py)
         must not find this round's own models there."""
-        return set().union(*(digests for seen_round, digests in self._seen.items()
-                             if seen_round < round_no))
+        return set().union(
+            *(digests for seen_round, digests in self._seen.items() if seen_round < round_no)
+        )
 
     def _remember(self, round_no: int, digests: Any) -> None:
         self._seen.setdefault(round_no, set()).update(digests)

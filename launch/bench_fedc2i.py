@@ -48,8 +48,11 @@ GOAL = 0.1  # influence seconds per round / training seconds per round
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="meshfl bench fedc2i", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="meshfl bench fedc2i",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--data-root", metavar="DIR", help="digit5 data (default: random)")
     parser.add_argument("--repeats", type=int, default=5, help="timed repetitions")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
@@ -71,36 +74,52 @@ def _node_data(root: str | None) -> NodeData:
     sizes = [round(SAMPLES * part) for part in SPLIT]
     xs = [torch.rand(size, *INPUT_SHAPE, generator=generator) * 2 - 1 for size in sizes]
     ys = [torch.arange(size) % CLASSES for size in sizes]
-    return NodeData(xs[0], ys[0], xs[1], ys[1], xs[2], ys[2], CLASSES, INPUT_SHAPE,
-                    {"domain": "random"})
+    return NodeData(
+        xs[0], ys[0], xs[1], ys[1], xs[2], ys[2], CLASSES, INPUT_SHAPE, {"domain": "random"}
+    )
 
 
 def _timers(data: NodeData) -> dict[str, Callable[[], object]]:
     """What to time, by label; every call starts from the same weights."""
+
     def new_model() -> torch.nn.Module:
         return build_model("lenet", INPUT_SHAPE, CLASSES, seed=0)
 
     scratch = new_model()
-    states = [_state(build_model("lenet", INPUT_SHAPE, CLASSES, seed=seed)) for seed in
-              range(PEERS)]
+    states = [
+        _state(build_model("lenet", INPUT_SHAPE, CLASSES, seed=seed)) for seed in range(PEERS)
+    ]
     float_body = [key for key in body_keys(scratch) if states[0][key].is_floating_point()]
     x, y = influence_batch(data.x_train, data.y_train, BATCH, seed=1)
     names = [f"node{index}" for index in range(PEERS)]
-    rule = FedC2I(FedC2I.Params(gamma=GAMMA), Context(
-        names[0], 0, CLASSES, tuple(body_keys(scratch)), tuple(head_keys(scratch)),
-        batch_size=BATCH, new_model=new_model))
-    received = {"model": {name: PeerModel(state, len(data.y_train))
-                          for name, state in zip(names[1:], states[1:], strict=True)}}
+    rule = FedC2I(
+        FedC2I.Params(gamma=GAMMA),
+        Context(
+            names[0],
+            0,
+            CLASSES,
+            tuple(body_keys(scratch)),
+            tuple(head_keys(scratch)),
+            batch_size=BATCH,
+            new_model=new_model,
+        ),
+    )
+    received = {
+        "model": {
+            name: PeerModel(state, len(data.y_train))
+            for name, state in zip(names[1:], states[1:], strict=True)
+        }
+    }
     own = PeerModel(states[0], len(data.y_train))
 
     def influence(**parts: bool) -> object:
-        return measure_influence(scratch, states, 0, float_body, "head.weight", "head.bias",
-                                 x, y, GAMMA, **parts)
+        return measure_influence(
+            scratch, states, 0, float_body, "head.weight", "head.bias", x, y, GAMMA, **parts
+        )
 
     def training() -> object:
         model = new_model()
-        return train_local(model, data.x_train, data.y_train, EPOCHS, BATCH, "adam", 1e-3,
-                           seed=0)
+        return train_local(model, data.x_train, data.y_train, EPOCHS, BATCH, "adam", 1e-3, seed=0)
 
     return {
         "training": training,
@@ -131,23 +150,30 @@ def _medians(timers: dict[str, Callable[[], object]], repeats: int) -> dict[str,
 def _report(medians: dict[str, float], data: NodeData, args: argparse.Namespace) -> None:
     training = medians["training"]
     source = f"digit5 node 0 from {args.data_root}" if args.data_root else "random tensors"
-    print(f"FedC²I influence overhead: lenet on {source}, {len(data.y_train)} train samples, "
-          f"K={PEERS} models, batch {BATCH}, {args.threads} torch thread(s); medians of "
-          f"{args.repeats} repetitions")
-    rows = [("local training, 2 epochs", "training"), ("influence (vectorized)", "influence"),
-            ("  client level: K body passes", "client level"),
-            ("  class level: one pass + batched", "class level"),
-            ("influence (naive class loop)", "influence, naive"),
-            ("  class level: K·C heads", "class level, naive"),
-            ("whole aggregate (vectorized)", "aggregate")]
+    print(
+        f"FedC²I influence overhead: lenet on {source}, {len(data.y_train)} train samples, "
+        f"K={PEERS} models, batch {BATCH}, {args.threads} torch thread(s); medians of "
+        f"{args.repeats} repetitions"
+    )
+    rows = [
+        ("local training, 2 epochs", "training"),
+        ("influence (vectorized)", "influence"),
+        ("  client level: K body passes", "client level"),
+        ("  class level: one pass + batched", "class level"),
+        ("influence (naive class loop)", "influence, naive"),
+        ("  class level: K·C heads", "class level, naive"),
+        ("whole aggregate (vectorized)", "aggregate"),
+    ]
     for text, label in rows:
         ratio = "" if label == "training" else f"   {medians[label] / training:7.4f} x training"
         print(f"  {text:<36}{medians[label] * 1000:9.2f} ms{ratio}")
     share = medians["influence"] / training
     verdict = "met" if share < GOAL else "NOT met"
-    print(f"goal: influence below {GOAL:g} x training per round: {verdict} ({share:.4f}); "
-          f"class level {medians['class level, naive'] / medians['class level']:.1f}x faster "
-          "than the naive loop")
+    print(
+        f"goal: influence below {GOAL:g} x training per round: {verdict} ({share:.4f}); "
+        f"class level {medians['class level, naive'] / medians['class level']:.1f}x faster "
+        "than the naive loop"
+    )
 
 
 if __name__ == "__main__":

@@ -72,40 +72,76 @@ class Setting:
 SETTINGS = {
     "convex": Setting(
         title="Fed-Influence, convex: synthetic (60 features, 5 classes), logistic regression",
-        dataset="synthetic", partition="domains", model="logreg", clients=100, rounds=300,
-        batch_size=10_000, samples_per_node=1000,
-        params={"lr": 0.01, "local_steps": 5, "samples_per_step": 50,
-                "clients_per_round": 10, "evaluate_every": 300},
+        dataset="synthetic",
+        partition="domains",
+        model="logreg",
+        clients=100,
+        rounds=300,
+        batch_size=10_000,
+        samples_per_node=1000,
+        params={
+            "lr": 0.01,
+            "local_steps": 5,
+            "samples_per_step": 50,
+            "clients_per_round": 10,
+            "evaluate_every": 300,
+        },
         caps="100 clients (paper: 1000), 300 rounds (paper: 1000), lr 0.01 (paper: 0.003), "
-             "local steps on the whole train split (at most 600 samples: 1000 per client "
-             "before the 60/20/20 split), one seed; K = 10, m = 5, N_s = 50 as in the paper. "
-             "Exact FIL of every client by 100 leave-one-out reruns."),
+        "local steps on the whole train split (at most 600 samples: 1000 per client "
+        "before the 60/20/20 split), one seed; K = 10, m = 5, N_s = 50 as in the paper. "
+        "Exact FIL of every client by 100 leave-one-out reruns.",
+    ),
     "femnist": Setting(
         title="Fed-Influence, non-convex: FEMNIST writers, CNN",
-        dataset="femnist", partition="domains", model="cnn", clients=20, rounds=100,
-        batch_size=10, samples_per_node=120,
-        params={"lr": 0.1, "local_steps": 2, "samples_per_step": 50,
-                "clients_per_round": 5, "lwet": "client", "evaluate_every": 100},
+        dataset="femnist",
+        partition="domains",
+        model="cnn",
+        clients=20,
+        rounds=100,
+        batch_size=10,
+        samples_per_node=120,
+        params={
+            "lr": 0.1,
+            "local_steps": 2,
+            "samples_per_step": 50,
+            "clients_per_round": 5,
+            "lwet": "client",
+            "evaluate_every": 100,
+        },
         caps="the 20 largest writers, 120 samples each (72 to train; paper: 100 writers), "
-             "100 rounds (paper: 2000), K = 5 (paper: 10), the mesh's small CNN (two 3x3 "
-             "conv layers and one dense layer, 158k parameters: LEAF's 6.6M-parameter CNN "
-             "would upload 2.6 GB of gradients per client and round; the paper shrank it "
-             "too), batch 10, lr 0.1, m = 2, N_s = 50, LWET per (client, tensor) as the "
-             "paper's setting 3; one seed."),
+        "100 rounds (paper: 2000), K = 5 (paper: 10), the mesh's small CNN (two 3x3 "
+        "conv layers and one dense layer, 158k parameters: LEAF's 6.6M-parameter CNN "
+        "would upload 2.6 GB of gradients per client and round; the paper shrank it "
+        "too), batch 10, lr 0.1, m = 2, N_s = 50, LWET per (client, tensor) as the "
+        "paper's setting 3; one seed.",
+    ),
     "cleanse": Setting(
         title="Client cleansing: synthetic (one shared labelling model, unbalanced), "
-              "logistic regression, 20% of clients with shifted labels",
-        dataset="synthetic", partition="iid", model="logreg", clients=100, rounds=300,
-        batch_size=10_000, samples_per_node=1000, shifted_clients=0.2,
-        params={"lr": 0.1, "local_steps": 5, "samples_per_step": 50,
-                "clients_per_round": 10, "evaluate_every": 300, "cleanse_at": 100,
-                "cleanse_fraction": 0.1},
+        "logistic regression, 20% of clients with shifted labels",
+        dataset="synthetic",
+        partition="iid",
+        model="logreg",
+        clients=100,
+        rounds=300,
+        batch_size=10_000,
+        samples_per_node=1000,
+        shifted_clients=0.2,
+        params={
+            "lr": 0.1,
+            "local_steps": 5,
+            "samples_per_step": 50,
+            "clients_per_round": 10,
+            "evaluate_every": 300,
+            "cleanse_at": 100,
+            "cleanse_fraction": 0.1,
+        },
         seeds=(0, 1, 2),
         caps="100 clients, 300 rounds, K = 10, m = 5 full-batch steps, lr 0.1, N_s = 50; "
-             "cleansing after round 100 of 10% of the clients (paper: round 700 of 1000, "
-             "30%); the synthetic data's IID form (one labelling model for all, still "
-             "unbalanced), with 20 clients training on labels shifted by one class "
-             "(y+1 mod 5); test set: the clients' clean test splits; 3 seeds."),
+        "cleansing after round 100 of 10% of the clients (paper: round 700 of 1000, "
+        "30%); the synthetic data's IID form (one labelling model for all, still "
+        "unbalanced), with 20 clients training on labels shifted by one class "
+        "(y+1 mod 5); test set: the clients' clean test splits; 3 seeds.",
+    ),
 }
 
 
@@ -122,8 +158,7 @@ class Federation:
 
     def new_model(self) -> torch.nn.Module:
         first = next(iter(self.clients.values()))
-        return build_model(self.setting.model, first.input_shape, first.num_classes,
-                           seed=self.seed)
+        return build_model(self.setting.model, first.input_shape, first.num_classes, seed=self.seed)
 
     def context(self, node: str, with_test_set: bool = False) -> Context:
         model = self.new_model()
@@ -131,18 +166,44 @@ class Federation:
         data = None
         if with_test_set:
             empty_x, empty_y = self.test_x[:0], self.test_y[:0]
-            data = NodeData(empty_x, empty_y, empty_x, empty_y, self.test_x, self.test_y,
-                            first.num_classes, first.input_shape, {"role": "test set"})
-        return Context(node, self.seed, first.num_classes, tuple(body_keys(model)),
-                       tuple(head_keys(model)), batch_size=self.setting.batch_size,
-                       new_model=self.new_model, data=data)
+            data = NodeData(
+                empty_x,
+                empty_y,
+                empty_x,
+                empty_y,
+                self.test_x,
+                self.test_y,
+                first.num_classes,
+                first.input_shape,
+                {"role": "test set"},
+            )
+        return Context(
+            node,
+            self.seed,
+            first.num_classes,
+            tuple(body_keys(model)),
+            tuple(head_keys(model)),
+            batch_size=self.setting.batch_size,
+            new_model=self.new_model,
+            data=data,
+        )
 
 
 def load_federation(setting: Setting, seed: int, root: str | None) -> Federation:
     names = [f"node{index}" for index in range(setting.clients)]
-    clients = {name: load_node_data(setting.dataset, root, setting.partition, setting.clients,
-                                    index, seed, setting.samples_per_node, setting.split)
-               for index, name in enumerate(names)}
+    clients = {
+        name: load_node_data(
+            setting.dataset,
+            root,
+            setting.partition,
+            setting.clients,
+            index,
+            seed,
+            setting.samples_per_node,
+            setting.split,
+        )
+        for index, name in enumerate(names)
+    }
     test_x = torch.cat([data.x_test for data in clients.values()])
     test_y = torch.cat([data.y_test for data in clients.values()])
     shifted = _shift_labels(clients, setting.shifted_clients, seed)
@@ -156,8 +217,9 @@ def _shift_labels(clients: dict[str, NodeData], share: float, seed: int) -> list
         return []
     names = sorted(clients)
     rng = np.random.default_rng((seed, 99))
-    chosen = sorted(names[i] for i in rng.choice(len(names), round(share * len(names)),
-                                                 replace=False))
+    chosen = sorted(
+        names[i] for i in rng.choice(len(names), round(share * len(names)), replace=False)
+    )
     for name in chosen:
         data = clients[name]
         data.y_train = (data.y_train + 1) % data.num_classes
@@ -171,8 +233,9 @@ class Simulation:
         self.federation = federation
         parsed = parse_params(FedInfluence.name, params)
         self.coordinator = FedInfluence(parsed, federation.context("coordinator", True))
-        self.client_rules = {name: FedInfluence(parsed, federation.context(name))
-                             for name in federation.clients}
+        self.client_rules = {
+            name: FedInfluence(parsed, federation.context(name)) for name in federation.clients
+        }
         self.initial = federation.new_model().state_dict()
         self.scratch = federation.new_model()  # reloaded for each client's round
         self.records: list[dict[str, Any]] = []
@@ -200,8 +263,10 @@ class Simulation:
         _, extras = self.client_rules[name].client_update(round_no, model, data)
         state = {key: value.detach().clone() for key, value in model.state_dict().items()}
         if not self.upload_arrays:  # what the client would put on the wire, once
-            self.upload_arrays = {**state_to_arrays(state),
-                                  **{"extra/" + k: v.numpy() for k, v in extras.items()}}
+            self.upload_arrays = {
+                **state_to_arrays(state),
+                **{"extra/" + k: v.numpy() for k, v in extras.items()},
+            }
         return Upload(state, len(data.y_train), extras)
 
     def final_loss(self) -> tuple[float, float]:
@@ -213,8 +278,9 @@ class Simulation:
 # --------------------------------------------------------------------------- the checks
 
 
-def exact_fil(federation: Federation, params: dict[str, Any], full_loss: float,
-              clients: Sequence[str]) -> dict[str, float]:
+def exact_fil(
+    federation: Federation, params: dict[str, Any], full_loss: float, clients: Sequence[str]
+) -> dict[str, float]:
     """L(w_T without c in any round) − L(w_T) for each client c: one rerun each."""
     values = {}
     for index, client in enumerate(clients):
@@ -240,17 +306,25 @@ def correlation_check(setting: Setting, seed: int, root: str | None) -> list[str
     names = sorted(federation.clients)
     exact = exact_fil(federation, setting.params, full_loss, names)
     flags = last.records[-1]["lwet_flags"]
-    lines = [f"### {setting.title}", "",
-             "| gradients | Pearson r (estimated vs exact FIL) | clients | "
-             "largest FIL change from float32, relative |", "|---|---:|---:|---:|"]
+    lines = [
+        f"### {setting.title}",
+        "",
+        "| gradients | Pearson r (estimated vs exact FIL) | clients | "
+        "largest FIL change from float32, relative |",
+        "|---|---:|---:|---:|",
+    ]
     scale = max(abs(value) for value in estimates["float32"].values())
     for dtype, estimate in estimates.items():
         r = pearson([estimate[n] for n in names], [exact[n] for n in names])
         change = max(abs(estimate[n] - estimates["float32"][n]) for n in names) / scale
         lines.append(f"| {dtype} | {r:.4f} | {len(names)} | {change:.1e} |")
-    lines += ["", f"Final global model: test loss {full_loss:.4f}, accuracy "
-              f"{full_accuracy * 100:.1f}%; LWET flags at the end: {_flag_summary(flags)}; "
-              f"{time.monotonic() - started:.0f} s.", f"Caps: {setting.caps}"]
+    lines += [
+        "",
+        f"Final global model: test loss {full_loss:.4f}, accuracy "
+        f"{full_accuracy * 100:.1f}%; LWET flags at the end: {_flag_summary(flags)}; "
+        f"{time.monotonic() - started:.0f} s.",
+        f"Caps: {setting.caps}",
+    ]
     return lines
 
 
@@ -259,8 +333,12 @@ def cleanse_check(setting: Setting, root: str | None) -> list[str]:
     then one fork per way of cleansing; after the fork nothing reads FIP, so the forks
     run with the estimator off, which changes no random draw of training."""
     at = setting.params["cleanse_at"]
-    modes = {"no cleansing": None, "lowest FIL": "lowest", "random": "random",
-             "highest FIL": "highest"}
+    modes = {
+        "no cleansing": None,
+        "lowest FIL": "lowest",
+        "random": "random",
+        "highest FIL": "highest",
+    }
     accuracy: dict[str, list[float]] = {mode: [] for mode in modes}
     caught: dict[str, list[int]] = {mode: [] for mode in modes}
     for seed in setting.seeds:
@@ -268,20 +346,32 @@ def cleanse_check(setting: Setting, root: str | None) -> list[str]:
         base = Simulation(federation, {**setting.params, "cleanse_at": 0, "evaluate_every": at})
         base.run(1, at)
         for mode, how in modes.items():
-            fork = base.fork({**setting.params, "estimator": False, "cleanse_at": 0,
-                              "cleanse_mode": how or "lowest"})
+            fork = base.fork(
+                {
+                    **setting.params,
+                    "estimator": False,
+                    "cleanse_at": 0,
+                    "cleanse_mode": how or "lowest",
+                }
+            )
             dropped = fork.coordinator.cleanse() if how else []
             fork.run(at + 1)
             accuracy[mode].append(fork.final_loss()[1] * 100)
             caught[mode].append(len(set(dropped) & set(federation.shifted)))
             _progress(f"seed {seed} {mode}: {accuracy[mode][-1]:.2f}%")
-    lines = [f"### {setting.title}", "",
-             f"| removed after round {at} | test accuracy % (mean over seeds) | per seed | "
-             "shifted clients among the removed |", "|---|---:|---|---:|"]
+    lines = [
+        f"### {setting.title}",
+        "",
+        f"| removed after round {at} | test accuracy % (mean over seeds) | per seed | "
+        "shifted clients among the removed |",
+        "|---|---:|---|---:|",
+    ]
     for mode in modes:
         seeds = ", ".join(f"{value:.2f}" for value in accuracy[mode])
-        lines.append(f"| {mode} | {statistics.fmean(accuracy[mode]):.2f} | {seeds} | "
-                     f"{statistics.fmean(caught[mode]):.1f} |")
+        lines.append(
+            f"| {mode} | {statistics.fmean(accuracy[mode]):.2f} | {seeds} | "
+            f"{statistics.fmean(caught[mode]):.1f} |"
+        )
     lines += ["", f"Seeds {', '.join(map(str, setting.seeds))}. Caps: {setting.caps}"]
     return lines
 
@@ -291,19 +381,23 @@ def overhead_check(setting: Setting, seed: int, root: str | None) -> list[str]:
     federation = load_federation(setting, seed, root)
     rows = []
     for dtype in ("float32", "float16"):
-        simulation = Simulation(federation, {**setting.params, "gradient_dtype": dtype,
-                                             "evaluate_every": 1})
+        simulation = Simulation(
+            federation, {**setting.params, "gradient_dtype": dtype, "evaluate_every": 1}
+        )
         simulation.run()
         seconds = [record["seconds"] for record in simulation.records[1:]]  # after warm-up
         average = statistics.median(s["average"] for s in seconds)
         fip = statistics.median(s["fip"] for s in seconds)
         evaluate = statistics.median(s["evaluate"] for s in seconds)
         wire = _wire_bytes(simulation.upload_arrays)
-        plain = _wire_bytes({k: v for k, v in simulation.upload_arrays.items()
-                             if not k.startswith("extra/")})
-        rows.append(f"| {setting.title.split(':')[0]}, {dtype} | {average * 1e3:.3f} | "
-                    f"{fip * 1e3:.2f} | {fip / average:.0f} | {evaluate * 1e3:.1f} | "
-                    f"{wire / 1e6:.3f} | {plain / 1e6:.4f} |")
+        plain = _wire_bytes(
+            {k: v for k, v in simulation.upload_arrays.items() if not k.startswith("extra/")}
+        )
+        rows.append(
+            f"| {setting.title.split(':')[0]}, {dtype} | {average * 1e3:.3f} | "
+            f"{fip * 1e3:.2f} | {fip / average:.0f} | {evaluate * 1e3:.1f} | "
+            f"{wire / 1e6:.3f} | {plain / 1e6:.4f} |"
+        )
     return rows
 
 
@@ -323,6 +417,7 @@ def _flag_summary(flags: dict[str, Any]) -> str:
         if isinstance(value, dict):
             return f"{sum(value.values())}/{len(value)} uploaders up"
         return "up" if value else "down"
+
     return ", ".join(f"{key} {up(value)}" for key, value in flags.items())
 
 
@@ -334,8 +429,11 @@ def _progress(text: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="meshfl bench fedinfluence", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="meshfl bench fedinfluence",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("what", choices=["convex", "femnist", "cleanse", "overhead"])
     parser.add_argument("--data-root", metavar="DIR", help="dataset folder (femnist)")
     parser.add_argument("--out", metavar="FILE", help="also write the table here")
@@ -344,8 +442,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     lines = run_check(args.what, args.data_root, args.rounds)
-    text = "\n".join(lines) + f"\n\nRegenerate: `meshfl bench fedinfluence {args.what}" + \
-        (" --data-root DIR`" if args.what in ("femnist", "overhead") else "`") + "\n"
+    text = (
+        "\n".join(lines)
+        + f"\n\nRegenerate: `meshfl bench fedinfluence {args.what}"
+        + (" --data-root DIR`" if args.what in ("femnist", "overhead") else "`")
+        + "\n"
+    )
     print("\n" + text)
     if args.out:
         Path(args.out).write_text(text)
@@ -360,17 +462,27 @@ def run_check(what: str, root: str | None, rounds: int | None) -> list[str]:
     if what == "cleanse":
         return cleanse_check(setting("cleanse"), root)
     if what == "overhead":
-        header = ["### Fed-Influence overhead per round (medians over rounds, 1 thread)", "",
-                  "| setting, gradients | FedAvg average ms | estimator ms | ratio | "
-                  "FIL/FIA ms | upload MB/client/round | plain model MB |",
-                  "|---|---:|---:|---:|---:|---:|---:|"]
+        header = [
+            "### Fed-Influence overhead per round (medians over rounds, 1 thread)",
+            "",
+            "| setting, gradients | FedAvg average ms | estimator ms | ratio | "
+            "FIL/FIA ms | upload MB/client/round | plain model MB |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
         convex = dataclasses.replace(SETTINGS["convex"], rounds=rounds or 20)
         rows = overhead_check(convex, 0, root)
         if root:
             femnist = dataclasses.replace(SETTINGS["femnist"], rounds=rounds or 5)
             rows += overhead_check(femnist, 0, root)
-        return header + rows + ["", "Caps: the convex setting over 20 rounds and the FEMNIST "
-                                "setting over 5 (the per-round cost does not grow with t)."]
+        return (
+            header
+            + rows
+            + [
+                "",
+                "Caps: the convex setting over 20 rounds and the FEMNIST "
+                "setting over 5 (the per-round cost does not grow with t).",
+            ]
+        )
     return correlation_check(setting(what), 0, root)
 
 

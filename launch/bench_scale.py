@@ -42,15 +42,19 @@ class ScaleResult:
         per_node_round = sum(self.bytes_by_kind.values()) / (self.nodes * self.rounds)
         blob = sum(self.bytes_by_kind[kind] for kind in BLOB_KINDS)
         control = sum(self.bytes_by_kind.values()) - blob
-        kinds = " ".join(f"{kind}_b={count / (self.nodes * self.rounds):.0f}"
-                         for kind, count in sorted(self.bytes_by_kind.items()))
-        return (f"nodes={self.nodes} hosts={self.hosts} rounds={self.rounds} "
-                f"wall_s={self.wall_s:.1f} pss_mb={self.pss_mb:.0f} "
-                f"pss_per_node_mb={self.pss_mb / self.nodes:.1f} "
-                f"bytes_per_node_round={per_node_round:.0f} "
-                f"control_share={control / blob if blob else float('nan'):.3f} "
-                f"down_marks={self.down_marks}{' FAILED' if self.failed else ''}\n"
-                f"  per node and round: {kinds}")
+        kinds = " ".join(
+            f"{kind}_b={count / (self.nodes * self.rounds):.0f}"
+            for kind, count in sorted(self.bytes_by_kind.items())
+        )
+        return (
+            f"nodes={self.nodes} hosts={self.hosts} rounds={self.rounds} "
+            f"wall_s={self.wall_s:.1f} pss_mb={self.pss_mb:.0f} "
+            f"pss_per_node_mb={self.pss_mb / self.nodes:.1f} "
+            f"bytes_per_node_round={per_node_round:.0f} "
+            f"control_share={control / blob if blob else float('nan'):.3f} "
+            f"down_marks={self.down_marks}{' FAILED' if self.failed else ''}\n"
+            f"  per node and round: {kinds}"
+        )
 
 
 def process_tree(root: int) -> list[int]:
@@ -102,10 +106,22 @@ class PeakPss:
         return self.peak_kb / 1024
 
 
-def run_size(nodes: int, hosts: int | None, rounds: int, out: Path,
-             settings: list[str]) -> ScaleResult:
-    command = [sys.executable, "-m", "meshfl.launch.cli", "launch", "--nodes", str(nodes),
-               "--rounds", str(rounds), "--out", str(out), "--quiet"]
+def run_size(
+    nodes: int, hosts: int | None, rounds: int, out: Path, settings: list[str]
+) -> ScaleResult:
+    command = [
+        sys.executable,
+        "-m",
+        "meshfl.launch.cli",
+        "launch",
+        "--nodes",
+        str(nodes),
+        "--rounds",
+        str(rounds),
+        "--out",
+        str(out),
+        "--quiet",
+    ]
     if hosts is not None:
         command += ["--hosts", str(hosts)]
     for assignment in settings:
@@ -118,8 +134,16 @@ def run_size(nodes: int, hosts: int | None, rounds: int, out: Path,
     peak = pss.stop()
     if process.returncode not in (0, 3):
         raise RuntimeError(f"meshfl launch --nodes {nodes} failed: {stderr.decode()[-800:]}")
-    return ScaleResult(nodes, str(hosts) if hosts is not None else "auto", rounds, wall, peak,
-                       sent_bytes(out), down_marks(out), process.returncode != 0)
+    return ScaleResult(
+        nodes,
+        str(hosts) if hosts is not None else "auto",
+        rounds,
+        wall,
+        peak,
+        sent_bytes(out),
+        down_marks(out),
+        process.returncode != 0,
+    )
 
 
 def sent_bytes(out: Path) -> Counter[str]:
@@ -133,8 +157,7 @@ def sent_bytes(out: Path) -> Counter[str]:
 
 
 def down_marks(out: Path) -> int:
-    return sum(log.read_text(errors="replace").count(" is down")
-               for log in out.glob("*/node.log"))
+    return sum(log.read_text(errors="replace").count(" is down") for log in out.glob("*/node.log"))
 
 
 def _sizes(text: str) -> list[int]:
@@ -151,17 +174,36 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="meshfl bench scale",
         description="Wall time, total PSS and bytes per node and round of `meshfl launch "
-                    "--nodes N` on the embedded digits (FedAvg unless --set says otherwise), "
-                    "one line per size.")
-    parser.add_argument("--sizes", type=_sizes, default=[16, 50, 100],
-                        help="node counts, comma-separated (default: 16,50,100)")
+        "--nodes N` on the embedded digits (FedAvg unless --set says otherwise), "
+        "one line per size.",
+    )
+    parser.add_argument(
+        "--sizes",
+        type=_sizes,
+        default=[16, 50, 100],
+        help="node counts, comma-separated (default: 16,50,100)",
+    )
     parser.add_argument("--rounds", type=int, default=5, help="rounds per run (default: 5)")
-    parser.add_argument("--hosts", type=int, default=None,
-                        help="node host processes per run (default: what launch picks)")
-    parser.add_argument("--set", dest="settings", action="append", default=[],
-                        metavar="KEY=VALUE", help="a config change for every run, repeatable")
-    parser.add_argument("--keep", metavar="DIR", default=None,
-                        help="keep each run's folder under DIR (default: a temporary folder)")
+    parser.add_argument(
+        "--hosts",
+        type=int,
+        default=None,
+        help="node host processes per run (default: what launch picks)",
+    )
+    parser.add_argument(
+        "--set",
+        dest="settings",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config change for every run, repeatable",
+    )
+    parser.add_argument(
+        "--keep",
+        metavar="DIR",
+        default=None,
+        help="keep each run's folder under DIR (default: a temporary folder)",
+    )
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_:
@@ -169,8 +211,7 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="meshfl-scale-") as scratch:
         root = Path(args.keep or scratch)
         for size in args.sizes:
-            result = run_size(size, args.hosts, args.rounds, root / f"nodes{size}",
-                              args.settings)
+            result = run_size(size, args.hosts, args.rounds, root / f"nodes{size}", args.settings)
             print(result.line(), flush=True)
     return 0
 

@@ -83,8 +83,12 @@ SCHEMA = hashlib.sha256(b"meshfl bench schema").digest()
 PATHS = ("raw", "signed", "encrypted", "curve")
 SIGNED_PATHS = ("signed", "encrypted")  # hashed, signed and verified per blob
 CURVE_PATHS = ("encrypted", "curve")  # over ZeroMQ CURVE
-COSTS = ("sender_ms_per_mb", "sender_main_ms_per_mb", "receiver_ms_per_mb",
-         "receiver_main_ms_per_mb")
+COSTS = (
+    "sender_ms_per_mb",
+    "sender_main_ms_per_mb",
+    "receiver_ms_per_mb",
+    "receiver_main_ms_per_mb",
+)
 
 
 class BenchError(Exception):
@@ -113,8 +117,9 @@ def _pool(size: int) -> list[dict[str, np.ndarray]]:
     pool = []
     for _ in range(count):
         flat = rng.standard_normal(floats, dtype=np.float32)
-        pool.append({f"layer{i}.weight": flat[cuts[i]:cuts[i + 1]]
-                     for i in range(TENSORS_PER_BLOB)})
+        pool.append(
+            {f"layer{i}.weight": flat[cuts[i] : cuts[i + 1]] for i in range(TENSORS_PER_BLOB)}
+        )
     return pool
 
 
@@ -133,8 +138,14 @@ def _keys(identity: Identity) -> Encryption:
     return Encryption(identity.curve_public_key, identity.curve_secret_key)
 
 
-def _stream(sock: zmq.Socket, path: str, pool: list[dict[str, np.ndarray]], seconds: float,
-            mesh_id: bytes, identity: Identity) -> dict[str, float]:
+def _stream(
+    sock: zmq.Socket,
+    path: str,
+    pool: list[dict[str, np.ndarray]],
+    seconds: float,
+    mesh_id: bytes,
+    identity: Identity,
+) -> dict[str, float]:
     instance = wire.new_instance()
     seq = time.time_ns()  # as a node does: rising across restarts
     start_cpu = _cpu_seconds()
@@ -145,8 +156,9 @@ def _stream(sock: zmq.Socket, path: str, pool: list[dict[str, np.ndarray]], seco
         if path in SIGNED_PATHS:
             blob = wire.make_blob(identity, sent, "model", arrays, schema=SCHEMA)
             seq += 1
-            frames = wire.encode(identity, mesh_id, "blob", seq, sent, {}, instance=instance,
-                                 blob=blob)
+            frames = wire.encode(
+                identity, mesh_id, "blob", seq, sent, {}, instance=instance, blob=blob
+            )
         else:
             frames = list(arrays.values())
         # Returns once queued: the I/O thread sends this blob while we hash the next.
@@ -206,8 +218,11 @@ def _drain(sock: zmq.Socket, path: str, size: int, mesh_id: bytes) -> dict[str, 
             start_wall, start_cpu = time.perf_counter(), _cpu_seconds()
     wall = time.perf_counter() - start_wall
     timed_mb = (received - WARMUP_MESSAGES) * size / MIB
-    return {"received": received, "mb_s": timed_mb / wall, **_costs("receiver", start_cpu,
-                                                                    timed_mb)}
+    return {
+        "received": received,
+        "mb_s": timed_mb / wall,
+        **_costs("receiver", start_cpu, timed_mb),
+    }
 
 
 def _receiver(conn: Connection) -> None:
@@ -219,8 +234,9 @@ def _receiver(conn: Connection) -> None:
             keys = _keys(Identity.generate())
             if path in CURVE_PATHS:
                 curve_server(sock, keys)
-            conn.send({"port": sock.bind_to_random_port("tcp://127.0.0.1"),
-                       "server_key": keys.public_key})
+            conn.send(
+                {"port": sock.bind_to_random_port("tcp://127.0.0.1"), "server_key": keys.public_key}
+            )
             try:
                 conn.send(_drain(sock, path, size, mesh_id))
             except (wire.Rejected, BenchError) as err:
@@ -237,8 +253,7 @@ def _receiver(conn: Connection) -> None:
 class _Child:
     def __init__(self, context: Any, target: Any, name: str) -> None:
         self.conn, child_conn = context.Pipe()
-        self.process = context.Process(target=target, args=(child_conn,), name=name,
-                                       daemon=True)
+        self.process = context.Process(target=target, args=(child_conn,), name=name, daemon=True)
         self.process.start()
         child_conn.close()
 
@@ -268,8 +283,7 @@ def _answers(children: list[_Child]) -> list[Any]:
         pending = [child.conn for n, child in enumerate(children) if n not in answers]
         ready = wait(pending, CHILD_TIMEOUT)
         if not ready:
-            names = " and ".join(c.process.name for n, c in enumerate(children)
-                                 if n not in answers)
+            names = " and ".join(c.process.name for n, c in enumerate(children) if n not in answers)
             raise BenchError(f"{names}: no answer in {CHILD_TIMEOUT:.0f} s")
         for n, child in enumerate(children):
             if child.conn not in ready:
@@ -277,16 +291,18 @@ def _answers(children: list[_Child]) -> list[Any]:
             try:
                 answer = child.conn.recv()
             except EOFError:
-                raise BenchError(f"{child.process.name} died (exit code "
-                                 f"{child.process.exitcode})") from None
+                raise BenchError(
+                    f"{child.process.name} died (exit code {child.process.exitcode})"
+                ) from None
             if "error" in answer:
                 raise BenchError(answer["error"])
             answers[n] = answer
     return [answers[n] for n in range(len(children))]
 
 
-def _one_stream(sender: _Child, receiver: _Child, path: str, size: int,
-                seconds: float) -> dict[str, float]:
+def _one_stream(
+    sender: _Child, receiver: _Child, path: str, size: int, seconds: float
+) -> dict[str, float]:
     mesh_id = os.urandom(wire.MESH_ID_BYTES)
     receiver.ask((path, size, mesh_id))
     listening = receiver.answer()
@@ -303,8 +319,9 @@ def _blob_bytes(size_mb: float) -> int:
     return max(unit, int(size_mb * MIB) // unit * unit)
 
 
-def bench_wire(sizes_mb: Sequence[float] = (1, 10, 100), seconds_per_size: float = 8.0,
-               repeats: int = 3) -> list[dict[str, Any]]:
+def bench_wire(
+    sizes_mb: Sequence[float] = (1, 10, 100), seconds_per_size: float = 8.0, repeats: int = 3
+) -> list[dict[str, Any]]:
     """Signed-blob (plain and encrypted) against raw ZeroMQ throughput per blob size; the
     module docstring says exactly what is measured. Each size gets `seconds_per_size` of
     timed streaming, split evenly over its len(PATHS) * `repeats` streams (each stream
@@ -321,8 +338,10 @@ def bench_wire(sizes_mb: Sequence[float] = (1, 10, 100), seconds_per_size: float
         raise ValueError("sizes, seconds and repeats must be positive")
     largest = wire.Limits().max_message_bytes - wire.Limits().max_envelope_bytes
     if max(_blob_bytes(size_mb) for size_mb in sizes_mb) > largest:
-        raise ValueError(f"a blob may hold at most {largest / MIB:g} MB "
-                         "(wire.Limits.max_message_bytes, less the envelope)")
+        raise ValueError(
+            f"a blob may hold at most {largest / MIB:g} MB "
+            "(wire.Limits.max_message_bytes, less the envelope)"
+        )
     seconds = seconds_per_size / (len(PATHS) * repeats)
     cores = len(os.sched_getaffinity(0))
     context = multiprocessing.get_context("spawn")
@@ -337,17 +356,22 @@ def bench_wire(sizes_mb: Sequence[float] = (1, 10, 100), seconds_per_size: float
                 order = PATHS if repeat % 2 == 0 else PATHS[::-1]
                 for path in order:
                     runs[path].append(_one_stream(sender, receiver, path, size, seconds))
-            speed = {path: statistics.median(run["mb_s"] for run in runs[path])
-                     for path in PATHS}
-            results.append({
-                "size_mb": size_mb, **{f"{path}_mb_s": speed[path] for path in PATHS},
-                "ratio": speed["signed"] / speed["raw"],
-                "encrypted_ratio": speed["encrypted"] / speed["raw"],
-                **{f"{path}_runs": [run["mb_s"] for run in runs[path]] for path in PATHS},
-                **{f"{path}_{cost}": statistics.median(run[cost] for run in runs[path])
-                   for path in PATHS for cost in COSTS},
-                "cores": cores,
-            })
+            speed = {path: statistics.median(run["mb_s"] for run in runs[path]) for path in PATHS}
+            results.append(
+                {
+                    "size_mb": size_mb,
+                    **{f"{path}_mb_s": speed[path] for path in PATHS},
+                    "ratio": speed["signed"] / speed["raw"],
+                    "encrypted_ratio": speed["encrypted"] / speed["raw"],
+                    **{f"{path}_runs": [run["mb_s"] for run in runs[path]] for path in PATHS},
+                    **{
+                        f"{path}_{cost}": statistics.median(run[cost] for run in runs[path])
+                        for path in PATHS
+                        for cost in COSTS
+                    },
+                    "cores": cores,
+                }
+            )
     finally:
         sender.stop()
         receiver.stop()
@@ -358,8 +382,7 @@ def _sizes(text: str) -> list[float]:
     try:
         sizes = [float(item) for item in text.split(",") if item.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"got {text!r}; expected numbers like 1,10,100") \
-            from None
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected numbers like 1,10,100") from None
     if not sizes or min(sizes) <= 0:
         raise argparse.ArgumentTypeError(f"got {text!r}; sizes must be positive")
     return sizes
@@ -374,6 +397,7 @@ def _positive(kind: type) -> Any:
         if value <= 0:
             raise argparse.ArgumentTypeError(f"got {text!r}; expected a positive number")
         return value
+
     return parse
 
 
@@ -387,7 +411,8 @@ def _detail(row: dict[str, Any]) -> list[str]:
         lines.append(
             f"  {path:9s} runs {runs} MB/s | CPU ms per MB: sender {sender:.2f} (main thread "
             f"{sender_main:.2f}), receiver {receiver:.2f} (main thread {receiver_main:.2f}) | "
-            f"{row['cores']} cores allow at most {ceiling:.0f} MB/s")
+            f"{row['cores']} cores allow at most {ceiling:.0f} MB/s"
+        )
     return lines
 
 
@@ -395,18 +420,33 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="meshfl bench wire",
         description="Throughput of signed blobs (sign, send, verify), plain and over "
-                    "ZeroMQ CURVE, against raw ZeroMQ PUSH/PULL of the same bytes, between "
-                    "two processes over loopback TCP.")
-    parser.add_argument("--sizes", type=_sizes, default=[1.0, 10.0, 100.0],
-                        help="blob sizes in MB (2**20 bytes), comma-separated (default: "
-                             "1,10,100)")
-    parser.add_argument("--repeats", type=_positive(int), default=3,
-                        help="repetitions per size; the median is reported (default: 3)")
-    parser.add_argument("--seconds", type=_positive(float), default=8.0,
-                        help="seconds of timed streaming per size, shared by the repetitions "
-                             "of both paths (default: 8)")
-    parser.add_argument("--detail", action="store_true",
-                        help="also print every repetition and where the CPU time went")
+        "ZeroMQ CURVE, against raw ZeroMQ PUSH/PULL of the same bytes, between "
+        "two processes over loopback TCP.",
+    )
+    parser.add_argument(
+        "--sizes",
+        type=_sizes,
+        default=[1.0, 10.0, 100.0],
+        help="blob sizes in MB (2**20 bytes), comma-separated (default: 1,10,100)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=_positive(int),
+        default=3,
+        help="repetitions per size; the median is reported (default: 3)",
+    )
+    parser.add_argument(
+        "--seconds",
+        type=_positive(float),
+        default=8.0,
+        help="seconds of timed streaming per size, shared by the repetitions "
+        "of both paths (default: 8)",
+    )
+    parser.add_argument(
+        "--detail",
+        action="store_true",
+        help="also print every repetition and where the CPU time went",
+    )
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_:
@@ -417,10 +457,12 @@ def main(argv: list[str]) -> int:
         print(f"meshfl bench wire: {err}", file=sys.stderr)
         return 1
     for row in results:
-        print(f"size_mb={row['size_mb']:g} signed_mb_s={row['signed_mb_s']:.1f} "
-              f"encrypted_mb_s={row['encrypted_mb_s']:.1f} raw_mb_s={row['raw_mb_s']:.1f} "
-              f"ratio={row['ratio']:.2f} encrypted_ratio={row['encrypted_ratio']:.2f}",
-              flush=True)
+        print(
+            f"size_mb={row['size_mb']:g} signed_mb_s={row['signed_mb_s']:.1f} "
+            f"encrypted_mb_s={row['encrypted_mb_s']:.1f} raw_mb_s={row['raw_mb_s']:.1f} "
+            f"ratio={row['ratio']:.2f} encrypted_ratio={row['encrypted_ratio']:.2f}",
+            flush=True,
+        )
         if args.detail:
             for line in _detail(row):
                 print(line, flush=True)

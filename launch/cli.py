@@ -16,173 +16,278 @@ from .errors import EXIT_INTERRUPTED, EXIT_USAGE, UserError
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     # options.py turns the named flags into config overrides: a new one goes there too.
-    parser.add_argument("--config", metavar="FILE",
-                        help="peers.yaml with the mesh settings and peers (default: built-in "
-                             "demo settings)")
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="peers.yaml with the mesh settings and peers (default: built-in demo settings)",
+    )
     parser.add_argument("--algorithm", help="aggregation rule, e.g. fedavg, local")
-    parser.add_argument("--dataset", help="digits (embedded), mnist, fmnist, usps, cifar10, "
-                        "mnistm, femnist, office, synthetic, digit5, npz:PATH")
-    parser.add_argument("--data-root", metavar="DIR",
-                        help="folder holding the dataset in its standard layout")
-    parser.add_argument("--partition", help="iid, dirichlet:<alpha>, pathological:<labels>, "
-                        "groups:<s>, clusters:<k>[:noisy], domains")
-    parser.add_argument("--samples-per-node", type=int, metavar="N",
-                        help="cap on each node's shard")
+    parser.add_argument(
+        "--dataset",
+        help="digits (embedded), mnist, fmnist, usps, cifar10, "
+        "mnistm, femnist, office, synthetic, digit5, npz:PATH",
+    )
+    parser.add_argument(
+        "--data-root", metavar="DIR", help="folder holding the dataset in its standard layout"
+    )
+    parser.add_argument(
+        "--partition",
+        help="iid, dirichlet:<alpha>, pathological:<labels>, "
+        "groups:<s>, clusters:<k>[:noisy], domains",
+    )
+    parser.add_argument(
+        "--samples-per-node", type=int, metavar="N", help="cap on each node's shard"
+    )
     parser.add_argument("--rounds", type=int, help="number of rounds")
     parser.add_argument("--seed", type=int, help="seed of every random choice")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        dest="assignments",
-                        help="set any config field, e.g. --set lr=0.1 --set algorithm.gamma=2 "
-                             "(repeatable)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        dest="assignments",
+        help="set any config field, e.g. --set lr=0.1 --set algorithm.gamma=2 (repeatable)",
+    )
 
 
 def _add_local_nodes(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--local-nodes", type=int, default=1,
-                        help="node processes sharing this machine's cores")
+    parser.add_argument(
+        "--local-nodes", type=int, default=1, help="node processes sharing this machine's cores"
+    )
 
 
 def _add_launcher_fd(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--launcher-fd", type=int, metavar="FD",
-                        help="set by `meshfl launch`: stop (as on Ctrl-C) when this pipe "
-                             "descriptor reads end-of-file, i.e. when the launcher is gone")
+    parser.add_argument(
+        "--launcher-fd",
+        type=int,
+        metavar="FD",
+        help="set by `meshfl launch`: stop (as on Ctrl-C) when this pipe "
+        "descriptor reads end-of-file, i.e. when the launcher is gone",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="meshfl",
         description="A peer-to-peer network for personalized federated learning. Every node "
-                    "is its own process with its own data; nodes gossip signed models over "
-                    "ZeroMQ and each decides whom to learn from.")
+        "is its own process with its own data; nodes gossip signed models over "
+        "ZeroMQ and each decides whom to learn from.",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log more")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     launch = commands.add_parser(
-        "launch", help="start N local nodes and show their progress",
+        "launch",
+        help="start N local nodes and show their progress",
         description="Start N nodes on this machine, in about one process per core (see "
-                    "--hosts), show their progress, print a result table and write per-node "
-                    "metrics and summary.json to --out.")
+        "--hosts), show their progress, print a result table and write per-node "
+        "metrics and summary.json to --out.",
+    )
     _add_config_flags(launch)
-    launch.add_argument("--nodes", type=int, help="number of local nodes (default 4, or the "
-                        "peers of --config)")
+    launch.add_argument(
+        "--nodes", type=int, help="number of local nodes (default 4, or the peers of --config)"
+    )
     launch.add_argument("--out", metavar="DIR", help="run folder (default runs/<time>-<rule>)")
-    launch.add_argument("--hosts", type=int, metavar="H",
-                        help="processes the nodes share (default: one per core, at most one "
-                             "per node). Each is a node host: torch loads once per host and "
-                             "its nodes take turns at the CPU, each still a full peer on the "
-                             "wire. --hosts equal to --nodes gives every node its own process")
+    launch.add_argument(
+        "--hosts",
+        type=int,
+        metavar="H",
+        help="processes the nodes share (default: one per core, at most one "
+        "per node). Each is a node host: torch loads once per host and "
+        "its nodes take turns at the CPU, each still a full peer on the "
+        "wire. --hosts equal to --nodes gives every node its own process",
+    )
     launch.add_argument("--quiet", action="store_true", help="no live progress line")
-    launch.add_argument("--restarts", type=int, default=0, metavar="N",
-                        help="restart a node that fails up to N times; it resumes from its "
-                             "checkpoint (default 0). Exit code 3 when a node failed for "
-                             "good, 128+signal when launch itself is stopped by one")
+    launch.add_argument(
+        "--restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="restart a node that fails up to N times; it resumes from its "
+        "checkpoint (default 0). Exit code 3 when a node failed for "
+        "good, 128+signal when launch itself is stopped by one",
+    )
 
     node = commands.add_parser(
-        "node", help="run one node of a peers.yaml mesh (one per LAN machine)",
+        "node",
+        help="run one node of a peers.yaml mesh (one per LAN machine)",
         description="Run the peer NAME of --config; it binds its listen address and dials "
-                    "the other peers listed there.")
+        "the other peers listed there.",
+    )
     _add_config_flags(node)
     node.add_argument("--name", required=True, help="this node's name in the config's peers")
-    node.add_argument("--out", metavar="DIR", default="runs/node",
-                      help="folder for <name>/metrics.jsonl and the checkpoint")
-    node.add_argument("--key", metavar="PEM", help="private key (default: the peer's `key`, "
-                      "else <out>/keys/<name>.pem, created on first start)")
+    node.add_argument(
+        "--out",
+        metavar="DIR",
+        default="runs/node",
+        help="folder for <name>/metrics.jsonl and the checkpoint",
+    )
+    node.add_argument(
+        "--key",
+        metavar="PEM",
+        help="private key (default: the peer's `key`, "
+        "else <out>/keys/<name>.pem, created on first start)",
+    )
     _add_local_nodes(node)
     _add_launcher_fd(node)
 
     coordinator = commands.add_parser(
-        "coordinator", help="run the coordinator node of a server-centric mesh",
+        "coordinator",
+        help="run the coordinator node of a server-centric mesh",
         description="Run the coordinator of --config (its `coordinator:` address) for the "
-                    "server-centric rules; clients upload to it and it answers each with its "
-                    "personalized model. Restarted, it resumes from its checkpoint.")
+        "server-centric rules; clients upload to it and it answers each with its "
+        "personalized model. Restarted, it resumes from its checkpoint.",
+    )
     _add_config_flags(coordinator)
-    coordinator.add_argument("--out", metavar="DIR", default="runs/node",
-                             help="folder for coordinator/metrics.jsonl and the checkpoint")
-    coordinator.add_argument("--key", metavar="PEM", help="private key (default: "
-                             "<out>/keys/coordinator.pem, created on first start)")
+    coordinator.add_argument(
+        "--out",
+        metavar="DIR",
+        default="runs/node",
+        help="folder for coordinator/metrics.jsonl and the checkpoint",
+    )
+    coordinator.add_argument(
+        "--key",
+        metavar="PEM",
+        help="private key (default: <out>/keys/coordinator.pem, created on first start)",
+    )
     _add_local_nodes(coordinator)
     _add_launcher_fd(coordinator)
 
     host = commands.add_parser(
-        "host", help="run several peers of a peers.yaml mesh in one process",
+        "host",
+        help="run several peers of a peers.yaml mesh in one process",
         description="Run the peers NAMES of --config in this one process, each a full peer "
-                    "with its own key, port, metrics and checkpoint, talking to the others "
-                    "only over the wire. torch loads once; the peers take turns at the CPU. "
-                    "`meshfl launch` starts about one host per core.")
+        "with its own key, port, metrics and checkpoint, talking to the others "
+        "only over the wire. torch loads once; the peers take turns at the CPU. "
+        "`meshfl launch` starts about one host per core.",
+    )
     _add_config_flags(host)
-    host.add_argument("--names", required=True, metavar="NAME,NAME,...",
-                      help="the peers of --config this host runs")
-    host.add_argument("--out", metavar="DIR", default="runs/node",
-                      help="folder for each <name>/metrics.jsonl, checkpoint and node.log")
+    host.add_argument(
+        "--names",
+        required=True,
+        metavar="NAME,NAME,...",
+        help="the peers of --config this host runs",
+    )
+    host.add_argument(
+        "--out",
+        metavar="DIR",
+        default="runs/node",
+        help="folder for each <name>/metrics.jsonl, checkpoint and node.log",
+    )
     _add_local_nodes(host)
     _add_launcher_fd(host)
 
     join = commands.add_parser(
-        "join", help="join a running mesh through any one of its addresses",
+        "join",
+        help="join a running mesh through any one of its addresses",
         description="Join the mesh at ADDR (tcp://HOST:PORT of any member). The mesh settings "
-                    "come from --config (the run folder's config.yaml for a `meshfl launch` "
-                    "mesh) and must match the mesh's, or its members ignore this node.")
-    join.add_argument("address", metavar="ADDR", help="KEY@tcp://HOST:PORT of any mesh "
-                      "member (as printed by `meshfl launch` and logged by every node); a "
-                      "bare tcp://HOST:PORT when --config lists that member's public_key")
+        "come from --config (the run folder's config.yaml for a `meshfl launch` "
+        "mesh) and must match the mesh's, or its members ignore this node.",
+    )
+    join.add_argument(
+        "address",
+        metavar="ADDR",
+        help="KEY@tcp://HOST:PORT of any mesh "
+        "member (as printed by `meshfl launch` and logged by every node); a "
+        "bare tcp://HOST:PORT when --config lists that member's public_key",
+    )
     _add_config_flags(join)
     join.add_argument("--name", help="this node's name (default joiner-<port>)")
-    join.add_argument("--listen", metavar="ADDR", help="where to bind (default: this host's "
-                      "address towards ADDR, on a free port)")
-    join.add_argument("--out", metavar="DIR", default="runs/node",
-                      help="output folder, as for `meshfl node` (default runs/node)")
-    join.add_argument("--key", metavar="PEM", help="private key (default: the listed peer's "
-                      "`key` when --name is in --config, else <out>/keys/<name>.pem; created "
-                      "if missing)")
+    join.add_argument(
+        "--listen",
+        metavar="ADDR",
+        help="where to bind (default: this host's address towards ADDR, on a free port)",
+    )
+    join.add_argument(
+        "--out",
+        metavar="DIR",
+        default="runs/node",
+        help="output folder, as for `meshfl node` (default runs/node)",
+    )
+    join.add_argument(
+        "--key",
+        metavar="PEM",
+        help="private key (default: the listed peer's "
+        "`key` when --name is in --config, else <out>/keys/<name>.pem; created "
+        "if missing)",
+    )
     _add_local_nodes(join)
 
     keygen = commands.add_parser(
-        "keygen", help="write a new Ed25519 node key",
+        "keygen",
+        help="write a new Ed25519 node key",
         description="Write a new Ed25519 private key as PEM (mode 0600) and print the node id "
-                    "and public key; never overwrites an existing file.")
+        "and public key; never overwrites an existing file.",
+    )
     keygen.add_argument("path", metavar="PATH")
 
     experiment = commands.add_parser(
-        "experiment", help="run a named experiment and print its results table",
+        "experiment",
+        help="run a named experiment and print its results table",
         description="Run every variant of a named experiment for each seed as a local mesh "
-                    "and print the per-node test accuracy table (also OUT/table.md). "
-                    "Finished runs are kept and skipped on a rerun; one made with other "
-                    "settings stops the command with what differs.")
+        "and print the per-node test accuracy table (also OUT/table.md). "
+        "Finished runs are kept and skipped on a rerun; one made with other "
+        "settings stops the command with what differs.",
+    )
     experiment.add_argument("name", nargs="?", metavar="NAME", help="experiment name")
     experiment.add_argument("--list", action="store_true", help="list the experiments")
     experiment.add_argument("--data-root", metavar="DIR", help="dataset folder")
     experiment.add_argument("--seeds", metavar="S1,S2", help="override the seeds")
-    experiment.add_argument("--out", metavar="DIR",
-                            help="output folder (default runs/experiments/NAME)")
-    experiment.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                            dest="assignments", help="override any config field of every run")
+    experiment.add_argument(
+        "--out", metavar="DIR", help="output folder (default runs/experiments/NAME)"
+    )
+    experiment.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        dest="assignments",
+        help="override any config field of every run",
+    )
 
     report = commands.add_parser(
-        "report", help="draw a finished run's figures and write a markdown summary",
+        "report",
+        help="draw a finished run's figures and write a markdown summary",
         description="Read RUN_DIR (the --out folder of `meshfl launch` or `meshfl node`) and "
-                    "write accuracy.png, who-learns-from-whom heatmaps and report.md. Needs "
-                    "matplotlib: pip install 'meshfl[report]'.")
+        "write accuracy.png, who-learns-from-whom heatmaps and report.md. Needs "
+        "matplotlib: pip install 'meshfl[report]'.",
+    )
     report.add_argument("run_dir", metavar="RUN_DIR", help="the run folder")
     report.add_argument("--out", metavar="DIR", help="where to write (default RUN_DIR/report)")
 
     status = commands.add_parser(
-        "status", help="ask a live node for its round, peers, accuracies and rejections",
+        "status",
+        help="ask a live node for its round, peers, accuracies and rejections",
         description="Send a signed status request to the node at ADDR and print its answer. "
-                    "Joins nothing; signs with a throwaway key unless --key is given (a "
-                    "closed mesh answers only keys it lists). The connection is encrypted "
-                    "when ADDR names the node's key.")
-    status.add_argument("address", metavar="ADDR", help="KEY@tcp://HOST:PORT of the node "
-                        "(KEY: its public key, which it logs at start); tcp://HOST:PORT for "
-                        "a node with encryption off")
+        "Joins nothing; signs with a throwaway key unless --key is given (a "
+        "closed mesh answers only keys it lists). The connection is encrypted "
+        "when ADDR names the node's key.",
+    )
+    status.add_argument(
+        "address",
+        metavar="ADDR",
+        help="KEY@tcp://HOST:PORT of the node "
+        "(KEY: its public key, which it logs at start); tcp://HOST:PORT for "
+        "a node with encryption off",
+    )
     status.add_argument("--key", metavar="PEM", help="sign with this private key")
-    status.add_argument("--timeout", type=float, default=5.0, metavar="S",
-                        help="seconds to wait for the answer (default 5)")
+    status.add_argument(
+        "--timeout",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds to wait for the answer (default 5)",
+    )
     status.add_argument("--json", action="store_true", help="print the answer as JSON")
 
     bench = commands.add_parser(
-        "bench", help="measure the wire protocol's throughput or an algorithm's overhead")
-    bench.add_argument("what", choices=list(BENCHMARKS),
-                       help="; ".join(f"{name}: {what}" for name, (_, what) in
-                                      BENCHMARKS.items()))
+        "bench", help="measure the wire protocol's throughput or an algorithm's overhead"
+    )
+    bench.add_argument(
+        "what",
+        choices=list(BENCHMARKS),
+        help="; ".join(f"{name}: {what}" for name, (_, what) in BENCHMARKS.items()),
+    )
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark")
     return parser
 
@@ -192,10 +297,16 @@ def main(argv: list[str] | None = None) -> int:
     quiet_command = args.command not in ("node", "host", "join", "coordinator")
     configure_logging(logging.WARNING if quiet_command and not args.verbose else logging.INFO)
     handlers: dict[str, Callable[[argparse.Namespace], int]] = {
-        "launch": _launch, "node": _node, "host": _host, "coordinator": _coordinator,
+        "launch": _launch,
+        "node": _node,
+        "host": _host,
+        "coordinator": _coordinator,
         "join": _join,
-        "keygen": _keygen, "bench": _bench, "experiment": _experiment,
-        "report": _report, "status": _status,
+        "keygen": _keygen,
+        "bench": _bench,
+        "experiment": _experiment,
+        "report": _report,
+        "status": _status,
     }
     try:
         return handlers[args.command](args)
@@ -253,8 +364,9 @@ def _keygen(args: argparse.Namespace) -> int:
 
     if Path(args.path).exists():  # name its public key, which a closed mesh's peers.yaml needs
         existing = Identity.load(args.path).public_key.hex()
-        raise UserError(f"{args.path} already exists; refusing to overwrite a key (its public "
-                        f"key: {existing})")
+        raise UserError(
+            f"{args.path} already exists; refusing to overwrite a key (its public key: {existing})"
+        )
     identity = Identity.generate()
     identity.save(args.path)
     print(f"wrote {Path(args.path)} (mode 0600)")
@@ -286,8 +398,10 @@ BENCHMARKS = {
     "wire": ("bench_wire", "signed and encrypted blob MB/s against raw ZeroMQ"),
     "scale": ("bench_scale", "wall time, memory and bytes of meshes of 16, 50 and 100 nodes"),
     "fedc2i": ("bench_fedc2i", "influence seconds as a share of local training"),
-    "fedinfluence": ("bench_fedinfluence",
-                     "Fed-Influence against exact leave-one-out, cleansing and overhead"),
+    "fedinfluence": (
+        "bench_fedinfluence",
+        "Fed-Influence against exact leave-one-out, cleansing and overhead",
+    ),
 }
 
 

@@ -71,9 +71,11 @@ def join_contact(cfg: cfgmod.MeshConfig, out: Path, given: str) -> str:
     if listed is not None:
         public_key = _known_key(listed, key_path(out, listed.name, listed.key))
     if public_key is None:
-        raise UserError(f"ADDR: {address} belongs to an encrypted mesh and its node's public "
-                        "key is unknown here; give KEY@tcp://HOST:PORT (the node logs it at "
-                        "start, `meshfl launch` prints it) or list its public_key in --config")
+        raise UserError(
+            f"ADDR: {address} belongs to an encrypted mesh and its node's public "
+            "key is unknown here; give KEY@tcp://HOST:PORT (the node logs it at "
+            "start, `meshfl launch` prints it) or list its public_key in --config"
+        )
     return contact(address, public_key)
 
 

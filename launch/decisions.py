@@ -57,8 +57,9 @@ def pfedsv(node: str, own: Diagnostics, coordinator: Diagnostics) -> str | None:
 
 
 def fedc2i(node: str, own: Diagnostics, coordinator: Diagnostics) -> str | None:
-    influence = {peer: value for peer, value in (own.get("influence_vector") or {}).items()
-                 if peer != node}
+    influence = {
+        peer: value for peer, value in (own.get("influence_vector") or {}).items() if peer != node
+    }
     if not influence:
         return "no peer arrived" if "influence_vector" in own else None
     peer = max(sorted(influence), key=influence.__getitem__)
@@ -83,11 +84,13 @@ def fedinfluence(node: str, own: Diagnostics, coordinator: Diagnostics) -> str |
     return ("most influential, " if node == most else "") + f"FIL {fil[node]:+.3g}"
 
 
-def decided_by(decide: Decide, history: dict[str, list[RoundRecord]],
-               coordinator: list[CoordinatorRecord]) -> dict[str, str]:
+def decided_by(
+    decide: Decide, history: dict[str, list[RoundRecord]], coordinator: list[CoordinatorRecord]
+) -> dict[str, str]:
     """node -> what `decide` phrases for it, from each node's metrics records (`history`)
     and the coordinator's; a node it has no phrase for is left out."""
     shared = latest_diagnostics(coordinator)
-    phrases = {node: decide(node, latest_diagnostics(records), shared)
-               for node, records in history.items()}
+    phrases = {
+        node: decide(node, latest_diagnostics(records), shared) for node, records in history.items()
+    }
     return {node: phrase for node, phrase in phrases.items() if phrase}

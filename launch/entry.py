@@ -26,47 +26,78 @@ from .summary import last_record
 from .supervise import free_ports
 
 
-def node_options(cfg: cfgmod.MeshConfig, name: str, listen: str, out: Path, key: Path,
-                 shard: tuple[int, int], local_nodes: int = 1,
-                 dial: list[str] | None = None) -> NodeOptions:
+def node_options(
+    cfg: cfgmod.MeshConfig,
+    name: str,
+    listen: str,
+    out: Path,
+    key: Path,
+    shard: tuple[int, int],
+    local_nodes: int = 1,
+    dial: list[str] | None = None,
+) -> NodeOptions:
     """How node `name` takes part: it listens on `listen`, writes under `out`/`name`,
     signs with the key at `key` (made here if missing), trains on data shard `shard`
     (index, count) and dials `dial` (default: every node `cfg` lists but itself)."""
     own_contact(cfg, listen, key)  # our key first, then the others': contacts.py
     index, count = shard
     return NodeOptions(
-        config=cfg, name=name, listen=listen, out_dir=out / name, key_path=key,
-        node_index=index, num_nodes=count, local_nodes=local_nodes,
-        bootstrap=listed_contacts(cfg, out, but=name) if dial is None else dial)
+        config=cfg,
+        name=name,
+        listen=listen,
+        out_dir=out / name,
+        key_path=key,
+        node_index=index,
+        num_nodes=count,
+        local_nodes=local_nodes,
+        bootstrap=listed_contacts(cfg, out, but=name) if dial is None else dial,
+    )
 
 
-def named_node_options(cfg: cfgmod.MeshConfig, name: str, out: Path, key: str | None = None,
-                       local_nodes: int = 1) -> NodeOptions:
+def named_node_options(
+    cfg: cfgmod.MeshConfig, name: str, out: Path, key: str | None = None, local_nodes: int = 1
+) -> NodeOptions:
     """How peer `name` of `cfg` takes part, writing under `out`: its listed address and
     shard, its key (made here if it has none), and the others' contacts to dial."""
     peer = cfgmod.peer_by_name(cfg, name)
     own_key = key_path(out, peer.name, key or peer.key)
-    return node_options(cfg, peer.name, peer.listen, out, own_key,
-                        (cfg.peers.index(peer), len(cfg.peers)), local_nodes)
+    return node_options(
+        cfg,
+        peer.name,
+        peer.listen,
+        out,
+        own_key,
+        (cfg.peers.index(peer), len(cfg.peers)),
+        local_nodes,
+    )
 
 
 def run_named_node(args: argparse.Namespace) -> int:
-    options = named_node_options(resolve_config(args), args.name, Path(args.out), args.key,
-                                 args.local_nodes)
+    options = named_node_options(
+        resolve_config(args), args.name, Path(args.out), args.key, args.local_nodes
+    )
     return _run(options, launcher_fd=args.launcher_fd)
 
 
 def run_coordinator(args: argparse.Namespace) -> int:
     cfg = resolve_config(args)
     if cfg.coordinator is None or not needs_coordinator(cfg.algorithm.name):
-        raise UserError(f"algorithm {cfg.algorithm.name} runs without a coordinator; a "
-                        "coordinator needs a server-centric algorithm and `coordinator: ADDR`")
+        raise UserError(
+            f"algorithm {cfg.algorithm.name} runs without a coordinator; a "
+            "coordinator needs a server-centric algorithm and `coordinator: ADDR`"
+        )
     out = Path(args.out)
     # The coordinator's own data is a held-out shard (node N of N+1), for the rules that
     # evaluate on the coordinator.
-    options = node_options(cfg, COORDINATOR, cfg.coordinator, out,
-                           key_path(out, COORDINATOR, args.key),
-                           (len(cfg.peers), len(cfg.peers) + 1), args.local_nodes)
+    options = node_options(
+        cfg,
+        COORDINATOR,
+        cfg.coordinator,
+        out,
+        key_path(out, COORDINATOR, args.key),
+        (len(cfg.peers), len(cfg.peers) + 1),
+        args.local_nodes,
+    )
     return _run(options, role=COORDINATOR, launcher_fd=args.launcher_fd)
 
 
@@ -89,10 +120,14 @@ def run_joiner(args: argparse.Namespace) -> int:
     # It dials the coordinator, if any, and the member it joins through; the mesh's
     # peer lists name the rest.
     coordinator = listed_contacts(replace(cfg, peers=[]), out, but=name)
-    options = node_options(cfg, name, listen, out, own_key, shard, args.local_nodes,
-                           dial=[*coordinator, through])
-    hint = (f"meshfl join {own_contact(cfg, listen, own_key)}"
-            + (f" --config {args.config}" if args.config else "") + " --name NAME")
+    options = node_options(
+        cfg, name, listen, out, own_key, shard, args.local_nodes, dial=[*coordinator, through]
+    )
+    hint = (
+        f"meshfl join {own_contact(cfg, listen, own_key)}"
+        + (f" --config {args.config}" if args.config else "")
+        + " --name NAME"
+    )
     print(f"meshfl: {name} joining through {args.address}", flush=True)
     return _run(replace(options, joining=True, join_hint=hint))
 
@@ -116,9 +151,10 @@ def say_finished(options: NodeOptions) -> None:
     metrics = options.out_dir / "metrics.jsonl"
     record = last_record(metrics)
     if record is None:
-        print(f"meshfl: {options.name} ran no round (rounds: {options.config.rounds})",
-              flush=True)
+        print(f"meshfl: {options.name} ran no round (rounds: {options.config.rounds})", flush=True)
     elif "test_acc" in record:
-        print(f"meshfl: {options.name} finished round {record['round']}/"
-              f"{options.config.rounds}, test accuracy {record['test_acc']:.3f} ({metrics})",
-              flush=True)
+        print(
+            f"meshfl: {options.name} finished round {record['round']}/"
+            f"{options.config.rounds}, test accuracy {record['test_acc']:.3f} ({metrics})",
+            flush=True,
+        )

@@ -32,8 +32,11 @@ from .supervise import run_mesh, with_local_peers
 
 def available() -> dict[str, Path]:
     folder = resources.files("meshfl.launch") / "experiments"
-    return {Path(item.name).stem: Path(str(item)) for item in folder.iterdir()
-            if item.name.endswith(".yaml")}
+    return {
+        Path(item.name).stem: Path(str(item))
+        for item in folder.iterdir()
+        if item.name.endswith(".yaml")
+    }
 
 
 def load_experiment(name: str) -> dict[str, Any]:
@@ -61,15 +64,21 @@ def run_experiment(args: argparse.Namespace) -> int:
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else spec["seeds"]
     extra = [f"data.root={args.data_root}"] if args.data_root else []
     extra += list(args.assignments)
-    runs = [(variant, seed, out / _slug(variant) / f"seed{seed}",
-             _planned_config(base, [*assignments, f"seed={seed}", *extra], spec["nodes"]))
-            for variant, assignments in spec["variants"].items() for seed in seeds]
+    runs = [
+        (
+            variant,
+            seed,
+            out / _slug(variant) / f"seed{seed}",
+            _planned_config(base, [*assignments, f"seed={seed}", *extra], spec["nodes"]),
+        )
+        for variant, assignments in spec["variants"].items()
+        for seed in seeds
+    ]
     for _, _, run_dir, cfg in runs:  # all before any runs: a stale folder stops at once
         _check_same_settings(run_dir, cfg)
     summaries: dict[str, list[dict[str, Any]]] = {}
     for variant, seed, run_dir, cfg in runs:
-        summaries.setdefault(variant, []).append(
-            _run_once(cfg, run_dir, f"{variant} seed {seed}"))
+        summaries.setdefault(variant, []).append(_run_once(cfg, run_dir, f"{variant} seed {seed}"))
     render = render_robustness if spec.get("table") == "robustness" else render_table
     table = render(spec, summaries, seeds, args)
     (out / "table.md").write_text(table)
@@ -87,10 +96,14 @@ def with_attack_grid(spec: dict[str, Any]) -> dict[str, Any]:
     if "attacks" not in spec:
         return spec
     nodes = "[" + ", ".join(spec["attackers"]) + "]"
-    variants = {f"{rule}{GRID_SEPARATOR}{attack}":
-                [*rule_sets, *([f"attack.nodes={nodes}", *attack_sets] if attack_sets else [])]
-                for attack, attack_sets in spec["attacks"].items()
-                for rule, rule_sets in spec["rules"].items()}
+    variants = {
+        f"{rule}{GRID_SEPARATOR}{attack}": [
+            *rule_sets,
+            *([f"attack.nodes={nodes}", *attack_sets] if attack_sets else []),
+        ]
+        for attack, attack_sets in spec["attacks"].items()
+        for rule, rule_sets in spec["rules"].items()
+    }
     return {**spec, "variants": variants}
 
 
@@ -104,22 +117,44 @@ def robustness_cell(runs: list[dict[str, Any]]) -> str:
     return f"{mean:.1f} / {worst:.1f}{weight}"
 
 
-def render_robustness(spec: dict[str, Any], summaries: dict[str, list[dict[str, Any]]],
-                      seeds: list[int], args: argparse.Namespace) -> str:
+def render_robustness(
+    spec: dict[str, Any],
+    summaries: dict[str, list[dict[str, Any]]],
+    seeds: list[int],
+    args: argparse.Namespace,
+) -> str:
     """Markdown: a row per attack, a column per rule; a run not made is left blank."""
     rules, attacks = list(spec["rules"]), list(spec["attacks"])
-    lines = [f"### {spec['title']}", "",
-             "| attack | " + " | ".join(rules) + " |", "|---|" + "---:|" * len(rules)]
+    lines = [
+        f"### {spec['title']}",
+        "",
+        "| attack | " + " | ".join(rules) + " |",
+        "|---|" + "---:|" * len(rules),
+    ]
     for attack in attacks:
         cells = [summaries.get(f"{rule}{GRID_SEPARATOR}{attack}") for rule in rules]
-        lines.append(f"| {attack} | "
-                     + " | ".join(robustness_cell(runs) if runs else "" for runs in cells) + " |")
-    lines += _cost_rows({rule: [run for attack in attacks
-                                for run in summaries.get(f"{rule}{GRID_SEPARATOR}{attack}", [])]
-                         for rule in rules})
+        lines.append(
+            f"| {attack} | "
+            + " | ".join(robustness_cell(runs) if runs else "" for runs in cells)
+            + " |"
+        )
+    lines += _cost_rows(
+        {
+            rule: [
+                run
+                for attack in attacks
+                for run in summaries.get(f"{rule}{GRID_SEPARATOR}{attack}", [])
+            ]
+            for rule in rules
+        }
+    )
     command = f"meshfl experiment {args.name}" + (" --data-root DIR" if args.data_root else "")
-    lines += ["", f"Seeds {', '.join(map(str, seeds))}; {spec['nodes']} nodes. "
-              f"Caps: {spec['caps']}", f"Regenerate: `{command}`", ""]
+    lines += [
+        "",
+        f"Seeds {', '.join(map(str, seeds))}; {spec['nodes']} nodes. Caps: {spec['caps']}",
+        f"Regenerate: `{command}`",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -144,12 +179,16 @@ def _check_same_settings(run_dir: Path, cfg: cfgmod.MeshConfig) -> None:
     try:
         there = _what_decides_results(cfgmod.load_config(run_dir / "config.yaml"))
     except cfgmod.ConfigError as error:  # e.g. a rule parameter renamed since
-        raise UserError(f"{run_dir}/config.yaml no longer reads ({error}): delete that "
-                        "folder to run it again, or pass --out DIR") from error
+        raise UserError(
+            f"{run_dir}/config.yaml no longer reads ({error}): delete that "
+            "folder to run it again, or pass --out DIR"
+        ) from error
     changed = _differences(there, _what_decides_results(cfg))
     if changed:
-        raise UserError(f"{run_dir} holds a run made with other settings ({'; '.join(changed)})"
-                        ": delete that folder to run it again, or pass --out DIR")
+        raise UserError(
+            f"{run_dir} holds a run made with other settings ({'; '.join(changed)})"
+            ": delete that folder to run it again, or pass --out DIR"
+        )
 
 
 def _run_once(cfg: cfgmod.MeshConfig, run_dir: Path, label: str) -> dict[str, Any]:
@@ -163,17 +202,21 @@ def _run_once(cfg: cfgmod.MeshConfig, run_dir: Path, label: str) -> dict[str, An
     if failed:  # a table of means is only fair over runs every node finished
         (run_dir / "summary.json").unlink()  # so that a rerun resumes the run, not keeps it
         node = failed[0]
-        raise UserError(f"{label}: node {node['name']} failed ({node.get('ended')}): "
-                        f"{node.get('last_error') or 'no error in its log'}; see {run_dir}")
-    print(f"  {label}: mean test accuracy {summary['mean_test_acc']:.3f} "
-          f"({time.monotonic() - started:.0f} s)", flush=True)
+        raise UserError(
+            f"{label}: node {node['name']} failed ({node.get('ended')}): "
+            f"{node.get('last_error') or 'no error in its log'}; see {run_dir}"
+        )
+    print(
+        f"  {label}: mean test accuracy {summary['mean_test_acc']:.3f} "
+        f"({time.monotonic() - started:.0f} s)",
+        flush=True,
+    )
     return summary
 
 
 # Where a run's data lay, where its nodes listened, who may join, and the timeouts (they
 # only bound waits; a run in which a deadline fired shows it in its metrics).
-_NOT_DECIDING = ("coordinator", "closed", "round_timeout", "heartbeat_interval",
-                 "peer_timeout")
+_NOT_DECIDING = ("coordinator", "closed", "round_timeout", "heartbeat_interval", "peer_timeout")
 
 
 def _what_decides_results(cfg: cfgmod.MeshConfig) -> dict[str, Any]:
@@ -181,15 +224,19 @@ def _what_decides_results(cfg: cfgmod.MeshConfig) -> dict[str, Any]:
     data roots. The nodes count, by name, with their data overrides (how the data is
     split); the rule's parameters with their defaults filled in, so a run saved before
     its parameters were written out reads as today's defaults."""
-    settings = {key: value for key, value in cfgmod.to_dict(cfg).items()
-                if key not in _NOT_DECIDING}
+    settings = {
+        key: value for key, value in cfgmod.to_dict(cfg).items() if key not in _NOT_DECIDING
+    }
     settings["data"] = _without_root(settings["data"])
     peers = settings.pop("peers")
     settings["nodes"] = len(peers)
-    settings["node_data"] = {peer["name"]: _without_root(peer["data"]) for peer in peers
-                             if peer["data"]}
-    settings["algorithm"] = {"name": cfg.algorithm.name,
-                             "params": cfgmod.explicit_params(cfg.algorithm, cfg.rounds)}
+    settings["node_data"] = {
+        peer["name"]: _without_root(peer["data"]) for peer in peers if peer["data"]
+    }
+    settings["algorithm"] = {
+        "name": cfg.algorithm.name,
+        "params": cfgmod.explicit_params(cfg.algorithm, cfg.rounds),
+    }
     return settings
 
 
@@ -220,17 +267,25 @@ def _cost_rows(summaries: dict[str, list[dict[str, Any]]]) -> list[str]:
     return _table_rows(summaries, ROUND_COSTS.rows, lambda summary: summary.get("cost", {}))
 
 
-def _table_rows(summaries: dict[str, list[dict[str, Any]]], rows: dict[str, TableRow],
-                section: Callable[[dict[str, Any]], dict[str, Any]]) -> list[str]:
+def _table_rows(
+    summaries: dict[str, list[dict[str, Any]]],
+    rows: dict[str, TableRow],
+    section: Callable[[dict[str, Any]], dict[str, Any]],
+) -> list[str]:
     """A markdown row per key of `rows` that some variant's summaries have in their
     `section`, a cell per variant pooling its seeds; blank where a variant has none."""
     lines = []
     for key, row in rows.items():
-        values = [[section(summary)[key] for summary in runs if key in section(summary)]
-                  for runs in summaries.values()]
+        values = [
+            [section(summary)[key] for summary in runs if key in section(summary)]
+            for runs in summaries.values()
+        ]
         if any(values):
-            lines.append(f"| {row.title} | " + " | ".join(
-                row.form.format(row.pool(seeds)) if seeds else "" for seeds in values) + " |")
+            lines.append(
+                f"| {row.title} | "
+                + " | ".join(row.form.format(row.pool(seeds)) if seeds else "" for seeds in values)
+                + " |"
+            )
     return lines
 
 
@@ -242,28 +297,39 @@ def _share_per_round(summaries: dict[str, list[dict[str, Any]]], seeds: list[int
         for seed, summary in zip(seeds, runs, strict=True):
             shares = summary.get("own_group_share")
             if shares:
-                lines.append(f"- {variant}, seed {seed}, rounds {min(map(int, shares))}-"
-                             f"{max(map(int, shares))}: "
-                             + " ".join(f"{share:.2f}" for share in shares.values()))
+                lines.append(
+                    f"- {variant}, seed {seed}, rounds {min(map(int, shares))}-"
+                    f"{max(map(int, shares))}: "
+                    + " ".join(f"{share:.2f}" for share in shares.values())
+                )
     if lines:
         lines = ["", "Own-group share of the relevant sets per round of the CCP:", *lines]
     return lines
 
 
-def render_table(spec: dict[str, Any], summaries: dict[str, list[dict[str, Any]]],
-                 seeds: list[int], args: argparse.Namespace) -> str:
+def render_table(
+    spec: dict[str, Any],
+    summaries: dict[str, list[dict[str, Any]]],
+    seeds: list[int],
+    args: argparse.Namespace,
+) -> str:
     """Markdown: one row per node (test accuracy in %, mean over seeds), then the mean
     over nodes as mean (std over seeds)."""
     variants = list(summaries)
     first = summaries[variants[0]][0]["nodes"]
     label_key = spec.get("label")
-    lines = [f"### {spec['title']}", "",
-             "| node | " + " | ".join(variants) + " |",
-             "|---|" + "---:|" * len(variants)]
+    lines = [
+        f"### {spec['title']}",
+        "",
+        "| node | " + " | ".join(variants) + " |",
+        "|---|" + "---:|" * len(variants),
+    ]
     for index, node in enumerate(first):
         label = node["name"] + (f" ({node['data'].get(label_key)})" if label_key else "")
-        cells = [statistics.fmean(s["nodes"][index]["test_acc"] for s in summaries[v]) * 100
-                 for v in variants]
+        cells = [
+            statistics.fmean(s["nodes"][index]["test_acc"] for s in summaries[v]) * 100
+            for v in variants
+        ]
         lines.append(f"| {label} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
     means = []
     for variant in variants:
@@ -273,6 +339,10 @@ def render_table(spec: dict[str, Any], summaries: dict[str, list[dict[str, Any]]
     lines.append("| mean (std over seeds) | " + " | ".join(means) + " |")
     lines += _score_rows(summaries) + _cost_rows(summaries) + _share_per_round(summaries, seeds)
     command = f"meshfl experiment {args.name}" + (" --data-root DIR" if args.data_root else "")
-    lines += ["", f"Seeds {', '.join(map(str, seeds))}; {spec['nodes']} nodes. "
-              f"Caps: {spec['caps']}", f"Regenerate: `{command}`", ""]
+    lines += [
+        "",
+        f"Seeds {', '.join(map(str, seeds))}; {spec['nodes']} nodes. Caps: {spec['caps']}",
+        f"Regenerate: `{command}`",
+        "",
+    ]
     return "\n".join(lines)

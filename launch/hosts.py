@@ -23,16 +23,19 @@ from .options import resolve_config
 def hosted_names(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",") if name.strip()]
     if not names or len(set(names)) != len(names):
-        raise UserError(f"--names: got {text!r}; allowed: peer names of --config, comma-"
-                        "separated, each once")
+        raise UserError(
+            f"--names: got {text!r}; allowed: peer names of --config, comma-separated, each once"
+        )
     return names
 
 
 def run_host(args: argparse.Namespace) -> int:
     cfg = resolve_config(args)
     out = Path(args.out)
-    options = [named_node_options(cfg, name, out, local_nodes=args.local_nodes)
-               for name in hosted_names(args.names)]
+    options = [
+        named_node_options(cfg, name, out, local_nodes=args.local_nodes)
+        for name in hosted_names(args.names)
+    ]
     raise_open_files_limit()
     host = NodeHost(options, make_node)
 

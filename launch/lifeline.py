@@ -47,8 +47,9 @@ class Lifeline:
 def watch_launcher(fd: int, name: str) -> None:
     """In a node: stop this process like Ctrl-C (its checkpoint is whole) once the
     launcher holding the other end of `fd` is gone."""
-    threading.Thread(target=_wait_for_end_of_file, args=(fd, name), name="lifeline",
-                     daemon=True).start()
+    threading.Thread(
+        target=_wait_for_end_of_file, args=(fd, name), name="lifeline", daemon=True
+    ).start()
 
 
 def _wait_for_end_of_file(fd: int, name: str) -> None:
@@ -56,8 +57,12 @@ def _wait_for_end_of_file(fd: int, name: str) -> None:
         while os.read(fd, 1):
             pass  # nobody writes; read anyway, so that a stray byte does not stop us
     except OSError as error:
-        log.warning("%s: cannot watch the launcher on descriptor %d (%s); running on "
-                    "without", name, fd, error.strerror or error)
+        log.warning(
+            "%s: cannot watch the launcher on descriptor %d (%s); running on without",
+            name,
+            fd,
+            error.strerror or error,
+        )
         return
     log.warning("%s: the launcher is gone; stopping", name)
     os.kill(os.getpid(), signal.SIGTERM)

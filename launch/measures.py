@@ -95,8 +95,11 @@ def _mean_row(title: str) -> TableRow:
 def attacker_weight(run: RunRecords) -> dict[str, float]:
     """The attackers' share of the honest nodes' aggregation weights: the weight on
     attackers summed per round, averaged over honest nodes and rounds."""
-    shares = [sum(weight for peer, weight in record.weights.items() if peer in run.attackers)
-              for name, record in run.node_rounds() if name not in run.attackers]
+    shares = [
+        sum(weight for peer, weight in record.weights.items() if peer in run.attackers)
+        for name, record in run.node_rounds()
+        if name not in run.attackers
+    ]
     return {"attacker_weight": statistics.fmean(shares)} if run.attackers and shares else {}
 
 
@@ -115,20 +118,31 @@ def round_costs(run: RunRecords) -> dict[str, float]:
         shapley = record.diagnostics.get("shapley_seconds")
         if shapley is not None and train:
             shapley_share.append(shapley / train)
-    return _pooled(statistics.median, mb_in_per_round=received, shapley_to_train=shapley_share,
-                   aggregate_to_train=aggregate_share)
+    return _pooled(
+        statistics.median,
+        mb_in_per_round=received,
+        shapley_to_train=shapley_share,
+        aggregate_to_train=aggregate_share,
+    )
 
 
 EVERY_RULE = (Scores(attacker_weight),)  # the robustness table shows it, no score row
 # What a round cost: summary.json's "cost", each a median over the seeds in a table.
-ROUND_COSTS = Scores(round_costs, {
-    "mb_in_per_round": TableRow("MB received per node and round (median)",
-                                statistics.median, "{:.2f}"),
-    "shapley_to_train": TableRow("Shapley seconds per training second (median)",
-                                 statistics.median),
-    "aggregate_to_train": TableRow("aggregation seconds (screening included) per training "
-                                   "second (median)", statistics.median),
-})
+ROUND_COSTS = Scores(
+    round_costs,
+    {
+        "mb_in_per_round": TableRow(
+            "MB received per node and round (median)", statistics.median, "{:.2f}"
+        ),
+        "shapley_to_train": TableRow(
+            "Shapley seconds per training second (median)", statistics.median
+        ),
+        "aggregate_to_train": TableRow(
+            "aggregation seconds (screening included) per training second (median)",
+            statistics.median,
+        ),
+    },
+)
 
 
 # --------------------------------------------------------------------------- grouping rules
@@ -142,15 +156,24 @@ def _groups_ari(groups: dict[str, list[str]], run: RunRecords) -> dict[str, floa
 def peer_groups_ari(run: RunRecords) -> dict[str, float]:
     """pFedLIA: the ARI of the groups the peers were in at their last round against the
     true clusters."""
-    groups = {name: rounds[-1].diagnostics["group"] for name, rounds in run.history.items()
-              if rounds and rounds[-1].diagnostics.get("group") is not None}
+    groups = {
+        name: rounds[-1].diagnostics["group"]
+        for name, rounds in run.history.items()
+        if rounds and rounds[-1].diagnostics.get("group") is not None
+    }
     return _groups_ari(groups, run)
 
 
 def coordinator_groups_ari(run: RunRecords) -> dict[str, float]:
     """pFedLIA central: the ARI of the last groups the coordinator formed."""
-    last = next((record.diagnostics["groups"] for record in reversed(run.coordinator)
-                 if record.diagnostics.get("groups")), {})
+    last = next(
+        (
+            record.diagnostics["groups"]
+            for record in reversed(run.coordinator)
+            if record.diagnostics.get("groups")
+        ),
+        {},
+    )
     return _groups_ari(last, run)
 
 
@@ -158,12 +181,18 @@ def own_group_share(run: RunRecords) -> dict[str, Any]:
     """FedReMa: the share of the relevant-set members from the client's own group, per
     round of the critical co-learning period (CCP), its mean and its lowest."""
     group_of = run.fact("group")
-    shares = {str(record.round): share for record in run.coordinator
-              if (share := _ccp_own_group_share(record, group_of)) is not None}
+    shares = {
+        str(record.round): share
+        for record in run.coordinator
+        if (share := _ccp_own_group_share(record, group_of)) is not None
+    }
     if not shares:
         return {}
-    return {"own_group_share": shares, "own_group_share_ccp": statistics.fmean(shares.values()),
-            "own_group_share_lowest": min(shares.values())}
+    return {
+        "own_group_share": shares,
+        "own_group_share_ccp": statistics.fmean(shares.values()),
+        "own_group_share_lowest": min(shares.values()),
+    }
 
 
 def _ccp_own_group_share(record: CoordinatorRecord, group_of: dict[str, Any]) -> float | None:
@@ -189,8 +218,9 @@ def top_k_precision(run: RunRecords) -> dict[str, float]:
     for name, rounds in run.history.items():
         chosen = rounds[-1].diagnostics.get("selected") if rounds else None
         if chosen and name in labels and all(peer in labels for peer in chosen):
-            precisions.append(statistics.fmean(bool(labels[peer] & labels[name])
-                                               for peer in chosen))
+            precisions.append(
+                statistics.fmean(bool(labels[peer] & labels[name]) for peer in chosen)
+            )
     return {"top_k_precision": statistics.fmean(precisions)} if precisions else {}
 
 
@@ -205,14 +235,17 @@ def shapley_by_label_overlap(run: RunRecords) -> dict[str, float]:
         if shapley is None or name not in labels:
             continue
         rounds += 1
-        shares = {peer: bool(labels[peer] & labels[name]) for peer in shapley
-                  if peer != name and peer in labels}
+        shares = {
+            peer: bool(labels[peer] & labels[name])
+            for peer in shapley
+            if peer != name and peer in labels
+        }
         for peer, shares_a_label in shares.items():
             (sharing if shares_a_label else disjoint).append(shapley[peer])
-        shared_weight += sum(weight for peer, weight in record.weights.items()
-                             if shares.get(peer))
-    scores = _pooled(statistics.fmean, shapley_sharing_a_label=sharing,
-                     shapley_sharing_no_label=disjoint)
+        shared_weight += sum(weight for peer, weight in record.weights.items() if shares.get(peer))
+    scores = _pooled(
+        statistics.fmean, shapley_sharing_a_label=sharing, shapley_sharing_no_label=disjoint
+    )
     if rounds:
         scores["weight_on_label_sharing_peers"] = shared_weight / rounds
     return scores
@@ -259,39 +292,79 @@ def influence_shape(run: RunRecords) -> dict[str, float]:
 
 RULES: dict[str, RuleMeasures] = {
     "pfedlia": RuleMeasures(
-        scores=(Scores(peer_groups_ari, GROUPS_ARI_ROW),), decide=decisions.pfedlia,
-        matrices=("lazy_scores", "group", "weights")),
+        scores=(Scores(peer_groups_ari, GROUPS_ARI_ROW),),
+        decide=decisions.pfedlia,
+        matrices=("lazy_scores", "group", "weights"),
+    ),
     "pfedlia_central": RuleMeasures(
-        scores=(Scores(coordinator_groups_ari, GROUPS_ARI_ROW),),
-        decide=decisions.pfedlia_central),
+        scores=(Scores(coordinator_groups_ari, GROUPS_ARI_ROW),), decide=decisions.pfedlia_central
+    ),
     "fedrema": RuleMeasures(
-        scores=(Scores(own_group_share, {
-            "own_group_share_ccp": _mean_row("own-group share of relevant sets in the CCP"),
-            "own_group_share_lowest": TableRow(
-                "own-group share of relevant sets, lowest CCP round (lowest over seeds)", min),
-        }),),
-        decide=decisions.fedrema, matrices=("relevant_sets", "weights")),
+        scores=(
+            Scores(
+                own_group_share,
+                {
+                    "own_group_share_ccp": _mean_row("own-group share of relevant sets in the CCP"),
+                    "own_group_share_lowest": TableRow(
+                        "own-group share of relevant sets, lowest CCP round (lowest over seeds)",
+                        min,
+                    ),
+                },
+            ),
+        ),
+        decide=decisions.fedrema,
+        matrices=("relevant_sets", "weights"),
+    ),
     "pfedsv": RuleMeasures(
         scores=(
-            Scores(top_k_precision, {"top_k_precision": _mean_row(
-                "precision of the final top-k against \"shares a label\"")}),
-            Scores(shapley_by_label_overlap, {
-                "shapley_sharing_a_label": _mean_row("Shapley value of a peer sharing a label"),
-                "shapley_sharing_no_label": _mean_row("Shapley value of a peer sharing no label"),
-                "weight_on_label_sharing_peers": _mean_row(
-                    "weight on label-sharing peers per round")}),
-            Scores(own_versus_average, {
-                "average_below_own": _mean_row("share of rounds the average's val accuracy was "
-                                           "below the own model's"),
-                "average_adopted": _mean_row(
-                    "share of rounds the node adopted the weighted average")}),
+            Scores(
+                top_k_precision,
+                {
+                    "top_k_precision": _mean_row(
+                        'precision of the final top-k against "shares a label"'
+                    )
+                },
+            ),
+            Scores(
+                shapley_by_label_overlap,
+                {
+                    "shapley_sharing_a_label": _mean_row("Shapley value of a peer sharing a label"),
+                    "shapley_sharing_no_label": _mean_row(
+                        "Shapley value of a peer sharing no label"
+                    ),
+                    "weight_on_label_sharing_peers": _mean_row(
+                        "weight on label-sharing peers per round"
+                    ),
+                },
+            ),
+            Scores(
+                own_versus_average,
+                {
+                    "average_below_own": _mean_row(
+                        "share of rounds the average's val accuracy was below the own model's"
+                    ),
+                    "average_adopted": _mean_row(
+                        "share of rounds the node adopted the weighted average"
+                    ),
+                },
+            ),
         ),
-        decide=decisions.pfedsv, matrices=("shapley", "weights")),
+        decide=decisions.pfedsv,
+        matrices=("shapley", "weights"),
+    ),
     "fedc2i": RuleMeasures(
-        scores=(Scores(influence_shape, {
-            "influence_own_share": _mean_row("influence vector's share for the own model"),
-            "class_influence_peak": _mean_row("largest class-level weight, times uniform")}),),
-        decide=decisions.fedc2i, matrices=("influence_vector",)),
+        scores=(
+            Scores(
+                influence_shape,
+                {
+                    "influence_own_share": _mean_row("influence vector's share for the own model"),
+                    "class_influence_peak": _mean_row("largest class-level weight, times uniform"),
+                },
+            ),
+        ),
+        decide=decisions.fedc2i,
+        matrices=("influence_vector",),
+    ),
     "fedinfluence": RuleMeasures(decide=decisions.fedinfluence),
 }
 NO_MEASURES = RuleMeasures()  # the baselines, and a rule this version does not know
@@ -309,8 +382,9 @@ def rule_scores(rule: str, run: RunRecords) -> dict[str, Any]:
     return scores
 
 
-def node_decisions(rule: str, history: History,
-                   coordinator: list[CoordinatorRecord]) -> dict[str, str]:
+def node_decisions(
+    rule: str, history: History, coordinator: list[CoordinatorRecord]
+) -> dict[str, str]:
     """node -> what `rule` decided for it ({} for a rule that decides nothing to show)."""
     decide = measures_of(rule).decide
     return decisions.decided_by(decide, history, coordinator) if decide else {}

@@ -7,15 +7,24 @@ import argparse
 from meshfl.node import config as cfgmod
 
 # The config fields that have a flag of their own (cli.py), by the flag's dest.
-_FLAG_FIELDS = {"algorithm": "algorithm", "dataset": "data.dataset", "data_root": "data.root",
-                "partition": "data.partition", "samples_per_node": "data.samples_per_node",
-                "rounds": "rounds", "seed": "seed"}
+_FLAG_FIELDS = {
+    "algorithm": "algorithm",
+    "dataset": "data.dataset",
+    "data_root": "data.root",
+    "partition": "data.partition",
+    "samples_per_node": "data.samples_per_node",
+    "rounds": "rounds",
+    "seed": "seed",
+}
 
 
 def named_overrides(args: argparse.Namespace) -> list[str]:
     """The named flags given, as KEY=VALUE assignments like those of --set."""
-    return [f"{key}={getattr(args, flag)}" for flag, key in _FLAG_FIELDS.items()
-            if getattr(args, flag, None) is not None]
+    return [
+        f"{key}={getattr(args, flag)}"
+        for flag, key in _FLAG_FIELDS.items()
+        if getattr(args, flag, None) is not None
+    ]
 
 
 def resolve_config(args: argparse.Namespace, check: bool = True) -> cfgmod.MeshConfig:

@@ -69,18 +69,27 @@ class Run:
 def read_run(folder: Path) -> Run:
     if not folder.is_dir():
         raise UserError(f"RUN_DIR: {folder} is not a folder")
-    records = {path.parent.name: _by_round(read_records(path, RoundRecord))
-               for path in folder.glob("*/metrics.jsonl") if path.parent.name != COORDINATOR}
+    records = {
+        path.parent.name: _by_round(read_records(path, RoundRecord))
+        for path in folder.glob("*/metrics.jsonl")
+        if path.parent.name != COORDINATOR
+    }
     records = {name: lines for name, lines in records.items() if lines}
     if not records:
-        raise UserError(f"RUN_DIR: no <node>/metrics.jsonl with a finished round under {folder}; "
-                        "give the --out folder of `meshfl launch` or `meshfl node`")
+        raise UserError(
+            f"RUN_DIR: no <node>/metrics.jsonl with a finished round under {folder}; "
+            "give the --out folder of `meshfl launch` or `meshfl node`"
+        )
     names = sorted(records, key=_natural)
-    return Run(folder=folder, config=_read_config(folder / "config.yaml"),
-               records={name: records[name] for name in names},
-               infos={name: _read_json(folder / name / "info.json") for name in names},
-               coordinator=_by_round(read_records(folder / COORDINATOR / "metrics.jsonl",
-                                                  CoordinatorRecord)))
+    return Run(
+        folder=folder,
+        config=_read_config(folder / "config.yaml"),
+        records={name: records[name] for name in names},
+        infos={name: _read_json(folder / name / "info.json") for name in names},
+        coordinator=_by_round(
+            read_records(folder / COORDINATOR / "metrics.jsonl", CoordinatorRecord)
+        ),
+    )
 
 
 def _natural(name: str) -> list[Any]:
@@ -125,6 +134,7 @@ class MatrixMeasure:
 
 def node_rows(extract: Callable[[RoundRecord], Any]) -> Callable[[Run], dict[int, Rows]]:
     """Rows from each node's own metrics: `extract(record)` is that node's row or None."""
+
     def rows(run: Run) -> dict[int, Rows]:
         by_round: dict[int, Rows] = {}
         for name, records in run.records.items():
@@ -133,6 +143,7 @@ def node_rows(extract: Callable[[RoundRecord], Any]) -> Callable[[Run], dict[int
                 if row:
                     by_round.setdefault(record.round, {})[name] = _as_row(row)
         return by_round
+
     return rows
 
 
@@ -149,37 +160,59 @@ def diagnostic(key: str) -> Callable[[RoundRecord], Any]:
 
 def relevant_set_rows(run: Run) -> dict[int, Rows]:
     """FedReMa's relevant sets, chosen by the coordinator in its CCP rounds."""
-    return {record.round: {client: _as_row(members) for client, members in sets.items()}
-            for record in run.coordinator
-            if (sets := (record.diagnostics or {}).get("relevant_sets"))}
+    return {
+        record.round: {client: _as_row(members) for client, members in sets.items()}
+        for record in run.coordinator
+        if (sets := (record.diagnostics or {}).get("relevant_sets"))
+    }
 
 
 WEIGHTS = MatrixMeasure(
-    "weights", "Aggregation weights", "weight of the column's model in the row's new model",
-    node_rows(lambda record: record.weights))
+    "weights",
+    "Aggregation weights",
+    "weight of the column's model in the row's new model",
+    node_rows(lambda record: record.weights),
+)
 IN_SET = "1: the column is in the row's {0}, 0: it is not"
 # Which of them a rule's run shows: its `matrices` in launch/measures.py.
 MATRIX_MEASURES = {
     "weights": WEIGHTS,
     "influence_vector": MatrixMeasure(
-        "influence_vector", "FedC²I client-level influence λ",
-        "influence λ of the column's model on the row", node_rows(diagnostic("influence_vector"))),
+        "influence_vector",
+        "FedC²I client-level influence λ",
+        "influence λ of the column's model on the row",
+        node_rows(diagnostic("influence_vector")),
+    ),
     "shapley": MatrixMeasure(
-        "shapley", "pFedSV Shapley values",
+        "shapley",
+        "pFedSV Shapley values",
         "Shapley value of the column for the row (> 0: it adds to the row's val accuracy)",
-        node_rows(diagnostic("shapley")), signed=True, absent_is_zero=False),
+        node_rows(diagnostic("shapley")),
+        signed=True,
+        absent_is_zero=False,
+    ),
     "lazy_scores": MatrixMeasure(
-        "lazy_scores", "pFedLIA lazy-influence scores",
+        "lazy_scores",
+        "pFedLIA lazy-influence scores",
         "the column's lazy-influence score, summed over rounds (> 0: it helps the row)",
-        node_rows(diagnostic("lazy_scores")), signed=True, absent_is_zero=False,
-        averaged=False),
+        node_rows(diagnostic("lazy_scores")),
+        signed=True,
+        absent_is_zero=False,
+        averaged=False,
+    ),
     "group": MatrixMeasure(
-        "group", "pFedLIA groups found", IN_SET.format("group"),
-        node_rows(diagnostic("group")), averaged=False),
+        "group",
+        "pFedLIA groups found",
+        IN_SET.format("group"),
+        node_rows(diagnostic("group")),
+        averaged=False,
+    ),
     "relevant_sets": MatrixMeasure(
-        "relevant_sets", "FedReMa relevant sets",
+        "relevant_sets",
+        "FedReMa relevant sets",
         IN_SET.format("relevant set") + " (mean: the share of rounds it is in it)",
-        relevant_set_rows),
+        relevant_set_rows,
+    ),
 }
 
 
@@ -213,6 +246,7 @@ def node_order(run: Run, extra: list[str]) -> list[str]:
     def cluster_first(name: str) -> tuple[str, list[Any]]:
         truth = run.truth(name)
         return (str(truth[1]) if truth else "", _natural(name))
+
     return sorted(names, key=cluster_first)
 
 
@@ -233,22 +267,32 @@ def mean_matrix(run: Run, measure: MatrixMeasure, by_round: dict[int, Rows]) -> 
     """Each cell's mean over the rounds in which its learner recorded a row."""
     names = node_order(run, _everyone(by_round))
     grids = [_grid(names, rows, measure) for rows in by_round.values()]
-    values = [[_nanmean([grid[i][j] for grid in grids]) for j in range(len(names))]
-              for i in range(len(names))]
+    values = [
+        [_nanmean([grid[i][j] for grid in grids]) for j in range(len(names))]
+        for i in range(len(names))
+    ]
     first, last = min(by_round), max(by_round)
     caption = f"mean over rounds {first}-{last}" if first != last else f"round {first}"
     return Matrix(names, values, caption)
 
 
 def _everyone(by_round: dict[int, Rows]) -> list[str]:
-    return list({name for rows in by_round.values() for learner, row in rows.items()
-                 for name in (learner, *row)})
+    return list(
+        {
+            name
+            for rows in by_round.values()
+            for learner, row in rows.items()
+            for name in (learner, *row)
+        }
+    )
 
 
 def _grid(names: list[str], rows: Rows, measure: MatrixMeasure) -> list[list[float]]:
     absent = 0.0 if measure.absent_is_zero else math.nan
-    return [[rows[learner].get(peer, absent) if learner in rows else math.nan
-             for peer in names] for learner in names]
+    return [
+        [rows[learner].get(peer, absent) if learner in rows else math.nan for peer in names]
+        for learner in names
+    ]
 
 
 def _nanmean(values: list[float]) -> float:
@@ -263,8 +307,10 @@ def _matplotlib() -> Any:
     try:
         import matplotlib
     except ImportError:
-        raise UserError("meshfl report draws with matplotlib, which is not installed: "
-                        "pip install 'meshfl[report]'") from None
+        raise UserError(
+            "meshfl report draws with matplotlib, which is not installed: "
+            "pip install 'meshfl[report]'"
+        ) from None
     matplotlib.use("Agg")  # files only: no display needed
     from matplotlib.figure import Figure
 
@@ -279,16 +325,33 @@ def node_label(run: Run, name: str) -> str:
 def draw_accuracy(run: Run, path: Path) -> None:
     figure = _matplotlib()(figsize=(8, 4.8), layout="constrained")
     axes = figure.subplots()
-    curves = {name: [(record.round, record.test_acc) for record in _evaluated(records)]
-              for name, records in run.records.items()}
+    curves = {
+        name: [(record.round, record.test_acc) for record in _evaluated(records)]
+        for name, records in run.records.items()
+    }
     for name, points in curves.items():
-        axes.plot(*zip(*points, strict=True), marker="o", markersize=3, linewidth=1,
-                  alpha=0.8, label=node_label(run, name))
+        axes.plot(
+            *zip(*points, strict=True),
+            marker="o",
+            markersize=3,
+            linewidth=1,
+            alpha=0.8,
+            label=node_label(run, name),
+        )
     mean = _mean_curve(curves)
-    axes.plot(*zip(*mean, strict=True), color="black", linewidth=2.5, linestyle="--",
-              label="mean over nodes")
-    axes.set(title=f"Test accuracy per round: {_headline(run)}", xlabel="round",
-             ylabel="test accuracy (each node's own test split)", ylim=(0, 1.02))
+    axes.plot(
+        *zip(*mean, strict=True),
+        color="black",
+        linewidth=2.5,
+        linestyle="--",
+        label="mean over nodes",
+    )
+    axes.set(
+        title=f"Test accuracy per round: {_headline(run)}",
+        xlabel="round",
+        ylabel="test accuracy (each node's own test split)",
+        ylim=(0, 1.02),
+    )
     axes.xaxis.get_major_locator().set_params(integer=True)
     axes.grid(alpha=0.3)
     columns = 1 if len(curves) <= 12 else 2
@@ -309,8 +372,7 @@ def _mean_curve(curves: dict[str, list[tuple[int, float]]]) -> list[tuple[int, f
     return [(round_no, statistics.fmean(values)) for round_no, values in sorted(by_round.items())]
 
 
-def draw_matrix(run: Run, measure: MatrixMeasure, by_round: dict[int, Rows],
-                path: Path) -> None:
+def draw_matrix(run: Run, measure: MatrixMeasure, by_round: dict[int, Rows], path: Path) -> None:
     matrices = [final_matrix(run, measure, by_round)]
     if measure.averaged and len(by_round) > 1:
         matrices.append(mean_matrix(run, measure, by_round))
@@ -360,8 +422,15 @@ def _annotate(axes: Any, matrix: Matrix, image: Any) -> None:
                 continue
             red, green, blue, _ = image.cmap(image.norm(value))
             dark = 0.299 * red + 0.587 * green + 0.114 * blue < 0.5
-            axes.text(j, i, _cell_text(value), ha="center", va="center", fontsize="x-small",
-                      color="white" if dark else "black")
+            axes.text(
+                j,
+                i,
+                _cell_text(value),
+                ha="center",
+                va="center",
+                fontsize="x-small",
+                color="white" if dark else "black",
+            )
 
 
 def _cell_text(value: float) -> str:
@@ -392,12 +461,21 @@ def _headline(run: Run) -> str:
 
 def summary_markdown(run: Run, figures: list[tuple[str, str]]) -> str:
     decisions = node_decisions(run.algorithm, run.records, run.coordinator)
-    lines = [f"# Run report: {run.folder.name}", "",
-             _headline(run) + (f", {run.config['rounds']} rounds, seed {run.config.get('seed')}"
-                               if "rounds" in run.config else "") + ".", "",
-             "| node | rounds | first test acc | final test acc | best | val acc | n_train |"
-             + (" decision |" if decisions else ""),
-             "|---|---|---|---|---|---|---|" + ("---|" if decisions else "")]
+    lines = [
+        f"# Run report: {run.folder.name}",
+        "",
+        _headline(run)
+        + (
+            f", {run.config['rounds']} rounds, seed {run.config.get('seed')}"
+            if "rounds" in run.config
+            else ""
+        )
+        + ".",
+        "",
+        "| node | rounds | first test acc | final test acc | best | val acc | n_train |"
+        + (" decision |" if decisions else ""),
+        "|---|---|---|---|---|---|---|" + ("---|" if decisions else ""),
+    ]
     finals = []
     for name, records in run.records.items():
         scored = _evaluated(records)
@@ -407,13 +485,18 @@ def summary_markdown(run: Run, figures: list[tuple[str, str]]) -> str:
         best = max(record.test_acc for record in scored)
         finals.append(last.test_acc)
         val_acc = math.nan if last.val_acc is None else last.val_acc
-        lines.append(f"| {node_label(run, name)} | {first.round}-{last.round} | "
-                     f"{first.test_acc:.3f} | {last.test_acc:.3f} | {best:.3f} | "
-                     f"{val_acc:.3f} | {'?' if last.n_train is None else last.n_train} |"
-                     + (f" {decisions.get(name, '-')} |" if decisions else ""))
+        lines.append(
+            f"| {node_label(run, name)} | {first.round}-{last.round} | "
+            f"{first.test_acc:.3f} | {last.test_acc:.3f} | {best:.3f} | "
+            f"{val_acc:.3f} | {'?' if last.n_train is None else last.n_train} |"
+            + (f" {decisions.get(name, '-')} |" if decisions else "")
+        )
     if finals:
-        lines += ["", f"Final test accuracy: mean {statistics.fmean(finals):.3f}, "
-                  f"std {statistics.pstdev(finals):.3f}, min {min(finals):.3f}."]
+        lines += [
+            "",
+            f"Final test accuracy: mean {statistics.fmean(finals):.3f}, "
+            f"std {statistics.pstdev(finals):.3f}, min {min(finals):.3f}.",
+        ]
     lines += ["", "## Figures", ""]
     lines += [f"- [{file}]({file}): {caption}" for file, caption in figures]
     return "\n".join(lines) + "\n"
@@ -430,8 +513,13 @@ def write_report(run_dir: Path, out: Path | None = None) -> list[Path]:
     for measure, by_round in matrix_measures_for(run):
         file = f"matrix-{measure.key}.png"
         draw_matrix(run, measure, by_round, out / file)
-        figures.append((file, f"{measure.title}; row: learner, column: the peer it learns "
-                              f"from; cell: {measure.cell}"))
+        figures.append(
+            (
+                file,
+                f"{measure.title}; row: learner, column: the peer it learns "
+                f"from; cell: {measure.cell}",
+            )
+        )
     (out / "report.md").write_text(summary_markdown(run, figures))
     return [out / file for file, _ in figures] + [out / "report.md"]
 

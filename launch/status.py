@@ -29,34 +29,47 @@ def run_status(args: argparse.Namespace) -> int:
     except BadContact as err:
         raise UserError(f"ADDR: {err}") from None
     if not ADDRESS.fullmatch(address):
-        raise UserError(f"ADDR: got {args.address!r}; allowed: KEY@tcp://HOST:PORT, or "
-                        "tcp://HOST:PORT for a node with encryption off")
+        raise UserError(
+            f"ADDR: got {args.address!r}; allowed: KEY@tcp://HOST:PORT, or "
+            "tcp://HOST:PORT for a node with encryption off"
+        )
     if args.timeout <= 0:
         raise UserError(f"--timeout: got {args.timeout:g}; allowed: seconds > 0")
     identity = Identity.load(args.key) if args.key else Identity.generate()
     answer = ask_status(identity, args.address, host_towards(address), args.timeout)
     if answer is None:
-        unkeyed = "" if node_key else (
-            "; an encrypted node (the default) answers only at KEY@tcp://HOST:PORT, KEY its "
-            "public key (the node logs it at start)")
+        unkeyed = (
+            ""
+            if node_key
+            else (
+                "; an encrypted node (the default) answers only at KEY@tcp://HOST:PORT, KEY its "
+                "public key (the node logs it at start)"
+            )
+        )
         raise UserError(
             f"no status answer from {args.address} within {args.timeout:g} s: nothing "
             "listens there, the node cannot reach this machine back, or its mesh is closed "
-            f"and does not list this key (pass a listed one with --key){unkeyed}")
+            f"and does not list this key (pass a listed one with --key){unkeyed}"
+        )
     report = status_report(answer)
     try:
         text = json.dumps(report, indent=2) if args.json else format_report(escaped(report))
     except (AttributeError, KeyError, TypeError, ValueError):
-        raise UserError(f"the node at {args.address} answered a status this version cannot "
-                        "read; try --json") from None
+        raise UserError(
+            f"the node at {args.address} answered a status this version cannot read; try --json"
+        ) from None
     print(text)
     return 0
 
 
 def status_report(answer: StatusAnswer) -> dict[str, Any]:
     """The node's answer, with who answered taken from the signature, not from the body."""
-    return {**answer.status, "id": answer.node_id, "public_key": answer.sender.hex(),
-            "mesh": answer.mesh_id.hex()}
+    return {
+        **answer.status,
+        "id": answer.node_id,
+        "public_key": answer.sender.hex(),
+        "mesh": answer.mesh_id.hex(),
+    }
 
 
 def escaped(value: Any) -> Any:
@@ -72,8 +85,11 @@ def escaped(value: Any) -> Any:
 
 
 def format_report(report: dict[str, Any]) -> str:
-    lines = [f"{report.get('name', '?')}  id {report['id']}  at {report.get('addr', '?')}",
-             _progress_line(report), _accuracy_line(report.get("accuracies", []))]
+    lines = [
+        f"{report.get('name', '?')}  id {report['id']}  at {report.get('addr', '?')}",
+        _progress_line(report),
+        _accuracy_line(report.get("accuracies", [])),
+    ]
     lines += _peer_lines(report.get("peers", []))
     rejections = report.get("rejections", {})
     listed = ", ".join(f"{reason} {count}" for reason, count in sorted(rejections.items()))
@@ -83,8 +99,10 @@ def format_report(report: dict[str, Any]) -> str:
 
 def _progress_line(report: dict[str, Any]) -> str:
     rounds = f" of {report['rounds']}" if "rounds" in report else ""
-    return (f"mesh {report['mesh']}  algorithm {report.get('algorithm', '?')}  "
-            f"round {report.get('round', '?')}{rounds}  up {report.get('uptime_s', 0):.0f} s")
+    return (
+        f"mesh {report['mesh']}  algorithm {report.get('algorithm', '?')}  "
+        f"round {report.get('round', '?')}{rounds}  up {report.get('uptime_s', 0):.0f} s"
+    )
 
 
 def _accuracy_line(accuracies: list[dict[str, Any]]) -> str:
@@ -92,8 +110,10 @@ def _accuracy_line(accuracies: list[dict[str, Any]]) -> str:
     (a ValueError or TypeError where the node sent something else)."""
     if not accuracies:
         return "test accuracy: no round evaluated yet"
-    scores = ", ".join(f"round {record.round} {record.test_acc:.3f}"
-                       for record in map(RoundRecord.from_json, accuracies))
+    scores = ", ".join(
+        f"round {record.round} {record.test_acc:.3f}"
+        for record in map(RoundRecord.from_json, accuracies)
+    )
     return f"test accuracy: {scores}"
 
 
@@ -101,10 +121,13 @@ def _peer_lines(peers: list[dict[str, Any]]) -> list[str]:
     alive = sum(peer.get("state") == "alive" for peer in peers)
     lines = [f"peers: {len(peers)} known, {alive} alive"]
     if peers:
-        lines.append(f"  {'name':<14}{'state':<7}{'round':>6}  {'last seen':>11}  "
-                     f"{'id':<33}address")
+        lines.append(
+            f"  {'name':<14}{'state':<7}{'round':>6}  {'last seen':>11}  {'id':<33}address"
+        )
     for peer in sorted(peers, key=lambda peer: str(peer.get("name"))):
         seen = f"{peer['last_seen_s']:.1f} s ago"
-        lines.append(f"  {peer['name']:<14}{peer['state']:<7}{peer['round']:>6}  {seen:>11}  "
-                     f"{peer['id']:<33}{peer['addr']}")
+        lines.append(
+            f"  {peer['name']:<14}{peer['state']:<7}{peer['round']:>6}  {seen:>11}  "
+            f"{peer['id']:<33}{peer['addr']}"
+        )
     return lines

@@ -55,8 +55,9 @@ def failed_nodes(summary: dict[str, Any]) -> list[str]:
     return [node["name"] for node in summary["nodes"] if node["status"] != FINISHED]
 
 
-def write_summary(cfg: cfgmod.MeshConfig, out: Path,
-                  outcomes: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+def write_summary(
+    cfg: cfgmod.MeshConfig, out: Path, outcomes: dict[str, dict[str, Any]] | None = None
+) -> dict[str, Any]:
     """Summarize the run in `out` and write summary.json. `outcomes` says how each node
     ended (supervise.py: SupervisedNode.outcome); without it (a summary made again later) it is what
     the previous summary.json said, else judged by the rounds each node finished."""
@@ -73,28 +74,47 @@ def write_summary(cfg: cfgmod.MeshConfig, out: Path,
         if node["name"] in decisions:
             node["decision"] = decisions[node["name"]]
     if COORDINATOR in outcomes and outcomes[COORDINATOR]["status"] != FINISHED:
-        nodes.append({"name": COORDINATOR, "round": coordinator[-1].round if coordinator else 0,
-                      "test_acc": None, "val_acc": None, "n_train": None, "data": {},
-                      **outcomes[COORDINATOR]})
+        nodes.append(
+            {
+                "name": COORDINATOR,
+                "round": coordinator[-1].round if coordinator else 0,
+                "test_acc": None,
+                "val_acc": None,
+                "n_train": None,
+                "data": {},
+                **outcomes[COORDINATOR],
+            }
+        )
     attackers = frozenset(cfg.attack.nodes)
     for node in nodes:
         if node["name"] in attackers:
             node["attacker"] = True
     # Failed nodes stopped early: their accuracies are of another round, left out; an
     # attacker's own scores say nothing of what the rule does for honest nodes.
-    accuracies = [node["test_acc"] for node in nodes
-                  if node["status"] == FINISHED and node["test_acc"] is not None
-                  and node["name"] not in attackers]
-    run = measures.RunRecords(history, coordinator, attackers=attackers, data={
-        node["name"]: node["data"] for node in nodes if node["test_acc"] is not None})
+    accuracies = [
+        node["test_acc"]
+        for node in nodes
+        if node["status"] == FINISHED
+        and node["test_acc"] is not None
+        and node["name"] not in attackers
+    ]
+    run = measures.RunRecords(
+        history,
+        coordinator,
+        attackers=attackers,
+        data={node["name"]: node["data"] for node in nodes if node["test_acc"] is not None},
+    )
     summary = {
-        "algorithm": cfg.algorithm.name, "dataset": cfg.data.dataset,
-        "partition": cfg.data.partition, "rounds": cfg.rounds, "seed": cfg.seed,
+        "algorithm": cfg.algorithm.name,
+        "dataset": cfg.data.dataset,
+        "partition": cfg.data.partition,
+        "rounds": cfg.rounds,
+        "seed": cfg.seed,
         "nodes": nodes,
         "mean_test_acc": statistics.fmean(accuracies) if accuracies else None,
         "std_test_acc": statistics.pstdev(accuracies) if accuracies else None,
         "mean_over": f"{len(accuracies)} finished nodes of {len(nodes)}"
-                     + (f" ({len(attackers)} attackers left out)" if attackers else ""),
+        + (f" ({len(attackers)} attackers left out)" if attackers else ""),
         "worst_test_acc": min(accuracies) if accuracies else None,
         **measures.rule_scores(cfg.algorithm.name, run),
         "cost": measures.ROUND_COSTS.compute(run),
@@ -103,14 +123,21 @@ def write_summary(cfg: cfgmod.MeshConfig, out: Path,
     return summary
 
 
-def _node_entry(name: str, record: RoundRecord | None, outcome: dict[str, Any],
-                out: Path) -> dict[str, Any]:
+def _node_entry(
+    name: str, record: RoundRecord | None, outcome: dict[str, Any], out: Path
+) -> dict[str, Any]:
     """A node's line of the summary: its last round's scores (None before its first
     round) and how it ended."""
     last = record or RoundRecord(round=0)
-    return {"name": name, "test_acc": last.test_acc, "val_acc": last.val_acc,
-            "n_train": last.n_train, "round": last.round,
-            "data": _read_info(out / name / "info.json").get("data", {}), **outcome}
+    return {
+        "name": name,
+        "test_acc": last.test_acc,
+        "val_acc": last.val_acc,
+        "n_train": last.n_train,
+        "round": last.round,
+        "data": _read_info(out / name / "info.json").get("data", {}),
+        **outcome,
+    }
 
 
 def _judged_by_rounds(record: RoundRecord | None, rounds: int) -> dict[str, Any]:
@@ -123,8 +150,11 @@ def _recorded_outcomes(out: Path) -> dict[str, dict[str, Any]]:
     try:
         nodes = json.loads((out / "summary.json").read_text())["nodes"]
         keys = ("status", "restarts", "ended", "last_error")
-        return {node["name"]: {key: node[key] for key in keys if key in node}
-                for node in nodes if "status" in node}
+        return {
+            node["name"]: {key: node[key] for key in keys if key in node}
+            for node in nodes
+            if "status" in node
+        }
     except (OSError, ValueError, KeyError, TypeError):
         return {}
 
@@ -136,8 +166,9 @@ def _read_info(path: Path) -> dict[str, Any]:
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as error:
-        log.warning("%s is unreadable (%s); its data facts are left out of the summary",
-                    path, error)
+        log.warning(
+            "%s is unreadable (%s); its data facts are left out of the summary", path, error
+        )
         return {}
 
 
@@ -157,16 +188,21 @@ def print_table(summary: dict[str, Any]) -> None:
     # The rule's decision per node (launch/decisions.py); no column for the baselines.
     decided = max((len(node.get("decision", "")) for node in summary["nodes"]), default=0)
     decision = f"  {'decision':<{decided}}" if decided else ""
-    print(f"\n{'node':<12}{'rounds':>7}{'n_train':>9}{'val_acc':>9}{'test_acc':>10}"
-          f"{decision}  status")
+    print(
+        f"\n{'node':<12}{'rounds':>7}{'n_train':>9}{'val_acc':>9}{'test_acc':>10}{decision}  status"
+    )
     for node in summary["nodes"]:
         decision = f"  {node.get('decision', '-'):<{decided}}" if decided else ""
-        print(f"{node['name']:<12}{node['round']:>7}{_cell(node['n_train'], 9, 'd')}"
-              f"{_cell(node['val_acc'], 9, '.3f')}{_cell(node['test_acc'], 10, '.3f')}"
-              f"{decision}  {_status_cell(node)}")
+        print(
+            f"{node['name']:<12}{node['round']:>7}{_cell(node['n_train'], 9, 'd')}"
+            f"{_cell(node['val_acc'], 9, '.3f')}{_cell(node['test_acc'], 10, '.3f')}"
+            f"{decision}  {_status_cell(node)}"
+        )
     if summary["mean_test_acc"] is not None:
-        print(f"{'mean (std)':<37}{summary['mean_test_acc']:>7.3f} "
-              f"({summary['std_test_acc']:.3f})  over {summary['mean_over']}")
+        print(
+            f"{'mean (std)':<37}{summary['mean_test_acc']:>7.3f} "
+            f"({summary['std_test_acc']:.3f})  over {summary['mean_over']}"
+        )
     else:
         print("mean: no node finished")
     for node in summary["nodes"]:
@@ -179,7 +215,7 @@ def _cell(value: float | int | None, width: int, form: str) -> str:
 
 
 def _status_cell(node: dict[str, Any]) -> str:
-    """"finished", or "failed (SIGKILL)", with the restarts when there were any."""
+    """ "finished", or "failed (SIGKILL)", with the restarts when there were any."""
     status = node["status"] + (f" ({node['ended']})" if node.get("ended") else "")
     restarts = node.get("restarts", 0)
     return status + (f", restarted {restarts}x" if restarts else "")

@@ -71,15 +71,20 @@ def launch_local(args: argparse.Namespace) -> int:
     if args.restarts < 0:
         raise UserError(f"--restarts: got {args.restarts}; allowed: 0 or more")
     if args.hosts is not None and not 1 <= args.hosts <= len(cfg.peers):
-        raise UserError(f"--hosts: got {args.hosts}; allowed: 1 to the number of nodes "
-                        f"({len(cfg.peers)}), which gives every node a process of its own")
+        raise UserError(
+            f"--hosts: got {args.hosts}; allowed: 1 to the number of nodes "
+            f"({len(cfg.peers)}), which gives every node a process of its own"
+        )
     out = Path(args.out or _default_run_dir(cfg))
     summary = run_mesh(cfg, out, quiet=args.quiet, restarts=args.restarts, hosts=args.hosts)
     print_table(summary)
     failed = failed_nodes(summary)
     if failed:
-        print(f"meshfl: {len(failed)} of {len(summary['nodes'])} nodes failed: "
-              f"{', '.join(failed)} (see {out / 'summary.json'})", file=sys.stderr)
+        print(
+            f"meshfl: {len(failed)} of {len(summary['nodes'])} nodes failed: "
+            f"{', '.join(failed)} (see {out / 'summary.json'})",
+            file=sys.stderr,
+        )
         return EXIT_NODE_FAILED
     return 0
 
@@ -89,11 +94,14 @@ def with_local_peers(cfg: cfgmod.MeshConfig, count: int) -> cfgmod.MeshConfig:
     if count < 1:
         raise UserError(f"--nodes: got {count}; allowed: 1 or more")
     *ports, coordinator_port = free_ports(count + 1)
-    peers = [replace(peer, listen=f"tcp://127.0.0.1:{port}")
-             for peer, port in zip(cfgmod.local_peers(count), ports, strict=True)]
+    peers = [
+        replace(peer, listen=f"tcp://127.0.0.1:{port}")
+        for peer, port in zip(cfgmod.local_peers(count), ports, strict=True)
+    ]
     coordinator = f"tcp://127.0.0.1:{coordinator_port}"
-    return replace(cfg, peers=peers,
-                   coordinator=coordinator if needs_coordinator(cfg.algorithm.name) else None)
+    return replace(
+        cfg, peers=peers, coordinator=coordinator if needs_coordinator(cfg.algorithm.name) else None
+    )
 
 
 def default_hosts(peers: int) -> int:
@@ -105,8 +113,13 @@ def default_hosts(peers: int) -> int:
     return max(1, per_core, min(peers, by_files))
 
 
-def run_mesh(cfg: cfgmod.MeshConfig, out: Path, quiet: bool = False,
-             restarts: int = 0, hosts: int | None = None) -> dict[str, Any]:
+def run_mesh(
+    cfg: cfgmod.MeshConfig,
+    out: Path,
+    quiet: bool = False,
+    restarts: int = 0,
+    hosts: int | None = None,
+) -> dict[str, Any]:
     """Run every peer of `cfg` on this machine in `hosts` processes (default: about one
     per core; as many as peers: one each) until all have exited; write and return the
     summary. A process that fails does not stop the others: its unfinished nodes are
@@ -122,30 +135,35 @@ def run_mesh(cfg: cfgmod.MeshConfig, out: Path, quiet: bool = False,
     first = cfg.peers[0]
     # Made before the node that loads it starts, so that the join line can carry its key.
     joinable = own_contact(cfg, first.listen, key_path(out, first.name, first.key))
-    groups = host_groups([peer.name for peer in cfg.peers],
-                         hosts if hosts is not None else default_hosts(len(cfg.peers)))
+    groups = host_groups(
+        [peer.name for peer in cfg.peers],
+        hosts if hosts is not None else default_hosts(len(cfg.peers)),
+    )
     if cfg.coordinator is not None:
         groups.append([COORDINATOR])
     lifeline = Lifeline()
-    start = partial(_spawn, config_path, out=out, processes=len(groups),
-                    launcher_fd=lifeline.node_fd)
+    start = partial(
+        _spawn, config_path, out=out, processes=len(groups), launcher_fd=lifeline.node_fd
+    )
     supervised: list[SupervisedProcess] = []
     try:
         with _stop_signals_as_interrupts():
             for index, names in enumerate(groups):
                 supervised.append(SupervisedProcess(f"host{index}", names, start(names)))
             if not quiet:
-                print(f"meshfl: {len(cfg.peers)} nodes in {len(groups)} processes, "
-                      f"{cfg.algorithm.name} on {cfg.data.dataset} ({cfg.data.partition}), "
-                      f"{cfg.rounds} rounds -> {out}")
-                print(f"meshfl: join this mesh with: meshfl join {joinable} "
-                      f"--config {config_path}")
+                print(
+                    f"meshfl: {len(cfg.peers)} nodes in {len(groups)} processes, "
+                    f"{cfg.algorithm.name} on {cfg.data.dataset} ({cfg.data.partition}), "
+                    f"{cfg.rounds} rounds -> {out}"
+                )
+                print(f"meshfl: join this mesh with: meshfl join {joinable} --config {config_path}")
             _supervise(supervised, start, restarts, out, cfg.rounds, quiet=quiet)
     finally:
         _stop([each.process for each in supervised])
         lifeline.close()
-    outcomes = {name: each.outcome(name, out, cfg.rounds)
-                for each in supervised for name in each.names}
+    outcomes = {
+        name: each.outcome(name, out, cfg.rounds) for each in supervised for name in each.names
+    }
     return write_summary(cfg, out, outcomes)
 
 
@@ -180,12 +198,21 @@ def _default_run_dir(cfg: cfgmod.MeshConfig) -> str:
 def _check_data(cfg: cfgmod.MeshConfig) -> None:
     """Load the first node's data here, so a wrong path fails once, before any process."""
     data = cfgmod.data_for(cfg, cfg.peers[0])
-    load_node_data(data.dataset, data.root, data.partition, len(cfg.peers), 0, cfg.seed,
-                   data.samples_per_node, tuple(data.split))
+    load_node_data(
+        data.dataset,
+        data.root,
+        data.partition,
+        len(cfg.peers),
+        0,
+        cfg.seed,
+        data.samples_per_node,
+        tuple(data.split),
+    )
 
 
-def _spawn(config_path: Path, names: list[str], out: Path, processes: int,
-           launcher_fd: int) -> subprocess.Popen:
+def _spawn(
+    config_path: Path, names: list[str], out: Path, processes: int, launcher_fd: int
+) -> subprocess.Popen:
     """Start the process that runs `names`: the coordinator, one node, or a host."""
     for name in names:
         (out / name).mkdir(parents=True, exist_ok=True)
@@ -195,15 +222,31 @@ def _spawn(config_path: Path, names: list[str], out: Path, processes: int,
         role = ["node", "--name", names[0]]
     else:
         role = ["host", "--names", ",".join(names)]
-    command = [sys.executable, "-m", "meshfl.launch.cli", *role, "--config", str(config_path),
-               "--out", str(out), "--local-nodes", str(processes),
-               "--launcher-fd", str(launcher_fd)]
+    command = [
+        sys.executable,
+        "-m",
+        "meshfl.launch.cli",
+        *role,
+        "--config",
+        str(config_path),
+        "--out",
+        str(out),
+        "--local-nodes",
+        str(processes),
+        "--launcher-fd",
+        str(launcher_fd),
+    ]
     # Its own session, so that a Ctrl-C in the terminal reaches launch alone, which then
     # stops every process in order; the lifeline covers a launcher that cannot. A host
     # writes each node's log itself; what it prints goes to the host's own log.
     with open(_process_log(out, names), "ab") as log_file:
-        return subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
-                                start_new_session=True, pass_fds=(launcher_fd,))
+        return subprocess.Popen(
+            command,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            pass_fds=(launcher_fd,),
+        )
 
 
 def _process_log(out: Path, names: list[str]) -> Path:
@@ -234,13 +277,21 @@ class SupervisedProcess:
         process ended and the last error line of its log (else of its host's log). A
         node of a failed host that had finished its rounds finished."""
         code = self.process.poll()
-        if code == 0 or name not in self.running or \
-                (len(self.running) > 1 and _finished(out, name, rounds)):
+        if (
+            code == 0
+            or name not in self.running
+            or (len(self.running) > 1 and _finished(out, name, rounds))
+        ):
             return {"status": FINISHED, "restarts": self.restarts}
-        error = last_error_line(out / name / "node.log") \
-            or last_error_line(_process_log(out, self.running))
-        return {"status": FAILED, "restarts": self.restarts, "ended": how_it_ended(code),
-                "last_error": error}
+        error = last_error_line(out / name / "node.log") or last_error_line(
+            _process_log(out, self.running)
+        )
+        return {
+            "status": FAILED,
+            "restarts": self.restarts,
+            "ended": how_it_ended(code),
+            "last_error": error,
+        }
 
 
 def _finished(out: Path, name: str, rounds: int) -> bool:
@@ -263,8 +314,14 @@ def how_it_ended(code: int | None) -> str:
 Start = Callable[[list[str]], subprocess.Popen]
 
 
-def _supervise(supervised: list[SupervisedProcess], start: Start, restarts: int, out: Path,
-               rounds: int, quiet: bool) -> None:
+def _supervise(
+    supervised: list[SupervisedProcess],
+    start: Start,
+    restarts: int,
+    out: Path,
+    rounds: int,
+    quiet: bool,
+) -> None:
     """Show progress and restart failed processes (up to `restarts` times each) until
     every process has exited."""
     progress = _Progress(out, rounds, quiet)
@@ -273,13 +330,13 @@ def _supervise(supervised: list[SupervisedProcess], start: Start, restarts: int,
         for each in supervised:
             if each.failed() and each.restarts < restarts:
                 _restart(each, start, restarts, out, rounds, quiet)
-        progress.show([name for each in supervised if not each.failed()
-                       for name in each.running])
+        progress.show([name for each in supervised if not each.failed() for name in each.running])
     progress.end()
 
 
-def _restart(failed: SupervisedProcess, start: Start, restarts: int, out: Path, rounds: int,
-             quiet: bool) -> None:
+def _restart(
+    failed: SupervisedProcess, start: Start, restarts: int, out: Path, rounds: int, quiet: bool
+) -> None:
     unfinished = [name for name in failed.running if not _finished(out, name, rounds)]
     if not unfinished:
         return  # it failed after every node of it finished: nothing to run again
@@ -287,11 +344,15 @@ def _restart(failed: SupervisedProcess, start: Start, restarts: int, out: Path, 
     failed.running = unfinished
     if not quiet:
         last = {name: last_record(out / name / "metrics.jsonl") for name in unfinished}
-        after = ", ".join(f"{name} after round {record['round'] if record else 0}"
-                          for name, record in last.items())
-        print(f"\nmeshfl: {failed.label} failed ({how_it_ended(failed.process.returncode)}): "
-              f"{after}; restarting from the checkpoints ({failed.restarts} of {restarts})",
-              flush=True)
+        after = ", ".join(
+            f"{name} after round {record['round'] if record else 0}"
+            for name, record in last.items()
+        )
+        print(
+            f"\nmeshfl: {failed.label} failed ({how_it_ended(failed.process.returncode)}): "
+            f"{after}; restarting from the checkpoints ({failed.restarts} of {restarts})",
+            flush=True,
+        )
     failed.process = start(unfinished)
 
 
@@ -308,8 +369,11 @@ class _Progress:
         records = {name: last_record(self.out / name / "metrics.jsonl") for name in names}
         done = min((r["round"] if r else 0 for r in records.values()), default=0)
         if self.live:
-            accuracies = " ".join(f"{name}:{r['test_acc']:.2f}" for name, r in records.items()
-                                  if r and "test_acc" in r)
+            accuracies = " ".join(
+                f"{name}:{r['test_acc']:.2f}"
+                for name, r in records.items()
+                if r and "test_acc" in r
+            )
             print(f"\r  round {done}/{self.rounds}  {accuracies}   ", end="", flush=True)
         elif not self.quiet and done > self.shown_round:
             self.shown_round = done
@@ -322,8 +386,10 @@ class _Progress:
 
 # What counts as an error in a node's log: our one-line errors, a traceback's last line
 # (an exception name and its message), and the warnings a node logs when it gives up.
-_ERROR_LINE = re.compile(r"(meshfl: error: .*|Traceback \(most recent call last\):"
-                         r"|[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b(: .*)?)")
+_ERROR_LINE = re.compile(
+    r"(meshfl: error: .*|Traceback \(most recent call last\):"
+    r"|[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b(: .*)?)"
+)
 
 
 def last_error_line(log_path: Path) -> str | None:

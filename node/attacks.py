@@ -34,11 +34,18 @@ from .blobs import MAX_SAMPLE_COUNT  # a larger claim is refused before any rule
 
 # kind -> what its ":<value>" is: None (no value), int or float.
 KINDS: dict[str, type | None] = {
-    "labelflip": None, "scale": float, "noise": None, "signflip": None, "inflate_n": int,
-    "replay": None, "freeride": None, "collude": int,
+    "labelflip": None,
+    "scale": float,
+    "noise": None,
+    "signflip": None,
+    "inflate_n": int,
+    "replay": None,
+    "freeride": None,
+    "collude": int,
 }
-KINDS_ALLOWED = ("labelflip, scale:<s>, noise, signflip, inflate_n:<n>, replay, freeride, "
-                 "collude:<k>")
+KINDS_ALLOWED = (
+    "labelflip, scale:<s>, noise, signflip, inflate_n:<n>, replay, freeride, collude:<k>"
+)
 
 
 @dataclass(frozen=True)
@@ -79,8 +86,12 @@ def flip_labels(y: torch.Tensor, num_classes: int) -> torch.Tensor:
 
 def scaled_update(start: State, trained: State, scale: float) -> State:
     """start + scale · (trained − start) on float tensors; counters as trained."""
-    return {key: start[key] + scale * (value - start[key]) if value.is_floating_point()
-            else value.clone() for key, value in trained.items()}
+    return {
+        key: start[key] + scale * (value - start[key])
+        if value.is_floating_point()
+        else value.clone()
+        for key, value in trained.items()
+    }
 
 
 def noise_like(state: State, generator: torch.Generator) -> State:
@@ -134,16 +145,16 @@ class Attack:
     def start_round(self, model: torch.nn.Module) -> None:
         """Remember the model the round starts from: updates are measured from it."""
         if self.active:
-            self._start = {key: value.detach().clone()
-                           for key, value in model.state_dict().items()}
+            self._start = {key: value.detach().clone() for key, value in model.state_dict().items()}
 
     def observe(self, received: dict[str, dict[str, PeerModel]]) -> None:
         """The round's received models, for a replay next round."""
         if self.active:
             self._previous = dict(received.get(MODEL, {}))
 
-    def tamper(self, round_no: int, publications: dict[str, State], n_samples: int
-               ) -> tuple[dict[str, State], int]:
+    def tamper(
+        self, round_no: int, publications: dict[str, State], n_samples: int
+    ) -> tuple[dict[str, State], int]:
         """The blobs and sample count this node announces instead of the honest ones."""
         if self.spec is None or MODEL not in publications:
             return publications, n_samples
@@ -172,12 +183,13 @@ class Attack:
         return torch.Generator().manual_seed(draw_seed(self.seed, owner, round_no, "attack"))
 
 
-def attack_for(node: str, nodes: list[str], kind: str, seed: int,
-               initial_model: Callable[[], State]) -> Attack:
+def attack_for(
+    node: str, nodes: list[str], kind: str, seed: int, initial_model: Callable[[], State]
+) -> Attack:
     """The attack of `node` under `attack.nodes` = `nodes` and `attack.kind` = `kind`
     (validated by the config); an honest Attack for a node not listed."""
     if node not in nodes or not kind:
         return Attack()
     spec = parse_kind(kind)
-    colluders = tuple(nodes[:int(spec.value)]) if spec.kind == "collude" else ()
+    colluders = tuple(nodes[: int(spec.value)]) if spec.kind == "collude" else ()
     return Attack(spec, node, seed, frozenset(nodes), colluders, initial_model)

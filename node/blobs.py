@@ -71,8 +71,10 @@ def describe_mismatch(got: Layout, expected: tuple[Layout, ...]) -> str:
         return "layout matches"  # not reached for a refused blob
     theirs = reprlib.repr(got[at]) if at < len(got) else "nothing"
     ours = reprlib.repr(nearest[at]) if at < len(nearest) else "nothing"
-    return (f"{len(got)} tensors where {len(nearest)} are expected; tensor {at} is "
-            f"{theirs}, expected {ours}")
+    return (
+        f"{len(got)} tensors where {len(nearest)} are expected; tensor {at} is "
+        f"{theirs}, expected {ours}"
+    )
 
 
 def _common_prefix(a: Layout, b: Layout) -> int:
@@ -84,24 +86,33 @@ def _common_prefix(a: Layout, b: Layout) -> int:
     return count
 
 
-def peer_model(blob: Blob, expected: tuple[Layout, ...],
-               fits: Callable[[Layout], bool] | None = None) -> PeerModel:
+def peer_model(
+    blob: Blob, expected: tuple[Layout, ...], fits: Callable[[Layout], bool] | None = None
+) -> PeerModel:
     """The blob's tensors and sample count, or UnusableBlob (see the module docstring).
     The blob's layout must be one of `expected`, or pass `fits` where one is given (the
     refusal still says where it departs from `expected`)."""
     what = f"{reprlib.repr(blob.kind)} blob of round {blob.round}"
     layout = blob_layout(blob)
     if not (fits(layout) if fits is not None else layout in expected):
-        raise UnusableBlob("layout", f"{what}: its tensors are not the mesh's schema: "
-                                     f"{describe_mismatch(layout, expected)}")
+        raise UnusableBlob(
+            "layout",
+            f"{what}: its tensors are not the mesh's schema: {describe_mismatch(layout, expected)}",
+        )
     n = blob.meta.get("n", 1)
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SAMPLE_COUNT:
-        raise UnusableBlob("sample_count", f"{what}: its sample count n is "
-                                           f"{reprlib.repr(n)}, not an integer in 1..2**53")
+        raise UnusableBlob(
+            "sample_count",
+            f"{what}: its sample count n is {reprlib.repr(n)}, not an integer in 1..2**53",
+        )
     tensors = tensors_from_blob(blob)
-    spoilt = [name for name, tensor in tensors.items()
-              if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]
+    spoilt = [
+        name
+        for name, tensor in tensors.items()
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())
+    ]
     if spoilt:
-        raise UnusableBlob("not_finite", f"{what} holds NaN or inf in "
-                                         f"{reprlib.repr(', '.join(spoilt))}")
+        raise UnusableBlob(
+            "not_finite", f"{what} holds NaN or inf in {reprlib.repr(', '.join(spoilt))}"
+        )
     return PeerModel(tensors, n)

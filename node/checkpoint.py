@@ -26,8 +26,11 @@ class StorageError(Exception):
     """A node file that cannot be written (a full disk, most often): one line naming it."""
 
     def __init__(self, path: Path, error: OSError, kept: str = "") -> None:
-        reason = "no space left on device" if error.errno == errno.ENOSPC \
+        reason = (
+            "no space left on device"
+            if error.errno == errno.ENOSPC
             else (error.strerror or str(error)).lower()
+        )
         super().__init__(f"cannot write {path}: {reason}{kept}")
 
 
@@ -55,8 +58,12 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     OSError) and not inside torch's zip writer (an opaque RuntimeError)."""
     buffer = io.BytesIO()
     torch.save(state, buffer)
-    kept = "; the previous checkpoint is kept whole (free some space and restart the " \
-        "node: it resumes from there)" if path.exists() else ""
+    kept = (
+        "; the previous checkpoint is kept whole (free some space and restart the "
+        "node: it resumes from there)"
+        if path.exists()
+        else ""
+    )
     write_atomically(path, buffer.getvalue(), kept)
 
 
@@ -76,7 +83,8 @@ def load_checkpoint(path: Path) -> dict[str, Any] | None:
         detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise CheckpointError(
             f"checkpoint {path} does not read: cut short or damaged ({detail}); restore it "
-            "from a backup, or move it aside to start this node over from round 1") from None
+            "from a backup, or move it aside to start this node over from round 1"
+        ) from None
 
 
 def remove_leftover(temporary: Path) -> None:
@@ -84,8 +92,11 @@ def remove_leftover(temporary: Path) -> None:
     the last whole one, so the temporary goes."""
     if temporary.exists():
         temporary.unlink()
-        log.warning("removed %s, left by a write that was cut short; %s is the last whole "
-                    "one", temporary, temporary.name.removesuffix(".tmp"))
+        log.warning(
+            "removed %s, left by a write that was cut short; %s is the last whole one",
+            temporary,
+            temporary.name.removesuffix(".tmp"),
+        )
 
 
 SCORES = ("round", "test_acc", "val_acc")  # what `recent_scores` keeps of a record
@@ -115,13 +126,16 @@ class MetricsLog:
             return
         records, unreadable = _parsed_lines(self.path.read_text(errors="replace"))
         if unreadable:
-            log.warning("%s: dropped %d line(s) cut short or garbled (line %s), as from a "
-                        "crash mid-write", self.path, len(unreadable),
-                        ", ".join(map(str, unreadable)))
+            log.warning(
+                "%s: dropped %d line(s) cut short or garbled (line %s), as from a crash mid-write",
+                self.path,
+                len(unreadable),
+                ", ".join(map(str, unreadable)),
+            )
         kept = [record for record in records if record["round"] <= last_round]
         text = "".join(json.dumps(record) + "\n" for record in kept)
         write_atomically(self.path, text.encode())
-        for record in kept[-(self._recent.maxlen or 0):]:
+        for record in kept[-(self._recent.maxlen or 0) :]:
             self._remember(record)
 
     def append(self, record: dict[str, Any]) -> None:

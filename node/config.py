@@ -469,8 +469,12 @@ def _check_model(model: ModelConfig, algorithm: str) -> None:
     _require("model.name", model.name, model.name in MODELS, ", ".join(MODELS))
     _require("model.head", model.head, model.head in HEADS, ", ".join(HEADS))
     heads = ALGORITHMS[algorithm].heads  # the algorithm name was checked before
-    _require("model.head", model.head, heads is None or model.head in heads,
-             f"{', '.join(heads or ())} with algorithm {algorithm}")
+    _require(
+        "model.head",
+        model.head,
+        heads is None or model.head in heads,
+        f"{', '.join(heads or ())} with algorithm {algorithm}",
+    )
 
 
 def _check_data(data: DataConfig, prefix: str, names: Iterable[str]) -> None:
@@ -483,8 +487,12 @@ def _check_data(data: DataConfig, prefix: str, names: Iterable[str]) -> None:
     )
 
     # The data module owns the bounds of its fields, checked here once with the field named.
-    checkers = {"dataset": check_dataset_name, "partition": check_partition,
-                "samples_per_node": check_samples_per_node, "split": check_split}
+    checkers = {
+        "dataset": check_dataset_name,
+        "partition": check_partition,
+        "samples_per_node": check_samples_per_node,
+        "split": check_split,
+    }
     for name in names:
         path, value = f"{prefix}.{name}", getattr(data, name)
         if name in checkers:
@@ -529,23 +537,39 @@ def _check_timing(cfg: MeshConfig) -> None:
         cfg.peer_timeout > cfg.heartbeat_interval,
         f"more than heartbeat_interval ({cfg.heartbeat_interval})",
     )
-    _require("round_quorum", cfg.round_quorum, 0 < cfg.round_quorum <= 1,
-             "a share of the live peers, > 0 and <= 1")
+    _require(
+        "round_quorum",
+        cfg.round_quorum,
+        0 < cfg.round_quorum <= 1,
+        "a share of the live peers, > 0 and <= 1",
+    )
 
 
 def _check_coordinator(cfg: MeshConfig) -> None:
     from meshfl.algorithms import is_coordinated
 
     if cfg.coordinator is not None:
-        _require("coordinator", cfg.coordinator,
-                 _listen_identity(cfg.coordinator) is not None, _LISTEN_ALLOWED)
+        _require(
+            "coordinator",
+            cfg.coordinator,
+            _listen_identity(cfg.coordinator) is not None,
+            _LISTEN_ALLOWED,
+        )
         clashes = [p.name for p in cfg.peers if p.listen == cfg.coordinator]
-        _require("coordinator", cfg.coordinator, not clashes,
-                 f"an address no peer listens on (peer {', '.join(clashes)} does)")
+        _require(
+            "coordinator",
+            cfg.coordinator,
+            not clashes,
+            f"an address no peer listens on (peer {', '.join(clashes)} does)",
+        )
     elif is_coordinated(cfg.algorithm.name):
-        _require("coordinator", None, False,
-                 f"the coordinator's tcp://HOST:PORT: algorithm {cfg.algorithm.name} runs "
-                 "on a coordinator node")
+        _require(
+            "coordinator",
+            None,
+            False,
+            f"the coordinator's tcp://HOST:PORT: algorithm {cfg.algorithm.name} runs "
+            "on a coordinator node",
+        )
 
 
 def _check_attack(cfg: MeshConfig) -> None:
@@ -555,25 +579,49 @@ def _check_attack(cfg: MeshConfig) -> None:
     attack, names = cfg.attack, [peer.name for peer in cfg.peers]
     if not attack.nodes and not attack.kind:
         return
-    _require("attack.kind", attack.kind, bool(attack.kind),
-             f"{KINDS_ALLOWED} (attack.nodes names attackers)")
-    _require("attack.nodes", attack.nodes, bool(attack.nodes),
-             "a list of peer names (attack.kind is set)")
+    _require(
+        "attack.kind",
+        attack.kind,
+        bool(attack.kind),
+        f"{KINDS_ALLOWED} (attack.nodes names attackers)",
+    )
+    _require(
+        "attack.nodes",
+        attack.nodes,
+        bool(attack.nodes),
+        "a list of peer names (attack.kind is set)",
+    )
     for index, node in enumerate(attack.nodes):
-        _require(f"attack.nodes.{index}", node, node in names,
-                 f"a name listed under peers: {', '.join(names)}")
-        _require(f"attack.nodes.{index}", node, attack.nodes.index(node) == index,
-                 "a name not listed twice")
+        _require(
+            f"attack.nodes.{index}",
+            node,
+            node in names,
+            f"a name listed under peers: {', '.join(names)}",
+        )
+        _require(
+            f"attack.nodes.{index}",
+            node,
+            attack.nodes.index(node) == index,
+            "a name not listed twice",
+        )
     try:
         spec = parse_kind(attack.kind)
     except ValueError as err:
         raise ConfigError(f"config field 'attack.kind': {err}") from None
     if spec.kind == "collude":
-        _require("attack.kind", attack.kind, int(spec.value or 0) <= len(attack.nodes),
-                 f"collude:<k> with k at most the {len(attack.nodes)} attack.nodes")
-    _require("attack.nodes", attack.nodes, not is_coordinated(cfg.algorithm.name),
-             "an empty list: attacks are measured on peer rules, and "
-             f"{cfg.algorithm.name} runs on a coordinator")
+        _require(
+            "attack.kind",
+            attack.kind,
+            int(spec.value or 0) <= len(attack.nodes),
+            f"collude:<k> with k at most the {len(attack.nodes)} attack.nodes",
+        )
+    _require(
+        "attack.nodes",
+        attack.nodes,
+        not is_coordinated(cfg.algorithm.name),
+        "an empty list: attacks are measured on peer rules, and "
+        f"{cfg.algorithm.name} runs on a coordinator",
+    )
 
 
 def _check_peers(cfg: MeshConfig) -> None:
@@ -609,9 +657,12 @@ def _check_peer(cfg: MeshConfig, path: str, peer: PeerConfig) -> None:
         peer.key is None or bool(peer.key),
         "a private key file path or null",
     )
-    _require(f"{path}.train_delay", peer.train_delay,
-             math.isfinite(peer.train_delay) and peer.train_delay >= 0,
-             "seconds, finite and >= 0")
+    _require(
+        f"{path}.train_delay",
+        peer.train_delay,
+        math.isfinite(peer.train_delay) and peer.train_delay >= 0,
+        "seconds, finite and >= 0",
+    )
     if peer.data is not None:
         overridden = [f.name for f in fields(peer.data) if getattr(peer.data, f.name) is not None]
         _check_data(data_for(cfg, peer), f"{path}.data", overridden)
@@ -705,8 +756,10 @@ def shared_settings(cfg: MeshConfig) -> dict[str, Any]:
     """
     return {
         "mesh": cfg.mesh,
-        "algorithm": {"name": cfg.algorithm.name,
-                      "params": explicit_params(cfg.algorithm, cfg.rounds)},
+        "algorithm": {
+            "name": cfg.algorithm.name,
+            "params": explicit_params(cfg.algorithm, cfg.rounds),
+        },
         "model": {"name": cfg.model.name, "head": cfg.model.head},
     }
 
@@ -727,8 +780,10 @@ def with_explicit_params(cfg: MeshConfig) -> MeshConfig:
     """`cfg` with every parameter of its algorithm written out, as fitted to its rounds:
     a saved config then says what ran even after a default changes, and a node given
     it runs the values the config check accepted."""
-    return replace(cfg, algorithm=AlgorithmConfig(cfg.algorithm.name,
-                                                  explicit_params(cfg.algorithm, cfg.rounds)))
+    return replace(
+        cfg,
+        algorithm=AlgorithmConfig(cfg.algorithm.name, explicit_params(cfg.algorithm, cfg.rounds)),
+    )
 
 
 def peer_by_name(cfg: MeshConfig, name: str) -> PeerConfig:

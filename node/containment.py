@@ -49,8 +49,13 @@ class Rewind:
         vars(self.rule).update(copy.deepcopy(self.saved, dict(self.keep)))
 
 
-def run_contained(step: Callable[[frozenset[str]], Outcome], peers: Iterable[str], rule: Any,
-                  where: str, suspects: Iterable[str] = ()) -> Contained[Outcome]:
+def run_contained(
+    step: Callable[[frozenset[str]], Outcome],
+    peers: Iterable[str],
+    rule: Any,
+    where: str,
+    suspects: Iterable[str] = (),
+) -> Contained[Outcome]:
     """`step(admitted)` runs `rule` on the input of the `admitted` peers only; `suspects`
     are the peers refused by the last contained step, tried without first."""
     everyone = frozenset(peers)
@@ -70,14 +75,21 @@ def run_contained(step: Callable[[frozenset[str]], Outcome], peers: Iterable[str
             if not admitted:
                 raise
             continue
-        log.warning("%s: refused for this round, the rule raised on their input: %s",
-                    where, ", ".join(refused))
+        log.warning(
+            "%s: refused for this round, the rule raised on their input: %s",
+            where,
+            ", ".join(refused),
+        )
         return Contained(outcome, refused)
     raise AssertionError("not reached: the last candidate admits nobody")
 
 
-def _candidates(step: Callable[[frozenset[str]], Any], everyone: frozenset[str],
-                rewind: Rewind, suspects: set[str]) -> Iterable[list[str]]:
+def _candidates(
+    step: Callable[[frozenset[str]], Any],
+    everyone: frozenset[str],
+    rewind: Rewind,
+    suspects: set[str],
+) -> Iterable[list[str]]:
     """Whom to refuse, in turn: last time's culprits; the peers that make the step raise
     alone; everyone (the others only make it raise together)."""
     if suspects:

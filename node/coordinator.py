@@ -67,8 +67,7 @@ def _extra_arrays(extras: dict[str, torch.Tensor]) -> dict[str, Any]:
     return {EXTRA + k: v.detach().cpu().numpy() for k, v in extras.items()}
 
 
-def checked_direct(rule: CoordinatorAlgorithm, message: Message, last_round: int
-                   ) -> PeerModel:
+def checked_direct(rule: CoordinatorAlgorithm, message: Message, last_round: int) -> PeerModel:
     """An `upload` or `personal` message's tensors, checked in WIRE.md 9.1's order: the
     mesh's whole model then the rule's extras for this kind, the sample count, finite
     values, then the meta: the signed record is the sender's own, of the message's kind
@@ -79,26 +78,43 @@ def checked_direct(rule: CoordinatorAlgorithm, message: Message, last_round: int
     model: Layout = rule.context.layout
 
     def fits(layout: Layout) -> bool:
-        extras = tuple((name.removeprefix(EXTRA), dtype, shape)
-                       for name, dtype, shape in layout[len(model):])
-        return (layout[:len(model)] == model
-                and all(name.startswith(EXTRA) for name, _, _ in layout[len(model):])
-                and rule.extras_fit(message.kind, extras))
+        extras = tuple(
+            (name.removeprefix(EXTRA), dtype, shape) for name, dtype, shape in layout[len(model) :]
+        )
+        return (
+            layout[: len(model)] == model
+            and all(name.startswith(EXTRA) for name, _, _ in layout[len(model) :])
+            and rule.extras_fit(message.kind, extras)
+        )
 
     checked = peer_model(blob, (model,), fits)
     meta = blob.meta
     weights = meta.get("weights", {})
-    fine = (blob.kind == message.kind and blob.origin == message.sender
-            and meta.get("round") == blob.round <= last_round)
+    fine = (
+        blob.kind == message.kind
+        and blob.origin == message.sender
+        and meta.get("round") == blob.round <= last_round
+    )
     if message.kind == PERSONAL:
-        fine = fine and isinstance(meta.get("train"), bool) and isinstance(weights, dict) and all(
-            isinstance(name, str) and isinstance(weight, (int, float))
-            and not isinstance(weight, bool) and math.isfinite(weight)
-            for name, weight in weights.items())
+        fine = (
+            fine
+            and isinstance(meta.get("train"), bool)
+            and isinstance(weights, dict)
+            and all(
+                isinstance(name, str)
+                and isinstance(weight, (int, float))
+                and not isinstance(weight, bool)
+                and math.isfinite(weight)
+                for name, weight in weights.items()
+            )
+        )
     if not fine:
-        raise UnusableBlob("meta", f"its record or meta does not fit a {message.kind} of "
-                                   f"its sender: {reprlib.repr(blob.kind)}, round "
-                                   f"{blob.round}, meta {reprlib.repr(meta)}")
+        raise UnusableBlob(
+            "meta",
+            f"its record or meta does not fit a {message.kind} of "
+            f"its sender: {reprlib.repr(blob.kind)}, round "
+            f"{blob.round}, meta {reprlib.repr(meta)}",
+        )
     return checked
 
 
@@ -126,33 +142,43 @@ class CoordinatorNode(Node):
         chosen = self.algorithm.clients_for_round(round_no, sorted(clients))
         for name in chosen:
             self._send_personal(clients[name], name, round_no, initial, train=True)
-        uploads, intake = self.collect_uploads(round_no,
-                                               {clients[name]: name for name in chosen})
+        uploads, intake = self.collect_uploads(round_no, {clients[name]: name for name in chosen})
         seconds = {"wait": time.perf_counter() - clock}
         clock = time.perf_counter()
         contained = run_contained(
             lambda admitted: self.algorithm.aggregate_uploads(
-                round_no, {name: upload for name, upload in uploads.items() if name in admitted}),
-            uploads, self.algorithm, COORDINATOR, suspects=self._suspects)
+                round_no, {name: upload for name, upload in uploads.items() if name in admitted}
+            ),
+            uploads,
+            self.algorithm,
+            COORDINATOR,
+            suspects=self._suspects,
+        )
         self._suspects = set(contained.refused)
         diagnostics = contained.outcome
         for name in contained.refused:
             intake.refuse(UPLOAD, name, RULE_ERROR)
         seconds["aggregate"] = time.perf_counter() - clock
         after = self.endpoint.stats()
-        self.metrics.append(CoordinatorRecord(
-            round=round_no, clients=chosen, uploaded=sorted(uploads),
-            refused=sorted(intake.refused.get(UPLOAD, [])),
-            refusals=dict(sorted(intake.reasons.items())),
-            rejections=after["rejections"],
-            diagnostics=diagnostics, seconds=seconds,
-            bytes_in=after["bytes_in"] - before["bytes_in"],
-            bytes_out=after["bytes_out"] - before["bytes_out"],
-        ).to_json())
+        self.metrics.append(
+            CoordinatorRecord(
+                round=round_no,
+                clients=chosen,
+                uploaded=sorted(uploads),
+                refused=sorted(intake.refused.get(UPLOAD, [])),
+                refusals=dict(sorted(intake.reasons.items())),
+                rejections=after["rejections"],
+                diagnostics=diagnostics,
+                seconds=seconds,
+                bytes_in=after["bytes_in"] - before["bytes_in"],
+                bytes_out=after["bytes_out"] - before["bytes_out"],
+            ).to_json()
+        )
         self._save(round_no)
 
-    def _send_personal(self, key: bytes, name: str, round_no: int,
-                       initial: dict[str, torch.Tensor], train: bool) -> None:
+    def _send_personal(
+        self, key: bytes, name: str, round_no: int, initial: dict[str, torch.Tensor], train: bool
+    ) -> None:
         state = self.algorithm.model_for(round_no, name, initial)
         arrays = {k: a.copy() for k, a in state_to_arrays(state).items()}
         arrays.update(_extra_arrays(self.algorithm.personal_extras(round_no, name)))
@@ -160,8 +186,9 @@ class CoordinatorNode(Node):
         blob = make_blob(self.identity, round_no, PERSONAL, arrays, self.schema, meta)
         self.endpoint.send_blob(key, PERSONAL, blob)
 
-    def collect_uploads(self, round_no: int, expected: dict[bytes, str]
-                        ) -> tuple[dict[str, Upload], PeerIntake]:
+    def collect_uploads(
+        self, round_no: int, expected: dict[bytes, str]
+    ) -> tuple[dict[str, Upload], PeerIntake]:
         """The round's uploads by client name, and the clients whose upload was refused as
         unusable (logged; the round goes on as if they had not uploaded)."""
         uploads: dict[str, Upload] = {}
@@ -171,8 +198,7 @@ class CoordinatorNode(Node):
         # round_quorum: the share of the chosen clients whose uploads the round waits for
         # (rounded up, as for peers); a refused upload counts as come.
         needed = math.ceil(self.cfg.round_quorum * len(expected) - 1e-9)
-        while len(expected) - len(waiting) < needed \
-                and (left := deadline - time.monotonic()) > 0:
+        while len(expected) - len(waiting) < needed and (left := deadline - time.monotonic()) > 0:
             message = self.endpoint.next_message(UPLOAD, timeout=min(left, 0.5))
             if message is None or message.blob is None or message.sender not in waiting:
                 continue  # nothing, or not from a client still awaited this round
@@ -220,7 +246,8 @@ class ClientNode(Node):
             meta = message.blob.meta
             try:
                 state, extras = _split_upload(
-                    checked_direct(self.algorithm, message, self.cfg.rounds + 1).state)
+                    checked_direct(self.algorithm, message, self.cfg.rounds + 1).state
+                )
             except UnusableBlob as error:
                 self._refuse_personal(error.reason, error)
                 continue
@@ -239,8 +266,12 @@ class ClientNode(Node):
     def _refuse_personal(self, reason: str, error: Exception) -> None:
         """Drop a `personal` blob the checks or the rule refused; counted in the metrics of
         the next round this client records, logged (with the rule's traceback, if any)."""
-        log.warning("%s: refused the coordinator's model: %s", self.options.name, error,
-                    exc_info=reason == RULE_ERROR)
+        log.warning(
+            "%s: refused the coordinator's model: %s",
+            self.options.name,
+            error,
+            exc_info=reason == RULE_ERROR,
+        )
         self.refusals[reason] += 1
 
     def _next_personal(self) -> Message:
@@ -259,24 +290,34 @@ class ClientNode(Node):
                     f"{self.options.name}: no word from the coordinator at "
                     f"{self.cfg.coordinator} for {silent:.0f} s (max(rounds, 3) x round_timeout"
                     f" = {patience:g} s); gave up after round {self.last_written} of "
-                    f"{self.cfg.rounds}. Start the coordinator and this node again to resume")
+                    f"{self.cfg.rounds}. Start the coordinator and this node again to resume"
+                )
             if not away_logged:
-                log.warning("%s: no word from the coordinator; training locally until it "
-                            "is back (at most %g s)", self.options.name, patience)
+                log.warning(
+                    "%s: no word from the coordinator; training locally until it "
+                    "is back (at most %g s)",
+                    self.options.name,
+                    patience,
+                )
                 away_logged = True
             self._train_locally()
 
     def _from_coordinator(self, message: Message) -> bool:
         entry = next((p for p in self.endpoint.peers() if p.public_key == message.sender), None)
-        return (entry is not None and entry.address == self.cfg.coordinator
-                and message.blob is not None)
+        return (
+            entry is not None and entry.address == self.cfg.coordinator and message.blob is not None
+        )
 
     def _train_locally(self) -> None:
         """While the coordinator is away, the time still goes into the own model."""
         with self.cpu:
-            self.train(self.model, self.data.x_train, self.data.y_train, None,
-                       seed=draw_seed(self.cfg.seed, self.options.name, self.last_written,
-                                      "train_alone"))
+            self.train(
+                self.model,
+                self.data.x_train,
+                self.data.y_train,
+                None,
+                seed=draw_seed(self.cfg.seed, self.options.name, self.last_written, "train_alone"),
+            )
 
     def _train_and_upload(self, round_no: int, coordinator: bytes) -> _RoundInFlight:
         self.endpoint.set_round(round_no)
@@ -288,9 +329,11 @@ class ClientNode(Node):
         arrays = {k: a.copy() for k, a in state_to_arrays(self.model).items()}
         arrays.update(_extra_arrays(extras))
         meta = {"round": round_no, "n": len(self.data.y_train)}
-        self.endpoint.send_blob(coordinator, UPLOAD,
-                                make_blob(self.identity, round_no, UPLOAD, arrays,
-                                          self.schema, meta))
+        self.endpoint.send_blob(
+            coordinator,
+            UPLOAD,
+            make_blob(self.identity, round_no, UPLOAD, arrays, self.schema, meta),
+        )
         return _RoundInFlight(round_no, train_loss, seconds, before)
 
     def _record(self, done: _RoundInFlight, weights: dict[str, float]) -> None:
@@ -300,22 +343,29 @@ class ClientNode(Node):
         with self.cpu:
             clock = time.perf_counter()
             val = evaluate(self.model, self.data.x_val, self.data.y_val, self.data.num_classes)
-            test = evaluate(self.model, self.data.x_test, self.data.y_test,
-                            self.data.num_classes)
+            test = evaluate(self.model, self.data.x_test, self.data.y_test, self.data.num_classes)
             seconds = time.perf_counter() - clock
         after = self.endpoint.stats()
-        self.metrics.append(RoundRecord(
-            round=done.round, node=self.options.name, train_loss=done.train_loss,
-            val_loss=val.loss, val_acc=val.accuracy, test_loss=test.loss,
-            test_acc=test.accuracy, weights=weights, diagnostics={},
-            bytes_in=after["bytes_in"] - done.bytes_before["bytes_in"],
-            bytes_out=after["bytes_out"] - done.bytes_before["bytes_out"],
-            rejections=after["rejections"],
-            refusals=dict(sorted(self.refusals.items())),
-            bytes_sent_by_kind=after["bytes_sent_by_kind"],  # since the node started
-            seconds={**done.seconds, "evaluate": seconds},
-            n_train=len(self.data.y_train),
-        ).to_json())
+        self.metrics.append(
+            RoundRecord(
+                round=done.round,
+                node=self.options.name,
+                train_loss=done.train_loss,
+                val_loss=val.loss,
+                val_acc=val.accuracy,
+                test_loss=test.loss,
+                test_acc=test.accuracy,
+                weights=weights,
+                diagnostics={},
+                bytes_in=after["bytes_in"] - done.bytes_before["bytes_in"],
+                bytes_out=after["bytes_out"] - done.bytes_before["bytes_out"],
+                rejections=after["rejections"],
+                refusals=dict(sorted(self.refusals.items())),
+                bytes_sent_by_kind=after["bytes_sent_by_kind"],  # since the node started
+                seconds={**done.seconds, "evaluate": seconds},
+                n_train=len(self.data.y_train),
+            ).to_json()
+        )
         self.refusals.clear()
         self.last_written = done.round
         self._save(done.round)
@@ -333,5 +383,12 @@ def make_node(options: NodeOptions, role: str = PEER) -> Node:
     return build_node(options, CoordinatorNode if role == COORDINATOR else ClientNode)
 
 
-__all__ = ["COORDINATOR", "PEER", "ClientNode", "CoordinatorGone", "CoordinatorNode",
-           "make_node", "needs_coordinator"]
+__all__ = [
+    "COORDINATOR",
+    "PEER",
+    "ClientNode",
+    "CoordinatorGone",
+    "CoordinatorNode",
+    "make_node",
+    "needs_coordinator",
+]

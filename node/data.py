@@ -54,8 +54,16 @@ class DataError(ValueError):
 
 
 DATASETS: tuple[str, ...] = (
-    "digits", "mnist", "fmnist", "usps", "cifar10", "mnistm",
-    "femnist", "office", "synthetic", "digit5",
+    "digits",
+    "mnist",
+    "fmnist",
+    "usps",
+    "cifar10",
+    "mnistm",
+    "femnist",
+    "office",
+    "synthetic",
+    "digit5",
 )
 NPZ_PREFIX = "npz:"
 PARTITION_FORMS = (
@@ -100,7 +108,7 @@ def check_dataset_name(name: str) -> None:
     """Raise DataError unless `name` is a known dataset or `npz:PATH`."""
     if name in DATASETS:
         return
-    if name.startswith(NPZ_PREFIX) and name[len(NPZ_PREFIX):].strip():
+    if name.startswith(NPZ_PREFIX) and name[len(NPZ_PREFIX) :].strip():
         return
     raise DataError(f"unknown dataset {name!r}; allowed: {', '.join(DATASETS)} or npz:PATH")
 
@@ -113,20 +121,23 @@ SPLIT_TOLERANCE = 1e-6
 
 def check_samples_per_node(value: int | None) -> None:
     """Raise DataError unless `value` is unset or an integer >= MIN_SAMPLES_PER_NODE."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                              or value < MIN_SAMPLES_PER_NODE):
-        raise DataError(f"got {value!r}; allowed: an integer >= {MIN_SAMPLES_PER_NODE} "
-                        "or null")
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, int) or value < MIN_SAMPLES_PER_NODE
+    ):
+        raise DataError(f"got {value!r}; allowed: an integer >= {MIN_SAMPLES_PER_NODE} or null")
 
 
 def check_split(split: tuple[float, ...]) -> None:
     """Raise DataError unless `split` is three fractions > 0 (train, validation, test)
     that sum to 1."""
     parts_ok = len(split) == 3 and all(
-        isinstance(part, (int, float)) and math.isfinite(part) and part > 0 for part in split)
+        isinstance(part, (int, float)) and math.isfinite(part) and part > 0 for part in split
+    )
     if not parts_ok or abs(sum(split) - 1) > SPLIT_TOLERANCE:
-        raise DataError(f"got {list(split)!r}; allowed: three numbers > 0 (train, "
-                        "validation, test) that sum to 1")
+        raise DataError(
+            f"got {list(split)!r}; allowed: three numbers > 0 (train, "
+            "validation, test) that sum to 1"
+        )
 
 
 def check_partition(spec: str) -> None:
@@ -214,7 +225,7 @@ def load_pool(dataset: str, root: str | None) -> Pool:
 @functools.lru_cache(maxsize=8)
 def _load_pool_cached(dataset: str, root: str | None) -> Pool:
     if dataset.startswith(NPZ_PREFIX):
-        return _npz_pool(dataset[len(NPZ_PREFIX):])
+        return _npz_pool(dataset[len(NPZ_PREFIX) :])
     return _POOL_LOADERS[dataset](root)
 
 
@@ -235,12 +246,18 @@ def _to_unit_range(images: np.ndarray) -> np.ndarray:
     return (images.astype(np.float32) / 255.0 - 0.5) / 0.5
 
 
-def _gray_pool(images: np.ndarray, labels: np.ndarray, num_classes: int = 10,
-               **domain_fields) -> Pool:
+def _gray_pool(
+    images: np.ndarray, labels: np.ndarray, num_classes: int = 10, **domain_fields
+) -> Pool:
     """A pool of uint8 (N, H, W) grayscale images, served as (1, H, W)."""
     height, width = images.shape[1:]
-    return Pool(labels.astype(np.int64), num_classes, (1, height, width),
-                lambda idx: _to_unit_range(images[idx])[:, None], **domain_fields)
+    return Pool(
+        labels.astype(np.int64),
+        num_classes,
+        (1, height, width),
+        lambda idx: _to_unit_range(images[idx])[:, None],
+        **domain_fields,
+    )
 
 
 def _digits_pool(_root: str | None) -> Pool:
@@ -260,8 +277,9 @@ def _read_torchvision(dataset: str, build: Callable[[], object]) -> object:
         raise DataError(f"dataset {dataset!r} could not be read: {first_line}") from None
 
 
-def _mnist_like_images(source: str, root: str | None,
-                       dataset: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+def _mnist_like_images(
+    source: str, root: str | None, dataset: str | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """MNIST's or Fashion-MNIST's train split; `dataset` names the user's dataset in errors."""
     import torchvision
 
@@ -319,15 +337,17 @@ def _mnistm_arrays(root: str | None, dataset: str = "mnistm") -> tuple[np.ndarra
     path = _require(dataset, root, "mnist_m/mnist_m_test.npz")
     images, labels = _read_npz(dataset, path)
     if images.ndim != 4 or images.shape[1:] != (32, 32, 3):
-        raise DataError(f"dataset {dataset!r}: {path} x has shape {images.shape}, "
-                        "expected (N, 32, 32, 3)")
+        raise DataError(
+            f"dataset {dataset!r}: {path} x has shape {images.shape}, expected (N, 32, 32, 3)"
+        )
     return images, labels
 
 
 def _mnistm_pool(root: str | None) -> Pool:
     images, labels = _mnistm_arrays(root)
-    return Pool(labels, 10, (3, 32, 32),
-                lambda idx: _to_unit_range(images[idx]).transpose(0, 3, 1, 2))
+    return Pool(
+        labels, 10, (3, 32, 32), lambda idx: _to_unit_range(images[idx]).transpose(0, 3, 1, 2)
+    )
 
 
 def _femnist_pool(root: str | None) -> Pool:
@@ -337,8 +357,9 @@ def _femnist_pool(root: str | None) -> Pool:
     ordered by falling sample count, name breaking ties, so node i under partition
     'domains' gets the i-th largest writer and a small mesh gets usable shards.
     """
-    parts = [_require("femnist", root, f"femnist/femnist_{split}.npz")
-             for split in ("train", "test")]
+    parts = [
+        _require("femnist", root, f"femnist/femnist_{split}.npz") for split in ("train", "test")
+    ]
     arrays = [np.load(path) for path in parts]
     for path, array in zip(parts, arrays, strict=True):
         if not {"x", "y", "user"} <= set(array.files):
@@ -352,7 +373,9 @@ def _femnist_pool(root: str | None) -> Pool:
     rank = np.empty_like(order)
     rank[order] = np.arange(len(order))
     return _gray_pool(
-        images, labels, num_classes=62,
+        images,
+        labels,
+        num_classes=62,
         domains=rank[writer_of_sample],
         domain_names=tuple(str(name) for name in writer_names[order]),
         one_node_per_domain=True,
@@ -385,8 +408,12 @@ def _office_pool(root: str | None) -> Pool:
         domains.append(np.full(len(histograms), domain_id))
     table = np.concatenate(features)
     return Pool(
-        np.concatenate(labels), 10, (table.shape[1],), lambda idx: table[idx],
-        domains=np.concatenate(domains), domain_names=tuple(OFFICE_DOMAINS),
+        np.concatenate(labels),
+        10,
+        (table.shape[1],),
+        lambda idx: table[idx],
+        domains=np.concatenate(domains),
+        domain_names=tuple(OFFICE_DOMAINS),
     )
 
 
@@ -396,8 +423,10 @@ def _read_npz(dataset: str, path: Path) -> tuple[np.ndarray, np.ndarray]:
     except (OSError, ValueError) as error:
         raise DataError(f"dataset {dataset!r}: {path} is not a readable .npz ({error})") from None
     if not {"x", "y"} <= set(arrays.files):
-        raise DataError(f"dataset {dataset!r}: {path} must hold arrays x and y; it holds "
-                        f"{', '.join(arrays.files) or 'none'}")
+        raise DataError(
+            f"dataset {dataset!r}: {path} must hold arrays x and y; it holds "
+            f"{', '.join(arrays.files) or 'none'}"
+        )
     return arrays["x"], arrays["y"]
 
 
@@ -406,20 +435,27 @@ def _npz_pool(path_text: str) -> Pool:
     dataset = NPZ_PREFIX + path_text
     path = Path(path_text).expanduser()
     if not path.is_file():
-        raise DataError(f"dataset {dataset!r}: file {path} not found; give npz:PATH to a .npz "
-                        "holding arrays x and y")
+        raise DataError(
+            f"dataset {dataset!r}: file {path} not found; give npz:PATH to a .npz "
+            "holding arrays x and y"
+        )
     images, labels = _read_npz(dataset, path)
     if labels.ndim != 1 or len(labels) != len(images) or len(labels) == 0:
-        raise DataError(f"dataset {dataset!r}: y must be 1-d with one label per row of x, got "
-                        f"x {images.shape} and y {labels.shape}")
+        raise DataError(
+            f"dataset {dataset!r}: y must be 1-d with one label per row of x, got "
+            f"x {images.shape} and y {labels.shape}"
+        )
     if not np.issubdtype(labels.dtype, np.integer) or labels.min() < 0:
         raise DataError(f"dataset {dataset!r}: y must hold integer labels 0..C-1")
     _check_features(dataset, path, images)
 
     def features(idx: np.ndarray) -> np.ndarray:
         chosen = images[idx]
-        return chosen.astype(np.float32) / 255.0 if chosen.dtype == np.uint8 else \
-            chosen.astype(np.float32)
+        return (
+            chosen.astype(np.float32) / 255.0
+            if chosen.dtype == np.uint8
+            else chosen.astype(np.float32)
+        )
 
     return Pool(labels.astype(np.int64), int(labels.max()) + 1, tuple(images.shape[1:]), features)
 
@@ -427,13 +463,17 @@ def _npz_pool(path_text: str) -> Pool:
 def _check_features(dataset: str, path: Path, images: np.ndarray) -> None:
     """x must be numbers, every one finite: a NaN trains silently to chance accuracy."""
     if images.dtype.kind not in "biuf":
-        raise DataError(f"dataset {dataset!r}: x in {path} must hold numbers (integers or "
-                        f"floats), got dtype {images.dtype}")
+        raise DataError(
+            f"dataset {dataset!r}: x in {path} must hold numbers (integers or "
+            f"floats), got dtype {images.dtype}"
+        )
     if images.dtype.kind == "f":
         bad = int(images.size - np.count_nonzero(np.isfinite(images)))
         if bad:
-            raise DataError(f"dataset {dataset!r}: x in {path} holds {bad} NaN or infinite "
-                            f"value(s) of {images.size}; clean or drop those samples")
+            raise DataError(
+                f"dataset {dataset!r}: x in {path} holds {bad} NaN or infinite "
+                f"value(s) of {images.size}; clean or drop those samples"
+            )
 
 
 def _digit5_pool(root: str | None) -> Pool:
@@ -455,8 +495,9 @@ def _digit5_pool(root: str | None) -> Pool:
 
     def gray(images: np.ndarray) -> np.ndarray:  # uint8 (n, H, W) -> [0, 1] (n, 3, 32, 32)
         tensor = torch.from_numpy(images.astype(np.float32) / 255.0)[:, None]
-        resized = torch.nn.functional.interpolate(tensor, size=(32, 32), mode="bilinear",
-                                                  align_corners=False)
+        resized = torch.nn.functional.interpolate(
+            tensor, size=(32, 32), mode="bilinear", align_corners=False
+        )
         return resized.clamp(0, 1).expand(-1, 3, -1, -1).numpy()
 
     def colored(local: np.ndarray) -> np.ndarray:
@@ -470,15 +511,19 @@ def _digit5_pool(root: str | None) -> Pool:
     sources = [
         (mnist_half[0], mnist_labels, lambda local: gray(mnist_images[local])),
         (usps_half[0], usps_labels, lambda local: gray(usps_images[local])),
-        (np.arange(len(mnistm_labels)), mnistm_labels,
-         lambda local: mnistm_images[local].transpose(0, 3, 1, 2).astype(np.float32) / 255.0),
+        (
+            np.arange(len(mnistm_labels)),
+            mnistm_labels,
+            lambda local: mnistm_images[local].transpose(0, 3, 1, 2).astype(np.float32) / 255.0,
+        ),
         (mnist_half[1], mnist_labels, lambda local: 1.0 - gray(mnist_images[local])),
         (usps_half[1], usps_labels, colored),
     ]
     local_index = np.concatenate([members for members, _, _ in sources])
     labels = np.concatenate([source_labels[members] for members, source_labels, _ in sources])
-    domains = np.concatenate([np.full(len(members), d) for d, (members, _, _) in
-                              enumerate(sources)])
+    domains = np.concatenate(
+        [np.full(len(members), d) for d, (members, _, _) in enumerate(sources)]
+    )
 
     def features(idx: np.ndarray) -> np.ndarray:
         out = np.empty((len(idx), 3, 32, 32), dtype=np.float32)
@@ -488,8 +533,15 @@ def _digit5_pool(root: str | None) -> Pool:
                 out[mask] = render(local_index[idx[mask]])
         return (out - 0.5) / 0.5
 
-    return Pool(labels.astype(np.int64), 10, (3, 32, 32), features, domains=domains,
-                domain_names=DIGIT5_DOMAINS, balanced_per_class=True)
+    return Pool(
+        labels.astype(np.int64),
+        10,
+        (3, 32, 32),
+        features,
+        domains=domains,
+        domain_names=DIGIT5_DOMAINS,
+        balanced_per_class=True,
+    )
 
 
 _POOL_LOADERS: dict[str, Callable[[str | None], Pool]] = {
@@ -516,8 +568,13 @@ class Shard:
     info: dict = field(default_factory=dict)
 
 
-def assign_shards(pool: Pool, partition: str | Partition, num_nodes: int, seed: int,
-                  samples_per_node: int | None = None) -> list[Shard]:
+def assign_shards(
+    pool: Pool,
+    partition: str | Partition,
+    num_nodes: int,
+    seed: int,
+    samples_per_node: int | None = None,
+) -> list[Shard]:
     """Deal pool indices to `num_nodes` nodes; shards are disjoint by construction.
 
     `samples_per_node` caps each shard (its size before the train/val/test split). Where a
@@ -546,16 +603,18 @@ def assign_shards(pool: Pool, partition: str | Partition, num_nodes: int, seed: 
     return shards
 
 
-def _iid_shards(pool: Pool, _spec: Partition, num_nodes: int, rng: np.random.Generator,
-                cap: int | None) -> list[Shard]:
+def _iid_shards(
+    pool: Pool, _spec: Partition, num_nodes: int, rng: np.random.Generator, cap: int | None
+) -> list[Shard]:
     order = rng.permutation(len(pool.labels))
     if cap is not None:
         order = order[: cap * num_nodes]
     return [Shard(np.sort(part)) for part in np.array_split(order, num_nodes)]
 
 
-def _dirichlet_shards(pool: Pool, spec: Partition, num_nodes: int, rng: np.random.Generator,
-                      _cap: int | None) -> list[Shard]:
+def _dirichlet_shards(
+    pool: Pool, spec: Partition, num_nodes: int, rng: np.random.Generator, _cap: int | None
+) -> list[Shard]:
     """Label skew: each class is split over the nodes by proportions drawn from Dir(alpha).
 
     Draws are repeated until every node holds a few samples; a very small alpha may never
@@ -579,8 +638,7 @@ def _dirichlet_shards(pool: Pool, spec: Partition, num_nodes: int, rng: np.rando
     return [Shard(np.sort(s)) for s in shards]
 
 
-def _top_up(shards: list[np.ndarray], min_size: int,
-            rng: np.random.Generator) -> list[np.ndarray]:
+def _top_up(shards: list[np.ndarray], min_size: int, rng: np.random.Generator) -> list[np.ndarray]:
     """Move random samples from the largest shard to each one below `min_size`."""
     shards = list(shards)
     for node in range(len(shards)):
@@ -593,8 +651,9 @@ def _top_up(shards: list[np.ndarray], min_size: int,
     return shards
 
 
-def _pathological_shards(pool: Pool, spec: Partition, num_nodes: int,
-                         rng: np.random.Generator, cap: int | None) -> list[Shard]:
+def _pathological_shards(
+    pool: Pool, spec: Partition, num_nodes: int, rng: np.random.Generator, cap: int | None
+) -> list[Shard]:
     """Each node holds exactly L labels: the next L slots of a stream that runs through a
     seeded label order again and again, so every label is used once num_nodes * L >=
     num_classes. Each pass starts one label later than the one before, so that later
@@ -602,8 +661,10 @@ def _pathological_shards(pool: Pool, spec: Partition, num_nodes: int,
     samples are split evenly between the nodes that hold it."""
     per_node = int(spec.param)
     if per_node > pool.num_classes:
-        raise DataError(f"partition 'pathological:{per_node}' needs at most "
-                        f"{pool.num_classes} labels per node for this dataset")
+        raise DataError(
+            f"partition 'pathological:{per_node}' needs at most "
+            f"{pool.num_classes} labels per node for this dataset"
+        )
     label_order = rng.permutation(pool.num_classes)
     slots = [node * per_node + np.arange(per_node) for node in range(num_nodes)]
     label_sets = [label_order[(s + s // pool.num_classes) % pool.num_classes] for s in slots]
@@ -613,8 +674,9 @@ def _pathological_shards(pool: Pool, spec: Partition, num_nodes: int,
     return shards
 
 
-def _group_shards(pool: Pool, spec: Partition, num_nodes: int, rng: np.random.Generator,
-                  cap: int | None) -> list[Shard]:
+def _group_shards(
+    pool: Pool, spec: Partition, num_nodes: int, rng: np.random.Generator, cap: int | None
+) -> list[Shard]:
     """FedReMa's label imbalance: node i is in group g = i % 5, whose dominant labels are
     {2g, 2g+1, 2g+2} mod num_classes: a ring over the ten labels in which neighbouring
     groups share one label, as FedReMa's own code lays them out (3g would make groups 3
@@ -629,28 +691,34 @@ def _group_shards(pool: Pool, spec: Partition, num_nodes: int, rng: np.random.Ge
     infos = []
     for node in range(num_nodes):
         group = node % FEDREMA_GROUPS
-        dominant = sorted({((FEDREMA_LABELS_PER_GROUP - 1) * group + j) % pool.num_classes
-                           for j in range(FEDREMA_LABELS_PER_GROUP)})
+        dominant = sorted(
+            {
+                ((FEDREMA_LABELS_PER_GROUP - 1) * group + j) % pool.num_classes
+                for j in range(FEDREMA_LABELS_PER_GROUP)
+            }
+        )
         demand[node] = iid_share * size * prior
         demand[node, dominant] += (1 - iid_share) * size / len(dominant)
         infos.append({"group": group, "dominant_labels": dominant})
-    quota = _integer_quota(demand, np.bincount(pool.labels, minlength=pool.num_classes),
-                           fill=False)
+    quota = _integer_quota(demand, np.bincount(pool.labels, minlength=pool.num_classes), fill=False)
     shards = _deal_quota(pool.labels, quota, rng)
     for shard, info in zip(shards, infos, strict=True):
         shard.info.update(info)
     return shards
 
 
-def _cluster_shards(pool: Pool, spec: Partition, num_nodes: int, rng: np.random.Generator,
-                    cap: int | None) -> list[Shard]:
+def _cluster_shards(
+    pool: Pool, spec: Partition, num_nodes: int, rng: np.random.Generator, cap: int | None
+) -> list[Shard]:
     """pFedLIA's clusters: node i is in cluster i % k; the labels are cut into k contiguous,
     near-equal blocks, one per cluster. `noisy`: with probability 0.5 a node also holds one
     label from outside its cluster (drawn per node, in node order, from the mesh seed)."""
     clusters = int(spec.param)
     if clusters > pool.num_classes:
-        raise DataError(f"partition 'clusters:{clusters}' needs k <= {pool.num_classes}, the "
-                        "number of labels, so that every cluster owns a label")
+        raise DataError(
+            f"partition 'clusters:{clusters}' needs k <= {pool.num_classes}, the "
+            "number of labels, so that every cluster owns a label"
+        )
     cluster_labels = np.array_split(np.arange(pool.num_classes), clusters)
     label_sets, infos = [], []
     for node in range(num_nodes):
@@ -669,31 +737,48 @@ def _cluster_shards(pool: Pool, spec: Partition, num_nodes: int, rng: np.random.
     return shards
 
 
-def _domain_shards(pool: Pool, _spec: Partition, num_nodes: int, rng: np.random.Generator,
-                   cap: int | None) -> list[Shard]:
+def _domain_shards(
+    pool: Pool, _spec: Partition, num_nodes: int, rng: np.random.Generator, cap: int | None
+) -> list[Shard]:
     """One domain per node: node i gets domain i % (number of domains), nodes that share a
     domain split it evenly; FEMNIST's writers are never shared (node i is writer i)."""
     if pool.domains is None:
-        raise DataError("partition 'domains' needs a dataset with domains (digit5, office, "
-                        "femnist, synthetic)")
+        raise DataError(
+            "partition 'domains' needs a dataset with domains (digit5, office, femnist, synthetic)"
+        )
     num_domains = len(pool.domain_names)
     if pool.one_node_per_domain:
         if num_nodes > num_domains:
-            raise DataError(f"partition 'domains' gives one writer per node, but this dataset "
-                            f"has {num_domains} writers for {num_nodes} nodes")
-        return [Shard(np.flatnonzero(pool.domains == node),
-                      {"domain": pool.domain_names[node]}) for node in range(num_nodes)]
+            raise DataError(
+                f"partition 'domains' gives one writer per node, but this dataset "
+                f"has {num_domains} writers for {num_nodes} nodes"
+            )
+        return [
+            Shard(np.flatnonzero(pool.domains == node), {"domain": pool.domain_names[node]})
+            for node in range(num_nodes)
+        ]
     node_domains = [node % num_domains for node in range(num_nodes)]
-    shards = _deal_by_class(pool, [np.arange(pool.num_classes)] * num_nodes, node_domains, cap,
-                            rng, balanced=pool.balanced_per_class)
+    shards = _deal_by_class(
+        pool,
+        [np.arange(pool.num_classes)] * num_nodes,
+        node_domains,
+        cap,
+        rng,
+        balanced=pool.balanced_per_class,
+    )
     for shard, domain in zip(shards, node_domains, strict=True):
         shard.info["domain"] = pool.domain_names[domain]
     return shards
 
 
-def _deal_by_class(pool: Pool, label_sets: list[np.ndarray], node_domains: list[int | None],
-                   cap: int | None, rng: np.random.Generator,
-                   balanced: bool = True) -> list[Shard]:
+def _deal_by_class(
+    pool: Pool,
+    label_sets: list[np.ndarray],
+    node_domains: list[int | None],
+    cap: int | None,
+    rng: np.random.Generator,
+    balanced: bool = True,
+) -> list[Shard]:
     """Give each node samples of its labels (from its domain, if it has one).
 
     Without a cap, every (domain, label) stratum is shared evenly by the nodes that want it,
@@ -742,8 +827,7 @@ def _integer_quota(demand: np.ndarray, available: np.ndarray, fill: bool) -> np.
     return quota
 
 
-def _deal_quota(strata: np.ndarray, quota: np.ndarray,
-                rng: np.random.Generator) -> list[Shard]:
+def _deal_quota(strata: np.ndarray, quota: np.ndarray, rng: np.random.Generator) -> list[Shard]:
     """Shuffle each stratum once and cut it into consecutive runs of the quota's sizes, so
     no index can reach two nodes."""
     pieces: list[list[np.ndarray]] = [[] for _ in range(len(quota))]
@@ -758,8 +842,9 @@ def _deal_quota(strata: np.ndarray, quota: np.ndarray,
 # --------------------------------------------------------------------------- synthetic
 
 
-def _synthetic_node(node_index: int, seed: int, iid: bool,
-                    cap: int | None) -> tuple[np.ndarray, np.ndarray]:
+def _synthetic_node(
+    node_index: int, seed: int, iid: bool, cap: int | None
+) -> tuple[np.ndarray, np.ndarray]:
     """One user of the synthetic(alpha=1, beta=1) data of FedProx/LEAF (60 features, 5
     classes), generated from the node's own seed stream, so nobody else's data is needed.
 
@@ -805,9 +890,16 @@ class NodeData:
     info: dict  # JSON-able facts: {"domain": ...}, {"true_cluster": ...}, "labels", "n_train"
 
 
-def load_node_data(dataset: str, root: str | None, partition: str, num_nodes: int,
-                   node_index: int, seed: int, samples_per_node: int | None = None,
-                   split: tuple[float, float, float] = (0.6, 0.2, 0.2)) -> NodeData:
+def load_node_data(
+    dataset: str,
+    root: str | None,
+    partition: str,
+    num_nodes: int,
+    node_index: int,
+    seed: int,
+    samples_per_node: int | None = None,
+    split: tuple[float, float, float] = (0.6, 0.2, 0.2),
+) -> NodeData:
     """This node's shard of the mesh's partition, split into train/val/test.
 
     Deterministic in its arguments; nodes with different indices get disjoint shards.
@@ -818,8 +910,7 @@ def load_node_data(dataset: str, root: str | None, partition: str, num_nodes: in
     _check_mesh(num_nodes, node_index, seed, samples_per_node, split)
     if dataset == "synthetic":
         # Every node is one user; 'iid' switches to the shared model, other forms are moot.
-        features, labels = _synthetic_node(node_index, seed, spec.kind == "iid",
-                                           samples_per_node)
+        features, labels = _synthetic_node(node_index, seed, spec.kind == "iid", samples_per_node)
         num_classes, input_shape = SYNTHETIC_CLASSES, (SYNTHETIC_FEATURES,)
         info: dict = {"user": node_index, "partition": "iid" if spec.kind == "iid" else "natural"}
     else:
@@ -829,38 +920,52 @@ def load_node_data(dataset: str, root: str | None, partition: str, num_nodes: in
             raise DataError(
                 f"node {node_index} got {len(shard.indices)} samples under partition "
                 f"{partition!r} with {num_nodes} nodes; it needs at least 3 (one per split): "
-                "use fewer nodes, a milder partition or more samples per node")
+                "use fewer nodes, a milder partition or more samples per node"
+            )
         features, labels = pool.features(shard.indices), pool.labels[shard.indices]
         num_classes, input_shape, info = pool.num_classes, pool.input_shape, shard.info
     split_rng = np.random.default_rng((seed, _SPLIT_STREAM, node_index))
     train, val, test = stratified_split(labels, split, split_rng)
     x = torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32))
     y = torch.from_numpy(labels.astype(np.int64))
-    info = {**info, "labels": sorted(int(c) for c in np.unique(labels[train])),
-            "n_train": len(train), "n_val": len(val), "n_test": len(test)}
-    return NodeData(x[train], y[train], x[val], y[val], x[test], y[test],
-                    num_classes, tuple(input_shape), info)
+    info = {
+        **info,
+        "labels": sorted(int(c) for c in np.unique(labels[train])),
+        "n_train": len(train),
+        "n_val": len(val),
+        "n_test": len(test),
+    }
+    return NodeData(
+        x[train], y[train], x[val], y[val], x[test], y[test], num_classes, tuple(input_shape), info
+    )
 
 
-def _check_mesh(num_nodes: int, node_index: int, seed: int, samples_per_node: int | None,
-                split: tuple[float, float, float]) -> None:
+def _check_mesh(
+    num_nodes: int,
+    node_index: int,
+    seed: int,
+    samples_per_node: int | None,
+    split: tuple[float, float, float],
+) -> None:
     if not isinstance(num_nodes, int) or num_nodes < 1:
         raise DataError(f"num_nodes must be an integer >= 1, got {num_nodes!r}")
     if not isinstance(node_index, int) or not 0 <= node_index < num_nodes:
-        raise DataError(f"node_index must be an integer in 0..{num_nodes - 1}, got "
-                        f"{node_index!r}")
+        raise DataError(f"node_index must be an integer in 0..{num_nodes - 1}, got {node_index!r}")
     if not isinstance(seed, int) or seed < 0:
         raise DataError(f"seed must be an integer >= 0, got {seed!r}")
-    for name, value, check in (("samples_per_node", samples_per_node, check_samples_per_node),
-                               ("split", split, check_split)):
+    for name, value, check in (
+        ("samples_per_node", samples_per_node, check_samples_per_node),
+        ("split", split, check_split),
+    ):
         try:
             check(value)
         except DataError as err:
             raise DataError(f"{name}: {err}") from None
 
 
-def stratified_split(labels: np.ndarray, fractions: tuple[float, float, float],
-                      rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def stratified_split(
+    labels: np.ndarray, fractions: tuple[float, float, float], rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Positions of train, val and test with exact sizes, stratified by class.
 
     Each class's samples get evenly spaced random keys in [0, 1) (one per 1/n_c slot), and
@@ -879,5 +984,8 @@ def stratified_split(labels: np.ndarray, fractions: tuple[float, float, float],
     n_test = max(0, min(n_test, total - 1 - n_val))
     n_train = total - n_val - n_test
     # Keys ascend, so train takes each class's first slots, then val, then test.
-    return (np.sort(order[:n_train]), np.sort(order[n_train:n_train + n_val]),
-            np.sort(order[n_train + n_val:]))
+    return (
+        np.sort(order[:n_train]),
+        np.sort(order[n_train : n_train + n_val]),
+        np.sort(order[n_train + n_val :]),
+    )

@@ -12,6 +12,14 @@ from .models import ModelError
 from .runtime import JoinError
 
 USER_ERRORS: tuple[type[Exception], ...] = (
-    ConfigError, DataError, ModelError, KeyFileError, TransportError, Refused, JoinError,
-    CoordinatorGone, CheckpointError, StorageError,
+    ConfigError,
+    DataError,
+    ModelError,
+    KeyFileError,
+    TransportError,
+    Refused,
+    JoinError,
+    CoordinatorGone,
+    CheckpointError,
+    StorageError,
 )

@@ -70,8 +70,11 @@ class NodeLog(logging.Filter):
 
     def __init__(self, options: list[NodeOptions], outside: bool = False) -> None:
         super().__init__()
-        self.threads = {thread for each in options for thread in (
-            node_thread_name(each.name), f"mesh {each.name}", f"io {each.listen}")}
+        self.threads = {
+            thread
+            for each in options
+            for thread in (node_thread_name(each.name), f"mesh {each.name}", f"io {each.listen}")
+        }
         self.outside = outside
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -85,8 +88,9 @@ def node_thread_name(name: str) -> str:
 class NodeHost:
     """Runs the nodes of `options` in this process until each has finished or failed."""
 
-    def __init__(self, options: list[NodeOptions],
-                 make_node: Callable[[NodeOptions], Node]) -> None:
+    def __init__(
+        self, options: list[NodeOptions], make_node: Callable[[NodeOptions], Node]
+    ) -> None:
         self.options = options
         self.make_node = make_node
         self.cpu = threading.Lock()
@@ -96,9 +100,15 @@ class NodeHost:
         self._host_only = NodeLog(options, outside=True)
 
     def run(self) -> dict[str, NodeEnd]:
-        threads = [threading.Thread(target=self._run_one, args=(options,),
-                                    name=node_thread_name(options.name), daemon=True)
-                   for options in self.options]
+        threads = [
+            threading.Thread(
+                target=self._run_one,
+                args=(options,),
+                name=node_thread_name(options.name),
+                daemon=True,
+            )
+            for options in self.options
+        ]
         self._open_logs()
         try:
             for thread in threads:
@@ -122,8 +132,7 @@ class NodeHost:
             self.nodes[options.name] = node
             node.run()
         except Exception:  # this node's fault, not the host's
-            log.exception("%s: stopped by an error; the host's other nodes go on",
-                          options.name)
+            log.exception("%s: stopped by an error; the host's other nodes go on", options.name)
             self.ends[options.name] = NodeEnd(FAILED)
             return
         self.ends[options.name] = NodeEnd(FINISHED)
@@ -146,4 +155,3 @@ class NodeHost:
             handler.close()
         for handler in logging.getLogger().handlers:
             handler.removeFilter(self._host_only)
-

@@ -39,10 +39,10 @@ class _Round:
 
     def to_json(self) -> dict[str, Any]:
         """The line's JSON object: every field that is set, then the unknown keys."""
-        known = {item.name: getattr(self, item.name) for item in fields(self)
-                 if item.name != "extra"}
-        return {**{key: value for key, value in known.items() if value is not None},
-                **self.extra}
+        known = {
+            item.name: getattr(self, item.name) for item in fields(self) if item.name != "extra"
+        }
+        return {**{key: value for key, value in known.items() if value is not None}, **self.extra}
 
     @classmethod
     def from_json(cls: type[Record], line: Any) -> Record:
@@ -51,8 +51,10 @@ class _Round:
         if not isinstance(line, dict) or not isinstance(line.get("round"), int):
             raise ValueError("a metrics line is a JSON object with an integer round")
         names = {item.name for item in fields(cls)} - {"extra"}
-        return cls(**{key: value for key, value in line.items() if key in names},
-                   extra={key: value for key, value in line.items() if key not in names})
+        return cls(
+            **{key: value for key, value in line.items() if key in names},
+            extra={key: value for key, value in line.items() if key not in names},
+        )
 
 
 @dataclass

@@ -129,10 +129,20 @@ class Node:
     # The direct messages this role reads (a gossip peer reads none; see coordinator.py).
     DIRECT_KINDS: frozenset[str] = frozenset()
 
-    def __init__(self, options: NodeOptions, *, data: NodeData, model: torch.nn.Module,
-                 new_model: Callable[[], torch.nn.Module], train: TrainRecipe,
-                 algorithm: PeerAlgorithm, endpoint: Endpoint, attack: Attack,
-                 metrics: MetricsLog, checkpoint_path: Path) -> None:
+    def __init__(
+        self,
+        options: NodeOptions,
+        *,
+        data: NodeData,
+        model: torch.nn.Module,
+        new_model: Callable[[], torch.nn.Module],
+        train: TrainRecipe,
+        algorithm: PeerAlgorithm,
+        endpoint: Endpoint,
+        attack: Attack,
+        metrics: MetricsLog,
+        checkpoint_path: Path,
+    ) -> None:
         self.options = options
         self.cfg = options.config
         self.data = data
@@ -160,40 +170,67 @@ class Node:
 
     def status_extra(self) -> dict[str, Any]:
         """What this node adds to the endpoint's status answer; runs on its worker thread."""
-        return {"algorithm": self.cfg.algorithm.name, "rounds": self.cfg.rounds,
-                "accuracies": self.metrics.recent_scores()}
+        return {
+            "algorithm": self.cfg.algorithm.name,
+            "rounds": self.cfg.rounds,
+            "accuracies": self.metrics.recent_scores(),
+        }
 
     # --- the run ----------------------------------------------------------
 
     def run(self) -> None:
         first_round = self._resume()
         if first_round > self.cfg.rounds:
-            log.info("%s: this run already finished its %d rounds; nothing to do (start a "
-                     "new run with another --out)", self.options.name, self.cfg.rounds)
+            log.info(
+                "%s: this run already finished its %d rounds; nothing to do (start a "
+                "new run with another --out)",
+                self.options.name,
+                self.cfg.rounds,
+            )
             self.endpoint.close()  # bound but never started: frees the port
             return
-        write_atomically(self.options.out_dir / "info.json", (json.dumps({
-            "name": self.options.name, "id": self.identity.id, "listen": self.options.listen,
-            "public_key": self.identity.public_key.hex(), "data": self.data.info,
-        }, indent=2) + "\n").encode())
+        write_atomically(
+            self.options.out_dir / "info.json",
+            (
+                json.dumps(
+                    {
+                        "name": self.options.name,
+                        "id": self.identity.id,
+                        "listen": self.options.listen,
+                        "public_key": self.identity.public_key.hex(),
+                        "data": self.data.info,
+                    },
+                    indent=2,
+                )
+                + "\n"
+            ).encode(),
+        )
         self.endpoint.start(self.options.bootstrap)
         try:
             joined = self.endpoint.wait_joined(timeout=self.cfg.round_timeout)
             if self.options.joining and not joined:
-                raise JoinError(f"no mesh member answered at {', '.join(self.options.bootstrap)} "
-                                f"within {self.cfg.round_timeout:g} s (round_timeout); check "
-                                "the address, the firewall, that --config has the mesh's "
-                                "name, algorithm and model, and in a closed mesh that this "
-                                "node's public key is listed; all nodes must run the same "
-                                "meshfl version")
+                raise JoinError(
+                    f"no mesh member answered at {', '.join(self.options.bootstrap)} "
+                    f"within {self.cfg.round_timeout:g} s (round_timeout); check "
+                    "the address, the firewall, that --config has the mesh's "
+                    "name, algorithm and model, and in a closed mesh that this "
+                    "node's public key is listed; all nodes must run the same "
+                    "meshfl version"
+                )
             if not joined and len(self.cfg.peers) > 1:
-                log.warning("%s: no peer answered within %g s (round_timeout); training "
-                            "alone until one does (check the addresses, the firewall and "
-                            "that every node runs the same meshfl version)",
-                            self.options.name, self.cfg.round_timeout)
+                log.warning(
+                    "%s: no peer answered within %g s (round_timeout); training "
+                    "alone until one does (check the addresses, the firewall and "
+                    "that every node runs the same meshfl version)",
+                    self.options.name,
+                    self.cfg.round_timeout,
+                )
             if joined and self.options.join_hint:
-                log.info("%s: joined; the next node can join with: %s", self.options.name,
-                         self.options.join_hint)
+                log.info(
+                    "%s: joined; the next node can join with: %s",
+                    self.options.name,
+                    self.options.join_hint,
+                )
             self._run_rounds(first_round)
         finally:
             self.endpoint.close()
@@ -226,8 +263,12 @@ class Node:
         mesh_round = min(min(rounds, default=0), self.cfg.rounds)
         if mesh_round <= round_no:
             return round_no
-        log.info("%s: every live peer is past round %d; skipping to round %d",
-                 self.options.name, round_no, mesh_round)
+        log.info(
+            "%s: every live peer is past round %d; skipping to round %d",
+            self.options.name,
+            round_no,
+            mesh_round,
+        )
         self.endpoint.set_round(mesh_round)
         self.endpoint.refresh_offers()  # the round's models, announced before we came
         return mesh_round
@@ -240,8 +281,11 @@ class Node:
         self.model.load_state_dict(state["model"])
         self.algorithm.load_state_dict(state["algorithm"])
         # KEY@ADDRESS: an encrypted mesh is dialled with each node's key (WIRE.md 1.1).
-        known = [contact(p["addr"], bytes.fromhex(p["key"])) for p in json.loads(state["peers"])
-                 if p["addr"] != self.options.listen]
+        known = [
+            contact(p["addr"], bytes.fromhex(p["key"]))
+            for p in json.loads(state["peers"])
+            if p["addr"] != self.options.listen
+        ]
         self.options.bootstrap = list(dict.fromkeys([*self.options.bootstrap, *known]))
         self.metrics.keep_until(state["round"])
         log.info("%s: resumed from the checkpoint of round %d", self.options.name, state["round"])
@@ -253,22 +297,24 @@ class Node:
         peers = self.endpoint.alive_peers()
         # The round most peers are at (a peer's round is what it says: one claiming round
         # 2**64 must not make us skip the whole run), and never past the run's last.
-        current = min(statistics.median_low([peer.round for peer in peers] or [0]),
-                      self.cfg.rounds)
+        current = min(statistics.median_low([peer.round for peer in peers] or [0]), self.cfg.rounds)
         if current < 1:
             return 1
         self.endpoint.set_round(current)
         self.endpoint.refresh_offers()  # the current round's models, announced before we came
         deadline = time.monotonic() + self.cfg.round_timeout
-        blobs = self.collect(current, {MODEL}, {peer.public_key for peer in peers},
-                             deadline, everything=True)
+        blobs = self.collect(
+            current, {MODEL}, {peer.public_key for peer in peers}, deadline, everything=True
+        )
         models = self.peer_models(blobs).received.get(MODEL, {})
         if models:
             uniform = {name: 1 / len(models) for name in models}
             self.model.load_state_dict(
-                weighted_average({name: model.state for name, model in models.items()}, uniform))
-        log.info("%s: joined at round %d from %d models", self.options.name, current + 1,
-                 len(models))
+                weighted_average({name: model.state for name, model in models.items()}, uniform)
+            )
+        log.info(
+            "%s: joined at round %d from %d models", self.options.name, current + 1, len(models)
+        )
         return current + 1
 
     def _round(self, round_no: int) -> None:
@@ -278,11 +324,17 @@ class Node:
         with self.cpu:  # seconds are counted once the CPU is ours, here and below
             clock = time.perf_counter()
             self.attack.start_round(self.model)  # a no-op on an honest node
-            train_loss = self.train(
-                self.model, self.data.x_train,
-                self.attack.training_labels(self.data.y_train, self.data.num_classes), None,
-                seed=draw_seed(self.cfg.seed, self.options.name, round_no, "train")
-            ) if self.attack.trains else None
+            train_loss = (
+                self.train(
+                    self.model,
+                    self.data.x_train,
+                    self.attack.training_labels(self.data.y_train, self.data.num_classes),
+                    None,
+                    seed=draw_seed(self.cfg.seed, self.options.name, round_no, "train"),
+                )
+                if self.attack.trains
+                else None
+            )
         self._straggle()
         seconds["train"] = time.perf_counter() - clock
 
@@ -290,12 +342,21 @@ class Node:
         publications = self.algorithm.publish(round_no, self._state_copy(), self.data)
         publications, claimed = self.attack.tamper(round_no, publications, len(self.data.y_train))
         for kind, state in publications.items():
-            self.endpoint.publish(make_blob(self.identity, round_no, kind, state_to_arrays(state),
-                                            self.schema, {"n": claimed}))
+            self.endpoint.publish(
+                make_blob(
+                    self.identity,
+                    round_no,
+                    kind,
+                    state_to_arrays(state),
+                    self.schema,
+                    {"n": claimed},
+                )
+            )
         deadline = time.monotonic() + self.cfg.round_timeout
         alive = {peer.public_key for peer in self.endpoint.alive_peers()}
-        blobs = self.collect(round_no, set(publications), alive, deadline,
-                             quorum=self.cfg.round_quorum)
+        blobs = self.collect(
+            round_no, set(publications), alive, deadline, quorum=self.cfg.round_quorum
+        )
         seconds["communicate"] = time.perf_counter() - clock
 
         with self.cpu:
@@ -309,26 +370,36 @@ class Node:
 
             clock = time.perf_counter()
             val = evaluate(self.model, self.data.x_val, self.data.y_val, self.data.num_classes)
-            test = evaluate(self.model, self.data.x_test, self.data.y_test,
-                            self.data.num_classes)
+            test = evaluate(self.model, self.data.x_test, self.data.y_test, self.data.num_classes)
             seconds["evaluate"] = time.perf_counter() - clock
 
         after = self.endpoint.stats()
-        self.metrics.append(RoundRecord(
-            round=round_no, node=self.options.name, train_loss=train_loss,
-            val_loss=val.loss, val_acc=val.accuracy,
-            test_loss=test.loss, test_acc=test.accuracy,
-            weights=outcome.weights, diagnostics=outcome.diagnostics,
-            received=sorted(received.get(MODEL, {})), peers_alive=len(alive),
-            fetched={kind: sorted(models) for kind, models in received.items()},
-            refused=intake.refused, refusals=dict(sorted(intake.reasons.items())),
-            transport_fetches=self._fetches_since(stats_before["fetched"]),
-            bytes_in=after["bytes_in"] - stats_before["bytes_in"],
-            bytes_out=after["bytes_out"] - stats_before["bytes_out"],
-            bytes_sent_by_kind=after["bytes_sent_by_kind"],  # since the node started
-            rejections=after["rejections"], seconds=seconds,
-            n_train=len(self.data.y_train), attacker=self.attack.active,
-        ).to_json())
+        self.metrics.append(
+            RoundRecord(
+                round=round_no,
+                node=self.options.name,
+                train_loss=train_loss,
+                val_loss=val.loss,
+                val_acc=val.accuracy,
+                test_loss=test.loss,
+                test_acc=test.accuracy,
+                weights=outcome.weights,
+                diagnostics=outcome.diagnostics,
+                received=sorted(received.get(MODEL, {})),
+                peers_alive=len(alive),
+                fetched={kind: sorted(models) for kind, models in received.items()},
+                refused=intake.refused,
+                refusals=dict(sorted(intake.reasons.items())),
+                transport_fetches=self._fetches_since(stats_before["fetched"]),
+                bytes_in=after["bytes_in"] - stats_before["bytes_in"],
+                bytes_out=after["bytes_out"] - stats_before["bytes_out"],
+                bytes_sent_by_kind=after["bytes_sent_by_kind"],  # since the node started
+                rejections=after["rejections"],
+                seconds=seconds,
+                n_train=len(self.data.y_train),
+                attacker=self.attack.active,
+            ).to_json()
+        )
         self._save(round_no)
 
     def _straggle(self) -> None:
@@ -337,8 +408,15 @@ class Node:
         listed = listed_peer(self.options)
         time.sleep(listed.train_delay if listed else 0.0)
 
-    def collect(self, round_no: int, kinds: set[str], origins: set[bytes], deadline: float,
-                everything: bool = False, quorum: float = 1.0) -> dict[str, dict[str, Blob]]:
+    def collect(
+        self,
+        round_no: int,
+        kinds: set[str],
+        origins: set[bytes],
+        deadline: float,
+        everything: bool = False,
+        quorum: float = 1.0,
+    ) -> dict[str, dict[str, Blob]]:
         """The blobs of round `round_no` this node wants, by kind and peer name.
 
         Wanted blobs are fetched as their offers come in, so a live peer that never
@@ -348,8 +426,10 @@ class Node:
         `deadline`. Liveness is judged anew each time: a peer marked down during the
         round (dead or frozen) stops holding it.
         """
-        pull = _RoundPull(ask_once=self.algorithm.ranks_offers and not everything,
-                          choose_by=(time.monotonic() + deadline) / 2)
+        pull = _RoundPull(
+            ask_once=self.algorithm.ranks_offers and not everything,
+            choose_by=(time.monotonic() + deadline) / 2,
+        )
         while True:
             seen = self.endpoint.changes()
             offered, complete = self._offered(round_no, kinds, origins, quorum)
@@ -358,8 +438,9 @@ class Node:
                 self.endpoint.fetch(list(pull.chosen.values()))
             chosen = pull.chosen or {}
             arrived = self.endpoint.held([offer.id for offer in chosen.values()])
-            if (pull.chosen is not None and complete and not self._coming(chosen, arrived)) \
-                    or time.monotonic() >= deadline:
+            if (
+                pull.chosen is not None and complete and not self._coming(chosen, arrived)
+            ) or time.monotonic() >= deadline:
                 break
             self.endpoint.wait_change(seen, pull.wake_by(deadline))
         blobs: dict[str, dict[str, Blob]] = {}
@@ -368,53 +449,80 @@ class Node:
                 blobs.setdefault(kind, {})[name] = arrived[offer.id]
         return blobs
 
-    def _offered(self, round_no: int, kinds: set[str], origins: set[bytes], quorum: float = 1.0
-                 ) -> tuple[dict[str, dict[str, Offer]], bool]:
+    def _offered(
+        self, round_no: int, kinds: set[str], origins: set[bytes], quorum: float = 1.0
+    ) -> tuple[dict[str, dict[str, Offer]], bool]:
         """The round's offers of `kinds` by kind and peer name, and whether a `quorum`
         share (1.0: every one) of the live peers among `origins` announced every kind."""
         peers = self.endpoint.peers()
         names = {peer.public_key: peer.name for peer in peers}
         offered: dict[str, dict[str, Offer]] = {}
         for offer in self.endpoint.offers(round_no):
-            if offer.kind in kinds and offer.origin in names \
-                    and offer.origin != self.identity.public_key:
+            if (
+                offer.kind in kinds
+                and offer.origin in names
+                and offer.origin != self.identity.public_key
+            ):
                 offered.setdefault(offer.kind, {})[names[offer.origin]] = offer
-        announced = {(offer.origin, offer.kind) for by_name in offered.values()
-                     for offer in by_name.values()}
+        announced = {
+            (offer.origin, offer.kind) for by_name in offered.values() for offer in by_name.values()
+        }
         rounds = {peer.public_key: peer.round for peer in peers if peer.state == ALIVE}
-        delivered = {origin for origin in rounds.keys() & origins
-                     if all((origin, kind) in announced for kind in kinds)}
+        delivered = {
+            origin
+            for origin in rounds.keys() & origins
+            if all((origin, kind) in announced for kind in kinds)
+        }
         # A live peer that did not deliver is waited for only while it can: not once it
         # is past this round, nor while it is two or more behind (it was frozen or cut
         # off, and would hold every round for round_timeout as it catches up).
-        waiting = {origin for origin in rounds.keys() & origins - delivered
-                   if round_no - 1 <= rounds[origin] <= round_no}
+        waiting = {
+            origin
+            for origin in rounds.keys() & origins - delivered
+            if round_no - 1 <= rounds[origin] <= round_no
+        }
         # Rounded up, with a little slack for floating point: 0.7 of 10 peers is 7, not 8.
         needed = math.ceil(quorum * (len(delivered) + len(waiting)) - 1e-9)
         return offered, len(delivered) >= needed
 
-    def _coming(self, chosen: dict[tuple[str, str], Offer], arrived: dict[bytes, Blob]
-                ) -> list[Offer]:
+    def _coming(
+        self, chosen: dict[tuple[str, str], Offer], arrived: dict[bytes, Blob]
+    ) -> list[Offer]:
         """The chosen blobs not here yet that a live peer can still send: one whose
         origin and every other holder are marked down holds the round no longer."""
         alive = {peer.public_key for peer in self.endpoint.alive_peers()}
-        return [offer for offer in chosen.values() if offer.id not in arrived
-                and alive & {offer.origin, *offer.holders}]
+        return [
+            offer
+            for offer in chosen.values()
+            if offer.id not in arrived and alive & {offer.origin, *offer.holders}
+        ]
 
-    def _choose(self, round_no: int, offered: dict[str, dict[str, Offer]],
-                everything: bool) -> dict[tuple[str, str], Offer]:
+    def _choose(
+        self, round_no: int, offered: dict[str, dict[str, Offer]], everything: bool
+    ) -> dict[tuple[str, str], Offer]:
         """The offers to fetch, by (kind, peer name): the algorithm's `wanted`."""
         listing = {kind: sorted(by_name) for kind, by_name in offered.items()}
         wanted = listing if everything else self.algorithm.wanted(round_no, listing)
-        return {(kind, name): offered[kind][name] for kind, names in wanted.items()
-                for name in names if name in offered.get(kind, {})}
+        return {
+            (kind, name): offered[kind][name]
+            for kind, names in wanted.items()
+            for name in names
+            if name in offered.get(kind, {})
+        }
 
     def _fetches_since(self, start: int) -> list[dict[str, Any]]:
         """What the endpoint pulled since its `start`-th fetch: origin by peer name."""
         names = {node_id(peer.public_key): peer.name for peer in self.endpoint.peers()}
-        return [{"origin": names.get(record.origin, record.origin), "round": record.round,
-                 "kind": record.kind, "bytes": record.size, "from": record.holder}
-                for record in self.endpoint.fetches_since(start)]
+        return [
+            {
+                "origin": names.get(record.origin, record.origin),
+                "round": record.round,
+                "kind": record.kind,
+                "bytes": record.size,
+                "from": record.holder,
+            }
+            for record in self.endpoint.fetches_since(start)
+        ]
 
     def _state_copy(self) -> dict[str, torch.Tensor]:
         return {key: value.detach().clone() for key, value in self.model.state_dict().items()}
@@ -438,16 +546,19 @@ class Node:
     def _aggregate(self, round_no: int, intake: PeerIntake) -> Aggregate:
         """The rule's aggregate of the admitted peers' models, contained: a peer whose
         models make the rule raise is refused for the round (node/containment.py)."""
+
         def step(admitted: frozenset[str]) -> Aggregate:
             own = PeerModel(self._state_copy(), len(self.data.y_train))
-            received = {kind: {name: model for name, model in by_peer.items()
-                               if name in admitted}
-                        for kind, by_peer in intake.received.items()}
+            received = {
+                kind: {name: model for name, model in by_peer.items() if name in admitted}
+                for kind, by_peer in intake.received.items()
+            }
             return self.algorithm.aggregate(round_no, own, received, self.data)
 
         peers = {name for by_peer in intake.received.values() for name in by_peer}
-        contained = run_contained(step, peers, self.algorithm, self.options.name,
-                                  suspects=self._suspects)
+        contained = run_contained(
+            step, peers, self.algorithm, self.options.name, suspects=self._suspects
+        )
         self._suspects = set(contained.refused)
         for name in contained.refused:
             for kind, by_peer in intake.received.items():
@@ -456,12 +567,19 @@ class Node:
         return contained.outcome
 
     def _save(self, round_no: int) -> None:
-        peers = [{"name": p.name, "addr": p.address, "key": p.public_key.hex()}
-                 for p in self.endpoint.peers()]
-        save_checkpoint(self.checkpoint_path, {
-            "round": round_no, "model": self.model.state_dict(),
-            "algorithm": self.algorithm.state_dict(), "peers": json.dumps(peers),
-        })
+        peers = [
+            {"name": p.name, "addr": p.address, "key": p.public_key.hex()}
+            for p in self.endpoint.peers()
+        ]
+        save_checkpoint(
+            self.checkpoint_path,
+            {
+                "round": round_no,
+                "model": self.model.state_dict(),
+                "algorithm": self.algorithm.state_dict(),
+                "peers": json.dumps(peers),
+            },
+        )
 
     def _linger(self) -> None:
         """Keep serving our last blob until every live peer is past the final round, so
@@ -487,18 +605,37 @@ def build_node(options: NodeOptions, role: type[Node] = Node) -> Node:
     new_model = model_maker(cfg, data)
     model = new_model()
     train = training_recipe(cfg)
-    algorithm = build_rule(cfg.algorithm.name, cfg.algorithm.params,
-                           rule_context(options, data, model, new_model, train))
+    algorithm = build_rule(
+        cfg.algorithm.name,
+        cfg.algorithm.params,
+        rule_context(options, data, model, new_model, train),
+    )
     schema = model_digest(model)
-    endpoint = Endpoint(Identity.load_or_create(options.key_path), mesh_id(cfg, schema),
-                        endpoint_settings(options, role.DIRECT_KINDS), schema=schema)
+    endpoint = Endpoint(
+        Identity.load_or_create(options.key_path),
+        mesh_id(cfg, schema),
+        endpoint_settings(options, role.DIRECT_KINDS),
+        schema=schema,
+    )
     options.out_dir.mkdir(parents=True, exist_ok=True)
-    node = role(options, data=data, model=model, new_model=new_model, train=train,
-                algorithm=algorithm, endpoint=endpoint,
-                attack=attack_for(options.name, cfg.attack.nodes, cfg.attack.kind, cfg.seed,
-                                  lambda: new_model().state_dict()),
-                metrics=MetricsLog(options.out_dir / "metrics.jsonl"),
-                checkpoint_path=options.out_dir / "checkpoint.pt")
+    node = role(
+        options,
+        data=data,
+        model=model,
+        new_model=new_model,
+        train=train,
+        algorithm=algorithm,
+        endpoint=endpoint,
+        attack=attack_for(
+            options.name,
+            cfg.attack.nodes,
+            cfg.attack.kind,
+            cfg.seed,
+            lambda: new_model().state_dict(),
+        ),
+        metrics=MetricsLog(options.out_dir / "metrics.jsonl"),
+        checkpoint_path=options.out_dir / "checkpoint.pt",
+    )
     endpoint.status_extra = node.status_extra
     return node
 
@@ -514,25 +651,47 @@ def own_data(options: NodeOptions) -> NodeData:
     cfg = options.config
     listed = listed_peer(options)
     settings = cfgmod.data_for(cfg, listed) if listed else cfg.data
-    return load_node_data(settings.dataset, settings.root, settings.partition,
-                          options.num_nodes, options.node_index, cfg.seed,
-                          settings.samples_per_node, tuple(settings.split))
+    return load_node_data(
+        settings.dataset,
+        settings.root,
+        settings.partition,
+        options.num_nodes,
+        options.node_index,
+        cfg.seed,
+        settings.samples_per_node,
+        tuple(settings.split),
+    )
 
 
 def model_maker(cfg: cfgmod.MeshConfig, data: NodeData) -> Callable[[], torch.nn.Module]:
     """Builds the mesh's model for `data` afresh: seeded, so every call (on every node)
     gives the mesh's initial model."""
-    return lambda: build_model(cfg.model.name, data.input_shape, data.num_classes,
-                               cfg.model.head, seed=cfg.seed)
+    return lambda: build_model(
+        cfg.model.name, data.input_shape, data.num_classes, cfg.model.head, seed=cfg.seed
+    )
 
 
-def rule_context(options: NodeOptions, data: NodeData, model: torch.nn.Module,
-                 new_model: Callable[[], torch.nn.Module], train: TrainRecipe) -> Context:
+def rule_context(
+    options: NodeOptions,
+    data: NodeData,
+    model: torch.nn.Module,
+    new_model: Callable[[], torch.nn.Module],
+    train: TrainRecipe,
+) -> Context:
     """What the node's rule may know about, and do in, this node (algorithms.Context)."""
     cfg = options.config
-    return Context(options.name, cfg.seed, data.num_classes, tuple(body_keys(model)),
-                   tuple(head_keys(model)), batch_size=cfg.batch_size, new_model=new_model,
-                   train=train, data=data, layout=layout_of(state_to_arrays(model)))
+    return Context(
+        options.name,
+        cfg.seed,
+        data.num_classes,
+        tuple(body_keys(model)),
+        tuple(head_keys(model)),
+        batch_size=cfg.batch_size,
+        new_model=new_model,
+        train=train,
+        data=data,
+        layout=layout_of(state_to_arrays(model)),
+    )
 
 
 def endpoint_settings(options: NodeOptions, direct_kinds: frozenset[str]) -> EndpointSettings:
@@ -541,6 +700,11 @@ def endpoint_settings(options: NodeOptions, direct_kinds: frozenset[str]) -> End
     if cfg.closed:
         allowlist = frozenset(bytes.fromhex(p.public_key) for p in cfg.peers if p.public_key)
     return EndpointSettings(
-        name=options.name, listen=options.listen,
-        heartbeat_interval=cfg.heartbeat_interval, peer_timeout=cfg.peer_timeout,
-        allowlist=allowlist, encrypt=cfg.encrypt, direct_kinds=direct_kinds)
+        name=options.name,
+        listen=options.listen,
+        heartbeat_interval=cfg.heartbeat_interval,
+        peer_timeout=cfg.peer_timeout,
+        allowlist=allowlist,
+        encrypt=cfg.encrypt,
+        direct_kinds=direct_kinds,
+    )

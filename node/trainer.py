@@ -94,12 +94,27 @@ def training_recipe(cfg: MeshConfig) -> TrainRecipe:
     mesh's local_epochs); it returns the mean loss. A node trains its own model with it,
     and so do the rules that train models of their own (algorithms.Context.train)."""
 
-    def train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int | None,
-              seed: int, max_steps: int | None = None) -> float:
-        return train_local(model, x, y, cfg.local_epochs if epochs is None else epochs,
-                           cfg.batch_size, cfg.optimizer, cfg.lr, seed=seed,
-                           momentum=cfg.momentum, weight_decay=cfg.weight_decay,
-                           max_steps=max_steps)
+    def train(
+        model: nn.Module,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        epochs: int | None,
+        seed: int,
+        max_steps: int | None = None,
+    ) -> float:
+        return train_local(
+            model,
+            x,
+            y,
+            cfg.local_epochs if epochs is None else epochs,
+            cfg.batch_size,
+            cfg.optimizer,
+            cfg.lr,
+            seed=seed,
+            momentum=cfg.momentum,
+            weight_decay=cfg.weight_decay,
+            max_steps=max_steps,
+        )
 
     return train
 

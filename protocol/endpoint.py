@@ -158,7 +158,10 @@ class _RateLimit:
 
 class Endpoint:
     def __init__(
-        self, identity: Identity, mesh_id: bytes, settings: EndpointSettings,
+        self,
+        identity: Identity,
+        mesh_id: bytes,
+        settings: EndpointSettings,
         schema: bytes | None = None,
     ) -> None:
         self.identity = identity
@@ -203,8 +206,9 @@ class Endpoint:
         # Bootstrap addresses given without a key: greeted once some message names it.
         self._greet_when_keyed: set[str] = set()
         self.transport = Transport(settings.listen, settings.transport, self._encryption())
-        self._worker = threading.Thread(target=self._work, name=f"mesh {settings.name}",
-                                         daemon=True)
+        self._worker = threading.Thread(
+            target=self._work, name=f"mesh {settings.name}", daemon=True
+        )
 
     @property
     def id(self) -> str:
@@ -220,11 +224,11 @@ class Endpoint:
             return None
         admit = None
         if self.settings.allowlist is not None:
-            listed = {_curve_key(key) for key in [*self.settings.allowlist,
-                                                   self.identity.public_key]}
+            listed = {
+                _curve_key(key) for key in [*self.settings.allowlist, self.identity.public_key]
+            }
             admit = listed.__contains__
-        return Encryption(self.identity.curve_public_key, self.identity.curve_secret_key,
-                          admit)
+        return Encryption(self.identity.curve_public_key, self.identity.curve_secret_key, admit)
 
     def _learn(self, address: str, public_key: bytes, from_its_owner: bool = True) -> None:
         """Dial `address` with the CURVE key of `public_key` from now on. A third party's
@@ -245,8 +249,9 @@ class Endpoint:
         """Start serving and say hello to every bootstrap contact (any one is enough):
         KEY@tcp://HOST:PORT, or a bare address where the mesh does not encrypt."""
         if self.settings.encrypt:
-            log.info("%s: listening encrypted; others dial it as %s", self.settings.name,
-                     self.contact)
+            log.info(
+                "%s: listening encrypted; others dial it as %s", self.settings.name, self.contact
+            )
         targets = []
         for address, key in map(split_contact, bootstrap):
             if address != self.settings.address:
@@ -260,11 +265,18 @@ class Endpoint:
         if waiting:
             # Nodes started together learn each other's keys from the first hellos; a
             # bare address with no such node behind it shows as nobody answering.
-            log.info("%s: will greet %s once the key of each is known (from its own hello or a "
-                     "peer list)", self.settings.name, ", ".join(waiting))
+            log.info(
+                "%s: will greet %s once the key of each is known (from its own hello or a "
+                "peer list)",
+                self.settings.name,
+                ", ".join(waiting),
+            )
         self._worker.start()  # after the keys above are in place: it learns more
-        greet = [address for address in dict.fromkeys(targets)  # listed bare and keyed: once
-                 if address not in self._greet_when_keyed]
+        greet = [
+            address
+            for address in dict.fromkeys(targets)  # listed bare and keyed: once
+            if address not in self._greet_when_keyed
+        ]
         for index, address in enumerate(greet):
             # One peer list is enough: the others were named to us already (WIRE.md 7.1).
             self._send(address, "hello", self._hello_body(wants_peers=index == 0))
@@ -282,8 +294,9 @@ class Endpoint:
         self.round = round_no
         with self._lock:
             self.offer_book.forget_before(round_no)
-            self.store.forget_before(round_no, self.identity.public_key,
-                                     self.offer_book.keep_rounds)
+            self.store.forget_before(
+                round_no, self.identity.public_key, self.offer_book.keep_rounds
+            )
 
     def peers(self) -> list[PeerEntry]:
         with self._lock:
@@ -338,8 +351,9 @@ class Endpoint:
         with self._lock:
             return list(self.offer_book.for_round(round_no, kind))
 
-    def wait_offers(self, round_no: int, kinds: set[str], origins: set[bytes],
-                    deadline: float) -> list[Offer]:
+    def wait_offers(
+        self, round_no: int, kinds: set[str], origins: set[bytes], deadline: float
+    ) -> list[Offer]:
         """Offers of the round, waiting until every origin in `origins` that is still
         alive announced a blob of each of `kinds`, or the monotonic `deadline` passes."""
         with self._changed:
@@ -347,8 +361,7 @@ class Endpoint:
                 offers = [o for o in self.offer_book.for_round(round_no) if o.kind in kinds]
                 alive = {entry.public_key for entry in self.table.alive()}
                 announced = {(offer.origin, offer.kind) for offer in offers}
-                if all((origin, kind) in announced for origin in origins & alive
-                       for kind in kinds):
+                if all((origin, kind) in announced for origin in origins & alive for kind in kinds):
                     return offers
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -415,15 +428,16 @@ class Endpoint:
         """Messages dropped, by reason: the decoder's and the flows'."""
         with self._lock:
             refused = Counter({REFUSED_HANDSHAKE: sum(self.transport.refused_keys.values())})
-            return dict(Counter(self.decoder.rejection_counts()) + self.flow_rejections
-                        + refused)
+            return dict(Counter(self.decoder.rejection_counts()) + self.flow_rejections + refused)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {
-                "bytes_in": self.transport.bytes_in, "bytes_out": self.transport.bytes_out,
+                "bytes_in": self.transport.bytes_in,
+                "bytes_out": self.transport.bytes_out,
                 "bytes_sent_by_kind": self._bytes_sent_by_kind(),
-                "rejections": self.rejections(), "received": dict(self.received),
+                "rejections": self.rejections(),
+                "received": dict(self.received),
                 "dropped": sum(self.transport.dropped.values()),
                 "fetched": len(self.fetch_log),
             }
@@ -457,16 +471,31 @@ class Endpoint:
             body["list"] = False  # answer with yourself only: we know the mesh (WIRE.md 7.1)
         return body
 
-    def _send(self, address: str, kind: str, body: dict[str, Any],
-              blob: Blob | None = None, once: bool = False, key: bytes | None = None) -> None:
+    def _send(
+        self,
+        address: str,
+        kind: str,
+        body: dict[str, Any],
+        blob: Blob | None = None,
+        once: bool = False,
+        key: bytes | None = None,
+    ) -> None:
         """`key`: the Ed25519 key of the node at `address`, when it is not the one learned
         for that address (an answer to a status probe or a twin)."""
         server_key = _curve_key(key) if key is not None else self._curve_keys.get(address)
         # Numbering and queueing under one lock: messages leave in sequence order.
         with self._send_lock:
             self._seq += 1
-            frames = encode(self.identity, self.mesh_id, kind, self._seq, self.round, body,
-                            instance=self.instance, blob=blob)
+            frames = encode(
+                self.identity,
+                self.mesh_id,
+                kind,
+                self._seq,
+                self.round,
+                body,
+                instance=self.instance,
+                blob=blob,
+            )
             if once:
                 self.transport.send_once(address, frames, server_key)
             else:
@@ -503,12 +532,16 @@ class Endpoint:
         now = time.monotonic()
         with self._lock:
             for entry in self.table.expire():
-                log.warning("%s: peer %s (%s) is down", self.settings.name, entry.name,
-                            entry.address)
+                log.warning(
+                    "%s: peer %s (%s) is down", self.settings.name, entry.name, entry.address
+                )
             period = self.settings.heartbeat_interval * liveness_stretch(self.table.known())
-            targets = [entry.address for entry in self.table.entries.values()
-                       if entry.state != LEFT
-                       and now - self._last_sent.get(entry.address, -period) >= period]
+            targets = [
+                entry.address
+                for entry in self.table.entries.values()
+                if entry.state != LEFT
+                and now - self._last_sent.get(entry.address, -period) >= period
+            ]
             self._changes += 1
             self._changed.notify_all()
         for address in targets:
@@ -540,14 +573,21 @@ class Endpoint:
         key = (routing_id, rejection.reason)
         if key not in self._logged:
             self._logged.add(key)
-            log.warning("%s: dropped a message (%s) from connection %s; further ones are "
-                        "only counted%s", self.settings.name, rejection, routing_id.hex(),
-                        _version_hint(rejection))
+            log.warning(
+                "%s: dropped a message (%s) from connection %s; further ones are only counted%s",
+                self.settings.name,
+                rejection,
+                routing_id.hex(),
+                _version_hint(rejection),
+            )
 
     def _admit(self, message: Message) -> str | None:
         allowlist = self.settings.allowlist
-        if allowlist is not None and message.sender not in allowlist \
-                and message.sender != self.identity.public_key:
+        if (
+            allowlist is not None
+            and message.sender not in allowlist
+            and message.sender != self.identity.public_key
+        ):
             return "unknown_sender"
         return None
 
@@ -570,9 +610,12 @@ class Endpoint:
         if message.kind == "hello" and isinstance(address, str):
             live = self.table.get(message.sender)
             where = live.address if live else self.settings.address
-            self._send(address, "refuse",
-                       {"reason": f"key {node_id(message.sender)} is already live at {where}"},
-                       key=message.sender)
+            self._send(
+                address,
+                "refuse",
+                {"reason": f"key {node_id(message.sender)} is already live at {where}"},
+                key=message.sender,
+            )
 
     # --- one handler per kind ----------------------------------------------
 
@@ -593,8 +636,11 @@ class Endpoint:
         if self.table.upsert(message.sender, name, address, message.instance):
             log.info("%s: %s joined from %s", self.settings.name, name, address)
         self.table.heard_from(message.sender, message.round)
-        me = {"name": self.settings.name, "addr": self.settings.address,
-              "key": self.identity.public_key}
+        me = {
+            "name": self.settings.name,
+            "addr": self.settings.address,
+            "key": self.identity.public_key,
+        }
         wants_peers = message.body.get("list", True) is not False
         listed = [entry.describe() for entry in self.table.alive()] if wants_peers else []
         self._send(address, "peers", {"peers": [me, *listed]})
@@ -605,8 +651,12 @@ class Endpoint:
 
     def _on_peers(self, message: Message) -> None:
         for item in message.body["peers"]:
-            if not (isinstance(item, dict) and isinstance(item.get("key"), bytes)
-                    and isinstance(item.get("addr"), str) and isinstance(item.get("name"), str)):
+            if not (
+                isinstance(item, dict)
+                and isinstance(item.get("key"), bytes)
+                and isinstance(item.get("addr"), str)
+                and isinstance(item.get("name"), str)
+            ):
                 continue
             key, address = item["key"], item["addr"]
             if key == self.identity.public_key or self._name_refused(key, item["name"]):
@@ -645,8 +695,9 @@ class Endpoint:
         if not known or body["round"] > self.round + self.offer_book.keep_rounds:
             self.received["ignored_announce"] += 1
             return
-        offer = Offer(body["id"], body["origin"], body["round"], body["kind"], body["digest"],
-                      body["size"])
+        offer = Offer(
+            body["id"], body["origin"], body["round"], body["kind"], body["digest"], body["size"]
+        )
         self.offer_book.add(offer, message.sender)
 
     def _on_fetch(self, message: Message) -> None:
@@ -685,9 +736,17 @@ class Endpoint:
         the blob to the wrong peer nor asks for it again; a truthful announce re-adds it."""
         self.flow_rejections[OFFER_MISMATCH] += 1
         self.offer_book.discard(offer.id)
-        log.warning("%s: dropped blob %s: announced as %s's %s of round %d, signed as %s's "
-                    "%s of round %d", self.settings.name, blob.id.hex()[:16], offer.origin_id,
-                    offer.kind, offer.round, blob.origin_id, blob.kind, blob.round)
+        log.warning(
+            "%s: dropped blob %s: announced as %s's %s of round %d, signed as %s's %s of round %d",
+            self.settings.name,
+            blob.id.hex()[:16],
+            offer.origin_id,
+            offer.kind,
+            offer.round,
+            blob.origin_id,
+            blob.kind,
+            blob.round,
+        )
 
     def _on_status(self, message: Message) -> None:
         # Not `heard_from`: the asker may be a probe holding a peer's key, and it says
@@ -697,20 +756,37 @@ class Endpoint:
             return
         address = message.body["addr"]
         is_peer = any(entry.address == address for entry in self.table.entries.values())
-        self._send(address, "status_reply", {"status": self._status()}, once=not is_peer,
-                   key=message.sender)
+        self._send(
+            address,
+            "status_reply",
+            {"status": self._status()},
+            once=not is_peer,
+            key=message.sender,
+        )
 
     def _status(self) -> dict[str, Any]:
         """This node as a status answer tells it (WIRE.md 7.6)."""
         now = time.monotonic()
-        peers = [{"name": entry.name, "id": entry.id, "addr": entry.address,
-                  "state": entry.state, "round": entry.round,
-                  "last_seen_s": round(now - entry.last_seen, 3)}
-                 for entry in self.table.entries.values()]
-        status = {"name": self.settings.name, "addr": self.settings.address,
-                  "round": self.round, "uptime_s": round(now - self._started, 3),
-                  "peers": peers, "rejections": self.rejections(),
-                  "received": dict(self.received)}
+        peers = [
+            {
+                "name": entry.name,
+                "id": entry.id,
+                "addr": entry.address,
+                "state": entry.state,
+                "round": entry.round,
+                "last_seen_s": round(now - entry.last_seen, 3),
+            }
+            for entry in self.table.entries.values()
+        ]
+        status = {
+            "name": self.settings.name,
+            "addr": self.settings.address,
+            "round": self.round,
+            "uptime_s": round(now - self._started, 3),
+            "peers": peers,
+            "rejections": self.rejections(),
+            "received": dict(self.received),
+        }
         if self.status_extra is not None:
             status.update(self.status_extra())
         return status
@@ -744,6 +820,8 @@ def _curve_key(public_key: bytes) -> bytes:
 def _version_hint(rejection: Rejected) -> str:
     """A word for the operator when a message came from a node of another version."""
     if rejection.reason == "bad_header" and rejection.detail.startswith("version "):
-        return (f"; the sender speaks meshfl protocol {rejection.detail.split()[1]}, this "
-                f"node {PROTOCOL_VERSION}: run the same meshfl version on every node")
+        return (
+            f"; the sender speaks meshfl protocol {rejection.detail.split()[1]}, this "
+            f"node {PROTOCOL_VERSION}: run the same meshfl version on every node"
+        )
     return ""

@@ -85,9 +85,13 @@ class Identity:
         # The CURVE key pair of the encrypted transport, derived from this very key, so
         # one key file and one allowlist serve both signatures and encryption.
         self.curve_public_key = curve_public_key(self.public_key)
-        self.curve_secret_key = curve_secret_key(private_key.private_bytes(
-            serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
-            serialization.NoEncryption()))
+        self.curve_secret_key = curve_secret_key(
+            private_key.private_bytes(
+                serialization.Encoding.Raw,
+                serialization.PrivateFormat.Raw,
+                serialization.NoEncryption(),
+            )
+        )
 
     @classmethod
     def generate(cls) -> Identity:

@@ -78,8 +78,10 @@ class PeerTable:
         name is taken by this node's own, and by another key that is alive with it."""
         if not isinstance(name, str) or not PEER_NAME.fullmatch(name):
             return BAD_NAME
-        if name == own_name or any(entry.name == name and entry.public_key != public_key
-                                   and entry.state == ALIVE for entry in self.entries.values()):
+        if name == own_name or any(
+            entry.name == name and entry.public_key != public_key and entry.state == ALIVE
+            for entry in self.entries.values()
+        ):
             return NAME_TAKEN
         return None
 
@@ -97,8 +99,9 @@ class PeerTable:
         """Add or refresh a peer; True when it is new or came back."""
         entry = self.entries.get(public_key)
         if entry is None:
-            self.entries[public_key] = PeerEntry(public_key, name, address, instance,
-                                                 last_seen=self.clock())
+            self.entries[public_key] = PeerEntry(
+                public_key, name, address, instance, last_seen=self.clock()
+            )
             return True
         came_back = entry.state != ALIVE or entry.instance != instance
         entry.name, entry.address, entry.instance = name, address, instance

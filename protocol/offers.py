@@ -71,6 +71,7 @@ class BlobStore:
         node's own) of the last `own_rounds` rounds for peers that lag behind. A node
         fetches every peer's blob every round: kept for a whole run, a 100-node mesh's
         blobs would fill each node's memory round after round."""
+
         def kept(blob: Blob) -> bool:
             if blob.origin == own_origin:
                 return blob.round >= round_no - own_rounds
@@ -101,7 +102,8 @@ class OfferBook:
 
     def for_round(self, round_no: int, kind: str | None = None) -> list[Offer]:
         return [
-            offer for offer in self._offers.values()
+            offer
+            for offer in self._offers.values()
             if offer.round == round_no and (kind is None or offer.kind == kind)
         ]
 

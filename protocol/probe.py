@@ -33,8 +33,9 @@ class StatusAnswer:
         return node_id(self.sender)
 
 
-def ask_status(identity: Identity, node: str, reply_host: str, timeout: float,
-               mesh_id: bytes = ANY_MESH) -> StatusAnswer | None:
+def ask_status(
+    identity: Identity, node: str, reply_host: str, timeout: float, mesh_id: bytes = ANY_MESH
+) -> StatusAnswer | None:
     """The status the node at `node` answers within `timeout` seconds, else None.
 
     `node` is KEY@tcp://HOST:PORT (encrypted) or a bare tcp://HOST:PORT (a node with
@@ -58,15 +59,17 @@ def ask_status(identity: Identity, node: str, reply_host: str, timeout: float,
         body = {"addr": f"tcp://{reply_host}:{port}"}
         # Clock-based, as every sender's numbers are; a status request does not move the
         # receiver's counter for this key, so a borrowed key stays usable by its node.
-        outbox.send_multipart(encode(identity, mesh_id, "status", time.time_ns(), 0, body,
-                                     instance=new_instance()))
+        outbox.send_multipart(
+            encode(identity, mesh_id, "status", time.time_ns(), 0, body, instance=new_instance())
+        )
         return _await_answer(inbox, time.monotonic() + timeout, node_key)
     finally:
         context.destroy(linger=0)
 
 
-def _await_answer(inbox: zmq.Socket, deadline: float,
-                  node_key: bytes | None) -> StatusAnswer | None:
+def _await_answer(
+    inbox: zmq.Socket, deadline: float, node_key: bytes | None
+) -> StatusAnswer | None:
     decoder = Decoder(None)  # we belong to no mesh: the answer tells us the node's
     while (left := deadline - time.monotonic()) > 0:
         if not inbox.poll(left * 1000):

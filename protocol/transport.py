@@ -37,8 +37,11 @@ log = logging.getLogger("meshfl.transport")
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 # The events a socket monitor reports: a failed handshake is the only sign, at this
 # layer, of a node that does not encrypt (protocol version 2) or holds another key.
-_HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                       | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+_HANDSHAKE_FAILURES = (
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
 INCOMING = "incoming"  # what the ROUTER's monitor watches: connections to us
 # A DEALER is watched until its first handshake succeeds, then its monitor is closed: a
 # monitor costs two sockets, and a node of a 100-node mesh dials 99 peers (node hosts
@@ -65,8 +68,9 @@ def split_contact(contact: str) -> tuple[str, bytes | None]:
     except ValueError:
         key = b""
     if len(key) != 32:
-        raise BadContact(f"{contact!r}: the part before @ must be a node's public key, "
-                         "64 hex digits")
+        raise BadContact(
+            f"{contact!r}: the part before @ must be a node's public key, 64 hex digits"
+        )
     return address, key
 
 
@@ -147,8 +151,12 @@ class _Outgoing:
 
 
 class Transport:
-    def __init__(self, listen: str, options: TransportOptions = TransportOptions(),
-                 encryption: Encryption | None = None) -> None:
+    def __init__(
+        self,
+        listen: str,
+        options: TransportOptions = TransportOptions(),
+        encryption: Encryption | None = None,
+    ) -> None:
         self.listen = listen
         self.options = options
         self.encryption = encryption
@@ -208,8 +216,9 @@ class Transport:
         `server_key`: the CURVE public key of the node there, needed when encrypting."""
         self._queue(_Outgoing(address, frames, server_key))
 
-    def send_once(self, address: str, frames: Sequence[Any],
-                  server_key: bytes | None = None) -> None:
+    def send_once(
+        self, address: str, frames: Sequence[Any], server_key: bytes | None = None
+    ) -> None:
         """Send one message over a connection of its own, closed once it is out: for an
         answer to a node that is no peer (a status probe), which a DEALER kept open
         would go on redialling after the probe is gone."""
@@ -287,23 +296,31 @@ class Transport:
     def _answer_zap(self) -> None:
         """One ZAP request (RFC 27: version, request id, domain, address, identity,
         mechanism, credentials...), answered 200 or 400 by the mesh's allowlist."""
-        version, request_id, _domain, peer_ip, _identity, mechanism, *credentials = \
+        version, request_id, _domain, peer_ip, _identity, mechanism, *credentials = (
             self._zap.recv_multipart()
+        )
         key = credentials[0] if mechanism == b"CURVE" and credentials else b""
         assert self.encryption is not None and self.encryption.admit is not None
         if key and self.encryption.admit(key):
             self._zap.send_multipart([version, request_id, b"200", b"OK", b"", b""])
             return
         self.refused_keys[key] += 1
-        self._log_once("refused", key.hex(), "refused a connection from %s at the handshake: "
-                       "its key (CURVE %s) is not listed in this closed mesh; further ones "
-                       "are only counted", peer_ip.decode(errors="replace"), key.hex())
+        self._log_once(
+            "refused",
+            key.hex(),
+            "refused a connection from %s at the handshake: "
+            "its key (CURVE %s) is not listed in this closed mesh; further ones "
+            "are only counted",
+            peer_ip.decode(errors="replace"),
+            key.hex(),
+        )
         self._zap.send_multipart([version, request_id, b"400", b"key not listed", b"", b""])
 
     def _monitor(self, sock: zmq.Socket, watched: str) -> None:
         if self.encryption is not None:
             monitor = sock.get_monitor_socket(
-                _HANDSHAKE_FAILURES if watched == INCOMING else _DEALER_EVENTS)
+                _HANDSHAKE_FAILURES if watched == INCOMING else _DEALER_EVENTS
+            )
             self._monitors[monitor] = watched
             if watched != INCOMING:  # the ROUTER's is registered when the thread starts
                 self._poller.register(monitor, zmq.POLLIN)
@@ -319,8 +336,13 @@ class Transport:
         self.failed_handshakes[watched] += 1
         why = _handshake_failure(event, watched)
         # Once per end and cause: a broken-off connection often comes before the cause.
-        self._log_once("handshake", f"{watched} {why}", "encrypted handshake with %s failed: "
-                       "%s; further such failures are only counted", watched, why)
+        self._log_once(
+            "handshake",
+            f"{watched} {why}",
+            "encrypted handshake with %s failed: %s; further such failures are only counted",
+            watched,
+            why,
+        )
 
     def _log_once(self, kind: str, subject: str, text: str, *args: Any) -> None:
         if (kind, subject) not in self._logged:
@@ -384,9 +406,15 @@ class Transport:
         address = item.address
         if self.encryption is not None and item.server_key is None:
             self.dropped[address] += 1
-            self._log_once("unkeyed", address, "cannot dial %s: this mesh is encrypted and "
-                           "the public key of the node there is unknown (list its public_key "
-                           "in peers.yaml, or give KEY@%s)", address, address)
+            self._log_once(
+                "unkeyed",
+                address,
+                "cannot dial %s: this mesh is encrypted and "
+                "the public key of the node there is unknown (list its public_key "
+                "in peers.yaml, or give KEY@%s)",
+                address,
+                address,
+            )
             return None
         dealer = self._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
@@ -414,17 +442,27 @@ class Transport:
 
 def _handshake_failure(event: dict[str, Any], watched: str) -> str:
     """Why an encrypted handshake failed, in words, from a socket monitor's event."""
-    if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and \
-            event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-        return ("the other side does not encrypt: a meshfl protocol-2 node, or one with "
-                "`encrypt: false`; it cannot take part in an encrypted mesh")
+    if (
+        event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        and event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+    ):
+        return (
+            "the other side does not encrypt: a meshfl protocol-2 node, or one with "
+            "`encrypt: false`; it cannot take part in an encrypted mesh"
+        )
     if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:  # on a DEALER: we were refused
-        return (f"the node refused our key (ZAP status {event['value']}): a closed mesh "
-                "that does not list this node")
+        return (
+            f"the node refused our key (ZAP status {event['value']}): a closed mesh "
+            "that does not list this node"
+        )
     if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-        return ("the connection closed during the handshake: the other side may hold "
-                "another key than the one it was dialled with, or speak without encryption")
+        return (
+            "the connection closed during the handshake: the other side may hold "
+            "another key than the one it was dialled with, or speak without encryption"
+        )
     if watched == INCOMING:
-        return ("a client did not complete the CURVE handshake: it dialled with another "
-                "key than this node's")
+        return (
+            "a client did not complete the CURVE handshake: it dialled with another "
+            "key than this node's"
+        )
     return "the node there holds another key than the one we dialled it with"

@@ -38,25 +38,52 @@ MESH_ID_BYTES = 16
 INSTANCE_BYTES = 8
 
 KINDS = (
-    "hello", "peers", "refuse", "heartbeat", "bye", "announce", "fetch", "blob",
-    "upload", "personal", "status", "status_reply",
+    "hello",
+    "peers",
+    "refuse",
+    "heartbeat",
+    "bye",
+    "announce",
+    "fetch",
+    "blob",
+    "upload",
+    "personal",
+    "status",
+    "status_reply",
 )
 BLOB_KINDS = ("blob", "upload", "personal")  # kinds whose frames are a signed blob
 # The mesh id of a `status` request from a probe that belongs to no mesh (WIRE.md 7.6).
 ANY_MESH = bytes(MESH_ID_BYTES)
 
 DTYPES = {  # wire name -> numpy dtype; nothing else is ever decoded
-    "float16": np.dtype("<f2"), "float32": np.dtype("<f4"), "float64": np.dtype("<f8"),
-    "int8": np.dtype("i1"), "uint8": np.dtype("u1"), "int16": np.dtype("<i2"),
-    "int32": np.dtype("<i4"), "int64": np.dtype("<i8"), "bool": np.dtype("?"),
+    "float16": np.dtype("<f2"),
+    "float32": np.dtype("<f4"),
+    "float64": np.dtype("<f8"),
+    "int8": np.dtype("i1"),
+    "uint8": np.dtype("u1"),
+    "int16": np.dtype("<i2"),
+    "int32": np.dtype("<i4"),
+    "int64": np.dtype("<i8"),
+    "bool": np.dtype("?"),
 }
 
 MAX_DIMENSIONS = 64  # numpy's own limit: a tensor with more could not even be built
 
 REJECTION_REASONS = (
-    "oversize", "too_many_frames", "bad_msgpack", "bad_header", "wrong_mesh",
-    "unknown_sender", "duplicate_key", "replay", "bad_signature", "digest_mismatch",
-    "bad_origin_signature", "forbidden_dtype", "shape_mismatch", "schema_mismatch",
+    "oversize",
+    "too_many_frames",
+    "bad_msgpack",
+    "bad_header",
+    "wrong_mesh",
+    "unknown_sender",
+    "duplicate_key",
+    "replay",
+    "bad_signature",
+    "digest_mismatch",
+    "bad_origin_signature",
+    "forbidden_dtype",
+    "shape_mismatch",
+    "schema_mismatch",
 )
 
 
@@ -82,8 +109,11 @@ class Limits:
 
     def unpacker_options(self) -> dict[str, int]:
         return dict(
-            max_bin_len=self.max_envelope_bytes, max_str_len=self.max_str,
-            max_array_len=self.max_items, max_map_len=self.max_items, max_ext_len=0,
+            max_bin_len=self.max_envelope_bytes,
+            max_str_len=self.max_str,
+            max_array_len=self.max_items,
+            max_map_len=self.max_items,
+            max_ext_len=0,
         )
 
 
@@ -183,8 +213,12 @@ def wire_dtype(array: np.ndarray) -> str:
 
 
 def make_blob(
-    identity: Identity, round_no: int, kind: str, arrays: Mapping[str, np.ndarray],
-    schema: bytes = b"", meta: Mapping[str, Any] | None = None,
+    identity: Identity,
+    round_no: int,
+    kind: str,
+    arrays: Mapping[str, np.ndarray],
+    schema: bytes = b"",
+    meta: Mapping[str, Any] | None = None,
 ) -> Blob:
     """Sign `arrays` as a blob of `identity`; hashes the bytes once and copies them only
     when an array is not C-contiguous."""
@@ -202,8 +236,9 @@ def make_blob(
         [identity.public_key, round_no, kind, schema, digest, [i.packed() for i in index], meta]
     )
     signature = identity.sign(RECORD_CONTEXT + record)
-    return Blob(identity.public_key, round_no, kind, schema, digest, index, meta, record,
-                signature, frames)
+    return Blob(
+        identity.public_key, round_no, kind, schema, digest, index, meta, record, signature, frames
+    )
 
 
 def blob_body(blob: Blob) -> dict[str, Any]:
@@ -212,23 +247,44 @@ def blob_body(blob: Blob) -> dict[str, Any]:
 
 def announce_body(blob: Blob) -> dict[str, Any]:
     """What an `announce` of `blob` says: its id, and its record's claims restated."""
-    return {"id": blob.id, "origin": blob.origin, "round": blob.round, "kind": blob.kind,
-            "digest": blob.digest, "size": blob.size}
+    return {
+        "id": blob.id,
+        "origin": blob.origin,
+        "round": blob.round,
+        "kind": blob.kind,
+        "digest": blob.digest,
+        "size": blob.size,
+    }
 
 
 def encode(
-    identity: Identity, mesh_id: bytes, kind: str, seq: int, round_no: int,
-    body: Mapping[str, Any], *, instance: bytes, blob: Blob | None = None,
+    identity: Identity,
+    mesh_id: bytes,
+    kind: str,
+    seq: int,
+    round_no: int,
+    body: Mapping[str, Any],
+    *,
+    instance: bytes,
+    blob: Blob | None = None,
 ) -> list[Any]:
     """Frames of one signed message. For blob kinds pass `blob`: its digest is reused."""
     frames = blob.frames if blob is not None else []
     if blob is not None:
         body = {**body, **blob_body(blob)}
-    header = msgpack.packb({
-        "v": PROTOCOL_VERSION, "mesh": mesh_id, "kind": kind, "from": identity.public_key,
-        "inst": instance, "seq": seq, "round": round_no, "body": dict(body),
-        "digest": blob.digest if blob is not None else frames_digest(frames),
-    })
+    header = msgpack.packb(
+        {
+            "v": PROTOCOL_VERSION,
+            "mesh": mesh_id,
+            "kind": kind,
+            "from": identity.public_key,
+            "inst": instance,
+            "seq": seq,
+            "round": round_no,
+            "body": dict(body),
+            "digest": blob.digest if blob is not None else frames_digest(frames),
+        }
+    )
     envelope = msgpack.packb([header, identity.sign(HEADER_CONTEXT + header)])
     return [envelope, *frames]
 
@@ -239,9 +295,15 @@ def new_instance() -> bytes:
 
 # Each header field: (msgpack type, exact length for bytes or None).
 _HEADER_FIELDS: dict[str, tuple[type, int | None]] = {
-    "v": (int, None), "mesh": (bytes, MESH_ID_BYTES), "kind": (str, None),
-    "from": (bytes, PUBLIC_KEY_BYTES), "inst": (bytes, INSTANCE_BYTES), "seq": (int, None),
-    "round": (int, None), "body": (dict, None), "digest": (bytes, DIGEST_BYTES),
+    "v": (int, None),
+    "mesh": (bytes, MESH_ID_BYTES),
+    "kind": (str, None),
+    "from": (bytes, PUBLIC_KEY_BYTES),
+    "inst": (bytes, INSTANCE_BYTES),
+    "seq": (int, None),
+    "round": (int, None),
+    "body": (dict, None),
+    "digest": (bytes, DIGEST_BYTES),
 }
 
 # Required body fields per kind (extra fields are allowed, for forward compatibility).
@@ -249,11 +311,18 @@ _BODY_FIELDS: dict[str, dict[str, tuple[type, int | None]]] = {
     "hello": {"name": (str, None), "addr": (str, None)},
     "peers": {"peers": (list, None)},
     "refuse": {"reason": (str, None)},
-    "heartbeat": {}, "bye": {}, "status": {"addr": (str, None)},
+    "heartbeat": {},
+    "bye": {},
+    "status": {"addr": (str, None)},
     "status_reply": {"status": (dict, None)},
-    "announce": {"id": (bytes, DIGEST_BYTES), "origin": (bytes, PUBLIC_KEY_BYTES),
-                 "round": (int, None), "kind": (str, None), "digest": (bytes, DIGEST_BYTES),
-                 "size": (int, None)},
+    "announce": {
+        "id": (bytes, DIGEST_BYTES),
+        "origin": (bytes, PUBLIC_KEY_BYTES),
+        "round": (int, None),
+        "kind": (str, None),
+        "digest": (bytes, DIGEST_BYTES),
+        "size": (int, None),
+    },
     "fetch": {"id": (bytes, DIGEST_BYTES)},
     **{kind: {"record": (bytes, None), "sig": (bytes, SIGNATURE_BYTES)} for kind in BLOB_KINDS},
 }
@@ -270,8 +339,11 @@ def _check_fields(where: str, values: Any, fields: Mapping[str, tuple[type, int 
     for name, (kind, length) in fields.items():
         value = values.get(name)
         if not (_is_count(value) if kind is int else isinstance(value, kind)):
-            raise Rejected("bad_header", f"{where}.{name} missing or not "
-                                         f"{'an integer >= 0' if kind is int else kind.__name__}")
+            raise Rejected(
+                "bad_header",
+                f"{where}.{name} missing or not "
+                f"{'an integer >= 0' if kind is int else kind.__name__}",
+            )
         if length is not None and len(value) != length:
             raise Rejected("bad_header", f"{where}.{name} must be {length} bytes")
 
@@ -285,8 +357,12 @@ class Decoder:
     the counts through `rejection_counts`."""
 
     def __init__(
-        self, mesh_id: bytes | None, limits: Limits = Limits(), schema: bytes | None = None,
-        admit: MessageCheck | None = None, accept: MessageCheck | None = None,
+        self,
+        mesh_id: bytes | None,
+        limits: Limits = Limits(),
+        schema: bytes | None = None,
+        admit: MessageCheck | None = None,
+        accept: MessageCheck | None = None,
     ) -> None:
         self.mesh_id = mesh_id  # None: a probe outside any mesh, which takes every mesh id
         self.limits = limits
@@ -367,8 +443,11 @@ class Decoder:
 
     def _unpack_envelope(self, envelope: memoryview) -> tuple[bytes, bytes, dict[str, Any]]:
         outer = self._unpack(envelope)
-        if not (isinstance(outer, list) and len(outer) == 2
-                and all(isinstance(part, bytes) for part in outer)):
+        if not (
+            isinstance(outer, list)
+            and len(outer) == 2
+            and all(isinstance(part, bytes) for part in outer)
+        ):
             raise Rejected("bad_header", "envelope is not [header, signature]")
         header_bytes, signature = outer
         if len(signature) != SIGNATURE_BYTES:
@@ -383,19 +462,31 @@ class Decoder:
         if kind not in _BODY_FIELDS:
             raise Rejected("bad_header", f"unknown kind {kind[:32]!r}")
         _check_fields(f"{kind}.body", header["body"], _BODY_FIELDS[kind])
-        return Message(kind, header["from"], header["seq"], header["round"], header["inst"],
-                       header["body"], mesh=header["mesh"])
+        return Message(
+            kind,
+            header["from"],
+            header["seq"],
+            header["round"],
+            header["inst"],
+            header["body"],
+            mesh=header["mesh"],
+        )
 
     def _check_blob(self, body: dict[str, Any], digest: bytes, frames: list[memoryview]) -> Blob:
         record = self._unpack(body["record"])
         if not (isinstance(record, list) and len(record) == 7):
             raise Rejected("bad_header", "blob record is not a 7-item array")
         origin, round_no, kind, schema, record_digest, raw_index, meta = record
-        if not (isinstance(origin, bytes) and len(origin) == PUBLIC_KEY_BYTES
-                and _is_count(round_no)
-                and isinstance(kind, str) and isinstance(schema, bytes)
-                and isinstance(record_digest, bytes) and isinstance(raw_index, list)
-                and isinstance(meta, dict)):
+        if not (
+            isinstance(origin, bytes)
+            and len(origin) == PUBLIC_KEY_BYTES
+            and _is_count(round_no)
+            and isinstance(kind, str)
+            and isinstance(schema, bytes)
+            and isinstance(record_digest, bytes)
+            and isinstance(raw_index, list)
+            and isinstance(meta, dict)
+        ):
             raise Rejected("bad_header", "blob record fields")
         if record_digest != digest:
             raise Rejected("digest_mismatch", "record digest differs from the frames'")
@@ -409,14 +500,29 @@ class Decoder:
                 raise Rejected("shape_mismatch", f"{info.name}: {frame.nbytes} bytes")
         if self.schema is not None and schema != self.schema:
             raise Rejected("schema_mismatch")
-        return Blob(origin, round_no, kind, schema, digest, index, meta, body["record"],
-                    body["sig"], list(frames))
+        return Blob(
+            origin,
+            round_no,
+            kind,
+            schema,
+            digest,
+            index,
+            meta,
+            body["record"],
+            body["sig"],
+            list(frames),
+        )
 
     @staticmethod
     def _tensor_info(entry: Any) -> TensorInfo:
-        if not (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], str)
-                and isinstance(entry[1], str) and isinstance(entry[2], list)
-                and _is_count(entry[3])):
+        if not (
+            isinstance(entry, list)
+            and len(entry) == 4
+            and isinstance(entry[0], str)
+            and isinstance(entry[1], str)
+            and isinstance(entry[2], list)
+            and _is_count(entry[3])
+        ):
             raise Rejected("bad_header", "tensor index entry")
         name, dtype, shape, nbytes = entry
         if dtype not in DTYPES:

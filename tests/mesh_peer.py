@@ -49,9 +49,12 @@ def free_port() -> int:
 def open_endpoint(args: argparse.Namespace) -> Endpoint:
     identity = Identity.load(args.key)
     for _ in range(10):  # the free port may be taken before we bind it
-        settings = EndpointSettings(args.name, f"tcp://127.0.0.1:{free_port()}",
-                                    heartbeat_interval=args.heartbeat,
-                                    peer_timeout=args.timeout)
+        settings = EndpointSettings(
+            args.name,
+            f"tcp://127.0.0.1:{free_port()}",
+            heartbeat_interval=args.heartbeat,
+            peer_timeout=args.timeout,
+        )
         try:
             return Endpoint(identity, MESH, settings)
         except TransportError:
@@ -76,8 +79,11 @@ def cmd_publish(endpoint: Endpoint, round_no: str, megabytes: str, seed: str) ->
 def cmd_fetch(endpoint: Endpoint, round_no: str, seconds: str, *origins: str) -> None:
     deadline = time.monotonic() + float(seconds)
     wanted = {bytes.fromhex(origin) for origin in origins}
-    offers = [offer for offer in endpoint.wait_offers(int(round_no), {"model"}, wanted, deadline)
-              if offer.origin in wanted]
+    offers = [
+        offer
+        for offer in endpoint.wait_offers(int(round_no), {"model"}, wanted, deadline)
+        if offer.origin in wanted
+    ]
     endpoint.fetch(offers)
     got = endpoint.wait_blobs([offer.id for offer in offers], deadline)
     blobs = []
@@ -85,12 +91,16 @@ def cmd_fetch(endpoint: Endpoint, round_no: str, seconds: str, *origins: str) ->
         blob = got.get(offer.id)
         if blob is None:
             continue
-        blobs.append({
-            "origin": blob.origin.hex(), "digest": blob.digest.hex(), "size": blob.size,
-            "origin_ok": blob.origin == offer.origin,
-            "digest_ok": frames_digest(blob.frames) == blob.digest == offer.digest,
-            "signature_ok": verify(blob.origin, blob.signature, RECORD_CONTEXT + blob.record),
-        })
+        blobs.append(
+            {
+                "origin": blob.origin.hex(),
+                "digest": blob.digest.hex(),
+                "size": blob.size,
+                "origin_ok": blob.origin == offer.origin,
+                "digest_ok": frames_digest(blob.frames) == blob.digest == offer.digest,
+                "signature_ok": verify(blob.origin, blob.signature, RECORD_CONTEXT + blob.record),
+            }
+        )
     say("fetched", blobs=blobs, announced=len(offers))
 
 
@@ -118,15 +128,24 @@ def main() -> int:
     parser.add_argument("--heartbeat", type=float, default=0.25, help="seconds")
     parser.add_argument("--timeout", type=float, default=1.5, help="peer timeout, seconds")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format=f"%(asctime)s {args.name} %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format=f"%(asctime)s {args.name} %(name)s: %(message)s",
+    )
 
     endpoint = open_endpoint(args)
     try:
         endpoint.start(args.bootstrap)
         joined = endpoint.wait_joined(10.0)
-        say("ready", id=endpoint.id, key=endpoint.identity.public_key.hex(),
-            address=endpoint.settings.address, contact=endpoint.contact, joined=joined)
+        say(
+            "ready",
+            id=endpoint.id,
+            key=endpoint.identity.public_key.hex(),
+            address=endpoint.settings.address,
+            contact=endpoint.contact,
+            joined=joined,
+        )
         for line in sys.stdin:
             words = line.split()
             if not words:

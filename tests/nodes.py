@@ -20,26 +20,42 @@ from meshfl.node.config import MeshConfig
 from meshfl.node.runtime import Node, NodeOptions
 
 
-def node_from(role: type[Node] = Node, *, name: str = "me", config: MeshConfig | None = None,
-              **parts: Any) -> Node:
+def node_from(
+    role: type[Node] = Node, *, name: str = "me", config: MeshConfig | None = None, **parts: Any
+) -> Node:
     """A node of `role` named `name`, made of the `parts` a test gives (endpoint=,
     algorithm=, ...; build_node makes a real node's). A part left out is None: the code
     under test must not reach it."""
-    options = NodeOptions(config or MeshConfig(), name, listen="tcp://127.0.0.1:0",
-                          out_dir=Path("unused"), key_path=Path("unused"), node_index=0,
-                          num_nodes=1)
-    left_out = {part: None for part, parameter in inspect.signature(role).parameters.items()
-                if parameter.kind is parameter.KEYWORD_ONLY}
+    options = NodeOptions(
+        config or MeshConfig(),
+        name,
+        listen="tcp://127.0.0.1:0",
+        out_dir=Path("unused"),
+        key_path=Path("unused"),
+        node_index=0,
+        num_nodes=1,
+    )
+    left_out = {
+        part: None
+        for part, parameter in inspect.signature(role).parameters.items()
+        if parameter.kind is parameter.KEYWORD_ONLY
+    }
     return role(options, **{**left_out, **parts})
 
 
 def write_config(path: Path, count: int, **settings: Any) -> dict[str, Any]:
     """A loopback mesh of `count` digits nodes with fast timeouts, as peers.yaml."""
     config = {
-        "mesh": "test", "rounds": 6, "round_timeout": 10.0, "heartbeat_interval": 0.3,
-        "peer_timeout": 1.5, "data": {"dataset": "digits"},
-        "peers": [{"name": f"node{i}", "listen": f"tcp://127.0.0.1:{port}"}
-                  for i, port in enumerate(free_ports(count))],
+        "mesh": "test",
+        "rounds": 6,
+        "round_timeout": 10.0,
+        "heartbeat_interval": 0.3,
+        "peer_timeout": 1.5,
+        "data": {"dataset": "digits"},
+        "peers": [
+            {"name": f"node{i}", "listen": f"tcp://127.0.0.1:{port}"}
+            for i, port in enumerate(free_ports(count))
+        ],
         **settings,
     }
     path.write_text(yaml.safe_dump(config))
@@ -49,14 +65,28 @@ def write_config(path: Path, count: int, **settings: Any) -> dict[str, Any]:
 def meshfl(*args: str, log: Path | None = None) -> subprocess.Popen:
     """Start `meshfl ARGS` in its own process group (so a kill takes all of it)."""
     output = open(log, "ab") if log else subprocess.DEVNULL
-    return subprocess.Popen([sys.executable, "-m", "meshfl.launch.cli", *args],
-                            stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "meshfl.launch.cli", *args],
+        stdout=output,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def start_node(config: Path, name: str, out: Path) -> subprocess.Popen:
     (out / name).mkdir(parents=True, exist_ok=True)
-    return meshfl("node", "--config", str(config), "--name", name, "--out", str(out),
-                  "--local-nodes", "3", log=out / name / "node.log")
+    return meshfl(
+        "node",
+        "--config",
+        str(config),
+        "--name",
+        name,
+        "--out",
+        str(out),
+        "--local-nodes",
+        "3",
+        log=out / name / "node.log",
+    )
 
 
 def records(out: Path, name: str) -> list[dict[str, Any]]:
@@ -76,8 +106,11 @@ def wait_until(condition, timeout: float, what: str) -> None:
 
 
 def wait_round(out: Path, name: str, round_no: int, timeout: float) -> None:
-    wait_until(lambda: any(r["round"] >= round_no for r in records(out, name)), timeout,
-               f"{name} to finish round {round_no}")
+    wait_until(
+        lambda: any(r["round"] >= round_no for r in records(out, name)),
+        timeout,
+        f"{name} to finish round {round_no}",
+    )
 
 
 def stop(processes: list[subprocess.Popen]) -> None:
@@ -98,13 +131,23 @@ def run_nodes(config: Path, out: Path, count: int, timeout: float) -> None:
         stop(processes)
 
 
-def run_coordinated_mesh(config: Path, out: Path, nodes: int, timeout: float,
-                         coordinator_args: tuple[str, ...] = ()) -> None:
+def run_coordinated_mesh(
+    config: Path, out: Path, nodes: int, timeout: float, coordinator_args: tuple[str, ...] = ()
+) -> None:
     """Run `config`'s coordinator and its `nodes` clients as real processes until all of
     them exit; each must exit cleanly within `timeout` seconds."""
     (out / "coordinator").mkdir(exist_ok=True)
-    processes = [meshfl("coordinator", "--config", str(config), "--out", str(out),
-                        *coordinator_args, log=out / "coordinator" / "node.log")]
+    processes = [
+        meshfl(
+            "coordinator",
+            "--config",
+            str(config),
+            "--out",
+            str(out),
+            *coordinator_args,
+            log=out / "coordinator" / "node.log",
+        )
+    ]
     processes += [start_node(config, f"node{i}", out) for i in range(nodes)]
     try:
         for process in processes:

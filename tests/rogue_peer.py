@@ -31,9 +31,16 @@ from meshfl.protocol.wire import RECORD_CONTEXT, Blob, TensorInfo, frames_digest
 # Each mutation and the refusal reason an honest node must count it under; a shape of
 # 100 dimensions (numpy holds 64) is already dropped by the decoder, as shape_mismatch.
 MUTATIONS = {
-    "one fewer": "layout", "one extra": "layout", "renamed": "layout",
-    "flattened": "layout", "float64": "layout", "int8": "layout", "truncated": "layout",
-    "reordered": "layout", "100 dimensions": "shape_mismatch", "nan": "not_finite",
+    "one fewer": "layout",
+    "one extra": "layout",
+    "renamed": "layout",
+    "flattened": "layout",
+    "float64": "layout",
+    "int8": "layout",
+    "truncated": "layout",
+    "reordered": "layout",
+    "100 dimensions": "shape_mismatch",
+    "nan": "not_finite",
     "huge n": "sample_count",
 }
 
@@ -75,23 +82,60 @@ def mutated_blob(node: Node, round_no: int, kind: str, how: str, meta: dict) -> 
     meta = {**meta, "n": 2**63 if how == "huge n" else len(node.data.y_train)}
     if how == "100 dimensions":
         last = list(arrays)[-1]
-        return _claiming_shape(node.identity, round_no, kind, arrays, node.schema, meta,
-                               last, arrays[last].shape + (1,) * 99)
+        return _claiming_shape(
+            node.identity,
+            round_no,
+            kind,
+            arrays,
+            node.schema,
+            meta,
+            last,
+            arrays[last].shape + (1,) * 99,
+        )
     return make_blob(node.identity, round_no, kind, arrays, node.schema, meta)
 
 
-def _claiming_shape(identity: Identity, round_no: int, kind: str, arrays: dict,
-                    schema: bytes, meta: dict, name: str, shape: tuple[int, ...]) -> Blob:
+def _claiming_shape(
+    identity: Identity,
+    round_no: int,
+    kind: str,
+    arrays: dict,
+    schema: bytes,
+    meta: dict,
+    name: str,
+    shape: tuple[int, ...],
+) -> Blob:
     """A signed blob whose index claims `shape` for tensor `name` (numpy could not even
     hold it: at most 64 dimensions); its byte lengths stay consistent."""
     honest = make_blob(identity, round_no, kind, arrays, schema, meta)
-    index = [TensorInfo(info.name, info.dtype, shape if info.name == name else info.shape,
-                        info.nbytes) for info in honest.index]
+    index = [
+        TensorInfo(info.name, info.dtype, shape if info.name == name else info.shape, info.nbytes)
+        for info in honest.index
+    ]
     digest = frames_digest(honest.frames)
-    record = msgpack.packb([identity.public_key, round_no, kind, schema, digest,
-                            [info.packed() for info in index], meta])
-    return Blob(identity.public_key, round_no, kind, schema, digest, index, meta, record,
-                identity.sign(RECORD_CONTEXT + record), honest.frames)
+    record = msgpack.packb(
+        [
+            identity.public_key,
+            round_no,
+            kind,
+            schema,
+            digest,
+            [info.packed() for info in index],
+            meta,
+        ]
+    )
+    return Blob(
+        identity.public_key,
+        round_no,
+        kind,
+        schema,
+        digest,
+        index,
+        meta,
+        record,
+        identity.sign(RECORD_CONTEXT + record),
+        honest.frames,
+    )
 
 
 def report(round_no: int) -> None:
@@ -115,8 +159,7 @@ class RogueClient(ClientNode):
     def _train_and_upload(self, round_no: int, coordinator: bytes) -> _RoundInFlight:
         self.endpoint.set_round(round_no)
         before = self.endpoint.stats()
-        blob = mutated_blob(self, round_no, "upload", mutation_of(round_no),
-                            {"round": round_no})
+        blob = mutated_blob(self, round_no, "upload", mutation_of(round_no), {"round": round_no})
         self.endpoint.send_blob(coordinator, "upload", blob)
         report(round_no)
         return _RoundInFlight(round_no, 0.0, {}, before)

@@ -14,8 +14,10 @@ def test_weighted_average_is_the_weighted_mean_and_keeps_integer_buffers():
             model(torch.randn(2, 1, 8, 8))
         states.append({key: value.clone() for key, value in model.state_dict().items()})
     weights = [1.0, 2.0, 5.0]
-    averaged = weighted_average(dict(zip('abc', states, strict=True)),
-                                dict(zip('abc', [w / 8.0 for w in weights], strict=True)))
+    averaged = weighted_average(
+        dict(zip("abc", states, strict=True)),
+        dict(zip("abc", [w / 8.0 for w in weights], strict=True)),
+    )
     for key, value in averaged.items():
         if value.is_floating_point():
             manual = sum(w * state[key] for w, state in zip(weights, states, strict=True)) / 8.0

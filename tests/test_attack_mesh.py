@@ -11,8 +11,15 @@ pytestmark = pytest.mark.slow
 
 def test_a_noise_attacker_is_screened_out_by_every_honest_node_on_a_live_mesh(tmp_path):
     config = tmp_path / "peers.yaml"
-    write_config(config, 4, rounds=3, local_epochs=4, lr=0.1, algorithm="fedavg",
-                 attack={"nodes": ["node3"], "kind": "noise"})
+    write_config(
+        config,
+        4,
+        rounds=3,
+        local_epochs=4,
+        lr=0.1,
+        algorithm="fedavg",
+        attack={"nodes": ["node3"], "kind": "noise"},
+    )
     run_nodes(config, tmp_path, 4, timeout=150)
     assert all(record["attacker"] for record in records(tmp_path, "node3"))
     for name in ("node0", "node1", "node2"):
@@ -21,6 +28,7 @@ def test_a_noise_attacker_is_screened_out_by_every_honest_node_on_a_live_mesh(tm
         for record in history:
             assert not record["attacker"]
             assert "node3" in record["received"], "the attacker's blob was taken in..."
-            assert record["diagnostics"]["screened_out"]["node3"] == "val_loss", \
+            assert record["diagnostics"]["screened_out"]["node3"] == "val_loss", (
                 "...and screened out on the node's own val split"
+            )
             assert "node3" not in record["weights"]

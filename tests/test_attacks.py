@@ -59,19 +59,26 @@ def test_noise_has_the_models_scale_and_carries_nothing_learned():
 
 
 def test_inflate_n_claims_its_count_with_an_honest_model():
-    assert tampered(attacked("inflate_n:1000000"), [0.0, 0.0], [1.0, 2.0]) == ([1.0, 2.0],
-                                                                               1000000)
+    assert tampered(attacked("inflate_n:1000000"), [0.0, 0.0], [1.0, 2.0]) == ([1.0, 2.0], 1000000)
 
 
 def test_replay_republishes_an_honest_peers_model_of_the_round_before():
     attack = attacked("replay", nodes=("a", "b"))
-    assert tampered(attack, [5.0, 5.0], [1.0, 2.0], round_no=1)[0] == [5.0, 5.0], \
+    assert tampered(attack, [5.0, 5.0], [1.0, 2.0], round_no=1)[0] == [5.0, 5.0], (
         "round 1: nothing to replay, the untrained model"
-    attack.observe({"model": {"b": PeerModel(state(8.0, 8.0), 10),
-                              "h2": PeerModel(state(3.0, 4.0), 10),
-                              "h1": PeerModel(state(1.0, 9.0), 10)}})
-    assert tampered(attack, [5.0, 5.0], [1.0, 2.0])[0] == [1.0, 9.0], \
+    )
+    attack.observe(
+        {
+            "model": {
+                "b": PeerModel(state(8.0, 8.0), 10),
+                "h2": PeerModel(state(3.0, 4.0), 10),
+                "h1": PeerModel(state(1.0, 9.0), 10),
+            }
+        }
+    )
+    assert tampered(attack, [5.0, 5.0], [1.0, 2.0])[0] == [1.0, 9.0], (
         "the first honest peer by name; never a fellow attacker"
+    )
 
 
 def test_freeride_never_trains_and_publishes_its_model_as_it_is():
@@ -82,12 +89,18 @@ def test_freeride_never_trains_and_publishes_its_model_as_it_is():
 
 def test_colluders_publish_one_identical_model_and_the_others_their_own_noise():
     nodes = ("a", "b", "c")
-    models = [tampered(attacked("collude:2", node=name, nodes=nodes), [0.0, 0.0],
-                       [float(i), 1.0])[0] for i, name in enumerate(nodes)]
+    models = [
+        tampered(attacked("collude:2", node=name, nodes=nodes), [0.0, 0.0], [float(i), 1.0])[0]
+        for i, name in enumerate(nodes)
+    ]
     assert models[0] == models[1], "the first k attackers agree bit for bit"
     assert models[2] != models[0]
-    assert tampered(attacked("collude:2", node="a", nodes=nodes), [0.0, 0.0], [1.0, 1.0],
-                    round_no=3)[0] != models[0], "a fresh poison every round"
+    assert (
+        tampered(attacked("collude:2", node="a", nodes=nodes), [0.0, 0.0], [1.0, 1.0], round_no=3)[
+            0
+        ]
+        != models[0]
+    ), "a fresh poison every round"
 
 
 def test_only_the_whole_model_is_tampered_with():
@@ -97,10 +110,18 @@ def test_only_the_whole_model_is_tampered_with():
     assert published["lazy"]["w"].tolist() == [1.0]
 
 
-@pytest.mark.parametrize(("text", "problem"), [
-    ("bogus", "allowed: labelflip"), ("scale", "scale:<float>"), ("scale:x", "scale:<float>"),
-    ("noise:3", "takes no value"), ("inflate_n:0", "1 to 2**53"), ("collude:1", "k >= 2"),
-    ("scale:inf", "finite")])
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("bogus", "allowed: labelflip"),
+        ("scale", "scale:<float>"),
+        ("scale:x", "scale:<float>"),
+        ("noise:3", "takes no value"),
+        ("inflate_n:0", "1 to 2**53"),
+        ("collude:1", "k >= 2"),
+        ("scale:inf", "finite"),
+    ],
+)
 def test_a_bad_kind_says_what_is_allowed(text, problem):
     with pytest.raises(ValueError, match=problem.replace("*", r"\*")):
         parse_kind(text)
@@ -119,17 +140,27 @@ def test_the_command_line_makes_nodes_attackers_without_changing_the_honest_mesh
     assert cfgmod.shared_settings(attacked_cfg) == cfgmod.shared_settings(plain)
 
 
-@pytest.mark.parametrize(("assignments", "field"), [
-    (["attack.nodes=[node9]", "attack.kind=noise"], "attack.nodes.0"),
-    (["attack.nodes=[node1, node1]", "attack.kind=noise"], "attack.nodes.1"),
-    (["attack.kind=noise"], "attack.nodes"),
-    (["attack.nodes=[node1]"], "attack.kind"),
-    (["attack.nodes=[node1]", "attack.kind=bogus"], "attack.kind"),
-    (["attack.nodes=[node1]", "attack.kind=collude:3"], "attack.kind"),
-    (["attack.nodes=node1", "attack.kind=noise"], "attack.nodes"),
-    (["attack.nodes=[node1]", "attack.kind=noise", "algorithm=fedavg_server",
-      "coordinator=tcp://127.0.0.1:7799"], "attack.nodes"),
-])
+@pytest.mark.parametrize(
+    ("assignments", "field"),
+    [
+        (["attack.nodes=[node9]", "attack.kind=noise"], "attack.nodes.0"),
+        (["attack.nodes=[node1, node1]", "attack.kind=noise"], "attack.nodes.1"),
+        (["attack.kind=noise"], "attack.nodes"),
+        (["attack.nodes=[node1]"], "attack.kind"),
+        (["attack.nodes=[node1]", "attack.kind=bogus"], "attack.kind"),
+        (["attack.nodes=[node1]", "attack.kind=collude:3"], "attack.kind"),
+        (["attack.nodes=node1", "attack.kind=noise"], "attack.nodes"),
+        (
+            [
+                "attack.nodes=[node1]",
+                "attack.kind=noise",
+                "algorithm=fedavg_server",
+                "coordinator=tcp://127.0.0.1:7799",
+            ],
+            "attack.nodes",
+        ),
+    ],
+)
 def test_a_bad_attack_section_names_its_field(assignments, field):
     with pytest.raises(cfgmod.ConfigError, match=f"config field '{field}'"):
         validated(*assignments)

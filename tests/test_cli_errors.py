@@ -12,8 +12,13 @@ from tests.nodes import write_config
 
 
 def run_meshfl(*args: str, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "meshfl.launch.cli", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "meshfl.launch.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
@@ -25,15 +30,23 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) 
         assert fragment in lines[0]
 
 
-@pytest.mark.parametrize("flags, fragments", [
-    (["--algorithm", "fedmagic"], ["algorithm", "fedmagic", "fedavg"]),
-    (["--partition", "dirichlet:x"], ["data.partition", "dirichlet:x"]),
-    (["--dataset", "mnist", "--data-root", "/nonexistent/meshfl-data"], ["mnist", "--data-root"]),
-    (["--set", "lr=-1"], ["lr", "-1"]),
-    (["--set", "algorithm.gamma=2"], ["algorithm.gamma"]),
-    (["--algorithm", "pfedlia", "--rounds", "5", "--set", "algorithm.warmup=20"],
-     ["'algorithm.warmup'", "rounds 5", "algorithm.warmup_only=true"]),
-])
+@pytest.mark.parametrize(
+    "flags, fragments",
+    [
+        (["--algorithm", "fedmagic"], ["algorithm", "fedmagic", "fedavg"]),
+        (["--partition", "dirichlet:x"], ["data.partition", "dirichlet:x"]),
+        (
+            ["--dataset", "mnist", "--data-root", "/nonexistent/meshfl-data"],
+            ["mnist", "--data-root"],
+        ),
+        (["--set", "lr=-1"], ["lr", "-1"]),
+        (["--set", "algorithm.gamma=2"], ["algorithm.gamma"]),
+        (
+            ["--algorithm", "pfedlia", "--rounds", "5", "--set", "algorithm.warmup=20"],
+            ["'algorithm.warmup'", "rounds 5", "algorithm.warmup_only=true"],
+        ),
+    ],
+)
 def test_launch_mistakes(tmp_path, flags, fragments):
     result = run_meshfl("launch", "--out", str(tmp_path / "run"), *flags)
     assert_one_line_error(result, *fragments)
@@ -46,8 +59,9 @@ def test_port_in_use(tmp_path):
     with socket.socket() as squatter:
         squatter.bind((host, int(port)))
         squatter.listen()
-        result = run_meshfl("node", "--config", str(config), "--name", "node0",
-                            "--out", str(tmp_path))
+        result = run_meshfl(
+            "node", "--config", str(config), "--name", "node0", "--out", str(tmp_path)
+        )
     assert_one_line_error(result, "port in use", port)
 
 
@@ -56,8 +70,17 @@ def test_unreadable_key(tmp_path):
     write_config(config, 2)
     key = tmp_path / "broken.pem"
     key.write_text("not a key\n")
-    result = run_meshfl("node", "--config", str(config), "--name", "node0",
-                        "--out", str(tmp_path), "--key", str(key))
+    result = run_meshfl(
+        "node",
+        "--config",
+        str(config),
+        "--name",
+        "node0",
+        "--out",
+        str(tmp_path),
+        "--key",
+        str(key),
+    )
     assert_one_line_error(result, str(key), "PEM")
 
 

@@ -24,14 +24,25 @@ pytestmark = pytest.mark.slow  # real processes over real sockets
 
 def start_coordinator(config, out):
     (out / "coordinator").mkdir(parents=True, exist_ok=True)
-    return meshfl("coordinator", "--config", str(config), "--out", str(out),
-                  log=out / "coordinator" / "node.log")
+    return meshfl(
+        "coordinator",
+        "--config",
+        str(config),
+        "--out",
+        str(out),
+        log=out / "coordinator" / "node.log",
+    )
 
 
 def coordinated_config(path, rounds, epochs, algorithm):
-    return write_config(path, 3, rounds=rounds, local_epochs=epochs,
-                        algorithm={"name": algorithm},
-                        coordinator=f"tcp://127.0.0.1:{free_ports(1)[0]}")
+    return write_config(
+        path,
+        3,
+        rounds=rounds,
+        local_epochs=epochs,
+        algorithm={"name": algorithm},
+        coordinator=f"tcp://127.0.0.1:{free_ports(1)[0]}",
+    )
 
 
 def dependency(record):
@@ -48,8 +59,11 @@ def test_killed_coordinator_restarts_from_its_checkpoint_and_nothing_is_lost(tmp
     processes += [start_node(config, f"node{i}", tmp_path) for i in range(3)]
     try:
         wait_round(tmp_path, "coordinator", 3, timeout=90)
-        wait_until(lambda: any(dependency(r) for r in records(tmp_path, "coordinator")), 90,
-                   "the coordinator to count relevant sets")
+        wait_until(
+            lambda: any(dependency(r) for r in records(tmp_path, "coordinator")),
+            90,
+            "the coordinator to count relevant sets",
+        )
         os.killpg(processes[0].pid, signal.SIGKILL)
         processes[0].wait(timeout=10)
         processes[0] = start_coordinator(config, tmp_path)
@@ -78,9 +92,15 @@ def test_killed_coordinator_restarts_from_its_checkpoint_and_nothing_is_lost(tmp
 def test_a_client_whose_coordinator_never_comes_gives_up_with_one_line(tmp_path):
     config = tmp_path / "peers.yaml"
     # max(rounds, 3) x round_timeout = 3 s of silence is the client's patience.
-    write_config(config, 1, rounds=2, round_timeout=1.0, local_epochs=1,
-                 algorithm={"name": "fedavg_server"},
-                 coordinator=f"tcp://127.0.0.1:{free_ports(1)[0]}")
+    write_config(
+        config,
+        1,
+        rounds=2,
+        round_timeout=1.0,
+        local_epochs=1,
+        algorithm={"name": "fedavg_server"},
+        coordinator=f"tcp://127.0.0.1:{free_ports(1)[0]}",
+    )
     client = start_node(config, "node0", tmp_path)
     try:
         assert client.wait(timeout=60) == 2, "a non-zero exit: the run did not finish"

@@ -39,8 +39,9 @@ def test_a_torn_metrics_tail_is_dropped_with_one_log_line(tmp_path, caplog):
 
 def test_a_garbled_line_and_rounds_after_the_checkpoint_go_the_rest_stays(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    path.write_text(metrics_lines(range(1, 3)) + "\x00\x00garbage\n[1, 2]\n"
-                    + metrics_lines(range(3, 6)))
+    path.write_text(
+        metrics_lines(range(1, 3)) + "\x00\x00garbage\n[1, 2]\n" + metrics_lines(range(3, 6))
+    )
     log = MetricsLog(path)
     log.keep_until(4)
     assert [json.loads(line)["round"] for line in path.read_text().splitlines()] == [1, 2, 3, 4]
@@ -63,7 +64,7 @@ def test_a_truncated_checkpoint_is_one_error_naming_the_file_and_what_to_do(tmp_
     path = tmp_path / "checkpoint.pt"
     save_checkpoint(path, {"round": 7, "model": {"w": torch.ones(1000)}})
     whole = path.read_bytes()
-    path.write_bytes(whole[:int(keep * len(whole)) if isinstance(keep, float) else keep])
+    path.write_bytes(whole[: int(keep * len(whole)) if isinstance(keep, float) else keep])
     with pytest.raises(CheckpointError) as raised:
         load_checkpoint(path)
     message = str(raised.value)
@@ -78,10 +79,12 @@ def test_a_failed_write_is_one_error_naming_the_file_and_why(tmp_path):
 
 def test_the_last_error_line_of_a_log_is_the_exception_not_what_came_after(tmp_path):
     log = tmp_path / "node.log"
-    log.write_text("2026-01-01 meshfl.endpoint node0: node1 joined from tcp://x:1\n"
-                   "Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
-                   "OSError: [Errno 28] No space left on device\n"
-                   "2026-01-01 meshfl.endpoint node0: node1 left\n")
+    log.write_text(
+        "2026-01-01 meshfl.endpoint node0: node1 joined from tcp://x:1\n"
+        'Traceback (most recent call last):\n  File "x.py", line 1, in <module>\n'
+        "OSError: [Errno 28] No space left on device\n"
+        "2026-01-01 meshfl.endpoint node0: node1 left\n"
+    )
     assert last_error_line(log) == "OSError: [Errno 28] No space left on device"
     log.write_text("2026-01-01 meshfl.endpoint node0: node1 joined from tcp://x:1\n")
     assert last_error_line(log) is None
@@ -92,9 +95,15 @@ def test_a_summary_lists_every_node_and_means_over_the_finished(tmp_path):
     for index, peer in enumerate(cfg.peers):
         (tmp_path / peer.name).mkdir()
         last = 1 if index == 1 else 3
-        (tmp_path / peer.name / "metrics.jsonl").write_text("".join(
-            json.dumps({"round": r, "test_acc": 0.1 * (index + 1), "val_acc": 0.5,
-                        "n_train": 10}) + "\n" for r in range(1, last + 1)))
+        (tmp_path / peer.name / "metrics.jsonl").write_text(
+            "".join(
+                json.dumps(
+                    {"round": r, "test_acc": 0.1 * (index + 1), "val_acc": 0.5, "n_train": 10}
+                )
+                + "\n"
+                for r in range(1, last + 1)
+            )
+        )
         (tmp_path / peer.name / "info.json").write_text('{"name": "node0", "data": {"lab')
     outcomes = {peer.name: {"status": FINISHED, "restarts": 0} for peer in cfg.peers}
     outcomes["node1"] = {"status": FAILED, "restarts": 0, "ended": "SIGKILL", "last_error": None}

@@ -109,8 +109,11 @@ def endpoints():
 
     def make(name: str, identity: Identity | None = None, **settings) -> Endpoint:
         listen = f"tcp://127.0.0.1:{free_port()}"
-        endpoint = Endpoint(identity or Identity.generate(), MESH,
-                            EndpointSettings(name, listen, heartbeat_interval=0.2, **settings))
+        endpoint = Endpoint(
+            identity or Identity.generate(),
+            MESH,
+            EndpointSettings(name, listen, heartbeat_interval=0.2, **settings),
+        )
         made.append(endpoint)
         return endpoint
 
@@ -164,12 +167,16 @@ def blob_through_a_sniffer(endpoints, encrypt: bool) -> tuple[bytes, bytes]:
 def test_a_sniffer_on_the_path_sees_a_blob_only_when_encryption_is_off(encrypt):
     made: list[Endpoint] = []
 
-    def make(name: str, listen_port: int | None = None, relay: Relay | None = None,
-             **settings) -> Endpoint:
+    def make(
+        name: str, listen_port: int | None = None, relay: Relay | None = None, **settings
+    ) -> Endpoint:
         listen = f"tcp://127.0.0.1:{listen_port or free_port()}"
         advertise = relay.address if relay is not None else ""
-        endpoint = Endpoint(Identity.generate(), MESH, EndpointSettings(
-            name, listen, advertise=advertise, heartbeat_interval=0.2, **settings))
+        endpoint = Endpoint(
+            Identity.generate(),
+            MESH,
+            EndpointSettings(name, listen, advertise=advertise, heartbeat_interval=0.2, **settings),
+        )
         made.append(endpoint)
         return endpoint
 
@@ -179,7 +186,7 @@ def test_a_sniffer_on_the_path_sees_a_blob_only_when_encryption_is_off(encrypt):
         for endpoint in reversed(made):
             endpoint.close()
     assert len(seen) > len(tensor), "the blob crossed the relay"
-    windows = {tensor[at:at + 16] for at in range(0, len(tensor) - 16, 16)}
+    windows = {tensor[at : at + 16] for at in range(0, len(tensor) - 16, 16)}
     in_clear = sum(window in seen for window in windows)
     if encrypt:
         assert in_clear == 0, f"{in_clear} of {len(windows)} 16-byte pieces in the clear"
@@ -234,10 +241,19 @@ def test_a_version_2_message_is_dropped_with_a_word_on_versions(endpoints, caplo
     node = endpoints("node", encrypt=False)
     node.start()
     old = Identity.generate()
-    header = msgpack.packb({
-        "v": 2, "mesh": MESH, "kind": "hello", "from": old.public_key,
-        "inst": wire.new_instance(), "seq": time.time_ns(), "round": 0,
-        "body": {"name": "old", "addr": "tcp://127.0.0.1:9"}, "digest": blake3(b"").digest()})
+    header = msgpack.packb(
+        {
+            "v": 2,
+            "mesh": MESH,
+            "kind": "hello",
+            "from": old.public_key,
+            "inst": wire.new_instance(),
+            "seq": time.time_ns(),
+            "round": 0,
+            "body": {"name": "old", "addr": "tcp://127.0.0.1:9"},
+            "digest": blake3(b"").digest(),
+        }
+    )
     envelope = msgpack.packb([header, old.sign(b"meshfl/2 header\n" + header)])
     context = zmq.Context()
     try:

@@ -90,14 +90,19 @@ def make_endpoint():
     """Endpoints on free loopback ports, closed after the test."""
     made: list[Endpoint] = []
 
-    def make(name: str = "node", identity: Identity | None = None,
-             schema: bytes | None = SCHEMA, **settings) -> Endpoint:
+    def make(
+        name: str = "node",
+        identity: Identity | None = None,
+        schema: bytes | None = SCHEMA,
+        **settings,
+    ) -> Endpoint:
         identity = identity or Identity.generate()
         for _ in range(5):  # a port found free can be taken before we bind it
             listen = f"tcp://127.0.0.1:{free_port()}"
             try:
-                endpoint = Endpoint(identity, MESH, EndpointSettings(name, listen, **settings),
-                                    schema=schema)
+                endpoint = Endpoint(
+                    identity, MESH, EndpointSettings(name, listen, **settings), schema=schema
+                )
             except TransportError:
                 continue
             made.append(endpoint)
@@ -112,8 +117,9 @@ def make_endpoint():
 class RawPeer:
     """A peer driven by hand: a DEALER to the endpoint, a ROUTER for its answers."""
 
-    def __init__(self, context: zmq.Context, target: str, identity: Identity | None = None,
-                 name: str = "raw") -> None:
+    def __init__(
+        self, context: zmq.Context, target: str, identity: Identity | None = None, name: str = "raw"
+    ) -> None:
         self.identity = identity or Identity.generate()
         self.name = name
         self.instance = new_instance()
@@ -137,12 +143,30 @@ class RawPeer:
     def public_key(self) -> bytes:
         return self.identity.public_key
 
-    def frames(self, kind: str, body: dict, *, identity: Identity | None = None,
-               mesh: bytes = MESH, round_no: int = 0, blob: Blob | None = None) -> list:
+    def frames(
+        self,
+        kind: str,
+        body: dict,
+        *,
+        identity: Identity | None = None,
+        mesh: bytes = MESH,
+        round_no: int = 0,
+        blob: Blob | None = None,
+    ) -> list:
         self.seq += 1
-        return [bytes(frame) for frame in encode(
-            identity or self.identity, mesh, kind, self.seq, round_no, body,
-            instance=self.instance, blob=blob)]
+        return [
+            bytes(frame)
+            for frame in encode(
+                identity or self.identity,
+                mesh,
+                kind,
+                self.seq,
+                round_no,
+                body,
+                instance=self.instance,
+                blob=blob,
+            )
+        ]
 
     def hello(self) -> list:
         return self.frames("hello", {"name": self.name, "addr": self.address})
@@ -204,8 +228,18 @@ def hand_made_blob(origin: Identity, frames: list[bytes], index: list) -> Blob:
     """A blob honestly signed by `origin` whose tensor index is written by hand."""
     digest = frames_digest(frames)
     record = msgpack.packb([origin.public_key, 1, "model", SCHEMA, digest, index, {}])
-    return Blob(origin.public_key, 1, "model", SCHEMA, digest, [], {}, record,
-                origin.sign(RECORD_CONTEXT + record), frames)
+    return Blob(
+        origin.public_key,
+        1,
+        "model",
+        SCHEMA,
+        digest,
+        [],
+        {},
+        record,
+        origin.sign(RECORD_CONTEXT + record),
+        frames,
+    )
 
 
 def blob_message(scene: Scene, blob: Blob) -> list:
@@ -283,7 +317,8 @@ def craft_bad_origin_signature(scene):
     # `raw` relays a blob claiming `origin` made it, but `raw` signed the record itself.
     genuine = small_blob(scene.origin)
     forged = dataclasses.replace(
-        genuine, signature=scene.raw.identity.sign(RECORD_CONTEXT + genuine.record))
+        genuine, signature=scene.raw.identity.sign(RECORD_CONTEXT + genuine.record)
+    )
     return blob_message(scene, forged)
 
 
@@ -310,8 +345,15 @@ def craft_schema_mismatch(scene):
 
 def craft_duplicate_key(scene):
     # Signed with the endpoint's own key by another process (another instance).
-    return encode(scene.endpoint.identity, MESH, "heartbeat", time.time_ns(), 0,
-                  {"name": "twin", "addr": scene.raw.address}, instance=new_instance())
+    return encode(
+        scene.endpoint.identity,
+        MESH,
+        "heartbeat",
+        time.time_ns(),
+        0,
+        {"name": "twin", "addr": scene.raw.address},
+        instance=new_instance(),
+    )
 
 
 CRAFTS = {
@@ -357,8 +399,8 @@ def delivered(endpoint: Endpoint) -> dict:
 def scene(context, make_endpoint):
     raw_identity, origin, stranger = Identity.generate(), Identity.generate(), Identity.generate()
     endpoint = make_endpoint(
-        "target", allowlist=frozenset({raw_identity.public_key, origin.public_key}),
-        limits=SMALL)
+        "target", allowlist=frozenset({raw_identity.public_key, origin.public_key}), limits=SMALL
+    )
     endpoint.start()
     raw = RawPeer(context, endpoint.contact, raw_identity)
     raw.join()
@@ -380,8 +422,9 @@ def test_rejected_message_is_counted_and_dropped_and_the_node_keeps_serving(scen
     assert sum(endpoint.decoder.rejections.values()) == sum(rejections_before.values()) + 1
     after = delivered(endpoint)
     assert after["received"] - before["received"] == Counter({"hello": 1})
-    assert {k: v for k, v in after.items() if k != "received"} == \
-           {k: v for k, v in before.items() if k != "received"}
+    assert {k: v for k, v in after.items() if k != "received"} == {
+        k: v for k, v in before.items() if k != "received"
+    }
     assert endpoint.stats()["rejections"][reason] >= 1
     listed = {item["key"] for item in peers.body["peers"]}
     assert scene.stranger.public_key not in listed
@@ -407,8 +450,11 @@ def test_rejections_are_logged_once_per_connection_and_reason(context, make_endp
     bad = raw.frames("heartbeat", {}, mesh=OTHER_MESH)
 
     def logged() -> int:
-        return sum(1 for record in caplog.records
-                   if record.name == "meshfl.endpoint" and "(wrong_mesh)" in record.getMessage())
+        return sum(
+            1
+            for record in caplog.records
+            if record.name == "meshfl.endpoint" and "(wrong_mesh)" in record.getMessage()
+        )
 
     for _ in range(5):
         raw.send(bad)
@@ -454,7 +500,10 @@ def test_a_twin_joining_through_another_peer_is_refused(make_endpoint):
     # The friend still knows the key at the live process's address.
     (entry,) = friend.peers()
     assert (entry.public_key, entry.address, entry.state) == (
-        identity.public_key, live.settings.listen, ALIVE)
+        identity.public_key,
+        live.settings.listen,
+        ALIVE,
+    )
     assert entry.instance == live.instance
 
 
@@ -487,8 +536,7 @@ def test_a_silent_peer_is_marked_down_within_timeout_plus_one_interval(context, 
     assert poll_until(lambda: state() == ALIVE)
 
 
-def test_a_node_that_reads_its_inbox_late_does_not_blame_its_peers(context, make_endpoint,
-                                                                   caplog):
+def test_a_node_that_reads_its_inbox_late_does_not_blame_its_peers(context, make_endpoint, caplog):
     interval, timeout = 0.1, 0.5
     endpoint = make_endpoint("busy", heartbeat_interval=interval, peer_timeout=timeout)
     endpoint.start()
@@ -530,8 +578,7 @@ def test_a_hello_that_asks_for_no_list_is_answered_by_the_node_alone(context, ma
     first = RawPeer(context, endpoint.contact, name="first")
     first.join()
     second = RawPeer(context, endpoint.contact, name="second")
-    second.send(second.frames("hello", {"name": "second", "addr": second.address,
-                                        "list": False}))
+    second.send(second.frames("hello", {"name": "second", "addr": second.address, "list": False}))
     answer = second.expect("peers")
     assert [entry["name"] for entry in answer.body["peers"]] == ["target"]
     second.send(second.hello())
@@ -603,9 +650,11 @@ def joined_pair(make_endpoint, **settings) -> tuple[Endpoint, Endpoint]:
 
 def model_arrays(seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    return {"w": rng.standard_normal((64, 32)).astype(np.float32),
-            "b": rng.standard_normal(64).astype(np.float32),
-            "steps": np.array(seed, dtype=np.int64)}
+    return {
+        "w": rng.standard_normal((64, 32)).astype(np.float32),
+        "b": rng.standard_normal(64).astype(np.float32),
+        "steps": np.array(seed, dtype=np.int64),
+    }
 
 
 def test_publish_announce_fetch_delivers_the_verified_blob(make_endpoint):
@@ -618,8 +667,16 @@ def test_publish_announce_fetch_delivers_the_verified_blob(make_endpoint):
     offers = b.wait_offers(1, {"model"}, {a.identity.public_key}, asked + WAIT)
     assert time.monotonic() - asked < WAIT / 2  # returns once the origin announced
     assert [(o.id, o.origin, o.round, o.kind, o.digest, o.size, o.holders) for o in offers] == [
-        (blob.id, a.identity.public_key, 1, "model", blob.digest, blob.size,
-         [a.identity.public_key])]
+        (
+            blob.id,
+            a.identity.public_key,
+            1,
+            "model",
+            blob.digest,
+            blob.size,
+            [a.identity.public_key],
+        )
+    ]
     assert b.offers(1, "head") == []
 
     b.fetch(offers)
@@ -644,8 +701,7 @@ def test_a_node_serves_a_blob_it_fetched_to_a_third_node(make_endpoint):
     blob = make_blob(origin.identity, 2, "model", model_arrays(2), schema=SCHEMA)
     origin.set_round(2)
     origin.publish(blob)
-    offers = relay.wait_offers(2, {"model"}, {origin.identity.public_key},
-                               time.monotonic() + WAIT)
+    offers = relay.wait_offers(2, {"model"}, {origin.identity.public_key}, time.monotonic() + WAIT)
     relay.fetch(offers)
     assert blob.id in relay.wait_blobs([blob.id], time.monotonic() + WAIT)
 
@@ -656,8 +712,19 @@ def test_a_node_serves_a_blob_it_fetched_to_a_third_node(make_endpoint):
     assert late.wait_joined(WAIT) and late.wait_for_peers(1, WAIT)
     assert origin.identity.public_key not in [e.public_key for e in late.peers()]
 
-    late.fetch([Offer(blob.id, origin.identity.public_key, 2, "model", blob.digest, blob.size,
-                      holders=[relay.identity.public_key])])
+    late.fetch(
+        [
+            Offer(
+                blob.id,
+                origin.identity.public_key,
+                2,
+                "model",
+                blob.digest,
+                blob.size,
+                holders=[relay.identity.public_key],
+            )
+        ]
+    )
     got = late.wait_blobs([blob.id], time.monotonic() + WAIT)
     assert list(got) == [blob.id]
     relayed = got[blob.id]
@@ -709,8 +776,7 @@ def test_fetches_in_flight_per_peer_are_capped(context, make_endpoint):
         assert not endpoint._fetches.waiting[holder.public_key]
 
 
-def test_equal_tensors_from_two_origins_are_two_blobs_and_a_third_node_fetches_both(
-        make_endpoint):
+def test_equal_tensors_from_two_origins_are_two_blobs_and_a_third_node_fetches_both(make_endpoint):
     # After FedAvg several nodes hold bit-identical models: same digest, different records.
     puller = make_endpoint("puller")
     puller.start()
@@ -719,8 +785,9 @@ def test_equal_tensors_from_two_origins_are_two_blobs_and_a_third_node_fetches_b
         origin.start([puller.contact])
     for endpoint in [puller, *origins]:
         assert endpoint.wait_for_peers(2, WAIT), endpoint.settings.name
-    blobs = [make_blob(origin.identity, 1, "model", model_arrays(3), schema=SCHEMA)
-             for origin in origins]
+    blobs = [
+        make_blob(origin.identity, 1, "model", model_arrays(3), schema=SCHEMA) for origin in origins
+    ]
     assert blobs[0].digest == blobs[1].digest and blobs[0].id != blobs[1].id
     for origin, blob in zip(origins, blobs, strict=True):
         origin.publish(blob)
@@ -731,7 +798,8 @@ def test_equal_tensors_from_two_origins_are_two_blobs_and_a_third_node_fetches_b
     puller.fetch(offers)
     got = puller.wait_blobs([blob.id for blob in blobs], time.monotonic() + WAIT)
     assert {blob_id: blob.origin for blob_id, blob in got.items()} == {
-        blob.id: blob.origin for blob in blobs}
+        blob.id: blob.origin for blob in blobs
+    }
     assert sorted(record.origin for record in puller.fetch_log) == sorted(o.id for o in origins)
     assert all(origin.received["fetch"] == 1 for origin in origins), "each asked its own"
 
@@ -774,8 +842,10 @@ def test_a_blob_whose_record_contradicts_its_announce_is_rejected_and_counted(sc
 def test_a_late_joiner_is_offered_the_latest_round_published_before_it_came(make_endpoint):
     origin = make_endpoint("origin")
     origin.start()
-    old, latest = (make_blob(origin.identity, round_no, "model", model_arrays(round_no),
-                             schema=SCHEMA) for round_no in (1, 2))
+    old, latest = (
+        make_blob(origin.identity, round_no, "model", model_arrays(round_no), schema=SCHEMA)
+        for round_no in (1, 2)
+    )
     origin.publish(old)
     origin.set_round(2)
     origin.publish(latest)  # announced to nobody: nobody is there yet
@@ -783,8 +853,7 @@ def test_a_late_joiner_is_offered_the_latest_round_published_before_it_came(make
     late = make_endpoint("late")
     late.start([origin.contact])
     assert late.wait_joined(WAIT) and late.wait_for_peers(1, WAIT)
-    offers = late.wait_offers(2, {"model"}, {origin.identity.public_key},
-                              time.monotonic() + WAIT)
+    offers = late.wait_offers(2, {"model"}, {origin.identity.public_key}, time.monotonic() + WAIT)
     assert [offer.id for offer in offers] == [latest.id]
     assert late.offers(1) == [], "only the latest round is announced again"
 
@@ -804,8 +873,7 @@ def test_a_joiner_far_behind_gets_the_offers_once_it_takes_the_mesh_round(make_e
     assert late.offers(10) == []
     late.set_round(10)
     late.refresh_offers()
-    offers = late.wait_offers(10, {"model"}, {origin.identity.public_key},
-                              time.monotonic() + WAIT)
+    offers = late.wait_offers(10, {"model"}, {origin.identity.public_key}, time.monotonic() + WAIT)
     assert [offer.id for offer in offers] == [blob.id]
 
 
@@ -846,7 +914,10 @@ def test_a_node_answers_a_status_probe_and_does_not_take_it_for_a_peer(make_endp
     answer = ask_status(Identity.generate(), node.contact, "127.0.0.1", WAIT)
     assert answer is not None
     assert (answer.sender, answer.node_id, answer.mesh_id) == (
-        node.identity.public_key, node.id, MESH)
+        node.identity.public_key,
+        node.id,
+        MESH,
+    )
     status = answer.status
     assert (status["name"], status["addr"], status["round"]) == ("a", node.settings.listen, 0)
     (listed,) = status["peers"]
@@ -860,11 +931,11 @@ def test_a_node_answers_a_status_probe_and_does_not_take_it_for_a_peer(make_endp
 def test_a_status_request_is_checked_like_any_message(make_endpoint):
     node = make_endpoint("node")
     node.start()
-    wrong_mesh = ask_status(Identity.generate(), node.contact, "127.0.0.1", 0.5,
-                            mesh_id=OTHER_MESH)
+    wrong_mesh = ask_status(Identity.generate(), node.contact, "127.0.0.1", 0.5, mesh_id=OTHER_MESH)
     assert wrong_mesh is None and node.rejections() == {"wrong_mesh": 1}
-    assert ask_status(Identity.generate(), node.contact, "127.0.0.1", WAIT,
-                      mesh_id=MESH) is not None, "the mesh's own id is fine too"
+    assert (
+        ask_status(Identity.generate(), node.contact, "127.0.0.1", WAIT, mesh_id=MESH) is not None
+    ), "the mesh's own id is fine too"
 
 
 def test_a_closed_mesh_answers_status_only_to_listed_keys_even_one_in_use(scene):
@@ -888,8 +959,7 @@ def test_status_answers_are_rate_limited(make_endpoint):
     node = make_endpoint("node", status_per_second=2)
     node._status_answers.period = 60.0  # so that a slow machine cannot spread the asks out
     node.start()
-    answers = [ask_status(Identity.generate(), node.contact, "127.0.0.1", 1.0)
-               for _ in range(3)]
+    answers = [ask_status(Identity.generate(), node.contact, "127.0.0.1", 1.0) for _ in range(3)]
     assert [answer is not None for answer in answers] == [True, True, False]
     assert node.received["status_unanswered"] == 1
 
@@ -899,8 +969,12 @@ def test_a_name_is_held_by_one_live_key_and_never_by_a_stranger_as_ours(context,
     endpoint.start()
     first = RawPeer(context, endpoint.contact, name="alice")
     first.join()
-    for name, reason in (("alice", "name_taken"), ("target", "name_taken"),
-                         ("evil/owner", "bad_name"), ("bad\nname", "bad_name")):
+    for name, reason in (
+        ("alice", "name_taken"),
+        ("target", "name_taken"),
+        ("evil/owner", "bad_name"),
+        ("bad\nname", "bad_name"),
+    ):
         squatter = RawPeer(context, endpoint.contact, name=name)
         squatter.send(squatter.hello())
         deadline = time.monotonic() + WAIT

@@ -37,20 +37,26 @@ def summary(accuracy, shares=None, cost=None):
     nodes = [{"name": f"node{i}", "test_acc": accuracy, "data": {}} for i in range(2)]
     result = {"nodes": nodes, "mean_test_acc": accuracy}
     if shares:
-        result.update(own_group_share=shares,
-                      own_group_share_ccp=sum(shares.values()) / len(shares),
-                      own_group_share_lowest=min(shares.values()))
+        result.update(
+            own_group_share=shares,
+            own_group_share_ccp=sum(shares.values()) / len(shares),
+            own_group_share_lowest=min(shares.values()),
+        )
     if cost:
         result["cost"] = cost
     return result
 
 
 def test_the_table_shows_the_share_per_ccp_round_and_its_lowest_value_over_seeds():
-    runs = {"Local": [summary(0.8), summary(0.8)],
-            "FedReMa": [summary(0.9, {"1": 1.0, "2": 0.75}), summary(0.9, {"1": 0.5})]}
+    runs = {
+        "Local": [summary(0.8), summary(0.8)],
+        "FedReMa": [summary(0.9, {"1": 1.0, "2": 0.75}), summary(0.9, {"1": 0.5})],
+    }
     table = render_table(SPEC, runs, [0, 1], argparse.Namespace(name="x", data_root=None))
-    assert ("| own-group share of relevant sets, lowest CCP round (lowest over seeds) |  | 0.500 |"
-            in table)
+    assert (
+        "| own-group share of relevant sets, lowest CCP round (lowest over seeds) |  | 0.500 |"
+        in table
+    )
     assert "| own-group share of relevant sets in the CCP (mean over seeds) |  | 0.688 |" in table
     assert "- FedReMa, seed 0, rounds 1-2: 1.00 0.75" in table
     assert "- FedReMa, seed 1, rounds 1-1: 0.50" in table
@@ -58,8 +64,10 @@ def test_the_table_shows_the_share_per_ccp_round_and_its_lowest_value_over_seeds
 
 
 def test_the_table_shows_the_median_cost_of_a_round_where_it_was_measured():
-    runs = {"FedAvg": [summary(0.8, cost={"mb_in_per_round": 5.5})],
-            "pFedSV": [summary(0.9, cost={"mb_in_per_round": 1.25, "shapley_to_train": 0.3})]}
+    runs = {
+        "FedAvg": [summary(0.8, cost={"mb_in_per_round": 5.5})],
+        "pFedSV": [summary(0.9, cost={"mb_in_per_round": 1.25, "shapley_to_train": 0.3})],
+    }
     table = render_table(SPEC, runs, [0], argparse.Namespace(name="x", data_root=None))
     assert "| MB received per node and round (median) | 5.50 | 1.25 |" in table
     assert "| Shapley seconds per training second (median) |  | 0.300 |" in table
@@ -68,8 +76,9 @@ def test_the_table_shows_the_median_cost_of_a_round_where_it_was_measured():
 
 def run_of(history: dict[str, list[RoundRecord]], **labels: set[int]) -> RunRecords:
     """A run of `history` whose nodes' train splits hold `labels`."""
-    return RunRecords(history, data={name: {"labels": sorted(held)}
-                                     for name, held in labels.items()})
+    return RunRecords(
+        history, data={name: {"labels": sorted(held)} for name, held in labels.items()}
+    )
 
 
 def rounds_of(*records: dict) -> list[RoundRecord]:
@@ -82,7 +91,8 @@ def test_the_share_is_scored_over_ccp_rounds_only():
     coordinator = [
         CoordinatorRecord(1, {"ccp": True, "relevant_sets": {"a1": ["a1", "a2"]}}),
         CoordinatorRecord(2, {"ccp": True, "relevant_sets": {"a1": ["a1", "a2", "b1"]}}),
-        CoordinatorRecord(3, {"ccp": False, "relevant_sets": {"a1": ["a1", "b1"]}})]
+        CoordinatorRecord(3, {"ccp": False, "relevant_sets": {"a1": ["a1", "b1"]}}),
+    ]
     scores = own_group_share(RunRecords({}, coordinator, data=groups))
     assert scores["own_group_share"] == {"1": 1.0, "2": 0.5}
     assert scores["own_group_share_ccp"] == pytest.approx(0.75)
@@ -101,11 +111,12 @@ def test_round_costs_are_medians_over_every_node_round():
         diagnostics = {} if shapley is None else {"shapley_seconds": shapley}
         return {"bytes_in": bytes_in, "seconds": {"train": train}, "diagnostics": diagnostics}
 
-    history = {"a": rounds_of(record(2e6, 4.0, 1.0), record(1e6, 2.0, 1.0),
-                              record(1e6, 2.0, 0.5)),
-               "b": rounds_of(record(3e6, 4.0), {}), "missing": []}
-    assert round_costs(RunRecords(history)) == {"mb_in_per_round": 1.5,
-                                                "shapley_to_train": 0.25}
+    history = {
+        "a": rounds_of(record(2e6, 4.0, 1.0), record(1e6, 2.0, 1.0), record(1e6, 2.0, 0.5)),
+        "b": rounds_of(record(3e6, 4.0), {}),
+        "missing": [],
+    }
+    assert round_costs(RunRecords(history)) == {"mb_in_per_round": 1.5, "shapley_to_train": 0.25}
 
 
 def test_top_k_precision_scores_the_last_pull_against_shared_labels():
@@ -114,19 +125,29 @@ def test_top_k_precision_scores_the_last_pull_against_shared_labels():
     def chose(*peers):
         return {"diagnostics": {"selected": list(peers)}}
 
-    history = {"a": rounds_of(chose("c"), chose("b", "d")), "b": rounds_of(chose("a")),
-               "c": rounds_of({}), "d": []}
+    history = {
+        "a": rounds_of(chose("c"), chose("b", "d")),
+        "b": rounds_of(chose("a")),
+        "c": rounds_of({}),
+        "d": [],
+    }
     assert top_k_precision(run_of(history, **labels)) == {"top_k_precision": (0.5 + 1.0) / 2}
     assert top_k_precision(run_of({"a": rounds_of({})}, **labels)) == {}
 
 
 def test_shapley_values_and_weights_are_split_by_whether_a_peer_shares_a_label():
     labels = {"a": {0, 1}, "b": {1, 2}, "c": {3, 4}}
-    rounds = rounds_of({"diagnostics": {"shapley": {"a": 0.6, "b": 0.3, "c": -0.1}},
-                        "weights": {"a": 0.7, "b": 0.3}},
-                       {"diagnostics": {"shapley": {"a": 0.8, "b": 0.1, "c": -0.3}},
-                        "weights": {"a": 0.9, "b": 0.1}},
-                       {"diagnostics": {}, "weights": {"a": 1.0}})  # a rule without a game
+    rounds = rounds_of(
+        {
+            "diagnostics": {"shapley": {"a": 0.6, "b": 0.3, "c": -0.1}},
+            "weights": {"a": 0.7, "b": 0.3},
+        },
+        {
+            "diagnostics": {"shapley": {"a": 0.8, "b": 0.1, "c": -0.3}},
+            "weights": {"a": 0.9, "b": 0.1},
+        },
+        {"diagnostics": {}, "weights": {"a": 1.0}},
+    )  # a rule without a game
     scores = shapley_by_label_overlap(run_of({"a": rounds}, **labels))
     assert scores["shapley_sharing_a_label"] == pytest.approx(0.2)
     assert scores["shapley_sharing_no_label"] == pytest.approx(-0.2)
@@ -135,9 +156,12 @@ def test_shapley_values_and_weights_are_split_by_whether_a_peer_shares_a_label()
 
 def test_influence_shape_is_the_own_share_of_lambda_and_the_class_peak_of_big_lambda():
     # Three models, two classes: the own share is not the largest, rows are not columns.
-    shaped = {"diagnostics": {"influence_vector": {"a": 0.2, "b": 0.5, "c": 0.3},
-                              "influence_matrix": {"a": [0.6, 0.7], "b": [0.3, 0.2],
-                                                   "c": [0.1, 0.1]}}}
+    shaped = {
+        "diagnostics": {
+            "influence_vector": {"a": 0.2, "b": 0.5, "c": 0.3},
+            "influence_matrix": {"a": [0.6, 0.7], "b": [0.3, 0.2], "c": [0.1, 0.1]},
+        }
+    }
     alone = {"diagnostics": {"influence_vector": {"a": 1.0}, "influence_matrix": {"a": [1.0, 1.0]}}}
     scores = influence_shape(RunRecords({"a": rounds_of(shaped, alone)}))
     assert scores["influence_own_share"] == pytest.approx(0.2), "a round alone says nothing"
@@ -147,23 +171,40 @@ def test_influence_shape_is_the_own_share_of_lambda_and_the_class_peak_of_big_la
 
 def test_own_versus_average_reads_the_guarded_average_and_counts_adopted_averages():
     averaged, own = {"a": 0.6, "b": 0.4}, {"a": 1.0}
-    rounds = rounds_of({"val_acc": 0.8, "weights": averaged, "diagnostics": {"v_own": 0.9}},
-                       {"val_acc": 0.9, "weights": own,  # the guard kept the own model
-                        "diagnostics": {"v_own": 0.9, "v_aggregate": 0.7}},
-                       {"val_acc": 0.95, "weights": averaged, "diagnostics": {"v_own": 0.9}},
-                       {"val_acc": 0.9, "weights": averaged,
-                        "diagnostics": {"v_own": 0.9}},  # a tie is not below
-                       {"val_acc": 0.5, "weights": averaged, "diagnostics": {}})  # no v_own
+    rounds = rounds_of(
+        {"val_acc": 0.8, "weights": averaged, "diagnostics": {"v_own": 0.9}},
+        {
+            "val_acc": 0.9,
+            "weights": own,  # the guard kept the own model
+            "diagnostics": {"v_own": 0.9, "v_aggregate": 0.7},
+        },
+        {"val_acc": 0.95, "weights": averaged, "diagnostics": {"v_own": 0.9}},
+        {"val_acc": 0.9, "weights": averaged, "diagnostics": {"v_own": 0.9}},  # a tie is not below
+        {"val_acc": 0.5, "weights": averaged, "diagnostics": {}},
+    )  # no v_own
     assert own_versus_average(RunRecords({"a": rounds})) == {
-        "average_below_own": pytest.approx(2 / 4), "average_adopted": pytest.approx(3 / 4)}
+        "average_below_own": pytest.approx(2 / 4),
+        "average_adopted": pytest.approx(3 / 4),
+    }
 
 
 def test_an_experiment_runs_each_variant_once_and_a_rerun_keeps_and_rescores_them(tmp_path):
     out = tmp_path / "smoke"
 
     def experiment(rounds=2, check=True):
-        command = [sys.executable, "-m", "meshfl.launch.cli", "experiment", "smoke-digits",
-                   "--seeds", "0", "--set", f"rounds={rounds}", "--out", str(out)]
+        command = [
+            sys.executable,
+            "-m",
+            "meshfl.launch.cli",
+            "experiment",
+            "smoke-digits",
+            "--seeds",
+            "0",
+            "--set",
+            f"rounds={rounds}",
+            "--out",
+            str(out),
+        ]
         done = subprocess.run(command, check=check, capture_output=True, text=True, timeout=240)
         return done.stdout if check else done
 
@@ -180,8 +221,9 @@ def test_an_experiment_runs_each_variant_once_and_a_rerun_keeps_and_rescores_the
     assert (out / "table.md").read_text() == table
     changed = experiment(rounds=3, check=False)
     assert changed.returncode != 0
-    assert (f"{out / 'local' / 'seed0'} holds a run made with other settings "
-            "(rounds: 2 there, 3 now)") in changed.stderr
+    assert (
+        f"{out / 'local' / 'seed0'} holds a run made with other settings (rounds: 2 there, 3 now)"
+    ) in changed.stderr
     assert (out / "table.md").read_text() == table, "nothing was rerun or overwritten"
     (out / "local" / "seed0" / "summary.json").unlink()  # as if it had been interrupted
     interrupted = experiment(rounds=3, check=False)
@@ -190,17 +232,21 @@ def test_an_experiment_runs_each_variant_once_and_a_rerun_keeps_and_rescores_the
 
 
 def test_a_run_writes_out_every_rule_parameter_and_a_changed_default_reads_as_a_difference(
-        tmp_path):
+    tmp_path,
+):
     base = tmp_path / "base.yaml"
     base.write_text("rounds: 1\n")
     planned = _planned_config(base, ["algorithm=pfedsv"], nodes=2)
     assert planned.algorithm.params == explicit_params(AlgorithmConfig("pfedsv", {}), rounds=1)
     assert planned.algorithm.params["val_guard"] is True and "alpha" in planned.algorithm.params
     # A run saved with the guard off, read today when the default is on: a difference.
-    saved_then = replace(planned, algorithm=AlgorithmConfig(
-        "pfedsv", {**planned.algorithm.params, "val_guard": False}))
+    saved_then = replace(
+        planned,
+        algorithm=AlgorithmConfig("pfedsv", {**planned.algorithm.params, "val_guard": False}),
+    )
     assert _differences(_what_decides_results(saved_then), _what_decides_results(planned)) == [
-        "algorithm.params.val_guard: False there, True now"]
+        "algorithm.params.val_guard: False there, True now"
+    ]
 
 
 def test_where_data_lay_and_timeouts_do_not_count_but_the_number_of_nodes_does(tmp_path):
@@ -211,4 +257,5 @@ def test_where_data_lay_and_timeouts_do_not_count_but_the_number_of_nodes_does(t
     assert _differences(_what_decides_results(planned), _what_decides_results(moved)) == []
     bigger = _planned_config(base, [], nodes=3)
     assert _differences(_what_decides_results(planned), _what_decides_results(bigger)) == [
-        "nodes: 2 there, 3 now"]
+        "nodes: 2 there, 3 now"
+    ]

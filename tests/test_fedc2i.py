@@ -56,10 +56,15 @@ def random_state(seed: int) -> dict[str, torch.Tensor]:
 def make_rule(batch_size: int = 16, **params: object) -> FedC2I:
     model = TinySplitModel()
     keys = list(model.state_dict())
-    context = Context(ME, seed=3, num_classes=CLASSES,
-                      body_keys=tuple(k for k in keys if k.startswith("body.")),
-                      head_keys=tuple(k for k in keys if k.startswith("head.")),
-                      batch_size=batch_size, new_model=TinySplitModel)
+    context = Context(
+        ME,
+        seed=3,
+        num_classes=CLASSES,
+        body_keys=tuple(k for k in keys if k.startswith("body.")),
+        head_keys=tuple(k for k in keys if k.startswith("head.")),
+        batch_size=batch_size,
+        new_model=TinySplitModel,
+    )
     return FedC2I(parse_params("fedc2i", {"gamma": GAMMA, **params}), context)
 
 
@@ -78,10 +83,14 @@ def mesh():
     """Own model, received models (sample counts differ), and data where B is the whole
     train split (batch size 16 > 12 samples), so brute force needs no batch sampling."""
     generator = torch.Generator().manual_seed(11)
-    data = SimpleNamespace(x_train=torch.randn(N_TRAIN, 5, generator=generator),
-                           y_train=torch.arange(N_TRAIN) % CLASSES, num_classes=CLASSES)
-    models = {name: PeerModel(random_state(index), 50 + 10 * index)
-              for index, name in enumerate(PEERS)}
+    data = SimpleNamespace(
+        x_train=torch.randn(N_TRAIN, 5, generator=generator),
+        y_train=torch.arange(N_TRAIN) % CLASSES,
+        num_classes=CLASSES,
+    )
+    models = {
+        name: PeerModel(random_state(index), 50 + 10 * index) for index, name in enumerate(PEERS)
+    }
     own = models[ME]
     received = {"model": {name: model for name, model in models.items() if name != ME}}
     return own, received, models, data
@@ -130,10 +139,8 @@ def test_influence_vector_and_matrix_equal_a_brute_force_loop(mesh):
     found = outcome.diagnostics
     assert list(found["influence_vector"]) == list(PEERS)
     assert torch.tensor(list(found["batch_losses"].values())) == pytest.approx(losses, abs=1e-5)
-    assert torch.tensor(list(found["influence_vector"].values())) == pytest.approx(vector,
-                                                                                 abs=1e-5)
-    assert torch.tensor(list(found["influence_matrix"].values())) == pytest.approx(matrix,
-                                                                                 abs=1e-5)
+    assert torch.tensor(list(found["influence_vector"].values())) == pytest.approx(vector, abs=1e-5)
+    assert torch.tensor(list(found["influence_matrix"].values())) == pytest.approx(matrix, abs=1e-5)
     assert outcome.weights == found["influence_vector"]
     assert sum(outcome.weights.values()) == pytest.approx(1.0)
     assert found["influence_seconds"] > 0
@@ -183,8 +190,9 @@ class ProbeModel(nn.Module):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("peers, classes, width, samples", [(2, 2, 3, 5), (5, 10, 192, 32),
-                                                            (7, 62, 16, 9)])
+@pytest.mark.parametrize(
+    "peers, classes, width, samples", [(2, 2, 3, 5), (5, 10, 192, 32), (7, 62, 16, 9)]
+)
 def test_vectorized_class_losses_equal_the_naive_loop(peers, classes, width, samples, dtype):
     generator = torch.Generator().manual_seed(peers * classes)
     model = ProbeModel(width, classes).to(dtype)
@@ -196,8 +204,9 @@ def test_vectorized_class_losses_equal_the_naive_loop(peers, classes, width, sam
         model.head.weight.copy_(heads_weight[0])
         model.head.bias.copy_(heads_bias[0])
         own_head = [tensor.clone() for tensor in model.head.parameters()]
-        fast = class_losses_vectorized(model.body(x), heads_weight, heads_bias,
-                                       heads_weight[0], heads_bias[0], labels)
+        fast = class_losses_vectorized(
+            model.body(x), heads_weight, heads_bias, heads_weight[0], heads_bias[0], labels
+        )
     slow = class_losses_naive(model, heads_weight, heads_bias, x, labels)
     assert fast.shape == slow.shape == (peers, classes)
     # The same math up to summation order: 1e-6 absolute in float64, and in float32 1e-6
@@ -211,7 +220,7 @@ def test_leave_one_out_means_equal_the_mean_of_the_others():
     stacked = torch.randn(4, 3, 2, generator=torch.Generator().manual_seed(0))
     loo = leave_one_out_means(stacked)
     for i in range(4):
-        others = torch.cat([stacked[:i], stacked[i + 1:]])
+        others = torch.cat([stacked[:i], stacked[i + 1 :]])
         assert torch.allclose(loo[i], others.mean(dim=0), atol=1e-6)
     with pytest.raises(ValueError, match="at least 2"):
         leave_one_out_means(stacked[:1])
@@ -255,24 +264,28 @@ def test_head_local_keeps_the_own_head_and_fedavg_parts_are_sample_weighted(mesh
     own, received, models, data = mesh
     outcome = make_rule(body="fedavg", head="local").aggregate(1, own, received, data)
     assert torch.equal(outcome.state["head.weight"], own.state["head.weight"])
-    assert torch.allclose(outcome.state["body.0.weight"],
-                          sample_weighted(models, "body.0.weight"), atol=1e-6)
+    assert torch.allclose(
+        outcome.state["body.0.weight"], sample_weighted(models, "body.0.weight"), atol=1e-6
+    )
     total = sum(model.n_samples for model in models.values())
     assert outcome.weights == pytest.approx({n: m.n_samples / total for n, m in models.items()})
     head_fedavg = make_rule(head="fedavg").aggregate(1, own, received, data)
-    assert torch.allclose(head_fedavg.state["head.bias"], sample_weighted(models, "head.bias"),
-                          atol=1e-6)
+    assert torch.allclose(
+        head_fedavg.state["head.bias"], sample_weighted(models, "head.bias"), atol=1e-6
+    )
     assert "influence_matrix" not in head_fedavg.diagnostics
 
 
 def test_integer_buffers_stay_own_and_received_tensors_are_not_touched(mesh):
     own, received, models, data = mesh
-    before = {name: {k: t.clone() for k, t in model.state.items()}
-              for name, model in models.items()}
+    before = {
+        name: {k: t.clone() for k, t in model.state.items()} for name, model in models.items()
+    }
     for params in ({}, {"body": "fedavg", "head": "fedavg"}):
         state = make_rule(**params).aggregate(1, own, received, data).state
-        assert torch.equal(state["body.1.num_batches_tracked"],
-                           own.state["body.1.num_batches_tracked"])
+        assert torch.equal(
+            state["body.1.num_batches_tracked"], own.state["body.1.num_batches_tracked"]
+        )
         state["body.0.weight"].add_(1.0)  # the result must not alias the own model either
     for name, model in models.items():
         for key, tensor in model.state.items():
@@ -297,11 +310,14 @@ def test_the_influence_batch_is_one_seeded_batch_per_round(mesh):
     assert first != other_round
 
 
-@pytest.mark.parametrize("raw, problem", [
-    ({"gamma": -1}, "algorithm.gamma: got -1.0; allowed: a finite number >= 0"),
-    ({"body": "mean"}, "algorithm.body: got 'mean'; allowed: influence, fedavg, local"),
-    ({"head": "all"}, "algorithm.head: got 'all'; allowed: influence, fedavg, local"),
-])
+@pytest.mark.parametrize(
+    "raw, problem",
+    [
+        ({"gamma": -1}, "algorithm.gamma: got -1.0; allowed: a finite number >= 0"),
+        ({"body": "mean"}, "algorithm.body: got 'mean'; allowed: influence, fedavg, local"),
+        ({"head": "all"}, "algorithm.head: got 'all'; allowed: influence, fedavg, local"),
+    ],
+)
 def test_bad_parameters_name_the_field_and_what_is_allowed(raw, problem):
     with pytest.raises(ValueError) as caught:
         parse_params("fedc2i", raw)
@@ -309,9 +325,14 @@ def test_bad_parameters_name_the_field_and_what_is_allowed(raw, problem):
 
 
 def test_a_head_of_several_layers_is_refused_with_a_reason():
-    context = Context(ME, 0, CLASSES, ("body.0.weight",),
-                      ("head.0.weight", "head.0.bias", "head.2.weight", "head.2.bias"),
-                      new_model=TinySplitModel)
+    context = Context(
+        ME,
+        0,
+        CLASSES,
+        ("body.0.weight",),
+        ("head.0.weight", "head.0.bias", "head.2.weight", "head.2.bias"),
+        new_model=TinySplitModel,
+    )
     with pytest.raises(ValueError, match="model.head=last"):
         FedC2I(FedC2I.Params(), context)
 
@@ -319,10 +340,27 @@ def test_a_head_of_several_layers_is_refused_with_a_reason():
 def test_a_real_mesh_records_influence_diagnostics_every_round(tmp_path):
     out = tmp_path / "run"
     done = subprocess.run(
-        [sys.executable, "-m", "meshfl.launch.cli", "launch", "--algorithm", "fedc2i",
-         "--nodes", "3", "--rounds", "3", "--out", str(out), "--quiet",
-         "--set", "algorithm.screen=false"],  # the paper's rule: every peer weighed
-        capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "meshfl.launch.cli",
+            "launch",
+            "--algorithm",
+            "fedc2i",
+            "--nodes",
+            "3",
+            "--rounds",
+            "3",
+            "--out",
+            str(out),
+            "--quiet",
+            "--set",
+            "algorithm.screen=false",
+        ],  # the paper's rule: every peer weighed
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     for node in ("node0", "node1", "node2"):
         lines = (out / node / "metrics.jsonl").read_text().splitlines()

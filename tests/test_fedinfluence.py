@@ -41,9 +41,16 @@ def tiny_data(seed: int = 0, count: int = 12) -> NodeData:
 
 def make_rule(node: str = "coordinator", data: NodeData | None = None, **params) -> FedInfluence:
     model = new_model()
-    context = Context(node, seed=3, num_classes=CLASSES, body_keys=tuple(body_keys(model)),
-                      head_keys=tuple(head_keys(model)), batch_size=4, new_model=new_model,
-                      data=data)
+    context = Context(
+        node,
+        seed=3,
+        num_classes=CLASSES,
+        body_keys=tuple(body_keys(model)),
+        head_keys=tuple(head_keys(model)),
+        batch_size=4,
+        new_model=new_model,
+        data=data,
+    )
     defaults = {"lr": 0.1, "local_steps": 2, "samples_per_step": 3, "clients_per_round": 3}
     return FedInfluence(parse_params("fedinfluence", {**defaults, **params}), context)
 
@@ -51,11 +58,20 @@ def make_rule(node: str = "coordinator", data: NodeData | None = None, **params)
 def random_upload(rule: FedInfluence, name: str, seed: int, scale: float = 1.0) -> Upload:
     """A trained-looking model and gradient sets of the right shapes."""
     generator = torch.Generator().manual_seed(seed)
-    state = {k: v + 0.3 * torch.randn(v.shape, generator=generator)
-             for k, v in new_model().state_dict().items()}
-    extras = {key: scale * torch.randn(rule.params.local_steps, rule.params.samples_per_step,
-                                       value.numel(), generator=generator)
-              for key, value in state.items()}
+    state = {
+        k: v + 0.3 * torch.randn(v.shape, generator=generator)
+        for k, v in new_model().state_dict().items()
+    }
+    extras = {
+        key: scale
+        * torch.randn(
+            rule.params.local_steps,
+            rule.params.samples_per_step,
+            value.numel(),
+            generator=generator,
+        )
+        for key, value in state.items()
+    }
     return Upload(state, SAMPLES[name], extras)
 
 
@@ -93,14 +109,23 @@ def test_a_round_of_the_rule_equals_explicit_matrices_built_from_the_same_gradie
     for c in CLIENTS:
         others = [k for k in uploads if k != c]
         total = sum(SAMPLES[k] for k in others)
-        without_c = weighted_average({k: uploads[k].state for k in others},
-                                     {k: SAMPLES[k] / total for k in others})
+        without_c = weighted_average(
+            {k: uploads[k].state for k in others}, {k: SAMPLES[k] / total for k in others}
+        )
         for key, eps in previous[c].items():
             flat = eps.reshape(-1)
-            sequential = sum(SAMPLES[k] / total * explicit_step_product(
-                uploads[k].extras[key].double(), rule.params.lr) @ flat for k in others)
-            combinatorial = (without_c[key] - new_global[key]).double().reshape(-1) \
-                if c in uploads else torch.zeros_like(flat)
+            sequential = sum(
+                SAMPLES[k]
+                / total
+                * explicit_step_product(uploads[k].extras[key].double(), rule.params.lr)
+                @ flat
+                for k in others
+            )
+            combinatorial = (
+                (without_c[key] - new_global[key]).double().reshape(-1)
+                if c in uploads
+                else torch.zeros_like(flat)
+            )
             got = rule.fip_of(c)[key].reshape(-1)
             assert torch.allclose(got, sequential + combinatorial, atol=1e-6), (c, key)
 
@@ -114,8 +139,9 @@ def test_combinatorial_term_is_zero_for_non_participants_and_the_leave_out_avera
     for c in "abc":
         others = [k for k in "abc" if k != c]
         total = sum(SAMPLES[k] for k in others)
-        without_c = weighted_average({k: uploads[k].state for k in others},
-                                     {k: SAMPLES[k] / total for k in others})
+        without_c = weighted_average(
+            {k: uploads[k].state for k in others}, {k: SAMPLES[k] / total for k in others}
+        )
         for key, value in rule.fip_of(c).items():
             expected = (without_c[key] - rule.global_state[key]).double()
             assert torch.allclose(value, expected, atol=1e-6)
@@ -126,32 +152,43 @@ def test_mixing_weights_leave_each_client_out_of_its_own_row():
     assert torch.allclose(mix[1], torch.tensor([0.2, 0.3, 0.5], dtype=torch.float64))
     assert torch.allclose(mix[0], torch.tensor([0.0, 3 / 8, 5 / 8], dtype=torch.float64))
     assert torch.allclose(mix[3], torch.tensor([0.4, 0.6, 0.0], dtype=torch.float64))
-    alone = combinatorial_terms(torch.ones(1, 2, dtype=torch.float64), [4],
-                                torch.ones(2, dtype=torch.float64),
-                                torch.zeros(2, dtype=torch.float64))
+    alone = combinatorial_terms(
+        torch.ones(1, 2, dtype=torch.float64),
+        [4],
+        torch.ones(2, dtype=torch.float64),
+        torch.zeros(2, dtype=torch.float64),
+    )
     assert alone.tolist() == [[-1.0, -1.0]], "sole uploader: the round would not have moved w"
 
 
 # --------------------------------------------------------------------------- LWET
 
 
-def lwet_inputs(scale: float, seed: int = 0, clients: int = 5, uploaders: int = 3,
-                p: int = 4) -> RoundInputs:
+def lwet_inputs(
+    scale: float, seed: int = 0, clients: int = 5, uploaders: int = 3, p: int = 4
+) -> RoundInputs:
     generator = torch.Generator().manual_seed(seed)
-    grads = [scale * torch.randn(2, 6, p, generator=generator, dtype=torch.float64)
-             for _ in range(uploaders)]
+    grads = [
+        scale * torch.randn(2, 6, p, generator=generator, dtype=torch.float64)
+        for _ in range(uploaders)
+    ]
     rows = list(range(uploaders))
     return RoundInputs(
         fip=torch.randn(clients, p, generator=generator, dtype=torch.float64),
-        gradients=grads, mix=mixing_weights([3, 4, 5][:uploaders], rows, clients),
-        kappa=torch.randn(clients, p, generator=generator, dtype=torch.float64), lr=0.05)
+        gradients=grads,
+        mix=mixing_weights([3, 4, 5][:uploaders], rows, clients),
+        kappa=torch.randn(clients, p, generator=generator, dtype=torch.float64),
+        lr=0.05,
+    )
 
 
 @pytest.mark.parametrize("scale", [0.1, 0.5, 1.0, 2.0, 3.0, 5.0, 8.0])
 def test_tensor_flag_drops_exactly_when_some_sigma_outgrows_the_previous_fip(scale):
     inputs = lwet_inputs(scale, seed=int(scale * 10))
-    sigma = sum(inputs.mix[:, k:k + 1] * propagate(inputs.fip, g, inputs.lr)
-                for k, g in enumerate(inputs.gradients))
+    sigma = sum(
+        inputs.mix[:, k : k + 1] * propagate(inputs.fip, g, inputs.lr)
+        for k, g in enumerate(inputs.gradients)
+    )
     grows = bool((sigma.norm(dim=1) > inputs.fip.norm(dim=1)).any())
     fip, flag = update_tensor_flag(inputs, True)
     assert flag == (not grows)
@@ -170,8 +207,7 @@ def test_rule_drops_a_tensor_flag_for_good_in_the_round_the_test_fails():
     rule.clients_for_round(1, CLIENTS)
     history = []
     for round_no, scale in enumerate([0.1, 0.1, 20.0, 0.1, 0.1], start=1):
-        uploads = {n: random_upload(rule, n, 7 * round_no + i, scale)
-                   for i, n in enumerate("abc")}
+        uploads = {n: random_upload(rule, n, 7 * round_no + i, scale) for i, n in enumerate("abc")}
         history.append(rule.aggregate_uploads(round_no, uploads)["lwet_flags"])
     assert all(flags == {"head.weight": 1, "head.bias": 1} for flags in history[:2])
     assert history[2]["head.weight"] == 0, "huge curvature: (I - ηH) expands"
@@ -183,8 +219,10 @@ def test_client_flags_leave_out_only_the_uploader_whose_sigma_grows():
     inputs.gradients[1] = inputs.gradients[1] * 200  # uploader 1 expands
     fip, kept = update_client_flags(inputs, [True, True, True])
     assert kept == [True, False, True]
-    expected = sum(inputs.mix[:, k:k + 1] * propagate(inputs.fip, inputs.gradients[k],
-                                                      inputs.lr) for k in (0, 2))
+    expected = sum(
+        inputs.mix[:, k : k + 1] * propagate(inputs.fip, inputs.gradients[k], inputs.lr)
+        for k in (0, 2)
+    )
     assert torch.allclose(fip, expected + inputs.kappa)
     again, kept_again = update_client_flags(lwet_inputs(0.1), kept)
     assert kept_again == [True, False, True], "a dropped flag stays down"
@@ -208,8 +246,9 @@ def test_client_update_uploads_one_gradient_set_per_step_and_trains_as_plain_sgd
     off = make_rule("a", local_steps=3, samples_per_step=5, estimator=False)
     plain = new_model()
     assert off.client_update(4, plain, data)[1] == {}
-    assert torch.equal(plain.state_dict()["head.weight"], model.state_dict()["head.weight"]), \
+    assert torch.equal(plain.state_dict()["head.weight"], model.state_dict()["head.weight"]), (
         "recording gradients draws from its own stream: training is unchanged"
+    )
 
 
 def test_recorded_gradients_are_per_sample_gradients_at_the_step_weights():
@@ -221,8 +260,9 @@ def test_recorded_gradients_are_per_sample_gradients_at_the_step_weights():
     total = torch.zeros(CLASSES, FEATURES)
     for index in range(5):
         reference.zero_grad()
-        torch.nn.functional.cross_entropy(reference(data.x_train[index:index + 1]),
-                                          data.y_train[index:index + 1]).backward()
+        torch.nn.functional.cross_entropy(
+            reference(data.x_train[index : index + 1]), data.y_train[index : index + 1]
+        ).backward()
         total += reference.head.weight.grad
     assert torch.allclose(extras["head.weight"][0].sum(dim=0), total.reshape(-1), atol=1e-5)
 
@@ -238,8 +278,7 @@ def test_float16_gradients_travel_as_float16():
 
 def test_leave_out_removes_one_client_from_the_same_schedule():
     names = [f"node{i}" for i in range(12)]
-    full, loo = make_rule(clients_per_round=4), make_rule(clients_per_round=4,
-                                                          leave_out="node5")
+    full, loo = make_rule(clients_per_round=4), make_rule(clients_per_round=4, leave_out="node5")
     for round_no in range(1, 30):
         chosen = full.clients_for_round(round_no, names)
         assert len(chosen) == 4
@@ -256,8 +295,13 @@ def test_cleansing_picks_the_lowest_highest_or_random_share():
 
 
 def test_cleansed_clients_are_never_picked_again():
-    rule = make_rule(data=tiny_data(), clients_per_round=0, cleanse_at=2,
-                     cleanse_fraction=0.25, cleanse_mode="highest")
+    rule = make_rule(
+        data=tiny_data(),
+        clients_per_round=0,
+        cleanse_at=2,
+        cleanse_fraction=0.25,
+        cleanse_mode="highest",
+    )
     diagnostics = {}
     for round_no in (1, 2):
         chosen = rule.clients_for_round(round_no, CLIENTS)
@@ -272,13 +316,18 @@ def test_fil_and_fia_score_the_shifted_model_on_the_coordinators_data():
     data = tiny_data(seed=5, count=40)
     rule = make_rule(data=data)
     rule.clients_for_round(1, CLIENTS)
-    diagnostics = rule.aggregate_uploads(1, {n: random_upload(rule, n, i)
-                                             for i, n in enumerate("abc")})
+    diagnostics = rule.aggregate_uploads(
+        1, {n: random_upload(rule, n, i) for i, n in enumerate("abc")}
+    )
     assert set(diagnostics["fil"]) == set(CLIENTS) == set(diagnostics["fip_norm"])
     assert diagnostics["fil"]["d"] == 0.0 and diagnostics["fia"]["d"] == 0.0
     model = new_model()
-    model.load_state_dict({k: (rule.global_state[k].double() + rule.fip_of("a")[k]).float()
-                           for k in rule.global_state})
+    model.load_state_dict(
+        {
+            k: (rule.global_state[k].double() + rule.fip_of("a")[k]).float()
+            for k in rule.global_state
+        }
+    )
     x, y = rule.evaluation_set()
     loss = torch.nn.functional.cross_entropy(model(x), y).item()
     assert diagnostics["fil"]["a"] == pytest.approx(loss - diagnostics["test_loss"], abs=1e-5)
@@ -294,8 +343,9 @@ def test_malformed_gradients_cost_the_sender_its_round_not_the_run():
     good = {n: random_upload(rule, n, i) for i, n in enumerate("ab")}
     bad = random_upload(rule, "c", 9)
     wrong_shape = Upload(bad.state, 4, {**bad.extras, "head.bias": torch.zeros(2, 3, 7)})
-    not_finite = Upload(bad.state, 4, {**bad.extras,
-                                       "head.bias": torch.full((2, 3, 2), float("nan"))})
+    not_finite = Upload(
+        bad.state, 4, {**bad.extras, "head.bias": torch.full((2, 3, 2), float("nan"))}
+    )
     missing = Upload(bad.state, 4, {"head.weight": bad.extras["head.weight"]})
     diagnostics = rule.aggregate_uploads(1, {**good, "c": wrong_shape, "d": not_finite})
     assert set(diagnostics["rejected"]) == {"c", "d"}

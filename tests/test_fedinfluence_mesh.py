@@ -17,13 +17,28 @@ LOGREG_ON_DIGITS = 64 * 10 + 10  # parameters: 8x8 pixels to 10 classes, plus th
 
 def test_coordinated_run_writes_every_clients_influence(tmp_path):
     config = tmp_path / "peers.yaml"
-    algorithm = {"name": "fedinfluence", "lr": 0.05, "local_steps": STEPS,
-                 "samples_per_step": SAMPLES, "clients_per_round": 0,
-                 "gradient_dtype": "float16", "cleanse_at": 3, "cleanse_fraction": 0.34}
+    algorithm = {
+        "name": "fedinfluence",
+        "lr": 0.05,
+        "local_steps": STEPS,
+        "samples_per_step": SAMPLES,
+        "clients_per_round": 0,
+        "gradient_dtype": "float16",
+        "cleanse_at": 3,
+        "cleanse_fraction": 0.34,
+    }
     # Generous liveness timing: a loaded machine must not turn a busy client into a dead one.
-    write_config(config, NODES, rounds=ROUNDS, round_timeout=20.0, heartbeat_interval=0.5,
-                 peer_timeout=10.0, algorithm=algorithm,
-                 model={"name": "logreg"}, coordinator=f"tcp://127.0.0.1:{free_ports(1)[0]}")
+    write_config(
+        config,
+        NODES,
+        rounds=ROUNDS,
+        round_timeout=20.0,
+        heartbeat_interval=0.5,
+        peer_timeout=10.0,
+        algorithm=algorithm,
+        model={"name": "logreg"},
+        coordinator=f"tcp://127.0.0.1:{free_ports(1)[0]}",
+    )
     run_coordinated_mesh(config, tmp_path, NODES, timeout=90)
     names = [f"node{i}" for i in range(NODES)]
     coordinator = records(tmp_path, "coordinator")
@@ -41,8 +56,9 @@ def test_coordinated_run_writes_every_clients_influence(tmp_path):
     cleansed = coordinator[2]["diagnostics"]["cleansed"]
     fil = coordinator[2]["diagnostics"]["fil"]
     assert cleansed == [min(fil, key=lambda name: (fil[name], name))]
-    assert coordinator[3]["clients"] == sorted(set(names) - set(cleansed)), \
+    assert coordinator[3]["clients"] == sorted(set(names) - set(cleansed)), (
         "a cleansed client trains no more"
+    )
     gradient_bytes = STEPS * SAMPLES * LOGREG_ON_DIGITS * 2
     trained = [line for name in names for line in records(tmp_path, name)]
     assert trained and all(line["bytes_out"] > gradient_bytes for line in trained)

@@ -42,9 +42,14 @@ INITIAL = new_model().state_dict()
 
 def make_rule(**params: float) -> FedReMa:
     model = new_model()
-    context = Context("coordinator", seed=7, num_classes=CLASSES,
-                      body_keys=tuple(body_keys(model)), head_keys=tuple(head_keys(model)),
-                      new_model=new_model)
+    context = Context(
+        "coordinator",
+        seed=7,
+        num_classes=CLASSES,
+        body_keys=tuple(body_keys(model)),
+        head_keys=tuple(head_keys(model)),
+        new_model=new_model,
+    )
     return FedReMa(parse_params("fedrema", params), context)
 
 
@@ -53,8 +58,10 @@ def trained_like(group: str | None, seed: int) -> dict[str, torch.Tensor]:
     FedReMa reads): a strong bias on those labels, small output weights. group None: no
     favourite."""
     generator = torch.Generator().manual_seed(seed)
-    state = {key: tensor + 0.05 * torch.randn(tensor.shape, generator=generator)
-             for key, tensor in INITIAL.items()}
+    state = {
+        key: tensor + 0.05 * torch.randn(tensor.shape, generator=generator)
+        for key, tensor in INITIAL.items()
+    }
     state["head.out.weight"] = state["head.out.weight"] * 0.01
     bias = torch.zeros(CLASSES)
     if group is not None:
@@ -64,8 +71,10 @@ def trained_like(group: str | None, seed: int) -> dict[str, torch.Tensor]:
 
 
 def uploads_for(clients: dict[str, str | None] = CLIENTS, seed: int = 0) -> dict[str, Upload]:
-    return {name: Upload(trained_like(group, seed + 100 * index + 1), SAMPLES.get(name, 50))
-            for index, (name, group) in enumerate(clients.items())}
+    return {
+        name: Upload(trained_like(group, seed + 100 * index + 1), SAMPLES.get(name, 50))
+        for index, (name, group) in enumerate(clients.items())
+    }
 
 
 def heads_of(uploads: dict[str, Upload], rule: FedReMa) -> dict[str, dict[str, torch.Tensor]]:
@@ -109,12 +118,13 @@ def test_mds_on_random_rows_is_the_top_of_the_order_cut_at_the_largest_lower_gap
         members, gap = relevant_set(row, me)
         assert me in members and len(members) >= 2, "self plus at least one peer"
         ranked = sorted(range(size), key=lambda i: (row[i], i == me))
-        assert sorted(ranked[size - len(members):]) == members, "the top of the order"
+        assert sorted(ranked[size - len(members) :]) == members, "the top of the order"
         ascending = [row[i] for i in ranked]
         lower_gaps = [b - a for a, b in zip(ascending, ascending[1:-1], strict=False)]
         assert gap == pytest.approx(max(lower_gaps))
-        assert ascending[size - len(members)] - ascending[size - len(members) - 1] == \
-            pytest.approx(gap), "the cut sits at that gap"
+        assert ascending[size - len(members)] - ascending[size - len(members) - 1] == pytest.approx(
+            gap
+        ), "the cut sits at that gap"
 
 
 # --------------------------------------------------------------------------- similarity
@@ -128,12 +138,10 @@ def test_one_temperature_for_self_and_peers():
     def soft(logits, temperature):
         return torch.softmax(logits.double() / temperature, dim=0)
 
-    expected = torch.nn.functional.cosine_similarity(soft(same[0], 0.5), soft(same[2], 0.5),
-                                                     dim=0)
+    expected = torch.nn.functional.cosine_similarity(soft(same[0], 0.5), soft(same[2], 0.5), dim=0)
     assert row[2].item() == pytest.approx(expected.item())
     # The official code's 0.5 for self and 1.0 for peers would call identical heads different:
-    official = torch.nn.functional.cosine_similarity(soft(same[0], 0.5), soft(same[1], 1.0),
-                                                     dim=0)
+    official = torch.nn.functional.cosine_similarity(soft(same[0], 0.5), soft(same[1], 1.0), dim=0)
     assert official.item() < 0.99
 
 
@@ -214,23 +222,26 @@ def test_heads_are_aggregated_from_a_snapshot_in_any_order():
     forward.aggregate_uploads(1, uploads)
     backward.aggregate_uploads(1, dict(reversed(list(uploads.items()))))
     for name, upload in uploads.items():
-        assert all(torch.equal(upload.state[k], copies[name][k]) for k in copies[name]), \
+        assert all(torch.equal(upload.state[k], copies[name][k]) for k in copies[name]), (
             "uploads untouched"
+        )
         one, other = forward.model_for(2, name, INITIAL), backward.model_for(2, name, INITIAL)
         assert all(torch.equal(one[k], other[k]) for k in one), "order does not matter"
     # a1 and a2 are in each other's relevant set: both heads come from the uploaded pair.
     rule, heads = forward, heads_of(uploads, forward)
     pair = {"a1": SAMPLES["a1"], "a2": SAMPLES["a2"]}
-    expected = weighted_average({n: heads[n] for n in pair},
-                                {n: c / sum(pair.values()) for n, c in pair.items()})
+    expected = weighted_average(
+        {n: heads[n] for n in pair}, {n: c / sum(pair.values()) for n, c in pair.items()}
+    )
     for name in pair:
         got = rule.model_for(2, name, INITIAL)
         assert all(torch.allclose(got[k], expected[k]) for k in expected)
     # The official code's in-place update reads a1's new head when it does a2: another answer.
     in_place = {n: dict(h) for n, h in heads.items()}
     for name in ("a1", "a2"):
-        in_place[name] = weighted_average({n: in_place[n] for n in pair},
-                                          {n: c / sum(pair.values()) for n, c in pair.items()})
+        in_place[name] = weighted_average(
+            {n: in_place[n] for n in pair}, {n: c / sum(pair.values()) for n, c in pair.items()}
+        )
     assert not torch.allclose(in_place["a2"]["head.fc1.weight"], expected["head.fc1.weight"])
 
 
@@ -248,8 +259,9 @@ def test_head_fc_split_body_over_everyone_heads_over_the_relevant_set():
     uploads = uploads_for()
     rule.aggregate_uploads(1, uploads)
     total = sum(SAMPLES.values())
-    everyone = weighted_average({n: up.state for n, up in uploads.items()},
-                                {n: SAMPLES[n] / total for n in uploads})
+    everyone = weighted_average(
+        {n: up.state for n, up in uploads.items()}, {n: SAMPLES[n] / total for n in uploads}
+    )
     for name in CLIENTS:
         model = rule.model_for(2, name, INITIAL)
         assert list(model) == list(INITIAL)
@@ -292,8 +304,9 @@ def test_checkpoint_round_trip_continues_bit_for_bit():
     buffer.seek(0)
     resumed = make_rule()
     resumed.load_state_dict(torch.load(buffer, weights_only=True))
-    assert resumed.aggregate_uploads(2, uploads_for(seed=2)) == \
-        rule.aggregate_uploads(2, uploads_for(seed=2))
+    assert resumed.aggregate_uploads(2, uploads_for(seed=2)) == rule.aggregate_uploads(
+        2, uploads_for(seed=2)
+    )
     for name in CLIENTS:
         one, other = rule.model_for(3, name, INITIAL), resumed.model_for(3, name, INITIAL)
         assert all(torch.equal(one[k], other[k]) for k in one)
@@ -322,10 +335,17 @@ def test_own_group_fraction_pools_peers_and_leaves_self_out():
 def test_coordinated_run_writes_the_fedrema_diagnostics(tmp_path):
     nodes, rounds = 4, 3
     config = tmp_path / "peers.yaml"
-    write_config(config, nodes, rounds=rounds, local_epochs=1, round_timeout=20.0,
-                 algorithm={"name": "fedrema"}, model={"name": "mlp", "head": "fc"},
-                 data={"dataset": "digits", "partition": "groups:0.2"},
-                 coordinator=f"tcp://127.0.0.1:{free_ports(1)[0]}")
+    write_config(
+        config,
+        nodes,
+        rounds=rounds,
+        local_epochs=1,
+        round_timeout=20.0,
+        algorithm={"name": "fedrema"},
+        model={"name": "mlp", "head": "fc"},
+        data={"dataset": "digits", "partition": "groups:0.2"},
+        coordinator=f"tcp://127.0.0.1:{free_ports(1)[0]}",
+    )
     run_coordinated_mesh(config, tmp_path, nodes, timeout=60)
     names = [f"node{i}" for i in range(nodes)]
     for index, name in enumerate(names):  # the analysis maps node i to group i % 5
@@ -345,8 +365,7 @@ def test_coordinated_run_writes_the_fedrema_diagnostics(tmp_path):
                 counts.setdefault(client, {}).setdefault(member, 0)
                 counts[client][member] += 1
         assert found["dependency"] == counts
-        assert found["mean_max_gap"] == pytest.approx(
-            sum(found["max_gaps"].values()) / nodes)
+        assert found["mean_max_gap"] == pytest.approx(sum(found["max_gaps"].values()) / nodes)
     for name in names:  # a client's line for round t carries the head weights of round t
         for row, line in zip(coordinator, records(tmp_path, name), strict=True):
             assert line["weights"] == pytest.approx(row["diagnostics"]["head_weights"][name])

@@ -25,10 +25,19 @@ HONEST = ["node0", "node1", "node2"]
 def start_rogue(config: Path, out: Path) -> subprocess.Popen:
     (out / ROGUE).mkdir(parents=True, exist_ok=True)
     log = open(out / ROGUE / "node.log", "ab")
-    return subprocess.Popen([sys.executable, str(Path(__file__).with_name("rogue_peer.py")),
-                             str(config), ROGUE, str(out)], stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True,
-                            cwd=Path(__file__).parents[1])
+    return subprocess.Popen(
+        [
+            sys.executable,
+            str(Path(__file__).with_name("rogue_peer.py")),
+            str(config),
+            ROGUE,
+            str(out),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        cwd=Path(__file__).parents[1],
+    )
 
 
 def run(processes: list[subprocess.Popen], honest: list[subprocess.Popen]) -> None:
@@ -76,12 +85,23 @@ def test_honest_peers_refuse_every_lie_and_finish_every_round(tmp_path):
 
 def test_a_coordinator_refuses_every_lying_upload_and_its_clients_finish(tmp_path):
     config = tmp_path / "peers.yaml"
-    write_config(config, 4, rounds=ROUNDS, round_timeout=20.0,
-                 algorithm={"name": "fedavg_server"},
-                 coordinator=f"tcp://127.0.0.1:{free_ports(1)[0]}")
+    write_config(
+        config,
+        4,
+        rounds=ROUNDS,
+        round_timeout=20.0,
+        algorithm={"name": "fedavg_server"},
+        coordinator=f"tcp://127.0.0.1:{free_ports(1)[0]}",
+    )
     (tmp_path / "coordinator").mkdir()
-    coordinator = meshfl("coordinator", "--config", str(config), "--out", str(tmp_path),
-                         log=tmp_path / "coordinator" / "node.log")
+    coordinator = meshfl(
+        "coordinator",
+        "--config",
+        str(config),
+        "--out",
+        str(tmp_path),
+        log=tmp_path / "coordinator" / "node.log",
+    )
     honest = [start_node(config, name, tmp_path) for name in HONEST]
     rogue = start_rogue(config, tmp_path)
     run([coordinator, *honest, rogue], [coordinator, *honest])

@@ -83,8 +83,12 @@ def test_node_id_is_truncated_sha256_of_the_raw_public_key():
 
 @pytest.mark.parametrize(
     "content",
-    [b"", b"garbage\n", b"-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n",
-     bytes(range(256))],
+    [
+        b"",
+        b"garbage\n",
+        b"-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n",
+        bytes(range(256)),
+    ],
     ids=["empty", "text", "broken-pem", "binary"],
 )
 def test_load_garbage_is_a_one_line_key_file_error(tmp_path, content):
@@ -108,7 +112,8 @@ def test_load_missing_file_is_a_one_line_key_file_error(tmp_path):
 def test_load_rejects_a_key_of_another_type(tmp_path):
     path = tmp_path / "ec.key"
     pem = ec.generate_private_key(ec.SECP256R1()).private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
         serialization.NoEncryption(),
     )
     path.write_bytes(pem)
@@ -120,7 +125,8 @@ def test_load_rejects_an_encrypted_key(tmp_path):
     path = tmp_path / "locked.key"
     identity = Identity.generate()
     pem = identity._private_key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
         serialization.BestAvailableEncryption(b"secret"),
     )
     path.write_bytes(pem)

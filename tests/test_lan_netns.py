@@ -60,7 +60,7 @@ def can_build_namespaces() -> bool:
 needs_netns = pytest.mark.skipif(
     not can_build_namespaces(),
     reason="needs root with CAP_NET_ADMIN and iproute2 (`ip netns`) to build a virtual "
-           "LAN of namespaces",
+    "LAN of namespaces",
 )
 
 SUBNET = "10.77.0"  # private; only the namespaces of one run ever see it
@@ -71,10 +71,21 @@ JOINER = "delta"
 # beats Local. Many short local epochs at a small step make each round last long
 # enough (a few tenths of a second) for the joiner to start while the mesh runs.
 MESH = {
-    "mesh": "lan-test", "rounds": 20, "local_epochs": 100, "batch_size": 16, "lr": 0.006,
-    "momentum": 0.5, "round_timeout": 10.0, "heartbeat_interval": 0.5, "peer_timeout": 5.0,
-    "data": {"dataset": "digits", "partition": "dirichlet:3.0", "samples_per_node": 150,
-             "split": [0.3, 0.1, 0.6]},
+    "mesh": "lan-test",
+    "rounds": 20,
+    "local_epochs": 100,
+    "batch_size": 16,
+    "lr": 0.006,
+    "momentum": 0.5,
+    "round_timeout": 10.0,
+    "heartbeat_interval": 0.5,
+    "peer_timeout": 5.0,
+    "data": {
+        "dataset": "digits",
+        "partition": "dirichlet:3.0",
+        "samples_per_node": 150,
+        "split": [0.3, 0.1, 0.6],
+    },
 }
 BUDGET = 240.0  # seconds for the whole mesh, joiner included; about 30 on two idle cores
 
@@ -116,12 +127,21 @@ class VirtualLan:
 
     def start(self, index: int, log: Path, *meshfl_args: str) -> subprocess.Popen:
         """`meshfl ARGS` on host `index`, in its own process group."""
-        command = ["ip", "netns", "exec", self.namespaces[index], sys.executable, "-m",
-                   "meshfl.launch.cli", *meshfl_args]
+        command = [
+            "ip",
+            "netns",
+            "exec",
+            self.namespaces[index],
+            sys.executable,
+            "-m",
+            "meshfl.launch.cli",
+            *meshfl_args,
+        ]
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as output:
-            process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT,
-                                       start_new_session=True)
+            process = subprocess.Popen(
+                command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
+            )
         self.processes.append(process)
         return process
 
@@ -162,8 +182,10 @@ def write_peers(path: Path, root: Path | None = None) -> cfgmod.MeshConfig:
     """peers.yaml of the named hosts; with `root`, each host's key is made in its own
     folder first and its public key listed, as on real machines: the mesh encrypts, and
     a node dials another only with its key (WIRE.md 1.1)."""
-    peers = [{"name": name, "listen": f"tcp://{VirtualLan.address(index)}:{PORT}"}
-             for index, name in enumerate(NAMED)]
+    peers = [
+        {"name": name, "listen": f"tcp://{VirtualLan.address(index)}:{PORT}"}
+        for index, name in enumerate(NAMED)
+    ]
     if root is not None:
         for index, peer in enumerate(peers):
             key_file = host_dir(root, index) / "keys" / f"{peer['name']}.pem"
@@ -184,17 +206,39 @@ def node_dir(root: Path, index: int, name: str) -> Path:
 
 
 def run_mesh(lan: VirtualLan, config: Path, root: Path) -> None:
-    nodes = [lan.start(index, node_dir(root, index, name) / "node.log", "node", "--config",
-                       str(config), "--name", name, "--out", str(host_dir(root, index)),
-                       "--local-nodes", "4")
-             for index, name in enumerate(NAMED)]
+    nodes = [
+        lan.start(
+            index,
+            node_dir(root, index, name) / "node.log",
+            "node",
+            "--config",
+            str(config),
+            "--name",
+            name,
+            "--out",
+            str(host_dir(root, index)),
+            "--local-nodes",
+            "4",
+        )
+        for index, name in enumerate(NAMED)
+    ]
     deadline = time.monotonic() + BUDGET
     wait_for(lambda: records(host_dir(root, 0), NAMED[0]), deadline, "alpha's first round")
     joiner_index = len(NAMED)
-    joiner = lan.start(joiner_index, node_dir(root, joiner_index, JOINER) / "node.log",
-                       "join", f"tcp://{VirtualLan.address(1)}:{PORT}", "--config", str(config),
-                       "--name", JOINER, "--out", str(host_dir(root, joiner_index)),
-                       "--local-nodes", "4")
+    joiner = lan.start(
+        joiner_index,
+        node_dir(root, joiner_index, JOINER) / "node.log",
+        "join",
+        f"tcp://{VirtualLan.address(1)}:{PORT}",
+        "--config",
+        str(config),
+        "--name",
+        JOINER,
+        "--out",
+        str(host_dir(root, joiner_index)),
+        "--local-nodes",
+        "4",
+    )
     for process in [*nodes, joiner]:
         left = max(1.0, deadline - time.monotonic())
         assert process.wait(timeout=left) == 0, f"exit {process.returncode}: {process.args}"
@@ -219,17 +263,34 @@ def local_accuracy(cfg: cfgmod.MeshConfig, node_index: int, num_nodes: int) -> f
     """Test accuracy of the Local rule on a node's data: its own model, its own
     rounds of training, no peers."""
     data_cfg = cfg.data
-    data = load_node_data(data_cfg.dataset, data_cfg.root, data_cfg.partition, num_nodes,
-                          node_index, cfg.seed, data_cfg.samples_per_node, tuple(data_cfg.split))
-    model = build_model(cfg.model.name, data.input_shape, data.num_classes, cfg.model.head,
-                        seed=cfg.seed)
+    data = load_node_data(
+        data_cfg.dataset,
+        data_cfg.root,
+        data_cfg.partition,
+        num_nodes,
+        node_index,
+        cfg.seed,
+        data_cfg.samples_per_node,
+        tuple(data_cfg.split),
+    )
+    model = build_model(
+        cfg.model.name, data.input_shape, data.num_classes, cfg.model.head, seed=cfg.seed
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # batches of 16 gain nothing from more; a busy machine loses
     try:
         for round_no in range(1, cfg.rounds + 1):
-            train_local(model, data.x_train, data.y_train, cfg.local_epochs, cfg.batch_size,
-                        cfg.optimizer, cfg.lr, seed=node_index * 1009 + round_no,
-                        momentum=cfg.momentum)
+            train_local(
+                model,
+                data.x_train,
+                data.y_train,
+                cfg.local_epochs,
+                cfg.batch_size,
+                cfg.optimizer,
+                cfg.lr,
+                seed=node_index * 1009 + round_no,
+                momentum=cfg.momentum,
+            )
     finally:
         torch.set_num_threads(threads)
     return evaluate(model, data.x_test, data.y_test, data.num_classes).accuracy
@@ -239,8 +300,9 @@ def local_accuracy(cfg: cfgmod.MeshConfig, node_index: int, num_nodes: int) -> f
 def test_three_hosts_and_a_joiner_learn_over_a_virtual_lan(lan, tmp_path):
     for _ in range(len(NAMED) + 1):
         namespace = lan.add_host()
-        default_route = subprocess.run(["ip", "-n", namespace, "route", "show", "default"],
-                                       capture_output=True, text=True).stdout.strip()
+        default_route = subprocess.run(
+            ["ip", "-n", namespace, "route", "show", "default"], capture_output=True, text=True
+        ).stdout.strip()
         assert not default_route, "a host with a default route could send beyond the LAN"
     config = tmp_path / "peers.yaml"
     cfg = write_peers(config, tmp_path)
@@ -274,8 +336,21 @@ def test_a_late_member_listed_in_peers_yaml_joins_as_its_entry(tmp_path, monkeyp
     monkeypatch.setattr(entry, "_run", lambda options: started.append(options) or 0)
     config = tmp_path / "peers.yaml"
     write_peers(config, tmp_path)  # alpha's listed key lets the joiner dial it encrypted
-    assert main(["join", f"tcp://{VirtualLan.address(0)}:{PORT}", "--config", str(config),
-                 "--name", "gamma", "--set", "peers.gamma.key=keys/gamma.pem"]) == 0
+    assert (
+        main(
+            [
+                "join",
+                f"tcp://{VirtualLan.address(0)}:{PORT}",
+                "--config",
+                str(config),
+                "--name",
+                "gamma",
+                "--set",
+                "peers.gamma.key=keys/gamma.pem",
+            ]
+        )
+        == 0
+    )
     (options,) = started
     assert options.listen == f"tcp://{VirtualLan.address(2)}:{PORT}"
     assert options.key_path == Path("keys/gamma.pem")

@@ -20,8 +20,14 @@ from tests.nodes import meshfl, records, wait_round, wait_until, write_config
 pytestmark = pytest.mark.slow
 
 PEER_TIMEOUT = 1.5
-FAST = ["--set", "heartbeat_interval=0.3", "--set", f"peer_timeout={PEER_TIMEOUT}",
-        "--set", "round_timeout=10"]
+FAST = [
+    "--set",
+    "heartbeat_interval=0.3",
+    "--set",
+    f"peer_timeout={PEER_TIMEOUT}",
+    "--set",
+    "round_timeout=10",
+]
 START = 120.0  # seconds for three nodes to import torch and finish a few rounds
 EXIT_NODE_FAILED = 3
 
@@ -30,8 +36,9 @@ def node_pids(out: Path) -> dict[str, int]:
     """The live process of each node of the run in `out`, by node name: its own, or its
     host's (`ps` reads alike on Linux and macOS; -ww, or it cuts lines to $COLUMNS, which
     pytest sets; a zombie is dead already)."""
-    listing = subprocess.run(["ps", "-ww", "-eo", "pid=,stat=,args="], capture_output=True,
-                             text=True, check=True).stdout
+    listing = subprocess.run(
+        ["ps", "-ww", "-eo", "pid=,stat=,args="], capture_output=True, text=True, check=True
+    ).stdout
     pids = {}
     for line in listing.splitlines():
         pid, stat, args = line.split(None, 2)
@@ -40,8 +47,7 @@ def node_pids(out: Path) -> dict[str, int]:
             if "--name" in words:
                 pids[words[words.index("--name") + 1]] = int(pid)
             if "--names" in words:
-                pids.update(dict.fromkeys(words[words.index("--names") + 1].split(","),
-                                          int(pid)))
+                pids.update(dict.fromkeys(words[words.index("--names") + 1].split(","), int(pid)))
     return pids
 
 
@@ -53,8 +59,18 @@ class Launch:
         self.out = out
         self.log = out.with_name(out.name + ".log")
         hosts = [] if "--hosts" in args else ["--hosts", "3"]
-        self.process = meshfl("launch", "--nodes", "3", "--out", str(out), "--quiet", *FAST,
-                              *hosts, *args, log=self.log)
+        self.process = meshfl(
+            "launch",
+            "--nodes",
+            "3",
+            "--out",
+            str(out),
+            "--quiet",
+            *FAST,
+            *hosts,
+            *args,
+            log=self.log,
+        )
 
     def wait(self, timeout: float) -> int:
         try:
@@ -144,8 +160,11 @@ def test_a_killed_host_restarted_resumes_its_nodes_while_the_others_go_on(launch
     wait_round(run.out, "node2", 1, START)
     before = node_pids(run.out)
     kill_node_at_round(run, "node0", 3)
-    wait_until(lambda: node_pids(run.out).get("node0", before["node0"]) != before["node0"],
-               60, "the host's restart")
+    wait_until(
+        lambda: node_pids(run.out).get("node0", before["node0"]) != before["node0"],
+        60,
+        "the host's restart",
+    )
     assert node_pids(run.out)["node2"] == before["node2"]  # the other process went on
     assert run.wait(180) == 0, run.output()
     nodes = run.summary()
@@ -155,8 +174,9 @@ def test_a_killed_host_restarted_resumes_its_nodes_while_the_others_go_on(launch
         assert "resumed from the checkpoint" in (run.out / name / "node.log").read_text()
 
 
-@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL],
-                         ids=lambda stop: stop.name)
+@pytest.mark.parametrize(
+    "stop", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL], ids=lambda stop: stop.name
+)
 def test_no_node_outlives_its_launcher(launch, stop):
     run = launch("--rounds", "5000")
     for name in ("node0", "node1", "node2"):
@@ -204,18 +224,22 @@ def test_a_torn_metrics_tail_resumes_and_a_truncated_checkpoint_is_one_clear_lin
         metrics.write('{"round": 3, "node": "no')  # killed mid-append
     shutil.copy(folder / "checkpoint.pt", folder / "checkpoint.pt.tmp")  # killed mid-save
 
-    resumed = subprocess.run([*run_node, "--rounds", "4"], capture_output=True, text=True,
-                             timeout=120)
+    resumed = subprocess.run(
+        [*run_node, "--rounds", "4"], capture_output=True, text=True, timeout=120
+    )
     assert resumed.returncode == 0, resumed.stderr
-    assert "dropped 1 line(s)" in resumed.stderr and "resumed from the checkpoint of round 2" \
-        in resumed.stderr
+    assert (
+        "dropped 1 line(s)" in resumed.stderr
+        and "resumed from the checkpoint of round 2" in resumed.stderr
+    )
     assert "checkpoint.pt.tmp" in resumed.stderr and not (folder / "checkpoint.pt.tmp").exists()
     assert [record["round"] for record in records(tmp_path, "node0")] == [1, 2, 3, 4]
 
     whole = (folder / "checkpoint.pt").read_bytes()
-    (folder / "checkpoint.pt").write_bytes(whole[:len(whole) // 2])
-    broken = subprocess.run([*run_node, "--rounds", "5"], capture_output=True, text=True,
-                            timeout=120)
+    (folder / "checkpoint.pt").write_bytes(whole[: len(whole) // 2])
+    broken = subprocess.run(
+        [*run_node, "--rounds", "5"], capture_output=True, text=True, timeout=120
+    )
     assert broken.returncode == 2
     errors = [line for line in broken.stderr.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and "Traceback" not in broken.stderr, broken.stderr
@@ -229,8 +253,11 @@ def small_disk(tmp_path):
     mount_point.mkdir()
     if shutil.which("mount") is None or os.geteuid() != 0:
         pytest.skip("a full disk needs a small tmpfs: mount it as root on Linux")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs",
-                              str(mount_point)], capture_output=True, text=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(mount_point)],
+        capture_output=True,
+        text=True,
+    )
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.strip()}")
     yield mount_point

@@ -47,13 +47,24 @@ class Peer:
         key = workdir / f"{name}.key"
         Identity.generate().save(key)
         self.log_path = workdir / f"{name}.log"
-        command = [sys.executable, str(PEER_SCRIPT), "--name", name, "--key", str(key),
-                   "--heartbeat", str(HEARTBEAT), "--timeout", str(TIMEOUT)]
+        command = [
+            sys.executable,
+            str(PEER_SCRIPT),
+            "--name",
+            name,
+            "--key",
+            str(key),
+            "--heartbeat",
+            str(HEARTBEAT),
+            "--timeout",
+            str(TIMEOUT),
+        ]
         for address in bootstrap:
             command += ["--bootstrap", address]
         with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(command, stdin=subprocess.PIPE,
-                                            stdout=subprocess.PIPE, stderr=log, text=True)
+            self.process = subprocess.Popen(
+                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True
+            )
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, name=f"read {name}", daemon=True).start()
         ready = self.expect("ready", 20.0)

@@ -108,8 +108,9 @@ def test_a_killed_node_resumes_from_its_checkpoint_while_the_others_finish(tmp_p
     log = (tmp_path / "node2" / "node.log").read_text()
     # A round's metrics line is written just before its checkpoint: a kill between the two
     # resumes from the round before (and the metrics are rewound to it, as checked above).
-    assert any(f"resumed from the checkpoint of round {r}" in log
-               for r in (killed_at, killed_at - 1))
+    assert any(
+        f"resumed from the checkpoint of round {r}" in log for r in (killed_at, killed_at - 1)
+    )
 
 
 def test_a_fifth_node_joining_mid_run_takes_part_in_the_next_rounds(tmp_path):
@@ -119,8 +120,17 @@ def test_a_fifth_node_joining_mid_run_takes_part_in_the_next_rounds(tmp_path):
     try:
         wait_round(tmp_path, "node0", 2, timeout=90)
 
-        joiner = meshfl("join", cfg["peers"][1]["listen"], "--config", str(config),
-                        "--name", "late", "--out", str(tmp_path), log=tmp_path / "late.log")
+        joiner = meshfl(
+            "join",
+            cfg["peers"][1]["listen"],
+            "--config",
+            str(config),
+            "--name",
+            "late",
+            "--out",
+            str(tmp_path),
+            log=tmp_path / "late.log",
+        )
         processes.append(joiner)
         for process in processes:
             assert process.wait(timeout=150) == 0
@@ -133,16 +143,32 @@ def test_a_fifth_node_joining_mid_run_takes_part_in_the_next_rounds(tmp_path):
     later = [r for r in records(tmp_path, "node0") if r["round"] > joined[0]["round"]]
     assert later and all("late" in r["received"] for r in later)
     info = json.loads((tmp_path / "late" / "info.json").read_text())
-    hint = (f"late: joined; the next node can join with: meshfl join "
-            f"{info['public_key']}@{info['listen']} --config")
+    hint = (
+        f"late: joined; the next node can join with: meshfl join "
+        f"{info['public_key']}@{info['listen']} --config"
+    )
     assert hint in (tmp_path / "late.log").read_text()
 
 
 def test_meshfl_launch_with_the_same_seed_gives_the_same_accuracies(tmp_path):
     def launch(out):
-        command = [sys.executable, "-m", "meshfl.launch.cli", "launch", "--nodes", "3",
-                   "--rounds", "2", "--samples-per-node", "150", "--seed", "7", "--quiet",
-                   "--out", str(out)]
+        command = [
+            sys.executable,
+            "-m",
+            "meshfl.launch.cli",
+            "launch",
+            "--nodes",
+            "3",
+            "--rounds",
+            "2",
+            "--samples-per-node",
+            "150",
+            "--seed",
+            "7",
+            "--quiet",
+            "--out",
+            str(out),
+        ]
         subprocess.run(command, check=True, capture_output=True, timeout=180)
         summary = json.loads((out / "summary.json").read_text())
         return [node["test_acc"] for node in summary["nodes"]], summary["mean_test_acc"]

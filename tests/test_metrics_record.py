@@ -14,28 +14,67 @@ from meshfl.node.metrics import CoordinatorRecord, RoundRecord, last_record, rea
 # One line of each role, with every key its writer writes today (node/runtime.py,
 # node/coordinator.py): a peer, a coordinated client, the coordinator.
 PEER_LINE = {
-    "round": 3, "node": "node0", "train_loss": 0.4, "val_loss": 0.5, "val_acc": 0.8,
-    "test_loss": 0.6, "test_acc": 0.75, "weights": {"node0": 0.5, "node1": 0.5},
-    "diagnostics": {"shapley": {"node1": 0.1}}, "received": ["node1"], "peers_alive": 1,
-    "fetched": {"model": ["node1"]}, "refused": {}, "refusals": {},
+    "round": 3,
+    "node": "node0",
+    "train_loss": 0.4,
+    "val_loss": 0.5,
+    "val_acc": 0.8,
+    "test_loss": 0.6,
+    "test_acc": 0.75,
+    "weights": {"node0": 0.5, "node1": 0.5},
+    "diagnostics": {"shapley": {"node1": 0.1}},
+    "received": ["node1"],
+    "peers_alive": 1,
+    "fetched": {"model": ["node1"]},
+    "refused": {},
+    "refusals": {},
     "transport_fetches": [{"origin": "node1", "round": 3, "kind": "model", "bytes": 10}],
-    "bytes_in": 100, "bytes_out": 200, "rejections": {"replay": 1},
-    "seconds": {"train": 1.0}, "n_train": 120, "attacker": False,
+    "bytes_in": 100,
+    "bytes_out": 200,
+    "rejections": {"replay": 1},
+    "seconds": {"train": 1.0},
+    "n_train": 120,
+    "attacker": False,
     "bytes_sent_by_kind": {"blob": 150, "heartbeat": 50},
 }
-CLIENT_LINE = {key: PEER_LINE[key] for key in (
-    "round", "node", "train_loss", "val_loss", "val_acc", "test_loss", "test_acc", "weights",
-    "diagnostics", "bytes_in", "bytes_out", "rejections", "refusals", "seconds", "n_train")}
+CLIENT_LINE = {
+    key: PEER_LINE[key]
+    for key in (
+        "round",
+        "node",
+        "train_loss",
+        "val_loss",
+        "val_acc",
+        "test_loss",
+        "test_acc",
+        "weights",
+        "diagnostics",
+        "bytes_in",
+        "bytes_out",
+        "rejections",
+        "refusals",
+        "seconds",
+        "n_train",
+    )
+}
 COORDINATOR_LINE = {
-    "round": 2, "clients": ["a", "b"], "uploaded": ["a"], "refused": ["b"],
-    "refusals": {"layout": 1}, "rejections": {}, "diagnostics": {"ccp": True},
-    "seconds": {"wait": 0.5, "aggregate": 0.1}, "bytes_in": 10, "bytes_out": 20,
+    "round": 2,
+    "clients": ["a", "b"],
+    "uploaded": ["a"],
+    "refused": ["b"],
+    "refusals": {"layout": 1},
+    "rejections": {},
+    "diagnostics": {"ccp": True},
+    "seconds": {"wait": 0.5, "aggregate": 0.1},
+    "bytes_in": 10,
+    "bytes_out": 20,
 }
 
 
-@pytest.mark.parametrize(("kind", "line"), [(RoundRecord, PEER_LINE),
-                                            (RoundRecord, CLIENT_LINE),
-                                            (CoordinatorRecord, COORDINATOR_LINE)])
+@pytest.mark.parametrize(
+    ("kind", "line"),
+    [(RoundRecord, PEER_LINE), (RoundRecord, CLIENT_LINE), (CoordinatorRecord, COORDINATOR_LINE)],
+)
 def test_every_key_a_writer_writes_is_a_field_and_a_line_round_trips(kind, line):
     record = kind.from_json(line)
     assert record.extra == {}, "a key the writer writes has no field"
@@ -67,8 +106,7 @@ def test_a_line_without_an_integer_round_is_no_record(line):
 def test_reading_skips_lines_cut_short_and_a_missing_file_has_none(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text(json.dumps(COORDINATOR_LINE) + "\n[]\n" + '{"round": 3, "cli\n')
-    assert read_records(path, CoordinatorRecord) == [CoordinatorRecord.from_json(
-        COORDINATOR_LINE)]
+    assert read_records(path, CoordinatorRecord) == [CoordinatorRecord.from_json(COORDINATOR_LINE)]
     assert last_record(path, CoordinatorRecord).refused == ["b"]
     assert read_records(tmp_path / "missing.jsonl", RoundRecord) == []
     assert last_record(tmp_path / "missing.jsonl", RoundRecord) is None
@@ -82,17 +120,26 @@ def test_every_matrix_a_rule_names_is_one_the_report_draws():
 
 def test_a_run_reports_the_scores_of_its_rule_only():
     # A Shapley game recorded under another rule's name is not that rule's to report.
-    rounds = [RoundRecord(round=1, weights={"a": 1.0},
-                          diagnostics={"v_own": 0.9, "v_aggregate": 0.8})]
+    rounds = [
+        RoundRecord(round=1, weights={"a": 1.0}, diagnostics={"v_own": 0.9, "v_aggregate": 0.8})
+    ]
     run = measures.RunRecords({"a": rounds})
-    assert measures.rule_scores("pfedsv", run) == {"average_below_own": 1.0,
-                                                   "average_adopted": 0.0}
+    assert measures.rule_scores("pfedsv", run) == {"average_below_own": 1.0, "average_adopted": 0.0}
     assert measures.rule_scores("fedavg", run) == {}
 
 
 def test_the_table_rows_keep_the_order_of_the_registry_and_name_each_score_once():
     rows = list(measures.score_rows())
-    assert rows == ["ari", "own_group_share_ccp", "own_group_share_lowest", "top_k_precision",
-                    "shapley_sharing_a_label", "shapley_sharing_no_label",
-                    "weight_on_label_sharing_peers", "average_below_own", "average_adopted",
-                    "influence_own_share", "class_influence_peak"]
+    assert rows == [
+        "ari",
+        "own_group_share_ccp",
+        "own_group_share_lowest",
+        "top_k_precision",
+        "shapley_sharing_a_label",
+        "shapley_sharing_no_label",
+        "weight_on_label_sharing_peers",
+        "average_below_own",
+        "average_adopted",
+        "influence_own_share",
+        "class_influence_peak",
+    ]

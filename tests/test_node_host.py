@@ -17,8 +17,18 @@ ROUNDS = 3
 
 def start_host(config: Path, out: Path, names: list[str]) -> subprocess.Popen:
     out.mkdir(parents=True, exist_ok=True)
-    return meshfl("host", "--config", str(config), "--names", ",".join(names), "--out",
-                  str(out), "--local-nodes", "2", log=out / f"host-{names[0]}.log")
+    return meshfl(
+        "host",
+        "--config",
+        str(config),
+        "--names",
+        ",".join(names),
+        "--out",
+        str(out),
+        "--local-nodes",
+        "2",
+        log=out / f"host-{names[0]}.log",
+    )
 
 
 def run_hosts(config: Path, out: Path, groups: list[list[str]]) -> list[int]:
@@ -38,8 +48,9 @@ def test_two_hosts_run_a_mesh_whose_nodes_are_full_peers_on_the_wire(tmp_path):
         lines = records(tmp_path, name)
         assert [r["round"] for r in lines] == list(range(1, ROUNDS + 1)), name
         # A sibling in the same process is fetched over the wire like any other peer.
-        assert sorted(lines[-1]["received"]) == sorted({"node0", "node1", "node2",
-                                                         "node3"} - {name})
+        assert sorted(lines[-1]["received"]) == sorted(
+            {"node0", "node1", "node2", "node3"} - {name}
+        )
         assert all(fetch["bytes"] > 0 for fetch in lines[-1]["transport_fetches"])
         assert (tmp_path / name / "checkpoint.pt").is_file()
         log = (tmp_path / name / "node.log").read_text()

@@ -29,8 +29,9 @@ LAYOUT = layout_of(ARRAYS)
 
 
 def context(**overrides) -> Context:
-    return Context("me", 0, 10, tuple(body_keys(MODEL)), tuple(head_keys(MODEL)),
-                   layout=LAYOUT, **overrides)
+    return Context(
+        "me", 0, 10, tuple(body_keys(MODEL)), tuple(head_keys(MODEL)), layout=LAYOUT, **overrides
+    )
 
 
 def blob_of(arrays, kind="model", n=5):
@@ -41,8 +42,16 @@ def mutated(how: str) -> dict[str, np.ndarray]:
     return mutate(ARRAYS, how)
 
 
-MUTATIONS = ["one fewer", "one extra", "renamed", "flattened", "float64", "int8", "truncated",
-             "reordered"]
+MUTATIONS = [
+    "one fewer",
+    "one extra",
+    "renamed",
+    "flattened",
+    "float64",
+    "int8",
+    "truncated",
+    "reordered",
+]
 
 
 def test_the_honest_blob_passes():
@@ -70,8 +79,10 @@ def test_a_last_tensor_claiming_100_dimensions_is_refused_before_numpy_sees_it()
     assert refusal.value.reason == "layout"
 
 
-@pytest.mark.parametrize(("n", "reason"), [(0, "sample_count"), (True, "sample_count"),
-                                           (2**60, "sample_count"), ("7", "sample_count")])
+@pytest.mark.parametrize(
+    ("n", "reason"),
+    [(0, "sample_count"), (True, "sample_count"), (2**60, "sample_count"), ("7", "sample_count")],
+)
 def test_a_sample_count_that_is_not_a_count_is_refused(n, reason):
     with pytest.raises(UnusableBlob) as refusal:
         peer_model(blob_of(ARRAYS, n=n), (LAYOUT,))
@@ -102,8 +113,11 @@ def test_pfedlia_takes_its_placeholder_and_truth_and_refuses_them_elsewhere():
         assert peer_model(blob_of(ARRAYS, kind), lia.layouts(kind))
         assert peer_model(blob_of(placeholder, kind), lia.layouts(kind))
     assert peer_model(blob_of(truth, "truth"), lia.layouts("truth"))
-    for kind, arrays in (("model", placeholder), ("truth", ARRAYS),
-                         ("truth", {"true_cluster": np.array([3.0])})):
+    for kind, arrays in (
+        ("model", placeholder),
+        ("truth", ARRAYS),
+        ("truth", {"true_cluster": np.array([3.0])}),
+    ):
         with pytest.raises(UnusableBlob):
             peer_model(blob_of(arrays, kind), lia.layouts(kind))
 
@@ -114,9 +128,13 @@ def test_fedinfluence_takes_gradient_sets_of_its_own_shape_only():
     numel = int(np.prod(weight[2]))
     good = ((weight[0], "float32", (2, 3, numel)),)
     assert rule_.extras_fit("upload", good)
-    for bad in (((weight[0], "float32", (3, 3, numel)),), ((weight[0], "float32", (2, 5, numel)),),
-                ((weight[0], "float64", (2, 3, numel)),), (("nope", "float32", (2, 3, numel)),),
-                ((weight[0], "float32", (2, 3)),)):
+    for bad in (
+        ((weight[0], "float32", (3, 3, numel)),),
+        ((weight[0], "float32", (2, 5, numel)),),
+        ((weight[0], "float64", (2, 3, numel)),),
+        (("nope", "float32", (2, 3, numel)),),
+        ((weight[0], "float32", (2, 3)),),
+    ):
         assert not rule_.extras_fit("upload", bad)
     assert rule_.extras_fit("personal", ()) and not rule_.extras_fit("personal", good)
 
@@ -151,8 +169,9 @@ class Fragile(PeerAlgorithm):
             if float(model.state["w"][0]) < 0:
                 raise ValueError("negative")
         weights = {name: 1 / len(models) for name in models}
-        return Aggregate(weighted_average({k: m.state for k, m in models.items()}, weights),
-                         weights)
+        return Aggregate(
+            weighted_average({k: m.state for k, m in models.items()}, weights), weights
+        )
 
     def state_dict(self):
         return {"rounds": self.rounds}
@@ -165,6 +184,7 @@ def contained_round(fragile, own, received, suspects=()):
     def step(admitted):
         kept = {name: model for name, model in received.items() if name in admitted}
         return fragile.aggregate(1, own, {"model": kept}, None)
+
     return run_contained(step, received, fragile, "me", suspects)
 
 
@@ -174,8 +194,9 @@ def model(value: float) -> PeerModel:
 
 def test_a_peer_whose_model_makes_the_rule_raise_is_refused_and_the_rest_aggregated():
     fragile = Fragile()
-    outcome = contained_round(fragile, model(1.0), {"a": model(3.0), "bad": model(-5.0),
-                                                    "b": model(2.0)})
+    outcome = contained_round(
+        fragile, model(1.0), {"a": model(3.0), "bad": model(-5.0), "b": model(2.0)}
+    )
     assert outcome.refused == ["bad"]
     assert sorted(outcome.outcome.weights) == ["a", "b", "me"]
     assert outcome.outcome.state["w"].tolist() == [2.0, 1.0]
@@ -200,10 +221,12 @@ def test_a_rule_that_raises_on_its_own_model_is_the_nodes_fault_and_propagates()
 def test_peer_strings_never_forge_a_log_line():
     assert escape_controls("plain name") == "plain name"
     forged = "tcp://127.0.0.1:9\n2026-01-01 meshfl.node node0 finished\x1b[2J"
-    assert escape_controls(forged) == ("tcp://127.0.0.1:9\\n2026-01-01 meshfl.node node0 "
-                                       "finished\\x1b[2J")
-    record = logging.LogRecord("meshfl.node", logging.WARNING, __file__, 1,
-                               "cannot connect to %s", (forged,), None)
+    assert escape_controls(forged) == (
+        "tcp://127.0.0.1:9\\n2026-01-01 meshfl.node node0 finished\\x1b[2J"
+    )
+    record = logging.LogRecord(
+        "meshfl.node", logging.WARNING, __file__, 1, "cannot connect to %s", (forged,), None
+    )
     line = OneLineFormatter("%(name)s %(message)s").format(record)
     assert "\n" not in line and "\x1b" not in line
 
@@ -225,12 +248,22 @@ def test_a_coordinators_personal_blob_is_checked_like_any_peers():
     for arrays in [*map(mutated, MUTATIONS), extra]:
         with pytest.raises(UnusableBlob, match="not the mesh's schema"):
             checked_direct(client, direct(make_blob(PEER, 2, "personal", arrays, meta=meta)), 11)
-    lies = [direct(honest, kind="upload"), direct(honest, sender=bytes(32)),
-            direct(make_blob(PEER, 3, "personal", ARRAYS, meta=meta)),
-            direct(make_blob(PEER, 12, "personal", ARRAYS, meta={**meta, "round": 12}))]
-    lies += [direct(make_blob(PEER, 2, "personal", ARRAYS, meta=bad)) for bad in (
-        {"round": 2}, {**meta, "train": 1}, {**meta, "weights": {"a": "1"}},
-        {**meta, "weights": [1]}, {**meta, "weights": {"a": float("nan")}})]
+    lies = [
+        direct(honest, kind="upload"),
+        direct(honest, sender=bytes(32)),
+        direct(make_blob(PEER, 3, "personal", ARRAYS, meta=meta)),
+        direct(make_blob(PEER, 12, "personal", ARRAYS, meta={**meta, "round": 12})),
+    ]
+    lies += [
+        direct(make_blob(PEER, 2, "personal", ARRAYS, meta=bad))
+        for bad in (
+            {"round": 2},
+            {**meta, "train": 1},
+            {**meta, "weights": {"a": "1"}},
+            {**meta, "weights": [1]},
+            {**meta, "weights": {"a": float("nan")}},
+        )
+    ]
     for lie in lies:
         with pytest.raises(UnusableBlob) as refusal:
             checked_direct(client, lie, 11)
@@ -251,9 +284,23 @@ def test_an_upload_with_a_personal_record_cannot_smuggle_a_personal_blobs_extras
 def test_a_status_answer_cannot_rewrite_the_terminal():
     from meshfl.launch.status import escaped, format_report
 
-    report = {"name": "node0\x1b[2J", "id": "ab", "addr": "tcp://h:1\nforged line", "mesh": "m",
-              "peers": [{"name": "p\r", "state": "alive", "round": 1, "last_seen_s": 0.1,
-                         "id": "cd", "addr": "tcp://x:2\x07"}], "rejections": {}}
+    report = {
+        "name": "node0\x1b[2J",
+        "id": "ab",
+        "addr": "tcp://h:1\nforged line",
+        "mesh": "m",
+        "peers": [
+            {
+                "name": "p\r",
+                "state": "alive",
+                "round": 1,
+                "last_seen_s": 0.1,
+                "id": "cd",
+                "addr": "tcp://x:2\x07",
+            }
+        ],
+        "rejections": {},
+    }
     text = format_report(escaped(report))
     assert len(text.splitlines()) == 7  # node, progress, accuracy, peers, header, peer, rejected
     assert not any(char in text for char in "\x1b\r\x07")

@@ -57,13 +57,13 @@ def zero_linear() -> nn.Module:
 def test_validation_loss_is_summed_over_the_split_not_averaged():
     state = FITS[0]
     expected = functional.cross_entropy(X @ state["weight"].T, LABELS[0], reduction="mean") * 2
-    assert validation_loss_sum(zero_linear(), state, X, LABELS[0]) == pytest.approx(
-        float(expected))
+    assert validation_loss_sum(zero_linear(), state, X, LABELS[0]) == pytest.approx(float(expected))
 
 
 def test_a_lazy_model_that_lowers_the_val_loss_scores_positive_one_that_raises_it_negative():
-    scores = lazy_influence_scores(zero_linear(), ANCHOR_STATE,
-                                   {"helps": FITS[0], "hurts": FITS[1]}, X, LABELS[0])
+    scores = lazy_influence_scores(
+        zero_linear(), ANCHOR_STATE, {"helps": FITS[0], "hurts": FITS[1]}, X, LABELS[0]
+    )
     anchor_loss = 2 * math.log(2)  # Σ over two samples of ln 2
     assert scores["helps"] == pytest.approx(anchor_loss - 2 * math.log(1 + math.exp(-2)))
     assert scores["hurts"] == pytest.approx(anchor_loss - 2 * math.log(1 + math.exp(2)))
@@ -114,8 +114,7 @@ def test_two_means_without_two_distinct_scores_counts_every_finite_score_benefic
 
 
 def test_a_non_finite_score_is_left_out_of_the_fit_and_never_beneficial():
-    beneficial, split = two_means_split({"me": 5.0, "a": 4.0, "b": -4.0, "c": -math.inf},
-                                        seed=0)
+    beneficial, split = two_means_split({"me": 5.0, "a": 4.0, "b": -4.0, "c": -math.inf}, seed=0)
     assert beneficial == {"me", "a"}
     assert split == Split(4.5, -4.0)
 
@@ -123,20 +122,39 @@ def test_a_non_finite_score_is_left_out_of_the_fit_and_never_beneficial():
 # --------------------------------------------------------------------------- the rule, by hand
 
 
-def make_node(name: str, cluster: int, lazy_fits: int | None = None, warmup: int = 1,
-              oracle: bool = False, knows_cluster: bool = True) -> tuple[PFedLIA, object]:
+def make_node(
+    name: str,
+    cluster: int,
+    lazy_fits: int | None = None,
+    warmup: int = 1,
+    oracle: bool = False,
+    knows_cluster: bool = True,
+) -> tuple[PFedLIA, object]:
     """A node whose data is one cluster's labelling and whose lazy training lands on the
     state that fits `lazy_fits` (its own cluster unless told otherwise)."""
     lazy = FITS[cluster if lazy_fits is None else lazy_fits]
-    data = SimpleNamespace(x_train=X, y_train=LABELS[cluster], x_val=X, y_val=LABELS[cluster],
-                           info={"true_cluster": cluster} if knows_cluster else {})
+    data = SimpleNamespace(
+        x_train=X,
+        y_train=LABELS[cluster],
+        x_val=X,
+        y_val=LABELS[cluster],
+        info={"true_cluster": cluster} if knows_cluster else {},
+    )
 
     def train(model, x, y, epochs, seed, max_steps=None):
         model.load_state_dict(lazy)
         return 0.0
 
-    context = Context(name, seed=0, num_classes=2, body_keys=(), head_keys=("weight", "bias"),
-                      new_model=zero_linear, train=train, data=data)
+    context = Context(
+        name,
+        seed=0,
+        num_classes=2,
+        body_keys=(),
+        head_keys=("weight", "bias"),
+        new_model=zero_linear,
+        train=train,
+        data=data,
+    )
     return PFedLIA(PFedLIAParams(warmup=warmup, oracle=oracle), context), data
 
 
@@ -144,8 +162,11 @@ class Mesh:
     """Nodes that exchange every round in process, the way the runtime does: each node is
     offered the kinds it publishes itself, pulls what `wanted` names, then aggregates."""
 
-    def __init__(self, nodes: dict[str, tuple[PFedLIA, object]],
-                 local_training: Callable[[str, dict, int], dict] | None = None) -> None:
+    def __init__(
+        self,
+        nodes: dict[str, tuple[PFedLIA, object]],
+        local_training: Callable[[str, dict, int], dict] | None = None,
+    ) -> None:
         self.nodes = dict(nodes)
         self.states = {name: dict(ANCHOR_STATE) for name in nodes}
         self.local_training = local_training
@@ -162,13 +183,18 @@ class Mesh:
             self.published[name] = rule.publish(round_no, self.states[name], data)
         outcomes = {}
         for name, (rule, data) in self.nodes.items():
-            offered = {kind: sorted(peer for peer, blobs in self.published.items()
-                                    if peer != name and kind in blobs)
-                       for kind in self.published[name]}
+            offered = {
+                kind: sorted(
+                    peer for peer, blobs in self.published.items() if peer != name and kind in blobs
+                )
+                for kind in self.published[name]
+            }
             pulls = rule.wanted(round_no, offered)
             self.fetched[name] = {kind: sorted(peers) for kind, peers in pulls.items() if peers}
-            received = {kind: {peer: PeerModel(self.published[peer][kind], 10) for peer in peers}
-                        for kind, peers in pulls.items()}
+            received = {
+                kind: {peer: PeerModel(self.published[peer][kind], 10) for peer in peers}
+                for kind, peers in pulls.items()
+            }
             own = PeerModel(self.published[name][MODEL], 10)
             outcomes[name] = rule.aggregate(round_no, own, received, data)
         for name, outcome in outcomes.items():
@@ -177,8 +203,12 @@ class Mesh:
 
 
 def two_cluster_mesh(**options) -> Mesh:
-    return Mesh({name: make_node(name, cluster, **options)
-                 for name, cluster in {"a": 0, "b": 0, "c": 1, "d": 1}.items()})
+    return Mesh(
+        {
+            name: make_node(name, cluster, **options)
+            for name, cluster in {"a": 0, "b": 0, "c": 1, "d": 1}.items()
+        }
+    )
 
 
 def test_after_the_warmup_each_node_groups_with_its_cluster_and_pulls_only_its_models():
@@ -189,7 +219,10 @@ def test_after_the_warmup_each_node_groups_with_its_cluster_and_pulls_only_its_m
     lazy = mesh.round(2)
     assert set(mesh.published["a"]) == {MODEL, TRUTH, LAZY, ANCHOR}
     assert mesh.fetched["a"][LAZY] == ["b", "c", "d"] and mesh.fetched["a"][MODEL] == [
-        "b", "c", "d"], "in the lazy round every lazy model and every model is pulled"
+        "b",
+        "c",
+        "d",
+    ], "in the lazy round every lazy model and every model is pulled"
     for name, cluster_mates in {"a": "ab", "b": "ab", "c": "cd", "d": "cd"}.items():
         diagnostics = lazy[name].diagnostics
         assert diagnostics["phase"] == "clustered"
@@ -239,8 +272,7 @@ def test_a_newcomer_after_the_lazy_phase_gets_a_group_and_is_scored_by_the_other
     second = mesh.round(4)
     assert mesh.fetched["c"][LAZY] == ["new"], "asked again, and only for the newcomer"
     assert ANCHOR not in mesh.fetched["new"], "the newcomer has its θ_0 now"
-    assert "new" in second["c"].diagnostics["group"] and "new" in second["d"].diagnostics[
-        "group"]
+    assert "new" in second["c"].diagnostics["group"] and "new" in second["d"].diagnostics["group"]
     assert "new" not in second["a"].diagnostics["group"]
     assert second["a"].diagnostics["newly_scored"] == ["new"]
     mesh.round(5)
@@ -266,8 +298,12 @@ def test_oracle_without_a_true_cluster_is_refused_with_the_parameter_named():
 
 
 def test_a_node_without_a_true_cluster_records_no_precision_or_recall():
-    mesh = Mesh({name: make_node(name, cluster, knows_cluster=False)
-                 for name, cluster in {"a": 0, "b": 0, "c": 1}.items()})
+    mesh = Mesh(
+        {
+            name: make_node(name, cluster, knows_cluster=False)
+            for name, cluster in {"a": 0, "b": 0, "c": 1}.items()
+        }
+    )
     mesh.round(1)
     diagnostics = mesh.round(2)["a"].diagnostics
     assert diagnostics["group"] == ["a", "b"]
@@ -306,15 +342,17 @@ def test_on_real_digits_every_node_groups_with_exactly_its_true_cluster(one_torc
     from meshfl.node.trainer import train_local
 
     names = [f"node{i}" for i in range(6)]
-    datas = {name: load_node_data("digits", None, "clusters:2", 6, i, 0)
-             for i, name in enumerate(names)}
+    datas = {
+        name: load_node_data("digits", None, "clusters:2", 6, i, 0) for i, name in enumerate(names)
+    }
 
     def new_model() -> nn.Module:
         return build_model("mlp", (1, 8, 8), 10, seed=0)
 
     def train(model, x, y, epochs, seed, max_steps=None):
-        return train_local(model, x, y, epochs or 1, 32, "sgd", 0.05, seed=seed,
-                           max_steps=max_steps)
+        return train_local(
+            model, x, y, epochs or 1, 32, "sgd", 0.05, seed=seed, max_steps=max_steps
+        )
 
     def local_training(name: str, state: dict, round_no: int) -> dict:
         model = new_model()
@@ -322,9 +360,16 @@ def test_on_real_digits_every_node_groups_with_exactly_its_true_cluster(one_torc
         train(model, datas[name].x_train, datas[name].y_train, 2, seed=round_no)
         return {key: value.detach().clone() for key, value in model.state_dict().items()}
 
-    nodes = {name: (PFedLIA(PFedLIAParams(warmup=2), Context(
-        name, 0, 10, (), (), new_model=new_model, train=train, data=datas[name])), datas[name])
-        for name in names}
+    nodes = {
+        name: (
+            PFedLIA(
+                PFedLIAParams(warmup=2),
+                Context(name, 0, 10, (), (), new_model=new_model, train=train, data=datas[name]),
+            ),
+            datas[name],
+        )
+        for name in names
+    }
     mesh = Mesh(nodes, local_training)
     mesh.states = {name: new_model().state_dict() for name in names}
     for round_no in (1, 2, 3):
@@ -341,8 +386,7 @@ def test_on_real_digits_every_node_groups_with_exactly_its_true_cluster(one_torc
 
 def test_precision_and_recall_count_the_peers_and_leave_self_out():
     truths = {"me": 0, "a": 0, "b": 0, "c": 1}
-    assert precision_recall("me", ["me", "a", "c"], truths) == {"precision": 0.5,
-                                                                "recall": 0.5}
+    assert precision_recall("me", ["me", "a", "c"], truths) == {"precision": 0.5, "recall": 0.5}
     assert precision_recall("me", ["me"], truths) == {"precision": None, "recall": 0.0}
     assert precision_recall("c", ["c"], truths) == {"precision": None, "recall": None}
 
@@ -358,8 +402,10 @@ def test_ari_of_groups_forming_a_partition_equals_sklearns_ari_of_that_partition
         size = int(rng.integers(2, 12))
         predicted, true = rng.integers(0, 4, size), rng.integers(0, 3, size)
         names = [f"n{i}" for i in range(size)]
-        groups = {names[i]: [names[j] for j in range(size) if predicted[j] == predicted[i]]
-                  for i in range(size)}
+        groups = {
+            names[i]: [names[j] for j in range(size) if predicted[j] == predicted[i]]
+            for i in range(size)
+        }
         truth = dict(zip(names, true.tolist(), strict=True))
         assert groups_ari(groups, truth) == pytest.approx(adjusted_rand_score(true, predicted))
 
@@ -388,11 +434,14 @@ def test_the_rule_is_discovered_under_its_name():
     assert parse_params("pfedlia", {}) == PFedLIAParams()
 
 
-@pytest.mark.parametrize("field, value, allowed", [
-    ("warmup", -1, "an integer >= 0"),
-    ("lazy_epochs", 0, "an integer >= 1"),
-    ("lazy_batch", 0, "an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "field, value, allowed",
+    [
+        ("warmup", -1, "an integer >= 0"),
+        ("lazy_epochs", 0, "an integer >= 1"),
+        ("lazy_batch", 0, "an integer >= 1"),
+    ],
+)
 def test_bad_parameters_name_the_field_the_value_and_what_is_allowed(field, value, allowed):
     with pytest.raises(ValueError, match=rf"algorithm\.{field}: got {value}; allowed: {allowed}"):
         parse_params("pfedlia", {field: value})

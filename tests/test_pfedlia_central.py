@@ -25,8 +25,10 @@ from meshfl.algorithms.pfedlia_central import (
 
 def block(prefix: str, count: int, high: str, columns: list[str]) -> dict[str, dict[str, float]]:
     """`count` rows that score column `high` about 10 and every other column -5."""
-    return {f"{prefix}{i}": {c: (10.0 if c == high else -5.0) + 0.1 * i for c in columns}
-            for i in range(count)}
+    return {
+        f"{prefix}{i}": {c: (10.0 if c == high else -5.0) + 0.1 * i for c in columns}
+        for i in range(count)
+    }
 
 
 COLUMNS = ["x", "y", "z"]
@@ -45,13 +47,20 @@ def test_two_obvious_blocks_of_rows_are_two_clusters():
 def test_pairs_are_clusters_at_the_default_min_samples():
     rows = {**block("a", 2, "x", COLUMNS), **block("b", 2, "y", COLUMNS)}
     groups = groups_of(optics_clusters(rows, PFedLIACentralParams().min_samples))
-    assert groups == {"a0": ["a0", "a1"], "a1": ["a0", "a1"],
-                      "b0": ["b0", "b1"], "b1": ["b0", "b1"]}
+    assert groups == {
+        "a0": ["a0", "a1"],
+        "a1": ["a0", "a1"],
+        "b0": ["b0", "b1"],
+        "b1": ["b0", "b1"],
+    }
 
 
 def test_a_point_optics_calls_noise_is_a_group_of_its_own():
-    rows = {**block("a", 3, "x", COLUMNS), **block("b", 3, "y", COLUMNS),
-            "odd": {"x": 100.0, "y": 100.0, "z": 100.0}}
+    rows = {
+        **block("a", 3, "x", COLUMNS),
+        **block("b", 3, "y", COLUMNS),
+        "odd": {"x": 100.0, "y": 100.0, "z": 100.0},
+    }
     labels = optics_clusters(rows, min_samples=2)
     assert labels["odd"] == NOISE
     groups = groups_of(labels)
@@ -77,8 +86,9 @@ def test_a_lazy_model_scored_non_finite_by_anyone_is_left_out_of_the_rows():
         row["blown"] = -math.inf
     rows["a0"]["blown"] = math.nan
     labels = optics_clusters(rows, 2)
-    assert labels == optics_clusters({k: {c: v for c, v in row.items() if c != "blown"}
-                                      for k, row in rows.items()}, 2)
+    assert labels == optics_clusters(
+        {k: {c: v for c, v in row.items() if c != "blown"} for k, row in rows.items()}, 2
+    )
     assert labels["a0"] == labels["a1"] != labels["b0"] == labels["b1"]
 
 
@@ -100,8 +110,9 @@ def test_a_group_model_is_the_sample_weighted_average_of_its_members_that_upload
 
 
 def test_a_client_without_a_group_is_alone_and_a_group_without_uploads_gets_nothing():
-    models, weights = group_averages({"a": ["a", "b"], "b": ["a", "b"]},
-                                     {"late": one_tensor(2.0, 3)})
+    models, weights = group_averages(
+        {"a": ["a", "b"], "b": ["a", "b"]}, {"late": one_tensor(2.0, 3)}
+    )
     assert set(models) == {"late"} and weights == {"late": {"late": 1.0}}
 
 
@@ -126,15 +137,20 @@ def digits_mesh(count: int, warmup: int):
         return build_model("mlp", (1, 8, 8), 10, seed=0)
 
     def train(model, x, y, epochs, seed, max_steps=None):
-        return train_local(model, x, y, epochs or 2, 32, "sgd", 0.05, seed=seed,
-                           max_steps=max_steps)
+        return train_local(
+            model, x, y, epochs or 2, 32, "sgd", 0.05, seed=seed, max_steps=max_steps
+        )
 
     params = PFedLIACentralParams(warmup=warmup, lazy_epochs=5, lazy_batch=100)
-    datas = {f"node{i}": load_node_data("digits", None, "clusters:2", count, i, 0)
-             for i in range(count)}
-    clients = {name: PFedLIACentral(params, Context(name, 0, 10, (), (), new_model=new_model,
-                                                    train=train, data=data))
-               for name, data in datas.items()}
+    datas = {
+        f"node{i}": load_node_data("digits", None, "clusters:2", count, i, 0) for i in range(count)
+    }
+    clients = {
+        name: PFedLIACentral(
+            params, Context(name, 0, 10, (), (), new_model=new_model, train=train, data=data)
+        )
+        for name, data in datas.items()
+    }
     server = PFedLIACentral(params, Context("coordinator", 0, 10, (), (), new_model=new_model))
     return server, clients, datas, new_model
 
@@ -154,8 +170,7 @@ def coordinated_round(server, clients, datas, new_model, round_no):
     return server.aggregate_uploads(round_no, uploads), uploads, sent
 
 
-def test_the_schedule_lazy_round_scoring_round_then_fedavg_within_the_clusters(
-        one_torch_thread):
+def test_the_schedule_lazy_round_scoring_round_then_fedavg_within_the_clusters(one_torch_thread):
     server, clients, datas, new_model = digits_mesh(4, warmup=1)
     truth = {name: data.info["true_cluster"] for name, data in datas.items()}
     warmup, _, sent = coordinated_round(server, clients, datas, new_model, 1)
@@ -169,7 +184,8 @@ def test_the_schedule_lazy_round_scoring_round_then_fedavg_within_the_clusters(
     clustered, uploads, sent = coordinated_round(server, clients, datas, new_model, 3)
     assert clustered["phase"] == "clustered"
     assert {key.split("/")[1] for key in sent["node0"] if key.startswith("lazy/")} == set(
-        clients), "every client received every lazy model"
+        clients
+    ), "every client received every lazy model"
     assert set(clustered["lazy_scores"]) == set(clients)
     assert all(set(row) == set(clients) for row in clustered["lazy_scores"].values())
     groups = clustered["groups"]
@@ -188,8 +204,7 @@ def test_the_schedule_lazy_round_scoring_round_then_fedavg_within_the_clusters(
         assert sum(server.weights_for(name).values()) == pytest.approx(1.0)
 
 
-def test_the_checkpointed_state_restores_groups_and_personal_models(one_torch_thread,
-                                                                     tmp_path):
+def test_the_checkpointed_state_restores_groups_and_personal_models(one_torch_thread, tmp_path):
     from meshfl.node.checkpoint import load_checkpoint, save_checkpoint
 
     server, clients, datas, new_model = digits_mesh(4, warmup=0)
@@ -214,8 +229,9 @@ def test_the_rule_is_discovered_as_a_coordinator_rule():
     assert (params.warmup, params.min_samples, params.lazy_batch) == (3, 3, 100)
 
 
-@pytest.mark.parametrize(("field", "value"), [("min_samples", 1), ("warmup", -1),
-                                              ("lazy_epochs", 0), ("lazy_batch", 0)])
+@pytest.mark.parametrize(
+    ("field", "value"), [("min_samples", 1), ("warmup", -1), ("lazy_epochs", 0), ("lazy_batch", 0)]
+)
 def test_bad_parameters_name_the_field_the_value_and_what_is_allowed(field, value):
     with pytest.raises(ValueError, match=rf"algorithm\.{field}: got {value}; allowed"):
         parse_params("pfedlia_central", {field: value})
@@ -225,11 +241,12 @@ def test_the_summary_scores_the_coordinators_last_groups():
     from meshfl.launch.measures import RunRecords, coordinator_groups_ari
     from meshfl.node.metrics import CoordinatorRecord
 
-    coordinator = [CoordinatorRecord(1, {"phase": "warmup"}),
-                   CoordinatorRecord(2, {"groups": {"a": ["a"], "b": ["b"], "c": ["c"]}}),
-                   CoordinatorRecord(3, {"groups": {"a": ["a", "b"], "b": ["a", "b"],
-                                                    "c": ["c"]}}),
-                   CoordinatorRecord(4, {})]
+    coordinator = [
+        CoordinatorRecord(1, {"phase": "warmup"}),
+        CoordinatorRecord(2, {"groups": {"a": ["a"], "b": ["b"], "c": ["c"]}}),
+        CoordinatorRecord(3, {"groups": {"a": ["a", "b"], "b": ["a", "b"], "c": ["c"]}}),
+        CoordinatorRecord(4, {}),
+    ]
     truth = {name: {"true_cluster": cluster} for name, cluster in {"a": 0, "b": 0, "c": 1}.items()}
     run = RunRecords({}, coordinator, data=truth)
     assert coordinator_groups_ari(run) == {"ari": 1.0}

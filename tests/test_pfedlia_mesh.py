@@ -13,26 +13,48 @@ pytestmark = pytest.mark.slow  # real processes over real sockets
 NODES = 4  # clusters:2 puts node i in cluster i % 2
 WARMUP = 1  # so round 2 is the lazy round
 ROUNDS = 20
-TRUE_GROUPS = {"node0": ["node0", "node2"], "node1": ["node1", "node3"],
-               "node2": ["node0", "node2"], "node3": ["node1", "node3"]}
+TRUE_GROUPS = {
+    "node0": ["node0", "node2"],
+    "node1": ["node1", "node3"],
+    "node2": ["node0", "node2"],
+    "node3": ["node1", "node3"],
+}
 # The joiner is node 4 of 5 to the partition: cluster 0, with node0 and node2.
 LATE_GROUP = ["late", "node0", "node2"]
 
 
 def run_mesh_with_a_late_joiner(tmp_path):
     config = tmp_path / "peers.yaml"
-    cfg = write_config(config, NODES, rounds=ROUNDS, local_epochs=40, round_timeout=20.0,
-                       model={"name": "mlp"},
-                       data={"dataset": "digits", "partition": "clusters:2"},
-                       algorithm={"name": "pfedlia", "warmup": WARMUP, "screen": False})
+    cfg = write_config(
+        config,
+        NODES,
+        rounds=ROUNDS,
+        local_epochs=40,
+        round_timeout=20.0,
+        model={"name": "mlp"},
+        data={"dataset": "digits", "partition": "clusters:2"},
+        algorithm={"name": "pfedlia", "warmup": WARMUP, "screen": False},
+    )
     processes = [start_node(config, f"node{i}", tmp_path) for i in range(NODES)]
     try:
         wait_round(tmp_path, "node0", WARMUP + 1, timeout=150)
         # Local training is the joiner's own affair; a light one keeps it in step with
         # the mesh's slow rounds (slowed so that it joins before the last round).
-        processes.append(meshfl("join", cfg["peers"][1]["listen"], "--config", str(config),
-                                "--name", "late", "--out", str(tmp_path),
-                                "--set", "local_epochs=2", log=tmp_path / "late.log"))
+        processes.append(
+            meshfl(
+                "join",
+                cfg["peers"][1]["listen"],
+                "--config",
+                str(config),
+                "--name",
+                "late",
+                "--out",
+                str(tmp_path),
+                "--set",
+                "local_epochs=2",
+                log=tmp_path / "late.log",
+            )
+        )
         for process in processes:
             assert process.wait(timeout=300) == 0
     finally:
@@ -65,8 +87,11 @@ def test_a_node_joining_after_the_lazy_round_is_scored_grouped_and_gets_a_group(
 
     # Taken in, its model is averaged by node0 from then on, and only the group's models
     # are pulled. (A round whose deadline passed before the blobs came has fewer.)
-    scored_at = next(row["round"] for row in rows["node0"]
-                     if "late" in row["diagnostics"].get("newly_scored", []))
+    scored_at = next(
+        row["round"]
+        for row in rows["node0"]
+        if "late" in row["diagnostics"].get("newly_scored", [])
+    )
     later = [row for row in rows["node0"] if row["round"] > scored_at]
     assert all(set(row["fetched"].get("model", [])) <= {"late", "node2"} for row in later)
     assert any("late" in row["weights"] for row in later)

@@ -49,9 +49,11 @@ def permutation_shapley(players, utility):
 def table_game(players, seed):
     """A game with an arbitrary value for every coalition (v(∅) included)."""
     rng = np.random.default_rng(seed)
-    values = {frozenset(subset): float(rng.normal())
-              for size in range(len(players) + 1)
-              for subset in itertools.combinations(players, size)}
+    values = {
+        frozenset(subset): float(rng.normal())
+        for size in range(len(players) + 1)
+        for subset in itertools.combinations(players, size)
+    }
     return values.__getitem__
 
 
@@ -98,7 +100,8 @@ def test_shapley_values_sum_to_the_grand_coalition_minus_the_empty_one(seed):
     assert total == pytest.approx(game(frozenset(players)) - game(frozenset()))
     # The coalition game of pFedSV fixes v(∅) = 0, so its values share out v(S).
     assert sum(exact_shapley(players, cached_utility(game)).values()) == pytest.approx(
-        game(frozenset(players)))
+        game(frozenset(players))
+    )
 
 
 def test_interchangeable_players_get_equal_values_and_a_null_player_gets_zero():
@@ -136,8 +139,7 @@ def test_monte_carlo_with_three_orders_per_player_is_within_five_points_of_exact
     exact = exact_shapley(players, game)
     errors, estimates = [], []
     for seed in range(20):
-        estimate = monte_carlo_shapley(players, game, 3 * len(players),
-                                       np.random.default_rng(seed))
+        estimate = monte_carlo_shapley(players, game, 3 * len(players), np.random.default_rng(seed))
         errors.append(np.mean([abs(estimate[p] - exact[p]) for p in players]))
         estimates.append(estimate)
     assert np.mean(errors) <= 0.05
@@ -159,7 +161,8 @@ def test_shapley_values_is_exact_up_to_eight_players_and_samples_three_orders_pe
     eight = [f"p{i}" for i in range(8)]
     game = label_game(eight)
     assert shapley_values(eight, game, np.random.default_rng(0)) == pytest.approx(
-        exact_shapley(eight, game))
+        exact_shapley(eight, game)
+    )
     nine = [f"p{i}" for i in range(9)]
     game = label_game(nine)
     sampled = shapley_values(nine, game, np.random.default_rng(1))
@@ -174,7 +177,8 @@ def test_weights_divide_positive_values_by_distance_and_self_takes_the_nearest_p
     distances = {"a": 2.0, "b": 1.0, "c": 0.5}  # b counts for self's distance though negative
     # raw: me 0.3/0.5 = 0.6, a 0.1, c 0.2; b is dropped
     assert shapley_weights(shapley, "me", distances) == pytest.approx(
-        {"me": 0.6 / 0.9, "a": 0.1 / 0.9, "c": 0.2 / 0.9})
+        {"me": 0.6 / 0.9, "a": 0.1 / 0.9, "c": 0.2 / 0.9}
+    )
 
 
 def test_weights_without_distance_are_the_positive_values_normalized():
@@ -208,8 +212,9 @@ def test_top_k_ranks_positive_then_unscored_then_negative():
 
 def test_ties_are_broken_at_random_but_reproducibly_and_independent_of_input_order():
     candidates = [f"p{i}" for i in range(6)]
-    picks = [tuple(select_top_k({}, candidates, 2, np.random.default_rng(seed)))
-             for seed in range(300)]
+    picks = [
+        tuple(select_top_k({}, candidates, 2, np.random.default_rng(seed))) for seed in range(300)
+    ]
     counts = {p: sum(p in pick for pick in picks) for p in candidates}
     assert all(60 <= count <= 140 for count in counts.values()), counts  # 100 expected each
     assert len(set(picks)) > 10
@@ -242,15 +247,18 @@ def test_dynamic_k_counts_positive_peers_within_bounds_once_settled():
 # --------------------------------------------------------------------------- params
 
 
-@pytest.mark.parametrize(("raw", "message"), [
-    ({"alpha": 1.0}, "algorithm.alpha: got 1.0; allowed: 0 <= alpha < 1"),
-    ({"k": 7}, "algorithm.k: got 7; allowed: k_min <= k <= k_max (1..5)"),
-    ({"k_min": 0}, "algorithm.k_min: got 0; allowed: an integer >= 1"),
-    ({"k_max": 2}, "algorithm.k: got 5; allowed: k_min <= k <= k_max (1..2)"),
-    ({"dp_clip": -1}, "algorithm.dp_clip: got -1.0; allowed: a finite number > 0"),
-    ({"dp_sigma": 0.5}, "algorithm.dp_sigma: got 0.5; allowed: 0 unless dp_clip is set"),
-    ({"distance": "yes"}, "algorithm.distance: got 'yes'; expected bool"),
-])
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"alpha": 1.0}, "algorithm.alpha: got 1.0; allowed: 0 <= alpha < 1"),
+        ({"k": 7}, "algorithm.k: got 7; allowed: k_min <= k <= k_max (1..5)"),
+        ({"k_min": 0}, "algorithm.k_min: got 0; allowed: an integer >= 1"),
+        ({"k_max": 2}, "algorithm.k: got 5; allowed: k_min <= k <= k_max (1..2)"),
+        ({"dp_clip": -1}, "algorithm.dp_clip: got -1.0; allowed: a finite number > 0"),
+        ({"dp_sigma": 0.5}, "algorithm.dp_sigma: got 0.5; allowed: 0 unless dp_clip is set"),
+        ({"distance": "yes"}, "algorithm.distance: got 'yes'; expected bool"),
+    ],
+)
 def test_bad_parameters_name_the_field_the_value_and_what_is_allowed(raw, message):
     with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
         parse_params("pfedsv", raw)
@@ -258,9 +266,17 @@ def test_bad_parameters_name_the_field_the_value_and_what_is_allowed(raw, messag
 
 def test_default_parameters_are_the_papers_plus_the_val_guard():
     params = parse_params("pfedsv", {})
-    assert params == PFedSVParams(alpha=0.5, k=5, k_min=1, k_max=5, distance=True,
-                                  val_guard=True, shared_body=False, dp_clip=None,
-                                  dp_sigma=0.0)
+    assert params == PFedSVParams(
+        alpha=0.5,
+        k=5,
+        k_min=1,
+        k_max=5,
+        distance=True,
+        val_guard=True,
+        shared_body=False,
+        dp_clip=None,
+        dp_sigma=0.0,
+    )
 
 
 # --------------------------------------------------------------------------- the rule by hand
@@ -299,21 +315,30 @@ def trained_state(labels, seed):
 @pytest.fixture(scope="module")
 def world():
     """Node "me" holds labels 0 and 1; "good" the same; the "bad" peers hold 2 and 3."""
-    peers = {"good": trained_state([0, 1], 1), "bad1": trained_state([2, 3], 2),
-             "bad2": trained_state([2, 3], 3), "bad3": trained_state([3, 2], 4)}
+    peers = {
+        "good": trained_state([0, 1], 1),
+        "bad1": trained_state([2, 3], 2),
+        "bad2": trained_state([2, 3], 3),
+        "bad3": trained_state([3, 2], 4),
+    }
     x_val, y_val = blobs([0, 1], 60, 9)
-    return SimpleNamespace(own=trained_state([0, 1], 0), peers=peers,
-                           data=SimpleNamespace(x_val=x_val, y_val=y_val))
+    return SimpleNamespace(
+        own=trained_state([0, 1], 0), peers=peers, data=SimpleNamespace(x_val=x_val, y_val=y_val)
+    )
 
 
 def make_rule(**params):
     """The paper's rule unless a test turns the val guard on."""
     params.setdefault("val_guard", False)
     model = TinyNet()
-    context = Context("me", seed=3, num_classes=4,
-                      body_keys=tuple(k for k in model.state_dict() if k.startswith("body.")),
-                      head_keys=tuple(k for k in model.state_dict() if k.startswith("head.")),
-                      new_model=TinyNet)
+    context = Context(
+        "me",
+        seed=3,
+        num_classes=4,
+        body_keys=tuple(k for k in model.state_dict() if k.startswith("body.")),
+        head_keys=tuple(k for k in model.state_dict() if k.startswith("head.")),
+        new_model=TinyNet,
+    )
     return PFedSV(PFedSVParams(**params), context)
 
 
@@ -348,11 +373,14 @@ def test_the_aggregate_is_the_weighted_average_of_the_snapshot(world):
     own_before = {key: value.clone() for key, value in world.own.items()}
     _, outcome = play_round(rule, world, 1)
     for key, tensor in outcome.state.items():
-        expected = sum(weight * (world.own if name == "me" else world.peers[name])[key]
-                       for name, weight in outcome.weights.items())
+        expected = sum(
+            weight * (world.own if name == "me" else world.peers[name])[key]
+            for name, weight in outcome.weights.items()
+        )
         assert torch.allclose(tensor, expected, atol=1e-6), key
-    assert all(torch.equal(world.own[key], own_before[key]) for key in own_before), \
+    assert all(torch.equal(world.own[key], own_before[key]) for key in own_before), (
         "the inputs are not averaged in place"
+    )
 
 
 def test_nothing_positive_keeps_the_own_model(world):
@@ -370,8 +398,10 @@ def noisy_copies(state, scale, seeds):
     copies = {}
     for seed in seeds:
         generator = torch.Generator().manual_seed(seed)
-        copies[f"noisy{seed}"] = {key: value + scale * torch.randn(value.shape, generator=generator)
-                                  for key, value in state.items()}
+        copies[f"noisy{seed}"] = {
+            key: value + scale * torch.randn(value.shape, generator=generator)
+            for key, value in state.items()
+        }
     return copies
 
 
@@ -392,11 +422,11 @@ def half_sharing_peers():
 
 
 def test_the_val_guard_keeps_the_own_model_when_the_average_ties_on_accuracy_but_loses_on_loss(
-        world):
+    world,
+):
     peers = half_sharing_peers()
     plain = aggregate_with(make_rule(k=2, k_max=2), world.own, peers, world.data)
-    guarded = aggregate_with(make_rule(k=2, k_max=2, val_guard=True), world.own, peers,
-                             world.data)
+    guarded = aggregate_with(make_rule(k=2, k_max=2, val_guard=True), world.own, peers, world.data)
     # The paper's rule: a peer that knows half of the labels scores half of the val split
     # alone, so its Shapley value is positive and it gets weight.
     assert all(plain.diagnostics["shapley"][peer] > 0.2 for peer in peers)
@@ -416,8 +446,7 @@ def test_the_val_guard_adopts_the_average_when_it_lowers_the_val_loss(world):
     worse_own = noisy_copies(world.own, 1.0, (20,))["noisy20"]
     peers = {"good": world.peers["good"], "good2": trained_state([0, 1], 5)}
     plain = aggregate_with(make_rule(k=2, k_max=2), worse_own, peers, world.data)
-    guarded = aggregate_with(make_rule(k=2, k_max=2, val_guard=True), worse_own, peers,
-                             world.data)
+    guarded = aggregate_with(make_rule(k=2, k_max=2, val_guard=True), worse_own, peers, world.data)
     assert guarded.diagnostics["val_loss_aggregate"] < guarded.diagnostics["val_loss_own"]
     assert set(guarded.weights) == {"me", *peers}
     assert guarded.weights == plain.weights
@@ -453,8 +482,9 @@ def test_the_val_guard_never_adopts_an_average_spoilt_by_a_peer_with_nan_weights
     plain = aggregate_with(make_rule(k=2, k_max=2, distance=False), world.own, peers, data)
     assert plain.diagnostics["shapley"]["spoilt"] > 0
     assert any(torch.isnan(tensor).any() for tensor in plain.state.values())
-    guarded = aggregate_with(make_rule(k=2, k_max=2, distance=False, val_guard=True),
-                             world.own, peers, data)
+    guarded = aggregate_with(
+        make_rule(k=2, k_max=2, distance=False, val_guard=True), world.own, peers, data
+    )
     assert guarded.weights == {"me": 1.0}
     assert all(torch.equal(guarded.state[key], world.own[key]) for key in world.own)
 
@@ -464,8 +494,10 @@ def test_with_a_shared_body_the_guard_keeps_the_own_head_on_the_mesh_body(world)
     peers = half_sharing_peers()
     pulls = rule.wanted(1, {"body": sorted(peers), "head": sorted(peers)})
     body_keys, head_keys = rule.context.body_keys, rule.context.head_keys
-    received = {"body": {p: PeerModel(part(peers[p], body_keys), 100) for p in peers},
-                "head": {p: PeerModel(part(peers[p], head_keys), 100) for p in pulls["head"]}}
+    received = {
+        "body": {p: PeerModel(part(peers[p], body_keys), 100) for p in peers},
+        "head": {p: PeerModel(part(peers[p], head_keys), 100) for p in pulls["head"]},
+    }
     outcome = rule.aggregate(1, PeerModel(world.own, 100), received, world.data)
     assert all(outcome.diagnostics["shapley"][peer] > 0 for peer in peers)
     assert outcome.diagnostics["val_loss_aggregate"] > outcome.diagnostics["val_loss_own"]
@@ -511,10 +543,12 @@ def test_shared_body_publishes_two_parts_pulls_every_body_and_top_k_heads(world)
     assert pulls["body"] == sorted(world.peers) and len(pulls["head"]) == 2
 
     received = {
-        "body": {p: PeerModel(part(world.peers[p], rule.context.body_keys), 50)
-                 for p in world.peers},
-        "head": {p: PeerModel(part(world.peers[p], rule.context.head_keys), 50)
-                 for p in pulls["head"]},
+        "body": {
+            p: PeerModel(part(world.peers[p], rule.context.body_keys), 50) for p in world.peers
+        },
+        "head": {
+            p: PeerModel(part(world.peers[p], rule.context.head_keys), 50) for p in pulls["head"]
+        },
     }
     outcome = rule.aggregate(1, PeerModel(world.own, 100), received, world.data)
     for key in rule.context.body_keys:  # sample-weighted: own 100, four peers 50 each
@@ -546,8 +580,9 @@ def test_shared_body_publishes_two_parts_pulls_every_body_and_top_k_heads(world)
 def test_clipping_bounds_the_update_and_noise_has_the_asked_scale():
     reference = {"w": torch.zeros(20_000), "steps": torch.tensor(3)}
     state = {"w": torch.full((20_000,), 0.1), "steps": torch.tensor(3)}
-    clipped, norm = clip_and_noise(state, reference, clip=1.0, sigma=0.0,
-                                   generator=torch.Generator().manual_seed(0))
+    clipped, norm = clip_and_noise(
+        state, reference, clip=1.0, sigma=0.0, generator=torch.Generator().manual_seed(0)
+    )
     assert norm == pytest.approx(0.1 * math.sqrt(20_000), rel=1e-5)
     assert float(clipped["w"].norm()) == pytest.approx(1.0, rel=1e-5)
     assert torch.equal(clipped["steps"], state["steps"]), "integer buffers pass untouched"
@@ -569,7 +604,8 @@ def test_dp_publishes_a_noised_model_but_keeps_the_own_model_clean(world):
     assert update > 0.5, "clipped to 0.5, then noise of std 0.05 on 82 coordinates"
     assert update < 0.5 + 0.05 * math.sqrt(82) * 2
     assert rule.publish(1, world.own, world.data)[MODEL]["head.bias"].equal(
-        published["head.bias"]), "seeded"
+        published["head.bias"]
+    ), "seeded"
     pulled = rule.wanted(1, {MODEL: ["good"]})[MODEL]
     received = {MODEL: {p: PeerModel(world.peers[p], 100) for p in pulled}}
     outcome = rule.aggregate(1, PeerModel(world.own, 100), received, world.data)
@@ -578,7 +614,8 @@ def test_dp_publishes_a_noised_model_but_keeps_the_own_model_clean(world):
 
 
 def test_a_checkpoint_keeps_the_dp_reference_so_a_resumed_node_clips_the_true_update(
-        world, tmp_path):
+    world, tmp_path
+):
     rule = make_rule(k=1, k_max=1, dp_clip=0.5, dp_sigma=0.1)
     rule.publish(1, world.own, world.data)
     pulled = rule.wanted(1, {MODEL: ["good"]})[MODEL]
@@ -588,4 +625,5 @@ def test_a_checkpoint_keeps_the_dp_reference_so_a_resumed_node_clips_the_true_up
     restored = make_rule(k=1, k_max=1, dp_clip=0.5, dp_sigma=0.1)
     restored.load_state_dict(torch.load(tmp_path / "checkpoint.pt", weights_only=True))
     assert restored.publish(2, world.own, world.data)[MODEL]["head.bias"].equal(
-        rule.publish(2, world.own, world.data)[MODEL]["head.bias"])
+        rule.publish(2, world.own, world.data)[MODEL]["head.bias"]
+    )

@@ -21,11 +21,15 @@ def state_bytes(state):
 
 def run_mesh(tmp_path, model=None, **algorithm):
     config = tmp_path / "peers.yaml"
-    write_config(config, NODES, rounds=ROUNDS, round_timeout=20.0,
-                 model=model or {"name": "mlp"},
-                 # The paper's rule: screening would hold back some of what it fetched.
-                 algorithm={"name": "pfedsv", "k": K, "k_min": K, "k_max": K,
-                            "screen": False, **algorithm})
+    write_config(
+        config,
+        NODES,
+        rounds=ROUNDS,
+        round_timeout=20.0,
+        model=model or {"name": "mlp"},
+        # The paper's rule: screening would hold back some of what it fetched.
+        algorithm={"name": "pfedsv", "k": K, "k_min": K, "k_max": K, "screen": False, **algorithm},
+    )
     names = [f"node{i}" for i in range(NODES)]
     processes = [start_node(config, name, tmp_path) for name in names]
     try:
@@ -55,10 +59,15 @@ def test_each_node_fetches_exactly_the_models_of_its_top_k_peers(tmp_path):
             chosen = row["diagnostics"]["selected"]
             # The endpoint's own log of the blobs that crossed the wire this round.
             pulled = row["transport_fetches"]
-            assert sorted(fetch["origin"] for fetch in pulled) == sorted(chosen), \
+            assert sorted(fetch["origin"] for fetch in pulled) == sorted(chosen), (
                 "pulled = selected, no more"
-            assert all(fetch["round"] == row["round"] and fetch["kind"] == "model"
-                       and fetch["bytes"] == model_bytes for fetch in pulled)
+            )
+            assert all(
+                fetch["round"] == row["round"]
+                and fetch["kind"] == "model"
+                and fetch["bytes"] == model_bytes
+                for fetch in pulled
+            )
             assert row["fetched"] == {"model": sorted(chosen)}
             assert row["diagnostics"]["downloaded"] == sorted(chosen)
             assert row["diagnostics"]["bytes_downloaded"] == len(chosen) * model_bytes
@@ -83,7 +92,8 @@ def test_with_a_shared_body_each_node_fetches_every_body_but_only_top_k_heads(tm
             pulled = {(fetch["kind"], fetch["origin"]) for fetch in row["transport_fetches"]}
             others = [peer for peer in names if peer != name]
             assert pulled == {("body", peer) for peer in others} | {
-                ("head", peer) for peer in row["diagnostics"]["selected"]}
+                ("head", peer) for peer in row["diagnostics"]["selected"]
+            }
             assert len(row["fetched"]["head"]) == K
             expected = (NODES - 1) * body_bytes + K * head_bytes
             assert row["diagnostics"]["bytes_downloaded"] == expected

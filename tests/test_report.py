@@ -22,15 +22,34 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small real run: three digits nodes, FedAvg, two rounds."""
     out = tmp_path_factory.mktemp("run")
     done = subprocess.run(
-        [sys.executable, "-m", "meshfl.launch.cli", "launch", "--nodes", "3", "--rounds", "2",
-         "--samples-per-node", "150", "--set", "local_epochs=1", "--quiet", "--out", str(out)],
-        capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "meshfl.launch.cli",
+            "launch",
+            "--nodes",
+            "3",
+            "--rounds",
+            "2",
+            "--samples-per-node",
+            "150",
+            "--set",
+            "local_epochs=1",
+            "--quiet",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     return out
 
 
-def test_report_on_a_finished_run_writes_readable_pngs_and_a_summary(finished_run, tmp_path,
-                                                                      capsys):
+def test_report_on_a_finished_run_writes_readable_pngs_and_a_summary(
+    finished_run, tmp_path, capsys
+):
     image = pytest.importorskip("matplotlib.image")
     assert main(["report", str(finished_run), "--out", str(tmp_path)]) == 0
     written = {Path(line).name for line in capsys.readouterr().out.split()}
@@ -54,8 +73,7 @@ def test_report_writes_into_the_run_folder_by_default(finished_run, capsys):
     assert (finished_run / "report" / "accuracy.png").read_bytes()[:8] == PNG_MAGIC
 
 
-def test_without_matplotlib_report_names_the_extra_in_one_line(finished_run, monkeypatch,
-                                                               capsys):
+def test_without_matplotlib_report_names_the_extra_in_one_line(finished_run, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
     assert main(["report", str(finished_run)]) == 2
     error = capsys.readouterr().err.strip()
@@ -78,17 +96,32 @@ def write_node(run: Path, name: str, records: list[dict], cluster: int | None = 
 
 def test_shapley_matrix_orders_by_cluster_and_leaves_unmeasured_cells_blank(tmp_path):
     (tmp_path / "config.yaml").write_text("algorithm: {name: pfedsv}\nrounds: 2\n")
-    write_node(tmp_path, "node0", [
-        {"round": 1, "test_acc": 0.5, "diagnostics": {"shapley": {"node0": 0.4, "node2": 0.2}}},
-        {"round": 2, "test_acc": 0.6, "diagnostics": {"shapley": {"node0": 0.6}}},
-    ], cluster=1)
-    write_node(tmp_path, "node1", [
-        {"round": 2, "test_acc": 0.7, "diagnostics": {"shapley": {"node1": 0.3, "node0": -0.1}}},
-    ], cluster=0)
+    write_node(
+        tmp_path,
+        "node0",
+        [
+            {"round": 1, "test_acc": 0.5, "diagnostics": {"shapley": {"node0": 0.4, "node2": 0.2}}},
+            {"round": 2, "test_acc": 0.6, "diagnostics": {"shapley": {"node0": 0.6}}},
+        ],
+        cluster=1,
+    )
+    write_node(
+        tmp_path,
+        "node1",
+        [
+            {
+                "round": 2,
+                "test_acc": 0.7,
+                "diagnostics": {"shapley": {"node1": 0.3, "node0": -0.1}},
+            },
+        ],
+        cluster=0,
+    )
     write_node(tmp_path, "node2", [{"round": 1, "test_acc": 0.4}], cluster=1)
     run = report.read_run(tmp_path)
-    (measure, by_round), = [found for found in report.matrix_measures_for(run)
-                            if found[0].key == "shapley"]
+    ((measure, by_round),) = [
+        found for found in report.matrix_measures_for(run) if found[0].key == "shapley"
+    ]
 
     final = report.final_matrix(run, measure, by_round)
     assert final.names == ["node1", "node0", "node2"], "cluster 0 first, then cluster 1"
@@ -105,9 +138,11 @@ def test_relevant_sets_come_from_the_coordinator_and_count_as_shares(tmp_path):
     (tmp_path / "config.yaml").write_text("algorithm: {name: fedrema}\n")
     for name in ("a", "b"):
         write_node(tmp_path, name, [{"round": 1, "test_acc": 0.5, "weights": {name: 1.0}}])
-    coordinator = [{"round": 1, "diagnostics": {"relevant_sets": {"a": ["a", "b"], "b": ["b"]}}},
-                   {"round": 2, "diagnostics": {"relevant_sets": {"a": ["a"], "b": ["b"]}}},
-                   {"round": 3, "diagnostics": {"ccp": False}}]
+    coordinator = [
+        {"round": 1, "diagnostics": {"relevant_sets": {"a": ["a", "b"], "b": ["b"]}}},
+        {"round": 2, "diagnostics": {"relevant_sets": {"a": ["a"], "b": ["b"]}}},
+        {"round": 3, "diagnostics": {"ccp": False}},
+    ]
     write_node(tmp_path, "coordinator", coordinator)
     run = report.read_run(tmp_path)
     assert list(run.records) == ["a", "b"], "the coordinator is no learner"
@@ -121,14 +156,22 @@ def test_relevant_sets_come_from_the_coordinator_and_count_as_shares(tmp_path):
 
 def test_the_summary_table_says_what_the_rule_decided_for_each_node(tmp_path):
     (tmp_path / "config.yaml").write_text("algorithm: {name: pfedlia}\nrounds: 2\n")
-    write_node(tmp_path, "node0", [
-        {"round": 1, "test_acc": 0.5, "diagnostics": {"phase": "warmup"}},
-        {"round": 2, "test_acc": 0.6, "diagnostics": {"phase": "clustered",
-                                                      "group": ["node0", "node1"]}}])
-    write_node(tmp_path, "node1", [{"round": 1, "test_acc": 0.4,
-                                    "diagnostics": {"phase": "warmup"}}])
+    write_node(
+        tmp_path,
+        "node0",
+        [
+            {"round": 1, "test_acc": 0.5, "diagnostics": {"phase": "warmup"}},
+            {
+                "round": 2,
+                "test_acc": 0.6,
+                "diagnostics": {"phase": "clustered", "group": ["node0", "node1"]},
+            },
+        ],
+    )
+    write_node(
+        tmp_path, "node1", [{"round": 1, "test_acc": 0.4, "diagnostics": {"phase": "warmup"}}]
+    )
     table = report.summary_markdown(report.read_run(tmp_path), []).splitlines()
     assert table[4].endswith("| n_train | decision |")
-    assert table[6].startswith("| node0 | 1-2 |") and table[6].endswith(
-        "| group node0,node1 |")
+    assert table[6].startswith("| node0 | 1-2 |") and table[6].endswith("| group node0,node1 |")
     assert table[7].endswith("| warm-up only, no group |")

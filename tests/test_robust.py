@@ -10,8 +10,10 @@ from meshfl.algorithms.robust import coordinate_median, krum_scores, trimmed_mea
 
 
 def states(*rows):
-    return [{"w": torch.tensor(row, dtype=torch.float32), "steps": torch.tensor(i)}
-            for i, row in enumerate(rows)]
+    return [
+        {"w": torch.tensor(row, dtype=torch.float32), "steps": torch.tensor(i)}
+        for i, row in enumerate(rows)
+    ]
 
 
 def rule(name, **params):
@@ -40,14 +42,17 @@ def test_krum_scores_an_outlier_worst():
     assert max(range(4), key=scores.__getitem__) == 3
 
 
-@pytest.mark.parametrize(("name", "params"), [("median", {}), ("trimmed_mean", {"beta": 0.25}),
-                                              ("krum", {}), ("multikrum", {})])
+@pytest.mark.parametrize(
+    ("name", "params"),
+    [("median", {}), ("trimmed_mean", {"beta": 0.25}), ("krum", {}), ("multikrum", {})],
+)
 def test_each_robust_rule_keeps_two_attackers_out_whatever_they_claim(name, params):
     honest = {f"h{i}": {"w": torch.tensor([1.0 + 0.1 * i, 2.0 - 0.1 * i])} for i in range(5)}
     attackers = {"a1": {"w": torch.tensor([1e6, -1e6])}, "a2": {"w": torch.tensor([1e6, -1e6])}}
     # 8 models, 2 of them an attacker's: trimmed_mean must drop 2 at each end.
-    outcome = round_of(rule(name, **params), {"w": torch.tensor([1.2, 1.8])},
-                       {**honest, **attackers})
+    outcome = round_of(
+        rule(name, **params), {"w": torch.tensor([1.2, 1.8])}, {**honest, **attackers}
+    )
     assert outcome.state["w"].abs().max() < 3, "the attackers' values did not get in"
     assert sum(outcome.weights.values()) == pytest.approx(1.0)
     assert outcome.weights.get("a1", 0) == outcome.weights.get("a2", 0) == 0
@@ -67,22 +72,31 @@ def test_krum_picks_from_the_honest_cluster_and_multikrum_averages_it():
 def test_krum_on_a_small_mesh_lowers_f_to_what_the_models_allow():
     # 4 models and f = 2: each model needs n - f - 2 >= 1 neighbours, so f is 1 here.
     honest = {"h1": {"w": torch.tensor([1.1])}, "h2": {"w": torch.tensor([0.9])}}
-    outcome = round_of(rule("krum", f=2), {"w": torch.tensor([1.0])},
-                       {**honest, "bad": {"w": torch.tensor([50.0])}})
+    outcome = round_of(
+        rule("krum", f=2),
+        {"w": torch.tensor([1.0])},
+        {**honest, "bad": {"w": torch.tensor([50.0])}},
+    )
     assert outcome.weights.keys() <= {"me", "h1", "h2"} and len(outcome.weights) == 1
 
 
 def test_too_few_models_for_krum_keep_the_own_model_and_its_integer_buffers():
     own = {"w": torch.tensor([1.0]), "steps": torch.tensor(7)}
-    outcome = round_of(rule("krum", f=0), own, {"p": {"w": torch.tensor([5.0]),
-                                                      "steps": torch.tensor(99)}})
+    outcome = round_of(
+        rule("krum", f=0), own, {"p": {"w": torch.tensor([5.0]), "steps": torch.tensor(99)}}
+    )
     assert outcome.weights == {"me": 1.0}
     assert outcome.state["w"].tolist() == [1.0] and int(outcome.state["steps"]) == 7
 
 
-@pytest.mark.parametrize(("name", "raw", "field"), [("trimmed_mean", {"beta": 0.5}, "beta"),
-                                                    ("krum", {"f": -1}, "f"),
-                                                    ("multikrum", {"m": -2}, "m")])
+@pytest.mark.parametrize(
+    ("name", "raw", "field"),
+    [
+        ("trimmed_mean", {"beta": 0.5}, "beta"),
+        ("krum", {"f": -1}, "f"),
+        ("multikrum", {"m": -2}, "m"),
+    ],
+)
 def test_bad_parameters_name_the_field(name, raw, field):
     with pytest.raises(ValueError, match=f"algorithm.{field}"):
         parse_params(name, raw)

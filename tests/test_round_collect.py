@@ -60,7 +60,8 @@ def mesh_with_a_silent_peer(make_endpoint):
 
 @pytest.mark.parametrize("ranks_offers", [False, True])
 def test_a_peer_that_never_announces_does_not_cost_the_others_blobs(
-        mesh_with_a_silent_peer, ranks_offers):
+    mesh_with_a_silent_peer, ranks_offers
+):
     mesh = mesh_with_a_silent_peer
     rule = Wanted(ranks_offers)
     started = time.monotonic()
@@ -80,12 +81,14 @@ def test_the_wait_ends_once_every_live_peer_announced_and_its_blob_arrived(make_
     publisher = make_endpoint("publisher")
     publisher.start([puller.contact])
     assert puller.wait_for_peers(1, WAIT) and publisher.wait_for_peers(1, WAIT)
-    blob = make_blob(publisher.identity, 1, "model", {"w": np.ones(3, dtype=np.float32)},
-                     schema=SCHEMA)
+    blob = make_blob(
+        publisher.identity, 1, "model", {"w": np.ones(3, dtype=np.float32)}, schema=SCHEMA
+    )
     publisher.publish(blob)
     started = time.monotonic()
     blobs = collector(puller, Wanted(False)).collect(
-        1, {"model"}, {publisher.identity.public_key}, started + 10 * DEADLINE)
+        1, {"model"}, {publisher.identity.public_key}, started + 10 * DEADLINE
+    )
     assert blobs["model"]["publisher"].id == blob.id
     assert time.monotonic() - started < DEADLINE
 
@@ -95,16 +98,31 @@ LAYOUT = (("w", "float32", (3,)), ("count", "int64", (3,)))
 
 def test_an_unusable_blob_is_refused_and_the_round_goes_on_without_it():
     # Decoding uses the node's name and its rule's layouts only.
-    node = node_from(name="me", algorithm=SimpleNamespace(
-        layouts=lambda kind: (LAYOUT,) if kind == "model" else ()))
+    node = node_from(
+        name="me",
+        algorithm=SimpleNamespace(layouts=lambda kind: (LAYOUT,) if kind == "model" else ()),
+    )
 
     def signed(value, n=7):
         weights = np.array([0.5, value, 1.5], dtype=np.float32)
-        return make_blob(Identity.generate(), 1, "model", {"w": weights, "count": np.arange(3)},
-                         schema=SCHEMA, meta={"n": n})
+        return make_blob(
+            Identity.generate(),
+            1,
+            "model",
+            {"w": weights, "count": np.arange(3)},
+            schema=SCHEMA,
+            meta={"n": n},
+        )
 
-    blobs = {"model": {"good": signed(1.0), "nan": signed(np.nan), "inf": signed(-np.inf),
-                       "no_samples": signed(1.0, n=0), "vague": signed(1.0, n="many")}}
+    blobs = {
+        "model": {
+            "good": signed(1.0),
+            "nan": signed(np.nan),
+            "inf": signed(-np.inf),
+            "no_samples": signed(1.0, n=0),
+            "vague": signed(1.0, n="many"),
+        }
+    }
     intake = node.peer_models(blobs)
     assert intake.refused == {"model": ["inf", "nan", "no_samples", "vague"]}
     assert intake.reasons == {"not_finite": 2, "sample_count": 2}
@@ -133,27 +151,37 @@ def coordinated(make_endpoint, quorum=1.0):
 
     def upload(name, round_no, value):
         client = clients[name]
-        blob = make_blob(client.identity, round_no, "upload",
-                         {"w": np.array([value, 2.0], dtype=np.float32)}, schema=SCHEMA,
-                         meta={"round": round_no, "n": 5})
+        blob = make_blob(
+            client.identity,
+            round_no,
+            "upload",
+            {"w": np.array([value, 2.0], dtype=np.float32)},
+            schema=SCHEMA,
+            meta={"round": round_no, "n": 5},
+        )
         assert client.send_blob(coordinator.identity.public_key, "upload", blob)
 
     def collect():
         node = node_from(
-            CoordinatorNode, name="coordinator", endpoint=coordinator,
+            CoordinatorNode,
+            name="coordinator",
+            endpoint=coordinator,
             config=MeshConfig(round_timeout=30.0, rounds=5, round_quorum=quorum),
-            algorithm=SimpleNamespace(context=SimpleNamespace(layout=(("w", "float32", (2,)),)),
-                                      extras_fit=lambda kind, extras: not extras))
+            algorithm=SimpleNamespace(
+                context=SimpleNamespace(layout=(("w", "float32", (2,)),)),
+                extras_fit=lambda kind, extras: not extras,
+            ),
+        )
         started = time.monotonic()
         uploads, intake = node.collect_uploads(
-            1, {client.identity.public_key: name for name, client in clients.items()})
+            1, {client.identity.public_key: name for name, client in clients.items()}
+        )
         return uploads, intake, time.monotonic() - started
 
     return upload, collect
 
 
-def test_the_coordinator_refuses_an_unusable_upload_without_waiting_out_the_round(
-        make_endpoint):
+def test_the_coordinator_refuses_an_unusable_upload_without_waiting_out_the_round(make_endpoint):
     upload, collect = coordinated(make_endpoint)
     upload("sane", 0, 9.0)  # late for an earlier round: ignored, the client still counts
     upload("sane", 1, 1.0)

@@ -14,11 +14,13 @@ from tests.test_round_collect import mesh_with_a_silent_peer as mesh_with_a_sile
 
 @pytest.mark.parametrize("quorum", [0.5, 0.3])
 def test_a_quorum_below_one_goes_on_without_the_peer_that_never_delivers(
-        mesh_with_a_silent_peer, quorum):
+    mesh_with_a_silent_peer, quorum
+):
     mesh = mesh_with_a_silent_peer  # two live peers: one publishes, one stays silent
     started = time.monotonic()
     blobs = collector(mesh.puller, Wanted(False)).collect(
-        1, {"model"}, mesh.origins, started + DEADLINE, quorum=quorum)
+        1, {"model"}, mesh.origins, started + DEADLINE, quorum=quorum
+    )
     assert set(blobs["model"]) == {"publisher"}
     assert time.monotonic() - started < DEADLINE / 2, "it waited for the silent peer"
 
@@ -26,6 +28,7 @@ def test_a_quorum_below_one_goes_on_without_the_peer_that_never_delivers(
 def test_a_quorum_rounds_up(mesh_with_a_silent_peer):
     mesh = mesh_with_a_silent_peer  # 0.51 of two peers is both of them
     started = time.monotonic()
-    collector(mesh.puller, Wanted(False)).collect(1, {"model"}, mesh.origins,
-                                                  started + DEADLINE, quorum=0.51)
+    collector(mesh.puller, Wanted(False)).collect(
+        1, {"model"}, mesh.origins, started + DEADLINE, quorum=0.51
+    )
     assert time.monotonic() - started >= DEADLINE - 0.1

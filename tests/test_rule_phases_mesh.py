@@ -24,10 +24,21 @@ NODES = [f"node{index}" for index in range(4)]  # `meshfl launch`'s default mesh
 
 def launch(rule: str, rounds: int, out: Path) -> str:
     """Run `meshfl launch` to the end within LAUNCH_TIMEOUT; return its stdout."""
-    command = [sys.executable, "-m", "meshfl.launch.cli", "launch", "--algorithm", rule,
-               "--rounds", str(rounds), "--out", str(out)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, start_new_session=True)
+    command = [
+        sys.executable,
+        "-m",
+        "meshfl.launch.cli",
+        "launch",
+        "--algorithm",
+        rule,
+        "--rounds",
+        str(rounds),
+        "--out",
+        str(out),
+    ]
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         stdout, stderr = process.communicate(timeout=LAUNCH_TIMEOUT)
     except subprocess.TimeoutExpired:
@@ -102,8 +113,7 @@ PHASES = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("rule", sorted(PHASES))
-def test_the_shortest_default_launch_reaches_the_rules_phase_and_shows_its_decision(
-        tmp_path, rule):
+def test_the_shortest_default_launch_reaches_the_rules_phase_and_shows_its_decision(tmp_path, rule):
     reached, phrase = PHASES[rule]
     rounds = fewest_rounds(rule)
     table = launch(rule, rounds, tmp_path)

@@ -61,15 +61,27 @@ def world():
     }
 
     def context(rule_name):
-        return Context("h0", 0, 10, tuple(body_keys(model)), tuple(head_keys(model)),
-                       new_model=lambda: build_model("mlp", shards[0].input_shape, 10, "last",
-                                                     seed=0),
-                       train=lambda m, x, y, epochs, seed, max_steps=None: train_local(
-                           m, x, y, epochs or 1, 32, "sgd", 0.05, seed=seed,
-                           max_steps=max_steps),
-                       data=shards[0])
-    return SimpleNamespace(data=shards[0], start=start, honest=honest, attackers=attackers,
-                           context=context, n=len(shards[0].y_train))
+        return Context(
+            "h0",
+            0,
+            10,
+            tuple(body_keys(model)),
+            tuple(head_keys(model)),
+            new_model=lambda: build_model("mlp", shards[0].input_shape, 10, "last", seed=0),
+            train=lambda m, x, y, epochs, seed, max_steps=None: train_local(
+                m, x, y, epochs or 1, 32, "sgd", 0.05, seed=seed, max_steps=max_steps
+            ),
+            data=shards[0],
+        )
+
+    return SimpleNamespace(
+        data=shards[0],
+        start=start,
+        honest=honest,
+        attackers=attackers,
+        context=context,
+        n=len(shards[0].y_train),
+    )
 
 
 def screened(world, name, **params):
@@ -98,7 +110,10 @@ def test_copies_within_a_round_and_replays_of_earlier_rounds_are_found():
     a, b = state_digest({"w": torch.ones(2)}), state_digest({"w": torch.zeros(2)})
     old = state_digest({"w": torch.full((2,), 3.0)})
     assert copies({"x": a, "y": a, "z": b, "r": old}, {old}) == {
-        "x": "copy", "y": "copy", "r": "replay"}
+        "x": "copy",
+        "y": "copy",
+        "r": "replay",
+    }
 
 
 def test_worse_beyond_noise_tolerates_the_noise_of_the_val_split():
@@ -120,19 +135,37 @@ def test_fedavg_screening_gives_each_attackers_model_no_weight(world, kind):
 def test_inflated_counts_copies_and_replays_are_screened_before_any_val_pass(world):
     rule = screened(world, "fedavg")
     aggregate(rule, world, {"h1": world.honest["h1"]}, round_no=1)
-    peers = {"h2": world.honest["h2"], "liar": world.honest["h1"],
-             "c1": world.attackers["noise"], "c2": world.attackers["noise"]}
-    outcome = aggregate(rule, world, {**peers, "replayer": world.honest["h1"]}, round_no=2,
-                        counts={"liar": 10**9})
+    peers = {
+        "h2": world.honest["h2"],
+        "liar": world.honest["h1"],
+        "c1": world.attackers["noise"],
+        "c2": world.attackers["noise"],
+    }
+    outcome = aggregate(
+        rule, world, {**peers, "replayer": world.honest["h1"]}, round_no=2, counts={"liar": 10**9}
+    )
     assert outcome.diagnostics["screened_out"] == {
-        "c1": "copy", "c2": "copy", "liar": "n_claim", "replayer": "replay"}
+        "c1": "copy",
+        "c2": "copy",
+        "liar": "n_claim",
+        "replayer": "replay",
+    }
     assert set(outcome.weights) == {"h0", "h2"}
 
 
-@pytest.mark.parametrize(("name", "params"), [
-    ("fedavg", {}), ("median", {}), ("trimmed_mean", {"beta": 0.2}), ("krum", {"f": 1}),
-    ("multikrum", {"f": 1}), ("fedc2i", {}), ("pfedlia", {}), ("pfedsv", {"k": 4, "k_max": 4}),
-])
+@pytest.mark.parametrize(
+    ("name", "params"),
+    [
+        ("fedavg", {}),
+        ("median", {}),
+        ("trimmed_mean", {"beta": 0.2}),
+        ("krum", {"f": 1}),
+        ("multikrum", {"f": 1}),
+        ("fedc2i", {}),
+        ("pfedlia", {}),
+        ("pfedsv", {"k": 4, "k_max": 4}),
+    ],
+)
 def test_every_peer_rule_behind_screening_leaves_attackers_no_weight(world, name, params):
     rule = screened(world, name, **params)
     peers = {**{p: s for p, s in world.honest.items() if p != "h0"}, **world.attackers}
@@ -140,14 +173,16 @@ def test_every_peer_rule_behind_screening_leaves_attackers_no_weight(world, name
     assert not set(outcome.weights) & set(world.attackers), outcome.weights
     assert set(world.attackers) <= set(outcome.diagnostics["screened_out"])
     own_loss = float(rule._losses(world.honest["h0"], world.data).mean())
-    assert float(rule._losses(outcome.state, world.data).mean()) <= own_loss + 1e-6, \
+    assert float(rule._losses(outcome.state, world.data).mean()) <= own_loss + 1e-6, (
         "never worse than the own model on the val split"
+    )
     assert rule.layouts("model") == rule.rule.layouts("model")
 
 
 def test_screen_false_builds_the_papers_rule_unchanged(world):
-    assert type(build_rule("fedavg", {"screen": False}, world.context("fedavg"))).__name__ == \
-        "FedAvg"
+    assert (
+        type(build_rule("fedavg", {"screen": False}, world.context("fedavg"))).__name__ == "FedAvg"
+    )
     assert isinstance(build_rule("fedavg", {}, world.context("fedavg")), Screened)
     assert type(build_rule("local", {}, world.context("local"))).__name__ == "Local"
 

@@ -20,8 +20,12 @@ LAUNCH_START = 120.0  # generous: the machine may be shared and busy
 
 
 def run_status(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "meshfl.launch.cli", "status", *args],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "meshfl.launch.cli", "status", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def children(pid: int) -> list[int]:
@@ -42,8 +46,17 @@ def children(pid: int) -> list[int]:
 def running_launch(tmp_path):
     """A `meshfl launch` of two digits nodes with many rounds, stopped after the test."""
     out = tmp_path / "run"
-    launch = meshfl("launch", "--nodes", "2", "--rounds", "500", "--out", str(out), "--quiet",
-                    log=tmp_path / "launch.log")
+    launch = meshfl(
+        "launch",
+        "--nodes",
+        "2",
+        "--rounds",
+        "500",
+        "--out",
+        str(out),
+        "--quiet",
+        log=tmp_path / "launch.log",
+    )
     nodes: list[int] = []
     try:
         wait_round(out, "node0", 1, timeout=LAUNCH_START)
@@ -68,15 +81,18 @@ def test_status_of_a_node_of_a_running_launch(running_launch):
     out = running_launch
     config = yaml.safe_load((out / "config.yaml").read_text())
     address = next(peer["listen"] for peer in config["peers"] if peer["name"] == "node0")
-    info = {name: json.loads((out / name / "info.json").read_text())
-            for name in ("node0", "node1")}
+    info = {name: json.loads((out / name / "info.json").read_text()) for name in ("node0", "node1")}
 
     contact = f"{info['node0']['public_key']}@{address}"  # the node encrypts: ask with its key
     result = run_status(contact, "--json", "--timeout", "20")
     assert result.returncode == 0, result.stderr
     status = json.loads(result.stdout)
     assert (status["name"], status["id"], status["public_key"], status["addr"]) == (
-        "node0", info["node0"]["id"], info["node0"]["public_key"], address)
+        "node0",
+        info["node0"]["id"],
+        info["node0"]["public_key"],
+        address,
+    )
     assert len(status["mesh"]) == 32 and status["algorithm"] == "fedavg"
     assert status["rounds"] == 500 and status["round"] >= 1
     (peer,) = status["peers"]

@@ -15,8 +15,14 @@ from meshfl.node.config import MeshConfig
 from meshfl.node.models import build_model
 from meshfl.node.trainer import training_recipe
 
-TRAINING_FIELDS = {"local_epochs": 2, "batch_size": 8, "optimizer": "adam", "lr": 0.01,
-                   "momentum": 0.9, "weight_decay": 0.5}
+TRAINING_FIELDS = {
+    "local_epochs": 2,
+    "batch_size": 8,
+    "optimizer": "adam",
+    "lr": 0.01,
+    "momentum": 0.9,
+    "weight_decay": 0.5,
+}
 
 
 def trained(cfg: MeshConfig) -> torch.Tensor:
@@ -30,9 +36,23 @@ def trained(cfg: MeshConfig) -> torch.Tensor:
 
 # Every other field of the config, and why it is not a training field. A new field must
 # land in one of the two lists, so that one accepted but never used shows up here.
-NOT_TRAINING = {"mesh", "algorithm", "model", "data", "rounds", "seed", "round_timeout",
-                "round_quorum", "heartbeat_interval", "peer_timeout", "closed", "encrypt",
-                "coordinator", "attack", "peers"}
+NOT_TRAINING = {
+    "mesh",
+    "algorithm",
+    "model",
+    "data",
+    "rounds",
+    "seed",
+    "round_timeout",
+    "round_quorum",
+    "heartbeat_interval",
+    "peer_timeout",
+    "closed",
+    "encrypt",
+    "coordinator",
+    "attack",
+    "peers",
+}
 
 
 def test_the_fields_checked_here_are_every_training_field_of_the_config():
@@ -59,8 +79,7 @@ def test_two_clients_of_one_round_shuffle_with_different_seeds():
 
     data = SimpleNamespace(x_train=torch.zeros(4, 2), y_train=torch.zeros(4))
     for current in ("node0", "node1"):
-        context = Context(current, seed=7, num_classes=2, body_keys=(), head_keys=(),
-                          train=train)
+        context = Context(current, seed=7, num_classes=2, body_keys=(), head_keys=(), train=train)
         rule = algorithm_class("fedavg_server")(parse_params("fedavg_server", {}), context)
         rule.client_update(3, None, data)
     assert seeds["node0"] != seeds["node1"]
@@ -69,6 +88,10 @@ def test_two_clients_of_one_round_shuffle_with_different_seeds():
 def test_the_seed_recipe_is_stable_and_tells_node_round_and_purpose_apart():
     seed = draw_seed(0, "node0", 1, "train")
     assert seed == draw_seed(0, "node0", 1, "train") and 0 <= seed < 2**63
-    others = {draw_seed(1, "node0", 1, "train"), draw_seed(0, "node1", 1, "train"),
-              draw_seed(0, "node0", 2, "train"), draw_seed(0, "node0", 1, "lazy")}
+    others = {
+        draw_seed(1, "node0", 1, "train"),
+        draw_seed(0, "node1", 1, "train"),
+        draw_seed(0, "node0", 2, "train"),
+        draw_seed(0, "node0", 1, "lazy"),
+    }
     assert seed not in others and len(others) == 4

@@ -35,14 +35,16 @@ def test_a_node_handed_such_a_file_exits_with_one_line(tmp_path):
     x[3, 3] = np.nan
     config = tmp_path / "peers.yaml"
     write_config(config, 1, data={"dataset": npz(tmp_path / "dirty.npz", x)})
-    result = run_meshfl("node", "--config", str(config), "--name", "node0", "--out",
-                        str(tmp_path / "out"))
+    result = run_meshfl(
+        "node", "--config", str(config), "--name", "node0", "--out", str(tmp_path / "out")
+    )
     assert_one_line_error(result, "dirty.npz", "1 NaN or infinite")
 
 
 def test_fedc2i_with_a_head_of_several_layers_is_a_config_error_at_start(tmp_path):
-    result = run_meshfl("launch", "--out", str(tmp_path / "run"), "--algorithm", "fedc2i",
-                        "--set", "model.head=fc")
+    result = run_meshfl(
+        "launch", "--out", str(tmp_path / "run"), "--algorithm", "fedc2i", "--set", "model.head=fc"
+    )
     assert_one_line_error(result, "'model.head'", "fc", "last with algorithm fedc2i")
 
 

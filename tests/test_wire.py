@@ -70,8 +70,9 @@ def decode_error(decoder, frames) -> str:
 
 def test_round_trip_of_a_plain_message(alice):
     instance = new_instance()
-    frames = encode(alice, MESH, "hello", 41, 3, {"name": "alice", "addr": "tcp://x:1"},
-                    instance=instance)
+    frames = encode(
+        alice, MESH, "hello", 41, 3, {"name": "alice", "addr": "tcp://x:1"}, instance=instance
+    )
     assert len(frames) == 1
     message = Decoder(MESH).decode(frames)
     assert message.kind == "hello"
@@ -84,8 +85,10 @@ def test_round_trip_of_a_plain_message(alice):
 def test_round_trip_of_a_blob_gives_equal_read_only_views_of_the_frames(alice):
     arrays = sample_arrays()
     blob = make_blob(alice, 5, "model", arrays, schema=SCHEMA, meta={"samples": 300})
-    frames = [bytes(frame) for frame in encode(alice, MESH, "blob", 1, 5, {},
-                                               instance=new_instance(), blob=blob)]
+    frames = [
+        bytes(frame)
+        for frame in encode(alice, MESH, "blob", 1, 5, {}, instance=new_instance(), blob=blob)
+    ]
     message = Decoder(MESH, schema=SCHEMA).decode(frames)
     got = message.blob
     assert got is not None
@@ -130,8 +133,16 @@ def test_blob_over_zeromq_is_decoded_without_copying(alice):
 
 def test_frames_are_raw_array_bytes_not_pickles(alice):
     arrays = sample_arrays()
-    frames = encode(alice, MESH, "blob", 1, 0, {}, instance=new_instance(),
-                    blob=make_blob(alice, 0, "model", arrays))
+    frames = encode(
+        alice,
+        MESH,
+        "blob",
+        1,
+        0,
+        {},
+        instance=new_instance(),
+        blob=make_blob(alice, 0, "model", arrays),
+    )
     for frame, array in zip(frames[1:], arrays.values(), strict=True):
         assert bytes(frame) == np.ascontiguousarray(array).tobytes()
 
@@ -157,7 +168,12 @@ def test_make_blob_origin_signature_covers_its_record(alice):
     blob = make_blob(alice, 2, "head", sample_arrays(), schema=SCHEMA, meta={"loss": 0.5})
     origin, round_no, kind, schema, digest, index, meta = msgpack.unpackb(blob.record)
     assert (origin, round_no, kind, schema, digest) == (
-        alice.public_key, 2, "head", SCHEMA, blob.digest)
+        alice.public_key,
+        2,
+        "head",
+        SCHEMA,
+        blob.digest,
+    )
     assert index == [info.packed() for info in blob.index]
     assert meta == {"loss": 0.5}
     assert verify(alice.public_key, blob.signature, RECORD_CONTEXT + blob.record)
@@ -217,19 +233,25 @@ def test_header_signature_is_over_the_context_and_the_exact_header_bytes(alice):
     assert not verify(alice.public_key, signature, header_bytes)
     header = msgpack.unpackb(header_bytes)
     assert header == {
-        "v": wire.PROTOCOL_VERSION, "mesh": MESH, "kind": "blob", "from": alice.public_key,
-        "inst": instance, "seq": 9, "round": 4,
+        "v": wire.PROTOCOL_VERSION,
+        "mesh": MESH,
+        "kind": "blob",
+        "from": alice.public_key,
+        "inst": instance,
+        "seq": 9,
+        "round": 4,
         "body": {"note": "x", "record": blob.record, "sig": blob.signature},
         "digest": frames_digest(frames[1:]),
     }
 
 
 def test_flipping_one_header_byte_is_a_bad_signature(alice):
-    frames = encode(alice, MESH, "hello", 1, 0, {"name": "alice", "addr": "tcp://h:1"},
-                    instance=new_instance())
+    frames = encode(
+        alice, MESH, "hello", 1, 0, {"name": "alice", "addr": "tcp://h:1"}, instance=new_instance()
+    )
     header_bytes, signature = split_envelope(frames)
     at = header_bytes.index(b"alice")
-    forged = header_bytes[:at] + b"b" + header_bytes[at + 1:]  # still valid msgpack
+    forged = header_bytes[:at] + b"b" + header_bytes[at + 1 :]  # still valid msgpack
     decoder = Decoder(MESH)
     assert decode_error(decoder, with_envelope(frames, forged, signature)) == "bad_signature"
     assert decoder.rejections == {"bad_signature": 1}
@@ -240,7 +262,7 @@ def test_no_single_byte_change_of_the_header_is_accepted(alice):
     frames = encode(alice, MESH, "blob", 1, 1, {}, instance=new_instance(), blob=blob)
     header_bytes, signature = split_envelope(frames)
     for at in range(len(header_bytes)):
-        forged = header_bytes[:at] + bytes([header_bytes[at] ^ 0x01]) + header_bytes[at + 1:]
+        forged = header_bytes[:at] + bytes([header_bytes[at] ^ 0x01]) + header_bytes[at + 1 :]
         with pytest.raises(Rejected):
             Decoder(MESH).decode(with_envelope(frames, forged, signature))
     Decoder(MESH).decode(frames)  # and the untouched message is fine
@@ -270,13 +292,15 @@ def test_unknown_header_fields_are_accepted_and_signed(alice):
     assert Decoder(MESH).decode(with_envelope(frames, header_bytes, signature)).kind == "heartbeat"
     tampered = header_bytes.replace(b"field", b"fiel!")
     assert decode_error(Decoder(MESH), with_envelope(frames, tampered, signature)) == (
-        "bad_signature")
+        "bad_signature"
+    )
 
 
 def test_changed_frame_bytes_are_a_digest_mismatch(alice):
     blob = make_blob(alice, 1, "model", {"w": np.ones(16, dtype=np.float32)})
-    frames = [bytes(f) for f in encode(alice, MESH, "blob", 1, 1, {}, instance=new_instance(),
-                                       blob=blob)]
+    frames = [
+        bytes(f) for f in encode(alice, MESH, "blob", 1, 1, {}, instance=new_instance(), blob=blob)
+    ]
     frames[1] = bytes([frames[1][0] ^ 0x80]) + frames[1][1:]
     assert decode_error(Decoder(MESH), frames) == "digest_mismatch"
 
@@ -330,8 +354,7 @@ def test_non_blob_kinds_carry_no_frames(alice):
     header = msgpack.unpackb(split_envelope(frames)[0])
     header["digest"] = frames_digest([b"extra"])
     header_bytes = msgpack.packb(header)
-    forged = [msgpack.packb([header_bytes, alice.sign(HEADER_CONTEXT + header_bytes)]),
-              b"extra"]
+    forged = [msgpack.packb([header_bytes, alice.sign(HEADER_CONTEXT + header_bytes)]), b"extra"]
     assert decode_error(Decoder(MESH), forged) == "bad_header"
 
 
@@ -348,16 +371,29 @@ print(json.dumps({"modules": names, "loaded": sorted(sys.modules)}))
 
 
 def test_importing_the_protocol_does_not_import_torch_or_upper_layers():
-    done = subprocess.run([sys.executable, "-c", _IMPORT_EVERYTHING], capture_output=True,
-                          text=True, timeout=60, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", _IMPORT_EVERYTHING],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     report = json.loads(done.stdout)
-    assert {"meshfl.protocol.identity", "meshfl.protocol.wire", "meshfl.protocol.transport",
-            "meshfl.protocol.membership", "meshfl.protocol.offers",
-            "meshfl.protocol.endpoint"} <= set(report["modules"])
+    assert {
+        "meshfl.protocol.identity",
+        "meshfl.protocol.wire",
+        "meshfl.protocol.transport",
+        "meshfl.protocol.membership",
+        "meshfl.protocol.offers",
+        "meshfl.protocol.endpoint",
+    } <= set(report["modules"])
     # (pickle itself is loaded by numpy; that it is never *used* is the source check below)
     forbidden = ("torch", "meshfl.node", "meshfl.algorithms", "meshfl.launch")
-    loaded = [name for name in report["loaded"]
-              if any(name == bad or name.startswith(bad + ".") for bad in forbidden)]
+    loaded = [
+        name
+        for name in report["loaded"]
+        if any(name == bad or name.startswith(bad + ".") for bad in forbidden)
+    ]
     assert loaded == []
 
 
@@ -385,10 +421,21 @@ def _imported_modules(path: Path) -> list[str]:
 
 @pytest.mark.parametrize("path", sorted(PROTOCOL_DIR.glob("*.py")), ids=lambda p: p.name)
 def test_protocol_source_never_imports_pickle_torch_or_upper_layers(path):
-    forbidden = ("torch", "pickle", "_pickle", "cloudpickle", "dill", "meshfl.node",
-                 "meshfl.algorithms", "meshfl.launch")
-    bad = [name for name in _imported_modules(path)
-           if any(name == f or name.startswith(f + ".") for f in forbidden)]
+    forbidden = (
+        "torch",
+        "pickle",
+        "_pickle",
+        "cloudpickle",
+        "dill",
+        "meshfl.node",
+        "meshfl.algorithms",
+        "meshfl.launch",
+    )
+    bad = [
+        name
+        for name in _imported_modules(path)
+        if any(name == f or name.startswith(f + ".") for f in forbidden)
+    ]
     assert bad == [], f"{path.name} imports {bad}"
 
 
@@ -403,13 +450,22 @@ def test_the_layering_check_sees_relative_imports(tmp_path):
 def test_a_blob_id_names_its_signed_record_not_just_its_tensors(alice):
     bob = Identity.generate()
     arrays = sample_arrays()
-    blobs = [make_blob(origin, round_no, kind, arrays, SCHEMA)
-             for origin, round_no, kind in [(alice, 1, "model"), (bob, 1, "model"),
-                                            (alice, 2, "model"), (alice, 1, "head")]]
+    blobs = [
+        make_blob(origin, round_no, kind, arrays, SCHEMA)
+        for origin, round_no, kind in [
+            (alice, 1, "model"),
+            (bob, 1, "model"),
+            (alice, 2, "model"),
+            (alice, 1, "head"),
+        ]
+    ]
     assert len({blob.digest for blob in blobs}) == 1
     assert len({blob.id for blob in blobs}) == len(blobs)
     assert blobs[0].id == hashlib.sha256(blobs[0].record).digest()
     # Relayed by anyone, a blob keeps its id: it is the origin's record that is hashed.
-    relayed = Decoder(MESH).decode(encode(bob, MESH, "blob", 1, 1, {}, instance=new_instance(),
-                                          blob=blobs[0])).blob
+    relayed = (
+        Decoder(MESH)
+        .decode(encode(bob, MESH, "blob", 1, 1, {}, instance=new_instance(), blob=blobs[0]))
+        .blob
+    )
     assert relayed.id == blobs[0].id

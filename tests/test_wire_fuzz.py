@@ -37,19 +37,28 @@ MESH = hashlib.sha256(b"fuzz mesh").digest()[:16]
 SCHEMA = hashlib.sha256(b"fuzz schema").digest()
 # Small limits, so that the worst a hostile envelope can make msgpack build (about 70
 # bytes of Python objects per envelope byte) still fits in max_message_bytes.
-LIMITS = Limits(max_message_bytes=96 << 10, max_frames=8, max_envelope_bytes=1 << 10,
-                max_str=256, max_items=64)
+LIMITS = Limits(
+    max_message_bytes=96 << 10, max_frames=8, max_envelope_bytes=1 << 10, max_str=256, max_items=64
+)
 SLACK = 8 << 10  # exception objects, tracebacks, the odd small buffer
 SENDER, ORIGIN = Identity.generate(), Identity.generate()
 INSTANCE = new_instance()
 
-FUZZ = settings(max_examples=300, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=300,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 def template() -> list[bytes]:
-    arrays = {"layer.w": np.arange(12, dtype=np.float32).reshape(3, 4),
-              "layer.b": np.ones(3, dtype=np.float16), "steps": np.array(7, dtype=np.int64)}
+    arrays = {
+        "layer.w": np.arange(12, dtype=np.float32).reshape(3, 4),
+        "layer.b": np.ones(3, dtype=np.float16),
+        "steps": np.array(7, dtype=np.int64),
+    }
     blob = make_blob(ORIGIN, 3, "model", arrays, schema=SCHEMA, meta={"samples": 5})
     frames = encode(SENDER, MESH, "blob", 1000, 3, {}, instance=INSTANCE, blob=blob)
     return [bytes(frame) for frame in frames]
@@ -84,8 +93,16 @@ def decode_bounded(frames: list[bytes]) -> Message | Rejected:
 def same_message(a: Message, b: Message) -> bool:
     def key(m: Message):
         blob = m.blob
-        return (m.kind, m.sender, m.seq, m.round, m.instance, m.body,
-                None if blob is None else (blob.digest, [bytes(f) for f in blob.frames]))
+        return (
+            m.kind,
+            m.sender,
+            m.seq,
+            m.round,
+            m.instance,
+            m.body,
+            None if blob is None else (blob.digest, [bytes(f) for f in blob.frames]),
+        )
+
     return key(a) == key(b)
 
 
@@ -93,26 +110,51 @@ ORIGINAL = Decoder(MESH, LIMITS, SCHEMA).decode(TEMPLATE)
 
 # --- strategies -----------------------------------------------------------------------
 
-scalars = (st.none() | st.booleans() | st.integers(min_value=-(2**63), max_value=2**64 - 1)
-           | st.floats() | st.text(max_size=12) | st.binary(max_size=40))
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**64 - 1)
+    | st.floats()
+    | st.text(max_size=12)
+    | st.binary(max_size=40)
+)
 msgpack_values = st.recursive(
     scalars,
-    lambda inner: st.lists(inner, max_size=5)
-    | st.dictionaries(st.text(max_size=8), inner, max_size=5),
+    lambda inner: (
+        st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5)
+    ),
     max_leaves=20,
 )
 data_frames = st.lists(st.binary(max_size=64), max_size=4) | st.lists(
-    st.binary(max_size=8), min_size=LIMITS.max_frames, max_size=LIMITS.max_frames + 1)
-header_keys = st.sampled_from(["v", "mesh", "kind", "from", "inst", "seq", "round", "body",
-                               "digest"]) | st.text(max_size=6)
-body_keys = st.sampled_from(["name", "addr", "peers", "reason", "status", "origin", "round",
-                             "kind", "digest", "size", "record", "sig"]) | st.text(max_size=6)
+    st.binary(max_size=8), min_size=LIMITS.max_frames, max_size=LIMITS.max_frames + 1
+)
+header_keys = st.sampled_from(
+    ["v", "mesh", "kind", "from", "inst", "seq", "round", "body", "digest"]
+) | st.text(max_size=6)
+body_keys = st.sampled_from(
+    [
+        "name",
+        "addr",
+        "peers",
+        "reason",
+        "status",
+        "origin",
+        "round",
+        "kind",
+        "digest",
+        "size",
+        "record",
+        "sig",
+    ]
+) | st.text(max_size=6)
 dtype_names = st.sampled_from([*DTYPES, "complex64", "object", "float128", "", "<f4"])
 index_entries = st.lists(
-    st.tuples(st.text(max_size=8), dtype_names,
-              st.lists(st.integers(min_value=-2, max_value=2**64 - 1) | st.booleans(),
-                       max_size=4),
-              st.integers(min_value=-1, max_value=2**64 - 1)).map(list)
+    st.tuples(
+        st.text(max_size=8),
+        dtype_names,
+        st.lists(st.integers(min_value=-2, max_value=2**64 - 1) | st.booleans(), max_size=4),
+        st.integers(min_value=-1, max_value=2**64 - 1),
+    ).map(list)
     | msgpack_values,
     max_size=4,
 )
@@ -135,9 +177,12 @@ def field_values(kind: type, length: int | None) -> st.SearchStrategy:
     """Values of the msgpack type a header or body field must have."""
     if kind is bytes:
         return st.binary(min_size=length, max_size=length) if length else st.binary(max_size=40)
-    return {str: st.text(max_size=16), int: st.integers(min_value=0, max_value=2**64 - 1),
-            list: st.lists(msgpack_values, max_size=4),
-            dict: st.dictionaries(st.text(max_size=8), msgpack_values, max_size=4)}[kind]
+    return {
+        str: st.text(max_size=16),
+        int: st.integers(min_value=0, max_value=2**64 - 1),
+        list: st.lists(msgpack_values, max_size=4),
+        dict: st.dictionaries(st.text(max_size=8), msgpack_values, max_size=4),
+    }[kind]
 
 
 @st.composite
@@ -167,8 +212,9 @@ def tensor_index(draw, frames: list[bytes]) -> list:
         if field == "dtype":
             index[at][1] = draw(dtype_names)
         elif field == "shape":
-            index[at][2] = draw(st.lists(st.integers(min_value=-2, max_value=2**64 - 1)
-                                         | st.booleans(), max_size=4))
+            index[at][2] = draw(
+                st.lists(st.integers(min_value=-2, max_value=2**64 - 1) | st.booleans(), max_size=4)
+            )
         elif field == "nbytes":
             index[at][3] = draw(st.integers(min_value=-1, max_value=2**64 - 1))
         else:
@@ -191,24 +237,34 @@ def signed_messages(draw) -> list[bytes]:
         kind = draw(st.sampled_from(BLOB_KINDS) if draw(st.booleans()) else st.sampled_from(KINDS))
     frames = []
     if kind in BLOB_KINDS or rarely(draw):
-        frames = draw(data_frames if rarely(draw) else st.lists(st.binary(max_size=64),
-                                                                max_size=4))
+        frames = draw(data_frames if rarely(draw) else st.lists(st.binary(max_size=64), max_size=4))
     digest = frames_digest(frames)
     body = draw(bodies(kind))
     if kind in BLOB_KINDS and not rarely(draw):
-        record = pack([
-            ORIGIN.public_key, -1 if rarely(draw) else draw(st.integers(0, 5)), "model",
-            draw(st.sampled_from([SCHEMA, b"other"])) if rarely(draw) else SCHEMA,
-            draw(st.binary(max_size=32)) if rarely(draw) else digest,
-            draw(tensor_index(frames)),
-            draw(st.dictionaries(st.text(max_size=4), scalars, max_size=3)),
-        ])
+        record = pack(
+            [
+                ORIGIN.public_key,
+                -1 if rarely(draw) else draw(st.integers(0, 5)),
+                "model",
+                draw(st.sampled_from([SCHEMA, b"other"])) if rarely(draw) else SCHEMA,
+                draw(st.binary(max_size=32)) if rarely(draw) else digest,
+                draw(tensor_index(frames)),
+                draw(st.dictionaries(st.text(max_size=4), scalars, max_size=3)),
+            ]
+        )
         body["record"] = record
         body["sig"] = ORIGIN.sign(RECORD_CONTEXT + (b"x" if rarely(draw) else record))
-    header = {"v": PROTOCOL_VERSION, "mesh": MESH, "kind": kind, "from": SENDER.public_key,
-              "inst": INSTANCE, "seq": draw(counters if rarely(draw) else unsigned),
-              "round": draw(counters if rarely(draw) else unsigned), "body": body,
-              "digest": digest}
+    header = {
+        "v": PROTOCOL_VERSION,
+        "mesh": MESH,
+        "kind": kind,
+        "from": SENDER.public_key,
+        "inst": INSTANCE,
+        "seq": draw(counters if rarely(draw) else unsigned),
+        "round": draw(counters if rarely(draw) else unsigned),
+        "body": body,
+        "digest": digest,
+    }
     return [signed_envelope(header), *frames]
 
 
@@ -218,8 +274,21 @@ def mutations(draw) -> list[bytes]:
     swapped, duplicated or replaced frames."""
     frames = list(TEMPLATE)
     for _ in range(draw(st.integers(min_value=1, max_value=4))):
-        op = draw(st.sampled_from(["flip", "flip", "truncate", "extend", "append", "remove",
-                                   "swap", "duplicate", "replace"]))
+        op = draw(
+            st.sampled_from(
+                [
+                    "flip",
+                    "flip",
+                    "truncate",
+                    "extend",
+                    "append",
+                    "remove",
+                    "swap",
+                    "duplicate",
+                    "replace",
+                ]
+            )
+        )
         if not frames:
             op = "append"
         at = draw(st.integers(min_value=0, max_value=max(len(frames) - 1, 0)))
@@ -229,7 +298,7 @@ def mutations(draw) -> list[bytes]:
             frame[bit // 8] ^= 1 << (bit % 8)
             frames[at] = bytes(frame)
         elif op == "truncate":
-            frames[at] = frames[at][:draw(st.integers(0, max(len(frames[at]) - 1, 0)))]
+            frames[at] = frames[at][: draw(st.integers(0, max(len(frames[at]) - 1, 0)))]
         elif op == "extend":
             frames[at] = frames[at] + draw(st.binary(min_size=1, max_size=16))
         elif op == "append":
@@ -262,8 +331,11 @@ def test_random_msgpack_envelopes(value, frames):
 
 
 @FUZZ
-@given(st.dictionaries(header_keys, msgpack_values, max_size=10),
-       st.binary(min_size=60, max_size=70), data_frames)
+@given(
+    st.dictionaries(header_keys, msgpack_values, max_size=10),
+    st.binary(min_size=60, max_size=70),
+    data_frames,
+)
 def test_random_headers_in_a_well_formed_envelope(header, signature, frames):
     envelope = pack([pack(header), signature])
     assert isinstance(decode_bounded([envelope, *frames]), Rejected)
@@ -300,7 +372,7 @@ def test_the_template_is_valid():
 def test_an_envelope_packed_with_tiny_containers_stays_within_the_limit():
     # 64 arrays of 15 empty arrays each: the most objects per byte msgpack allows here.
     inner = b"\x9f" + b"\x90" * 15
-    envelope = (b"\xdc\x00\x40" + inner * 64)[:LIMITS.max_envelope_bytes]
+    envelope = (b"\xdc\x00\x40" + inner * 64)[: LIMITS.max_envelope_bytes]
     result = decode_bounded([envelope])
     assert isinstance(result, Rejected) and result.reason == "bad_msgpack"
     header = b"\xdc\x00\x37" + inner * 55  # a header that is a valid msgpack array
@@ -310,13 +382,17 @@ def test_an_envelope_packed_with_tiny_containers_stays_within_the_limit():
     assert isinstance(result, Rejected) and result.reason == "bad_header"
 
 
-@pytest.mark.parametrize("claim", [
-    b"\xc6\xff\xff\xff\xff",  # bin32 of 4 GiB
-    b"\xdd\xff\xff\xff\xff",  # array32 of 4 G items
-    b"\xdf\xff\xff\xff\xff",  # map32 of 4 G pairs
-    b"\xdb\xff\xff\xff\xff",  # str32 of 4 GiB
-    b"\xc9\xff\xff\xff\xff\x01",  # ext32
-], ids=["bin", "array", "map", "str", "ext"])
+@pytest.mark.parametrize(
+    "claim",
+    [
+        b"\xc6\xff\xff\xff\xff",  # bin32 of 4 GiB
+        b"\xdd\xff\xff\xff\xff",  # array32 of 4 G items
+        b"\xdf\xff\xff\xff\xff",  # map32 of 4 G pairs
+        b"\xdb\xff\xff\xff\xff",  # str32 of 4 GiB
+        b"\xc9\xff\xff\xff\xff\x01",  # ext32
+    ],
+    ids=["bin", "array", "map", "str", "ext"],
+)
 def test_length_claims_are_not_trusted(claim):
     result = decode_bounded([claim + bytes(16)])
     assert isinstance(result, Rejected) and result.reason == "bad_msgpack"
@@ -327,9 +403,17 @@ def test_a_declared_huge_tensor_allocates_nothing():
     digest = frames_digest(frames)
     index = [["w", "float64", [2**32, 2**32, 2**32], 2**64 - 1]]
     record = pack([ORIGIN.public_key, 1, "model", SCHEMA, digest, index, {}])
-    header = {"v": PROTOCOL_VERSION, "mesh": MESH, "kind": "blob", "from": SENDER.public_key,
-              "inst": INSTANCE, "seq": 1, "round": 1, "digest": digest,
-              "body": {"record": record, "sig": ORIGIN.sign(RECORD_CONTEXT + record)}}
+    header = {
+        "v": PROTOCOL_VERSION,
+        "mesh": MESH,
+        "kind": "blob",
+        "from": SENDER.public_key,
+        "inst": INSTANCE,
+        "seq": 1,
+        "round": 1,
+        "digest": digest,
+        "body": {"record": record, "sig": ORIGIN.sign(RECORD_CONTEXT + record)},
+    }
     result = decode_bounded([signed_envelope(header), *frames])
     assert isinstance(result, Rejected) and result.reason == "shape_mismatch"
 
@@ -337,8 +421,9 @@ def test_a_declared_huge_tensor_allocates_nothing():
 def test_decoding_a_large_blob_copies_none_of_its_bytes():
     big = np.zeros((LIMITS.max_message_bytes - 4096) // 4, dtype=np.float32)
     blob = make_blob(ORIGIN, 1, "model", {"w": big}, schema=SCHEMA)
-    frames = [bytes(f) for f in encode(SENDER, MESH, "blob", 1, 1, {}, instance=INSTANCE,
-                                       blob=blob)]
+    frames = [
+        bytes(f) for f in encode(SENDER, MESH, "blob", 1, 1, {}, instance=INSTANCE, blob=blob)
+    ]
     decoder = Decoder(MESH, LIMITS, SCHEMA)
     tracemalloc.start()
     try:
@@ -353,10 +438,17 @@ def test_decoding_a_large_blob_copies_none_of_its_bytes():
 def test_a_boolean_byte_length_is_a_bad_header_not_a_shape_mismatch():
     frames = [bytes(1)]
     digest = frames_digest(frames)
-    record = pack([ORIGIN.public_key, 1, "model", SCHEMA, digest, [["w", "uint8", [1], True]],
-                   {}])
-    header = {"v": PROTOCOL_VERSION, "mesh": MESH, "kind": "blob", "from": SENDER.public_key,
-              "inst": INSTANCE, "seq": 1, "round": 1, "digest": digest,
-              "body": {"record": record, "sig": ORIGIN.sign(RECORD_CONTEXT + record)}}
+    record = pack([ORIGIN.public_key, 1, "model", SCHEMA, digest, [["w", "uint8", [1], True]], {}])
+    header = {
+        "v": PROTOCOL_VERSION,
+        "mesh": MESH,
+        "kind": "blob",
+        "from": SENDER.public_key,
+        "inst": INSTANCE,
+        "seq": 1,
+        "round": 1,
+        "digest": digest,
+        "body": {"record": record, "sig": ORIGIN.sign(RECORD_CONTEXT + record)},
+    }
     result = decode_bounded([signed_envelope(header), *frames])
     assert isinstance(result, Rejected) and result.reason == "bad_header"

@@ -35,8 +35,9 @@ def free_port() -> int:
 
 @pytest.fixture
 def alpha():
-    node = Endpoint(Identity.generate(), MESH,
-                    EndpointSettings("alpha", f"tcp://127.0.0.1:{free_port()}"))
+    node = Endpoint(
+        Identity.generate(), MESH, EndpointSettings("alpha", f"tcp://127.0.0.1:{free_port()}")
+    )
     node.start()
     yield node
     node.close()
@@ -45,8 +46,12 @@ def alpha():
 def run_client(tmp_path: Path, node_contact: str, mesh_id: bytes) -> subprocess.CompletedProcess:
     script = tmp_path / "hello.py"
     script.write_text(spec_client())
-    return subprocess.run([sys.executable, str(script), node_contact, mesh_id.hex()],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, str(script), node_contact, mesh_id.hex()],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 @pytest.mark.slow
