@@ -21,7 +21,7 @@ import hashlib
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import nn
@@ -125,7 +125,7 @@ def class_losses_naive(
     body) to the mean of the other peers' rows c and run the whole model on the batch.
     `model` is left as it came."""
     peers, classes, _ = heads_weight.shape
-    head = model.head
+    head = cast(nn.Linear, model.head)  # model.head=last: one linear layer
     own_weight, own_bias = head.weight.detach().clone(), head.bias.detach().clone()
     losses = torch.empty(peers, classes, dtype=own_weight.dtype)
     with torch.no_grad():
@@ -217,7 +217,7 @@ def measure_influence(
                 losses = class_losses_naive(model, heads_weight, heads_bias, x, y)
             else:
                 losses = class_losses_vectorized(  # the one feature pass
-                    model.body(x),
+                    cast(nn.Module, model.body)(x),
                     heads_weight,
                     heads_bias,
                     own_state[head_weight_key],
@@ -334,6 +334,7 @@ class FedC2I(PeerAlgorithm):
     def _body_weights(self, models: dict[str, PeerModel], influence: Influence) -> dict[str, float]:
         rule = self.params.body
         if rule == "influence":
+            assert influence.vector is not None, "measured for the influence rule"
             return dict(zip(models, influence.vector.tolist(), strict=True))
         if rule == "fedavg":
             return sample_weights(models)
@@ -346,6 +347,7 @@ class FedC2I(PeerAlgorithm):
         states = {name: state_part(model.state, keys) for name, model in models.items()}
         if rule == "fedavg":
             return weighted_average(states, sample_weights(models))
+        assert influence.matrix is not None, "measured for the influence rule"
         weight, bias = influence_head(
             torch.stack([state[self.head_weight_key] for state in states.values()]),
             torch.stack([state[self.head_bias_key] for state in states.values()]),
@@ -371,6 +373,7 @@ def _diagnostics(names: list[str], influence: Influence) -> dict[str, Any]:
     found: dict[str, Any] = {"influence_seconds": influence.seconds}
     if influence.vector is not None:
         found["influence_vector"] = dict(zip(names, influence.vector.tolist(), strict=True))
+        assert influence.batch_losses is not None, "measured with the vector"
         found["batch_losses"] = dict(zip(names, influence.batch_losses.tolist(), strict=True))
     if influence.matrix is not None:
         found["influence_matrix"] = dict(zip(names, influence.matrix.tolist(), strict=True))

@@ -45,7 +45,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -455,6 +455,7 @@ class FedInfluence(CoordinatorAlgorithm):
         rows = [self.clients.index(name) for name in names]
         mix = mixing_weights(counts, rows, len(self.clients))
         keys = self._parameter_keys()
+        assert self.global_state is not None, "the round's average comes first"
         new_flat, old_flat = _flat(self.global_state, keys), _flat(old_global, keys)
         flat_uploads = [_flat(uploads[name].state, keys) for name in names]
         for key in keys:
@@ -494,7 +495,8 @@ class FedInfluence(CoordinatorAlgorithm):
     def fip_norms(self) -> dict[str, float]:
         if not self.fip:
             return {name: 0.0 for name in self.clients}
-        squares = sum(matrix.pow(2).sum(dim=1) for matrix in self.fip.values())
+        # A tensor, never sum()'s start 0: fip is not empty.
+        squares = cast(torch.Tensor, sum(matrix.pow(2).sum(dim=1) for matrix in self.fip.values()))
         return {
             name: float(value) for name, value in zip(self.clients, squares.sqrt(), strict=True)
         }
@@ -513,6 +515,7 @@ class FedInfluence(CoordinatorAlgorithm):
         x, y = self.evaluation_set()
         if len(y) == 0:
             return {}
+        assert self.global_state is not None, "the round's average comes first"
         model = self.scratch_model()
         model.load_state_dict(self.global_state)
         loss, accuracy = loss_and_accuracy(model, x, y)
@@ -538,6 +541,7 @@ class FedInfluence(CoordinatorAlgorithm):
         self, x: torch.Tensor, y: torch.Tensor, loss: float, accuracy: float
     ) -> tuple[dict[str, float], dict[str, float]]:
         """FIL and FIA of every known client: w_t + ε^{-c} scored against w_t."""
+        assert self.global_state is not None, "w_t is the last round's average"
         model = self.scratch_model()
         fil, fia = {}, {}
         for client in self.clients:

@@ -27,7 +27,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -78,7 +78,7 @@ def probe_logits(
             unexpected = model.load_state_dict(state, strict=False).unexpected_keys
             if unexpected:
                 raise ValueError(f"head state has keys the model lacks: {unexpected}")
-            rows.append(model.head(probes))
+            rows.append(cast(nn.Module, model.head)(probes))
         return torch.stack(rows)
     finally:
         model.train(was_training)
@@ -209,7 +209,9 @@ class FedReMa(CoordinatorAlgorithm):
                 "fedrema reads heads on random features: the node must pass Context.new_model"
             )
         self.body: State | None = None  # θ
-        self.heads: dict[str, State] = {}  # φ_k, the last one computed for each client
+        # φ_k, the last one computed for each client (`heads` is the base class's model.head
+        # settings that a rule can read)
+        self.client_heads: dict[str, State] = {}
         self.head_weights: dict[str, dict[str, float]] = {}
         self.dependency: dict[str, dict[str, int]] = {}  # G, counts > 0 only
         self.gap_history: list[float] = []  # Δs̄ of each CCP round that could choose
@@ -222,7 +224,7 @@ class FedReMa(CoordinatorAlgorithm):
             return initial
         # A client the rule has no head for (new, or absent so far) starts from the
         # initial head on the shared body.
-        head = self.heads.get(client) or state_part(initial, self.context.head_keys)
+        head = self.client_heads.get(client) or state_part(initial, self.context.head_keys)
         merged = {**self.body, **head}
         return {key: merged[key] for key in initial}
 
@@ -255,7 +257,7 @@ class FedReMa(CoordinatorAlgorithm):
                 for name in names
             }
             diagnostics = {"ccp": False}
-        self.heads.update(aggregate_heads(heads, weights))
+        self.client_heads.update(aggregate_heads(heads, weights))
         self.head_weights.update(weights)
         diagnostics["dependency"] = {k: dict(row) for k, row in sorted(self.dependency.items())}
         diagnostics["head_weights"] = weights
@@ -303,7 +305,11 @@ class FedReMa(CoordinatorAlgorithm):
         probes = torch.stack(
             [
                 draw_probe(
-                    model.feature_dim, self.params.probe_high, self.context.seed, round_no, name
+                    cast(int, model.feature_dim),
+                    self.params.probe_high,
+                    self.context.seed,
+                    round_no,
+                    name,
                 )
                 for name in names
             ]
@@ -318,7 +324,7 @@ class FedReMa(CoordinatorAlgorithm):
     def state_dict(self) -> dict[str, Any]:
         return {
             "body": self.body,
-            "heads": self.heads,
+            "heads": self.client_heads,
             "head_weights": self.head_weights,
             "dependency": self.dependency,
             "gap_history": self.gap_history,
@@ -326,6 +332,6 @@ class FedReMa(CoordinatorAlgorithm):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.body, self.heads = state["body"], state["heads"]
+        self.body, self.client_heads = state["body"], state["heads"]
         self.head_weights, self.dependency = state["head_weights"], state["dependency"]
         self.gap_history, self.ccp = list(state["gap_history"]), bool(state["ccp"])

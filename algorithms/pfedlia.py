@@ -445,6 +445,7 @@ class PFedLIA(PeerAlgorithm):
         }
         if self.node not in self.scores and self.lazy_model is not None:
             unscored[self.node] = self.lazy_model
+        assert self.anchor is not None, "scoring starts once the anchor is agreed"
         new_scores = lazy_influence_scores(
             self._fresh_model(), self.anchor, unscored, data.x_val, data.y_val
         )

@@ -49,7 +49,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -342,7 +342,8 @@ class PFedSV(PeerAlgorithm):
     ranks_offers = True  # top-k of the round's offers: asked once, over the whole listing
 
     @property
-    def guards_aggregate(self) -> bool:  # its val guard is screening's guard, not run twice
+    def guards_aggregate(self) -> bool:  # type: ignore[override]  # the base's is only read
+        # Its val guard is screening's guard, not run twice.
         return self.params.val_guard
 
     def __init__(self, params: PFedSVParams, context: Context) -> None:
@@ -384,6 +385,7 @@ class PFedSV(PeerAlgorithm):
             # joiner's true start (the average it caught up from) is unknown here, so its
             # first update is measured from that initial model: larger, hence more
             # clipped, never leaky.
+            assert self.context.new_model is not None, "the node passes Context.new_model"
             reference = self.context.new_model().state_dict()
         generator = torch.Generator().manual_seed(
             int(self._rng(round_no, _STREAM_DP).integers(2**63))
@@ -495,6 +497,7 @@ class PFedSV(PeerAlgorithm):
         """state -> its logits on the own val split. With a shared body every player has
         the same body, so its features are computed once and each coalition only runs its
         averaged head: the same logits at a fraction of the cost."""
+        assert self.context.new_model is not None, "the node passes Context.new_model"
         model = self.context.new_model()
         model.eval()
         x_val = data.x_val
@@ -507,14 +510,15 @@ class PFedSV(PeerAlgorithm):
 
             return whole_model
         model.load_state_dict(players_states[self.context.node])  # any player: one body
-        features = batched_logits(model.body, x_val)
+        body, head = cast(torch.nn.Module, model.body), cast(torch.nn.Module, model.head)
+        features = batched_logits(body, x_val)
         prefix = "head."  # head_keys are the model's state keys under its `head` module
 
         def head_only(state: State) -> torch.Tensor:
-            model.head.load_state_dict(
+            head.load_state_dict(
                 {key.removeprefix(prefix): state[key] for key in self.context.head_keys}
             )
-            return batched_logits(model.head, features)
+            return batched_logits(head, features)
 
         return head_only
 

@@ -270,6 +270,7 @@ class Simulation:
         return Upload(state, len(data.y_train), extras)
 
     def final_loss(self) -> tuple[float, float]:
+        assert self.coordinator.global_state is not None, "run() came first"
         model = self.federation.new_model()
         model.load_state_dict(self.coordinator.global_state)
         return loss_and_accuracy(model, self.federation.test_x, self.federation.test_y)
@@ -302,6 +303,7 @@ def correlation_check(setting: Setting, seed: int, root: str | None) -> list[str
         estimates[dtype] = simulation.records[-1]["fil"]
         last = last or simulation
         _progress(f"estimate with {dtype} gradients done")
+    assert last is not None, "the loop ran"
     full_loss, full_accuracy = last.final_loss()
     names = sorted(federation.clients)
     exact = exact_fil(federation, setting.params, full_loss, names)

@@ -210,7 +210,8 @@ def _drain(sock: zmq.Socket, path: str, size: int, mesh_id: bytes) -> dict[str, 
             assert message.blob is not None
             got = sum(array.nbytes for array in message.blob.arrays().values())
         else:  # the same views of the received bytes that blob.arrays() gives
-            got = sum(np.frombuffer(frame, dtype="<f4").nbytes for frame in frames)
+            # A zmq.Frame has the buffer protocol, which numpy's stubs do not know of.
+            got = sum(np.frombuffer(frame, dtype="<f4").nbytes for frame in frames)  # type: ignore[call-overload]
         if got != size:
             raise BenchError(f"received {got} bytes of tensors, expected {size}")
         received += 1
@@ -347,7 +348,7 @@ def bench_wire(
     context = multiprocessing.get_context("spawn")
     receiver = _Child(context, _receiver, "bench receiver")
     sender = _Child(context, _sender, "bench sender")
-    results = []
+    results: list[dict[str, Any]] = []
     try:
         for size_mb in sizes_mb:
             size = _blob_bytes(size_mb)

@@ -36,6 +36,11 @@ class Lifeline:
         # the read end by `pass_fds` get it, and no child ever gets the write end.
         self.node_fd, self._launcher_fd = os.pipe()
 
+    @property
+    def launcher_end(self) -> int:
+        """The write end: a node forked from the launcher must close its copy."""
+        return self._launcher_fd
+
     def close(self) -> None:
         for fd in (self.node_fd, self._launcher_fd):
             try:

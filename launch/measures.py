@@ -166,7 +166,7 @@ def peer_groups_ari(run: RunRecords) -> dict[str, float]:
 
 def coordinator_groups_ari(run: RunRecords) -> dict[str, float]:
     """pFedLIA central: the ARI of the last groups the coordinator formed."""
-    last = next(
+    last: dict[str, list[str]] = next(
         (
             record.diagnostics["groups"]
             for record in reversed(run.coordinator)
@@ -229,7 +229,9 @@ def shapley_by_label_overlap(run: RunRecords) -> dict[str, float]:
     that shares none, over every node and round, and the weight the label-sharing peers
     got per round (why the rule helps or hurts a node)."""
     labels = run.labels()
-    sharing, disjoint, shared_weight, rounds = [], [], 0.0, 0
+    sharing: list[float] = []
+    disjoint: list[float] = []
+    shared_weight, rounds = 0.0, 0
     for name, record in run.node_rounds():
         shapley = record.diagnostics.get("shapley")
         if shapley is None or name not in labels:

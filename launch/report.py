@@ -326,7 +326,7 @@ def draw_accuracy(run: Run, path: Path) -> None:
     figure = _matplotlib()(figsize=(8, 4.8), layout="constrained")
     axes = figure.subplots()
     curves = {
-        name: [(record.round, record.test_acc) for record in _evaluated(records)]
+        name: [(record.round, _test_acc(record)) for record in _evaluated(records)]
         for name, records in run.records.items()
     }
     for name, points in curves.items():
@@ -362,6 +362,12 @@ def draw_accuracy(run: Run, path: Path) -> None:
 def _evaluated(records: list[RoundRecord]) -> list[RoundRecord]:
     """The records of the rounds the node was tested in."""
     return [record for record in records if record.test_acc is not None]
+
+
+def _test_acc(record: RoundRecord) -> float:
+    """The test accuracy of a record that `_evaluated` kept."""
+    assert record.test_acc is not None, "an evaluated round"
+    return record.test_acc
 
 
 def _mean_curve(curves: dict[str, list[tuple[int, float]]]) -> list[tuple[int, float]]:
@@ -476,14 +482,14 @@ def summary_markdown(run: Run, figures: list[tuple[str, str]]) -> str:
         + (" decision |" if decisions else ""),
         "|---|---|---|---|---|---|---|" + ("---|" if decisions else ""),
     ]
-    finals = []
+    finals: list[float] = []
     for name, records in run.records.items():
         scored = _evaluated(records)
         if not scored:
             continue
         first, last = scored[0], scored[-1]
-        best = max(record.test_acc for record in scored)
-        finals.append(last.test_acc)
+        best = max(_test_acc(record) for record in scored)
+        finals.append(_test_acc(last))
         val_acc = math.nan if last.val_acc is None else last.val_acc
         lines.append(
             f"| {node_label(run, name)} | {first.round}-{last.round} | "

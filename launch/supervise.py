@@ -12,6 +12,7 @@ asked to, stops them all on Ctrl-C or a stop signal, and ends with the run's sum
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
@@ -35,6 +36,7 @@ from meshfl.node.host import files_per_node, open_files_limit
 
 from .contacts import key_path, own_contact
 from .errors import EXIT_NODE_FAILED, STOP_SIGNALS, UserError, raise_stopped
+from .forked import ForkedProcess, can_fork, fork_command
 from .lifeline import Lifeline
 from .options import resolve_config
 from .summary import (
@@ -142,14 +144,13 @@ def run_mesh(
     if cfg.coordinator is not None:
         groups.append([COORDINATOR])
     lifeline = Lifeline()
-    start = partial(
-        _spawn, config_path, out=out, processes=len(groups), launcher_fd=lifeline.node_fd
-    )
+    start = partial(_spawn, config_path, out=out, processes=len(groups), lifeline=lifeline)
     supervised: list[SupervisedProcess] = []
     try:
         with _stop_signals_as_interrupts():
             for index, names in enumerate(groups):
-                supervised.append(SupervisedProcess(f"host{index}", names, start(names)))
+                supervised.append(SupervisedProcess(_label(index, names), names, start(names)))
+            write_processes(out, supervised)
             if not quiet:
                 print(
                     f"meshfl: {len(cfg.peers)} nodes in {len(groups)} processes, "
@@ -165,6 +166,23 @@ def run_mesh(
         name: each.outcome(name, out, cfg.rounds) for each in supervised for name in each.names
     }
     return write_summary(cfg, out, outcomes)
+
+
+def _label(index: int, names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"host{index}"
+
+
+def write_processes(out: Path, supervised: list[SupervisedProcess]) -> None:
+    """<out>/processes.json: which process runs which nodes, for whoever looks at a live
+    run (a forked process keeps the launcher's command line, so `ps` cannot tell)."""
+    listing = {
+        "launcher": os.getpid(),
+        "processes": [
+            {"label": each.label, "pid": each.process.pid, "nodes": each.running}
+            for each in supervised
+        ],
+    }
+    (out / "processes.json").write_text(json.dumps(listing, indent=2) + "\n")
 
 
 def host_groups(names: list[str], hosts: int) -> list[list[str]]:
@@ -211,9 +229,11 @@ def _check_data(cfg: cfgmod.MeshConfig) -> None:
 
 
 def _spawn(
-    config_path: Path, names: list[str], out: Path, processes: int, launcher_fd: int
-) -> subprocess.Popen:
-    """Start the process that runs `names`: the coordinator, one node, or a host."""
+    config_path: Path, names: list[str], out: Path, processes: int, lifeline: Lifeline
+) -> subprocess.Popen | ForkedProcess:
+    """Start the process that runs `names`: the coordinator, one node, or a host. It is
+    forked from this one where the system allows (forked.py: the processes share one
+    torch), else a fresh interpreter."""
     for name in names:
         (out / name).mkdir(parents=True, exist_ok=True)
     if names == [COORDINATOR]:
@@ -222,30 +242,26 @@ def _spawn(
         role = ["node", "--name", names[0]]
     else:
         role = ["host", "--names", ",".join(names)]
-    command = [
-        sys.executable,
-        "-m",
-        "meshfl.launch.cli",
+    argv = [
         *role,
-        "--config",
-        str(config_path),
-        "--out",
-        str(out),
-        "--local-nodes",
-        str(processes),
-        "--launcher-fd",
-        str(launcher_fd),
+        *("--config", str(config_path), "--out", str(out)),
+        *("--local-nodes", str(processes), "--launcher-fd", str(lifeline.node_fd)),
     ]
     # Its own session, so that a Ctrl-C in the terminal reaches launch alone, which then
     # stops every process in order; the lifeline covers a launcher that cannot. A host
     # writes each node's log itself; what it prints goes to the host's own log.
-    with open(_process_log(out, names), "ab") as log_file:
+    log_path = _process_log(out, names)
+    if can_fork():
+        from .cli import main  # the command line's own entry: cli imports this module
+
+        return fork_command(main, argv, log_path, close_fds=[lifeline.launcher_end])
+    with open(log_path, "ab") as log_file:
         return subprocess.Popen(
-            command,
+            [sys.executable, "-m", "meshfl.launch.cli", *argv],
             stdout=log_file,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            pass_fds=(launcher_fd,),
+            pass_fds=(lifeline.node_fd,),
         )
 
 
@@ -262,7 +278,7 @@ class SupervisedProcess:
 
     label: str
     names: list[str]
-    process: subprocess.Popen
+    process: subprocess.Popen | ForkedProcess
     restarts: int = 0
     running: list[str] = field(default_factory=list)
 
@@ -311,7 +327,7 @@ def how_it_ended(code: int | None) -> str:
     return f"exit code {code}"
 
 
-Start = Callable[[list[str]], subprocess.Popen]
+Start = Callable[[list[str]], "subprocess.Popen | ForkedProcess"]
 
 
 def _supervise(
@@ -330,6 +346,7 @@ def _supervise(
         for each in supervised:
             if each.failed() and each.restarts < restarts:
                 _restart(each, start, restarts, out, rounds, quiet)
+                write_processes(out, supervised)
         progress.show([name for each in supervised if not each.failed() for name in each.running])
     progress.end()
 
@@ -399,7 +416,7 @@ def last_error_line(log_path: Path) -> str | None:
     return errors[-1] if errors else None
 
 
-def _stop(processes: list[subprocess.Popen]) -> None:
+def _stop(processes: list[subprocess.Popen | ForkedProcess]) -> None:
     for process in processes:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGTERM)

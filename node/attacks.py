@@ -159,6 +159,7 @@ class Attack:
         if self.spec is None or MODEL not in publications:
             return publications, n_samples
         if self.spec.kind == "inflate_n":
+            assert self.spec.value is not None, "inflate_n has a count"
             return publications, int(self.spec.value)
         return {**publications, MODEL: self._poisoned(round_no, publications[MODEL])}, n_samples
 
@@ -166,6 +167,7 @@ class Attack:
         assert self.spec is not None and self._start is not None, "start_round came first"
         kind, start = self.spec.kind, self._start
         if kind == "scale":
+            assert self.spec.value is not None, "scale has a factor"
             return scaled_update(start, trained, float(self.spec.value))
         if kind == "signflip":
             return scaled_update(start, trained, -1.0)
@@ -191,5 +193,8 @@ def attack_for(
     if node not in nodes or not kind:
         return Attack()
     spec = parse_kind(kind)
-    colluders = tuple(nodes[: int(spec.value)]) if spec.kind == "collude" else ()
+    colluders: tuple[str, ...] = ()
+    if spec.kind == "collude":
+        assert spec.value is not None, "collude has a group size"
+        colluders = tuple(nodes[: int(spec.value)])
     return Attack(spec, node, seed, frozenset(nodes), colluders, initial_model)

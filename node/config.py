@@ -264,7 +264,7 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
         raise _field_error(path, value, _describe(hint))
     if hint is AlgorithmConfig:
         return _algorithm(value, path)
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return _section(hint, value, path)
     origin = typing.get_origin(hint)
     if origin in (list, tuple):
@@ -487,7 +487,7 @@ def _check_data(data: DataConfig, prefix: str, names: Iterable[str]) -> None:
     )
 
     # The data module owns the bounds of its fields, checked here once with the field named.
-    checkers = {
+    checkers: dict[str, typing.Callable[[Any], None]] = {
         "dataset": check_dataset_name,
         "partition": check_partition,
         "samples_per_node": check_samples_per_node,
@@ -770,7 +770,7 @@ def explicit_params(algorithm: AlgorithmConfig, rounds: int) -> dict[str, Any]:
     from meshfl.algorithms import screening_setting
 
     params = _resolved_params(algorithm, rounds)
-    if dataclasses.is_dataclass(params):
+    if dataclasses.is_dataclass(params) and not isinstance(params, type):
         params = dataclasses.asdict(params)
     params = {**params, **screening_setting(algorithm.name, algorithm.params)}
     return _plain(dict(sorted(params.items())))

@@ -243,6 +243,7 @@ class ClientNode(Node):
         in_flight: _RoundInFlight | None = None
         while True:
             message = self._next_personal()
+            assert message.blob is not None, "a personal message carries a blob"
             meta = message.blob.meta
             try:
                 state, extras = _split_upload(

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -268,7 +269,10 @@ def _digits_pool(_root: str | None) -> Pool:
     return Pool(bunch.target.astype(np.int64), 10, (1, 8, 8), lambda idx: images[idx])
 
 
-def _read_torchvision(dataset: str, build: Callable[[], object]) -> object:
+_T = TypeVar("_T")
+
+
+def _read_torchvision(dataset: str, build: Callable[[], _T]) -> _T:
     """Run a torchvision constructor, turning its errors about bad files into one line."""
     try:
         return build()
@@ -290,8 +294,8 @@ def _mnist_like_images(
     dataset = dataset or source
     _require(dataset, root, f"{folder}/raw/train-images-idx3-ubyte")
     _require(dataset, root, f"{folder}/raw/train-labels-idx1-ubyte")
-    source = _read_torchvision(dataset, lambda: reader(root, train=True, download=False))
-    return source.data.numpy(), source.targets.numpy()
+    train = _read_torchvision(dataset, lambda: reader(root, train=True, download=False))
+    return train.data.numpy(), train.targets.numpy()
 
 
 def _mnist_pool(root: str | None) -> Pool:
@@ -504,7 +508,8 @@ def _digit5_pool(root: str | None) -> Pool:
         ink = gray(usps_images[local])
         background = backgrounds[local]
         # White ink on a dark background, black ink on a light one.
-        digit = (background @ np.float32([0.299, 0.587, 0.114]) < 0.5).astype(np.float32)
+        luma = np.array([0.299, 0.587, 0.114], dtype=np.float32)
+        digit = (background @ luma < 0.5).astype(np.float32)
         return background[:, :, None, None] * (1 - ink) + digit[:, None, None, None] * ink
 
     # Each domain: the samples it draws from its source, and how it renders them in [0, 1].
@@ -620,6 +625,7 @@ def _dirichlet_shards(
     Draws are repeated until every node holds a few samples; a very small alpha may never
     get there, and then the smallest shards are topped up from the largest.
     """
+    assert spec.param is not None, "a dirichlet partition has alpha"
     alpha = float(spec.param)
     min_size = min(DIRICHLET_MIN_SAMPLES, len(pool.labels) // num_nodes)
     by_class = [np.flatnonzero(pool.labels == c) for c in range(pool.num_classes)]
@@ -659,6 +665,7 @@ def _pathological_shards(
     num_classes. Each pass starts one label later than the one before, so that later
     nodes mostly get new label sets rather than copies of the first nodes' sets. A label's
     samples are split evenly between the nodes that hold it."""
+    assert spec.param is not None, "a pathological partition has labels per node"
     per_node = int(spec.param)
     if per_node > pool.num_classes:
         raise DataError(
@@ -684,6 +691,7 @@ def _group_shards(
     data"). A share s of a node's samples is drawn IID from the pool (so it also hits
     dominant labels), the rest evenly from the dominant labels. All nodes get the same
     size: the cap, or an equal share of the pool."""
+    assert spec.param is not None, "a groups partition has the iid share"
     iid_share = float(spec.param)
     size = cap if cap is not None else len(pool.labels) // num_nodes
     prior = np.bincount(pool.labels, minlength=pool.num_classes) / len(pool.labels)
@@ -713,6 +721,7 @@ def _cluster_shards(
     """pFedLIA's clusters: node i is in cluster i % k; the labels are cut into k contiguous,
     near-equal blocks, one per cluster. `noisy`: with probability 0.5 a node also holds one
     label from outside its cluster (drawn per node, in node order, from the mesh seed)."""
+    assert spec.param is not None, "a clusters partition has k"
     clusters = int(spec.param)
     if clusters > pool.num_classes:
         raise DataError(
@@ -774,7 +783,7 @@ def _domain_shards(
 def _deal_by_class(
     pool: Pool,
     label_sets: list[np.ndarray],
-    node_domains: list[int | None],
+    node_domains: Sequence[int | None],
     cap: int | None,
     rng: np.random.Generator,
     balanced: bool = True,
@@ -787,7 +796,11 @@ def _deal_by_class(
     than it has is shared in proportion to the asks.
     """
     by_domain = any(domain is not None for domain in node_domains)
-    strata = pool.labels + (pool.domains * pool.num_classes if by_domain else 0)
+    offsets: np.ndarray | int = 0
+    if by_domain:
+        assert pool.domains is not None, "a node has a domain only in a pool with domains"
+        offsets = pool.domains * pool.num_classes
+    strata = pool.labels + offsets
     num_domains = len(pool.domain_names) if by_domain else 1
     available = np.bincount(strata, minlength=num_domains * pool.num_classes)
     demand = np.zeros((len(label_sets), len(available)))
@@ -898,7 +911,7 @@ def load_node_data(
     node_index: int,
     seed: int,
     samples_per_node: int | None = None,
-    split: tuple[float, float, float] = (0.6, 0.2, 0.2),
+    split: tuple[float, ...] = (0.6, 0.2, 0.2),
 ) -> NodeData:
     """This node's shard of the mesh's partition, split into train/val/test.
 
@@ -911,7 +924,8 @@ def load_node_data(
     if dataset == "synthetic":
         # Every node is one user; 'iid' switches to the shared model, other forms are moot.
         features, labels = _synthetic_node(node_index, seed, spec.kind == "iid", samples_per_node)
-        num_classes, input_shape = SYNTHETIC_CLASSES, (SYNTHETIC_FEATURES,)
+        num_classes = SYNTHETIC_CLASSES
+        input_shape: tuple[int, ...] = (SYNTHETIC_FEATURES,)
         info: dict = {"user": node_index, "partition": "iid" if spec.kind == "iid" else "natural"}
     else:
         pool = load_pool(dataset, root)
@@ -925,7 +939,8 @@ def load_node_data(
         features, labels = pool.features(shard.indices), pool.labels[shard.indices]
         num_classes, input_shape, info = pool.num_classes, pool.input_shape, shard.info
     split_rng = np.random.default_rng((seed, _SPLIT_STREAM, node_index))
-    train, val, test = stratified_split(labels, split, split_rng)
+    fractions = cast(tuple[float, float, float], split)  # _check_mesh saw three
+    train, val, test = stratified_split(labels, fractions, split_rng)
     x = torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32))
     y = torch.from_numpy(labels.astype(np.int64))
     info = {
@@ -945,7 +960,7 @@ def _check_mesh(
     node_index: int,
     seed: int,
     samples_per_node: int | None,
-    split: tuple[float, float, float],
+    split: tuple[float, ...],
 ) -> None:
     if not isinstance(num_nodes, int) or num_nodes < 1:
         raise DataError(f"num_nodes must be an integer >= 1, got {num_nodes!r}")
@@ -953,10 +968,11 @@ def _check_mesh(
         raise DataError(f"node_index must be an integer in 0..{num_nodes - 1}, got {node_index!r}")
     if not isinstance(seed, int) or seed < 0:
         raise DataError(f"seed must be an integer >= 0, got {seed!r}")
-    for name, value, check in (
+    checks: tuple[tuple[str, Any, Callable[[Any], None]], ...] = (
         ("samples_per_node", samples_per_node, check_samples_per_node),
         ("split", split, check_split),
-    ):
+    )
+    for name, value, check in checks:
         try:
             check(value)
         except DataError as err:

@@ -20,6 +20,8 @@ and its other nodes go on, and the host's exit status says that one failed.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import resource
 import threading
@@ -32,6 +34,45 @@ from .runtime import Node, NodeOptions
 log = logging.getLogger("meshfl.host")
 
 FINISHED, FAILED = "finished", "failed"
+
+
+# glibc's mallopt parameter for the number of malloc arenas.
+_M_ARENA_MAX = -8
+# How often a host gives the memory its nodes freed back to the system.
+TRIM_EVERY_S = 2.0
+
+
+class MemoryReturn:
+    """Keeps a host's memory near what its nodes hold, where the C library is glibc.
+
+    Every node thread decodes its peers' blobs each round and frees them again. glibc
+    serves threads from up to eight malloc arenas per core and keeps what is freed in
+    each for reuse, so a host of dozens of nodes sat on hundreds of MB its nodes had let
+    go (a 100-node mesh: about 0.7 GB per host). Two arenas, and a trim every
+    TRIM_EVERY_S seconds, return it; elsewhere this does nothing.
+    """
+
+    def __init__(self) -> None:
+        name = ctypes.util.find_library("c")
+        libc = ctypes.CDLL(name) if name else None
+        self._trim = getattr(libc, "malloc_trim", None)
+        mallopt = getattr(libc, "mallopt", None)
+        if mallopt is not None:
+            mallopt(_M_ARENA_MAX, 2)  # before the node threads start: they take arenas
+        self._stop = threading.Event()
+
+    def run_in_background(self) -> None:
+        if self._trim is not None:
+            threading.Thread(target=self._trim_now_and_then, name="memory", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _trim_now_and_then(self) -> None:
+        trim = self._trim
+        assert trim is not None  # started only where the C library has it
+        while not self._stop.wait(TRIM_EVERY_S):
+            trim(0)
 
 
 def files_per_node(mesh_size: int) -> int:
@@ -110,6 +151,8 @@ class NodeHost:
             for options in self.options
         ]
         self._open_logs()
+        memory = MemoryReturn()
+        memory.run_in_background()
         try:
             for thread in threads:
                 thread.start()
@@ -117,6 +160,7 @@ class NodeHost:
                 while thread.is_alive():  # join in slices, so that signals get through
                     thread.join(timeout=0.5)
         finally:
+            memory.stop()
             self._close_logs()
         return self.ends
 

@@ -35,4 +35,5 @@ def configure(level: int) -> None:
     """The process's logging: `level` and up, to stderr, one escaped line a record."""
     handler = logging.StreamHandler()
     handler.setFormatter(OneLineFormatter(FORMAT))
-    logging.basicConfig(level=level, handlers=[handler])
+    # force: a process forked from `meshfl launch` replaces the launcher's settings.
+    logging.basicConfig(level=level, handlers=[handler], force=True)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 from torch import nn
@@ -208,7 +209,7 @@ def _split(
     if head == "last" or len(dense) == 1:
         # The final Linear alone; a model without hidden fc layers (logreg) ends up here too.
         body_layers, head_module = trunk + dense[:-1], dense[-1][1]
-        feature_dim = head_module.in_features
+        feature_dim = cast(nn.Linear, head_module).in_features  # _dense_stack ends in a Linear
     else:
         body_layers, head_module = trunk, nn.Sequential(OrderedDict(dense))
         feature_dim = flat_size
@@ -243,12 +244,12 @@ def build_model(
     )
 
 
-def body_keys(model: SplitModel) -> list[str]:
+def body_keys(model: nn.Module) -> list[str]:
     """State-dict keys of the body (parameters and buffers), in state-dict order."""
     return [key for key in model.state_dict() if key.startswith("body.")]
 
 
-def head_keys(model: SplitModel) -> list[str]:
+def head_keys(model: nn.Module) -> list[str]:
     """State-dict keys of the head, in state-dict order."""
     return [key for key in model.state_dict() if key.startswith("head.")]
 

@@ -466,7 +466,7 @@ class Endpoint:
     # --- sending ----------------------------------------------------------
 
     def _hello_body(self, wants_peers: bool = True) -> dict[str, Any]:
-        body = {"name": self.settings.name, "addr": self.settings.address}
+        body: dict[str, Any] = {"name": self.settings.name, "addr": self.settings.address}
         if not wants_peers:
             body["list"] = False  # answer with yourself only: we know the mesh (WIRE.md 7.1)
         return body
@@ -619,7 +619,7 @@ class Endpoint:
 
     # --- one handler per kind ----------------------------------------------
 
-    def _name_refused(self, key: bytes, name: str) -> bool:
+    def _name_refused(self, key: bytes, name: object) -> bool:
         """True (and counted) when `key` may not go by `name` (membership.name_refusal):
         names are how rules and metrics tell peers apart, so two live keys never share one
         and nobody takes this node's own."""
@@ -677,9 +677,11 @@ class Endpoint:
     def _on_heartbeat(self, message: Message) -> None:
         if self.table.heard_from(message.sender, message.round) is None:
             name, address = message.body.get("name"), message.body.get("addr")
-            if isinstance(address, str) and not self._name_refused(message.sender, name):
-                self._learn(address, message.sender)
-                self.table.upsert(message.sender, name, address, message.instance)
+            if not isinstance(address, str) or self._name_refused(message.sender, name):
+                return
+            assert isinstance(name, str)  # any other name is refused
+            self._learn(address, message.sender)
+            self.table.upsert(message.sender, name, address, message.instance)
 
     def _on_bye(self, message: Message) -> None:
         entry = self.table.mark_left(message.sender)

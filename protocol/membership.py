@@ -73,7 +73,7 @@ class PeerTable:
     def get(self, public_key: bytes) -> PeerEntry | None:
         return self.entries.get(public_key)
 
-    def name_refusal(self, public_key: bytes, name: str, own_name: str) -> str | None:
+    def name_refusal(self, public_key: bytes, name: object, own_name: str) -> str | None:
         """Why `public_key` may not go by `name` here (BAD_NAME, NAME_TAKEN), or None. A
         name is taken by this node's own, and by another key that is alive with it."""
         if not isinstance(name, str) or not PEER_NAME.fullmatch(name):

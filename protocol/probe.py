@@ -72,7 +72,7 @@ def _await_answer(
 ) -> StatusAnswer | None:
     decoder = Decoder(None)  # we belong to no mesh: the answer tells us the node's
     while (left := deadline - time.monotonic()) > 0:
-        if not inbox.poll(left * 1000):
+        if not inbox.poll(int(left * 1000)):  # what pyzmq would do with a float
             break
         _, *frames = inbox.recv_multipart()
         try:

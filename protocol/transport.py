@@ -24,7 +24,7 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -296,6 +296,7 @@ class Transport:
     def _answer_zap(self) -> None:
         """One ZAP request (RFC 27: version, request id, domain, address, identity,
         mechanism, credentials...), answered 200 or 400 by the mesh's allowlist."""
+        assert self._zap is not None  # polled only when the mesh encrypts
         version, request_id, _domain, peer_ip, _identity, mechanism, *credentials = (
             self._zap.recv_multipart()
         )
@@ -440,7 +441,7 @@ class Transport:
         self.bytes_out += sum(memoryview(frame).nbytes for frame in frames)
 
 
-def _handshake_failure(event: dict[str, Any], watched: str) -> str:
+def _handshake_failure(event: Mapping[str, Any], watched: str) -> str:
     """Why an encrypted handshake failed, in words, from a socket monitor's event."""
     if (
         event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL

@@ -55,7 +55,7 @@ BLOB_KINDS = ("blob", "upload", "personal")  # kinds whose frames are a signed b
 # The mesh id of a `status` request from a probe that belongs to no mesh (WIRE.md 7.6).
 ANY_MESH = bytes(MESH_ID_BYTES)
 
-DTYPES = {  # wire name -> numpy dtype; nothing else is ever decoded
+DTYPES: dict[str, np.dtype[Any]] = {  # wire name -> numpy dtype; nothing else is ever decoded
     "float16": np.dtype("<f2"),
     "float32": np.dtype("<f4"),
     "float64": np.dtype("<f8"),
@@ -227,8 +227,9 @@ def make_blob(
         dtype = wire_dtype(array)
         # ascontiguousarray turns a 0-d array into shape (1,): keep the original shape.
         array = np.ascontiguousarray(array, dtype=DTYPES[dtype]).reshape(array.shape)
-        # A flat uint8 view, not memoryview.cast: cast refuses shapes with a zero in them.
-        frames.append(memoryview(array.reshape(-1).view(np.uint8)))
+        # The memoryview of a flat uint8 view, not memoryview.cast: cast refuses shapes with
+        # a zero in them.
+        frames.append(array.reshape(-1).view(np.uint8).data)
         index.append(TensorInfo(name, dtype, tuple(array.shape), array.nbytes))
     digest = frames_digest(frames)
     meta = dict(meta or {})
@@ -337,7 +338,7 @@ def _check_fields(where: str, values: Any, fields: Mapping[str, tuple[type, int 
     if not isinstance(values, dict):
         raise Rejected("bad_header", f"{where} is not a map")
     for name, (kind, length) in fields.items():
-        value = values.get(name)
+        value: Any = values.get(name)  # its type is checked just below
         if not (_is_count(value) if kind is int else isinstance(value, kind)):
             raise Rejected(
                 "bad_header",

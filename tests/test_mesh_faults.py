@@ -34,21 +34,25 @@ EXIT_NODE_FAILED = 3
 
 def node_pids(out: Path) -> dict[str, int]:
     """The live process of each node of the run in `out`, by node name: its own, or its
-    host's (`ps` reads alike on Linux and macOS; -ww, or it cuts lines to $COLUMNS, which
-    pytest sets; a zombie is dead already)."""
-    listing = subprocess.run(
-        ["ps", "-ww", "-eo", "pid=,stat=,args="], capture_output=True, text=True, check=True
-    ).stdout
-    pids = {}
-    for line in listing.splitlines():
-        pid, stat, args = line.split(None, 2)
-        words = args.split()
-        if "meshfl.launch.cli" in words and f"{out}" in words and not stat.startswith("Z"):
-            if "--name" in words:
-                pids[words[words.index("--name") + 1]] = int(pid)
-            if "--names" in words:
-                pids.update(dict.fromkeys(words[words.index("--names") + 1].split(","), int(pid)))
-    return pids
+    host's, as the run's processes.json lists them (a zombie is dead already)."""
+    try:
+        listing = json.loads((out / "processes.json").read_text())
+    except (OSError, ValueError):
+        return {}  # not written yet, or being written
+    return {
+        name: each["pid"]
+        for each in listing["processes"]
+        if _alive(each["pid"])
+        for name in each["nodes"]
+    }
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 class Launch:

@@ -1,0 +1,100 @@
+"""Starting `meshfl launch`'s processes by forking the launcher, where the system allows.
+
+Importing torch costs a process about 300 MB of memory of its own (relocated library
+data, module objects), and a mesh of hosts pays it once per process. A forked child
+shares the launcher's copy of those pages until it writes to them, so every process
+of a run holds one torch between them: the proportional set size of a 100-node run
+falls by about that much per host. The child then runs the same `meshfl` command line
+it would have been started with, in its own session, writing to its log.
+
+Linux only: on macOS, forking a process that loaded system frameworks is unsafe, and
+there (and wherever `can_fork` says no) launch starts a fresh interpreter instead.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+from .errors import STOP_SIGNALS
+
+POLL_S = 0.05
+
+
+def can_fork() -> bool:
+    return sys.platform.startswith("linux")
+
+
+class ForkedProcess:
+    """A forked child, with the part of `subprocess.Popen` that launch uses."""
+
+    def __init__(self, pid: int, argv: list[str]) -> None:
+        self.pid = pid
+        self.args = argv
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid == self.pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+            time.sleep(POLL_S)
+        assert self.returncode is not None
+        return self.returncode
+
+
+def fork_command(
+    main: Callable[[list[str]], int], argv: list[str], log_path: Path, close_fds: list[int]
+) -> ForkedProcess:
+    """Run `main(argv)` in a forked child, in a session of its own, its output appended
+    to `log_path`, the descriptors `close_fds` (the launcher's own ends) closed."""
+    sys.stdout.flush()  # or the child would write what the launcher had buffered again
+    sys.stderr.flush()
+    with open(log_path, "ab") as log_file:
+        pid = os.fork()
+        if pid == 0:  # the child: it never returns from here
+            _become_child(log_file.fileno(), close_fds)
+            _run_and_exit(main, argv)
+    return ForkedProcess(pid, argv)
+
+
+def _become_child(log_fd: int, close_fds: list[int]) -> None:
+    os.setsid()  # Ctrl-C in the terminal reaches the launcher alone, as for a fresh process
+    for fd in close_fds:
+        os.close(fd)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    # The launcher's own handlers (raise KeyboardInterrupt) are not the child's: it
+    # starts from the defaults, and its command sets what it needs.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_DFL)
+
+
+def _run_and_exit(main: Callable[[list[str]], int], argv: list[str]) -> None:
+    code = 1
+    try:
+        code = main(argv)
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    except BaseException:  # noqa: BLE001 - a child must never return into the launcher
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
