@@ -10,8 +10,9 @@ pyproject.toml's [tool.mypy] settings, and prints mypy's report with the paths
 of this repository (meshfl/node/x.py becomes node/x.py).
 
 Only Python files are linked, not whole folders: a data folder beside a module of
-the same name (launch/experiments/ and launch/experiments.py) would otherwise
-hide the module from mypy (python/mypy#13663), while Python imports the module.
+the same name would hide the module from mypy (python/mypy#13663), while Python
+imports the module; none is left (launch/experiments/ holds the experiments' yaml,
+launch/experiment_runs.py runs them), but the links keep it that way.
 
 Usage: python .ci/typecheck.py [extra mypy arguments]
 The exit status is mypy's.

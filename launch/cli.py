@@ -376,7 +376,7 @@ def _keygen(args: argparse.Namespace) -> int:
 
 
 def _experiment(args: argparse.Namespace) -> int:
-    from .experiments import run_experiment
+    from .experiment_runs import run_experiment
 
     return run_experiment(args)
 

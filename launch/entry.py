@@ -16,14 +16,13 @@ from meshfl.node import config as cfgmod
 from meshfl.node.coordinator import COORDINATOR, make_node, needs_coordinator
 from meshfl.node.host import raise_open_files_limit
 from meshfl.node.runtime import NodeOptions
-from meshfl.protocol.transport import host_towards, split_contact
+from meshfl.protocol.transport import free_ports, host_towards, split_contact
 
 from .contacts import join_contact, key_path, listed_contacts, own_contact
 from .errors import STOP_SIGNALS, UserError, raise_stopped
 from .lifeline import watch_launcher
 from .options import resolve_config
 from .summary import last_record
-from .supervise import free_ports
 
 
 def node_options(

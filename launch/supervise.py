@@ -17,7 +17,6 @@ import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ from meshfl.node import config as cfgmod
 from meshfl.node.coordinator import COORDINATOR, needs_coordinator
 from meshfl.node.data import load_node_data
 from meshfl.node.host import files_per_node, open_files_limit
+from meshfl.protocol.transport import free_ports
 
 from .contacts import key_path, own_contact
 from .errors import EXIT_NODE_FAILED, STOP_SIGNALS, UserError, raise_stopped
@@ -48,20 +48,6 @@ from .summary import (
     print_table,
     write_summary,
 )
-
-
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """Ports the OS calls free right now (held open together so they differ)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket()
-            sock.bind((host, 0))
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def launch_local(args: argparse.Namespace) -> int:

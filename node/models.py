@@ -20,6 +20,7 @@ always measured from the actual input shape rather than hard-coded.
 from __future__ import annotations
 
 import math
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import cast
@@ -162,6 +163,11 @@ _ARCHITECTURES: dict[str, tuple[TrunkBuilder, tuple[int, ...], bool]] = {
 MODELS: tuple[str, ...] = tuple(_ARCHITECTURES)
 
 
+# Held while a model is built from the global RNG: torch's is one per process, and the
+# nodes of a host build their models on threads of their own.
+_GLOBAL_RNG = threading.Lock()
+
+
 def _check_arguments(name: str, input_shape: tuple[int, ...], num_classes: int, head: str) -> None:
     if name not in _ARCHITECTURES:
         raise ModelError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
@@ -222,12 +228,13 @@ def build_model(
     """Build model ``name`` for inputs of ``input_shape`` (without the batch dimension).
 
     Weights depend only on ``seed``: the global RNG is forked, so building a model
-    neither reads nor disturbs anyone else's random stream.
+    neither reads nor disturbs anyone else's random stream, and one thread builds at a
+    time (the nodes of a host share that RNG).
     """
     shape = tuple(int(size) for size in input_shape)
     _check_arguments(name, shape, num_classes, head)
     trunk_builder, hidden_widths, _ = _ARCHITECTURES[name]
-    with torch.random.fork_rng(devices=[]):
+    with _GLOBAL_RNG, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         trunk = trunk_builder(shape)
         flat_size = _flat_size(name, nn.Sequential(OrderedDict(trunk)), shape)

@@ -13,7 +13,6 @@ import functools
 import hashlib
 import json
 import logging
-import math
 import statistics
 import time
 from collections import Counter
@@ -30,7 +29,6 @@ from meshfl.algorithms import Aggregate, Context, PeerAlgorithm, PeerModel, buil
 from meshfl.algorithms.base import MODEL, draw_seed, weighted_average
 from meshfl.protocol.endpoint import Endpoint, EndpointSettings
 from meshfl.protocol.identity import Identity, node_id
-from meshfl.protocol.membership import ALIVE
 from meshfl.protocol.offers import Offer
 from meshfl.protocol.transport import contact
 from meshfl.protocol.wire import Blob, make_blob
@@ -339,7 +337,8 @@ class Node:
         seconds["train"] = time.perf_counter() - clock
 
         clock = time.perf_counter()
-        publications = self.algorithm.publish(round_no, self._state_copy(), self.data)
+        with self.cpu:  # a rule may train here (pFedLIA's lazy model)
+            publications = self.algorithm.publish(round_no, self._state_copy(), self.data)
         publications, claimed = self.attack.tamper(round_no, publications, len(self.data.y_train))
         for kind, state in publications.items():
             self.endpoint.publish(
@@ -453,37 +452,16 @@ class Node:
         self, round_no: int, kinds: set[str], origins: set[bytes], quorum: float = 1.0
     ) -> tuple[dict[str, dict[str, Offer]], bool]:
         """The round's offers of `kinds` by kind and peer name, and whether a `quorum`
-        share (1.0: every one) of the live peers among `origins` announced every kind."""
-        peers = self.endpoint.peers()
-        names = {peer.public_key: peer.name for peer in peers}
+        share (1.0: every one) of the live peers among `origins` announced every kind
+        (Endpoint.round_offers)."""
+        names = {peer.public_key: peer.name for peer in self.endpoint.peers()}
+        offers, complete = self.endpoint.round_offers(round_no, kinds, origins, quorum)
         offered: dict[str, dict[str, Offer]] = {}
-        for offer in self.endpoint.offers(round_no):
-            if (
-                offer.kind in kinds
-                and offer.origin in names
-                and offer.origin != self.identity.public_key
-            ):
+        for offer in offers:
+            # Not our own blob (a peer may relay it), nor one of a peer we do not know.
+            if offer.origin in names and offer.origin != self.identity.public_key:
                 offered.setdefault(offer.kind, {})[names[offer.origin]] = offer
-        announced = {
-            (offer.origin, offer.kind) for by_name in offered.values() for offer in by_name.values()
-        }
-        rounds = {peer.public_key: peer.round for peer in peers if peer.state == ALIVE}
-        delivered = {
-            origin
-            for origin in rounds.keys() & origins
-            if all((origin, kind) in announced for kind in kinds)
-        }
-        # A live peer that did not deliver is waited for only while it can: not once it
-        # is past this round, nor while it is two or more behind (it was frozen or cut
-        # off, and would hold every round for round_timeout as it catches up).
-        waiting = {
-            origin
-            for origin in rounds.keys() & origins - delivered
-            if round_no - 1 <= rounds[origin] <= round_no
-        }
-        # Rounded up, with a little slack for floating point: 0.7 of 10 peers is 7, not 8.
-        needed = math.ceil(quorum * (len(delivered) + len(waiting)) - 1e-9)
-        return offered, len(delivered) >= needed
+        return offered, complete
 
     def _coming(
         self, chosen: dict[tuple[str, str], Offer], arrived: dict[bytes, Blob]

@@ -9,6 +9,7 @@ blobs it chooses, wait for them until a deadline.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -29,6 +30,7 @@ from .transport import (
     split_contact,
 )
 from .wire import (
+    KINDS,
     PROTOCOL_VERSION,
     Blob,
     Decoder,
@@ -205,6 +207,23 @@ class Endpoint:
         self._curve_keys: dict[str, bytes] = {}
         # Bootstrap addresses given without a key: greeted once some message names it.
         self._greet_when_keyed: set[str] = set()
+        # One handler per kind of WIRE.md section 4; the decoder lets no other kind through.
+        self._handlers: dict[str, Callable[[Message], None]] = {
+            "hello": self._on_hello,
+            "peers": self._on_peers,
+            "refuse": self._on_refuse,
+            "heartbeat": self._on_heartbeat,
+            "bye": self._on_bye,
+            "announce": self._on_announce,
+            "fetch": self._on_fetch,
+            "blob": self._on_blob,
+            "status": self._on_status,
+            "status_reply": self._on_status_reply,
+            "upload": self._on_direct,
+            "personal": self._on_direct,
+        }
+        missing = set(KINDS) ^ set(self._handlers)
+        assert not missing, f"kinds without a handler, or handlers without a kind: {missing}"
         self.transport = Transport(settings.listen, settings.transport, self._encryption())
         self._worker = threading.Thread(
             target=self._work, name=f"mesh {settings.name}", daemon=True
@@ -294,9 +313,7 @@ class Endpoint:
         self.round = round_no
         with self._lock:
             self.offer_book.forget_before(round_no)
-            self.store.forget_before(
-                round_no, self.identity.public_key, self.offer_book.keep_rounds
-            )
+            self.store.forget_others_before(round_no, self.identity.public_key)
 
     def peers(self) -> list[PeerEntry]:
         with self._lock:
@@ -351,22 +368,56 @@ class Endpoint:
         with self._lock:
             return list(self.offer_book.for_round(round_no, kind))
 
+    def round_offers(
+        self, round_no: int, kinds: set[str], origins: set[bytes], quorum: float = 1.0
+    ) -> tuple[list[Offer], bool]:
+        """The offers of round `round_no` of `kinds`, and whether they are complete: a
+        `quorum` share (1.0: every one) of the live peers among `origins` announced every
+        kind of `kinds`."""
+        with self._lock:
+            return self._round_offers(round_no, kinds, origins, quorum)
+
     def wait_offers(
         self, round_no: int, kinds: set[str], origins: set[bytes], deadline: float
     ) -> list[Offer]:
-        """Offers of the round, waiting until every origin in `origins` that is still
-        alive announced a blob of each of `kinds`, or the monotonic `deadline` passes."""
+        """The offers of `round_offers`, once every live peer among `origins` announced
+        every kind (however far behind it is) or the monotonic `deadline` passed."""
         with self._changed:
             while True:
-                offers = [o for o in self.offer_book.for_round(round_no) if o.kind in kinds]
-                alive = {entry.public_key for entry in self.table.alive()}
-                announced = {(offer.origin, offer.kind) for offer in offers}
-                if all((origin, kind) in announced for origin in origins & alive for kind in kinds):
-                    return offers
+                offers, complete = self._round_offers(round_no, kinds, origins, 1.0, True)
                 left = deadline - time.monotonic()
-                if left <= 0:
-                    return list(offers)
+                if complete or left <= 0:
+                    return offers
                 self._changed.wait(min(left, 0.5))
+
+    def _round_offers(
+        self,
+        round_no: int,
+        kinds: set[str],
+        origins: set[bytes],
+        quorum: float,
+        wait_for_laggards: bool = False,
+    ) -> tuple[list[Offer], bool]:
+        known = self.table.entries
+        offers = [offer for offer in self.offer_book.for_round(round_no) if offer.kind in kinds]
+        announced = {(offer.origin, offer.kind) for offer in offers}
+        rounds = {key: entry.round for key, entry in known.items() if entry.state == ALIVE}
+        delivered = {
+            origin
+            for origin in rounds.keys() & origins
+            if all((origin, kind) in announced for kind in kinds)
+        }
+        # A live peer that did not deliver is waited for only while it can: not once it
+        # is past this round, nor while it is two or more behind (it was frozen or cut
+        # off, and would hold every round for round_timeout as it catches up).
+        waiting = {
+            origin
+            for origin in rounds.keys() & origins - delivered
+            if wait_for_laggards or round_no - 1 <= rounds[origin] <= round_no
+        }
+        # Rounded up, with a little slack for floating point: 0.7 of 10 peers is 7, not 8.
+        needed = math.ceil(quorum * (len(delivered) + len(waiting)) - 1e-9)
+        return offers, len(delivered) >= needed
 
     def fetch(self, offers: Sequence[Offer]) -> None:
         """Ask for these blobs, from their origin when it is alive, else another holder."""
@@ -404,14 +455,6 @@ class Endpoint:
         if entry is None:
             return False
         self._send(entry.address, kind, body or {}, blob)
-        return True
-
-    def send_to(self, public_key: bytes, kind: str, body: dict[str, Any]) -> bool:
-        with self._lock:
-            entry = self.table.get(public_key)
-        if entry is None:
-            return False
-        self._send(entry.address, kind, body)
         return True
 
     def next_message(self, kind: str, timeout: float) -> Message | None:
@@ -563,8 +606,7 @@ class Endpoint:
             if message.sender == self.identity.public_key and message.instance == self.instance:
                 return  # sent to ourselves (some hello or peer list gave out our address)
             self.received[message.kind] += 1
-            handler = getattr(self, f"_on_{message.kind}", self._on_direct)
-            handler(message)
+            self._handlers[message.kind](message)
             self._changes += 1
             self._changed.notify_all()
 

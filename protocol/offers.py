@@ -66,18 +66,17 @@ class BlobStore:
             _, evicted = self._blobs.popitem(last=False)
             self.bytes -= evicted.size
 
-    def forget_before(self, round_no: int, own_origin: bytes, own_rounds: int) -> None:
-        """Drop the blobs of rounds before `round_no`, but keep those of `own_origin` (the
-        node's own) of the last `own_rounds` rounds for peers that lag behind. A node
-        fetches every peer's blob every round: kept for a whole run, a 100-node mesh's
-        blobs would fill each node's memory round after round."""
-
-        def kept(blob: Blob) -> bool:
-            if blob.origin == own_origin:
-                return blob.round >= round_no - own_rounds
-            return blob.round >= round_no
-
-        for blob_id in [i for i, blob in self._blobs.items() if not kept(blob)]:
+    def forget_others_before(self, round_no: int, own_origin: bytes) -> None:
+        """Drop the blobs of rounds before `round_no` but those of `own_origin` (the
+        node's own, which a peer that lags behind still fetches; `max_bytes` bounds
+        them). A node fetches every peer's blob every round: kept for a whole run, a
+        100-node mesh's blobs would fill each node's memory round after round."""
+        gone = [
+            blob_id
+            for blob_id, blob in self._blobs.items()
+            if blob.round < round_no and blob.origin != own_origin
+        ]
+        for blob_id in gone:
             self.bytes -= self._blobs.pop(blob_id).size
 
 

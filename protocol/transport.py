@@ -57,6 +57,20 @@ class BadContact(ValueError):
     """A contact that is neither tcp://HOST:PORT nor KEY@tcp://HOST:PORT."""
 
 
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """Ports the OS calls free right now (held open together so they differ)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket()
+            sock.bind((host, 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
 def split_contact(contact: str) -> tuple[str, bytes | None]:
     """(address, Ed25519 public key or None) of `KEY@tcp://HOST:PORT` (KEY: 64 hex
     digits) or of a bare `tcp://HOST:PORT`. An encrypted node is dialled with its key."""

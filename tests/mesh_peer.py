@@ -22,7 +22,6 @@ import argparse
 import hashlib
 import json
 import logging
-import socket
 import sys
 import time
 
@@ -30,7 +29,7 @@ import numpy as np
 
 from meshfl.protocol.endpoint import Endpoint, EndpointSettings
 from meshfl.protocol.identity import Identity, verify
-from meshfl.protocol.transport import TransportError
+from meshfl.protocol.transport import TransportError, free_ports
 from meshfl.protocol.wire import RECORD_CONTEXT, frames_digest, make_blob
 
 MESH = hashlib.sha256(b"meshfl multi-process test").digest()[:16]
@@ -40,18 +39,12 @@ def say(event: str, **fields) -> None:
     print(json.dumps({"event": event, **fields}), flush=True)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def open_endpoint(args: argparse.Namespace) -> Endpoint:
     identity = Identity.load(args.key)
     for _ in range(10):  # the free port may be taken before we bind it
         settings = EndpointSettings(
             args.name,
-            f"tcp://127.0.0.1:{free_port()}",
+            f"tcp://127.0.0.1:{free_ports(1)[0]}",
             heartbeat_interval=args.heartbeat,
             peer_timeout=args.timeout,
         )

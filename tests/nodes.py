@@ -15,9 +15,9 @@ from typing import Any
 
 import yaml
 
-from meshfl.launch.supervise import free_ports
 from meshfl.node.config import MeshConfig
 from meshfl.node.runtime import Node, NodeOptions
+from meshfl.protocol.transport import free_ports
 
 
 def node_from(

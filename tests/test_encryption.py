@@ -23,16 +23,10 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from meshfl.protocol import wire
 from meshfl.protocol.endpoint import REFUSED_HANDSHAKE, Endpoint, EndpointSettings
 from meshfl.protocol.identity import BadPublicKey, Identity, curve_public_key
-from meshfl.protocol.transport import BadContact, contact, split_contact
+from meshfl.protocol.transport import BadContact, contact, free_ports, split_contact
 
 MESH = hashlib.sha256(b"encryption test mesh").digest()[:16]
 WAIT = 10.0
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def poll_until(condition, timeout: float = WAIT) -> bool:
@@ -108,7 +102,7 @@ def endpoints():
     made: list[Endpoint] = []
 
     def make(name: str, identity: Identity | None = None, **settings) -> Endpoint:
-        listen = f"tcp://127.0.0.1:{free_port()}"
+        listen = f"tcp://127.0.0.1:{free_ports(1)[0]}"
         endpoint = Endpoint(
             identity or Identity.generate(),
             MESH,
@@ -145,7 +139,7 @@ def blob_through_a_sniffer(endpoints, encrypt: bool) -> tuple[bytes, bytes]:
     the puller passing through a relay (the puller advertises the relay's address):
     (the blob's tensor bytes, what the relay saw)."""
     origin = endpoints("origin", encrypt=encrypt)
-    puller_port = free_port()
+    puller_port = free_ports(1)[0]
     relay = Relay(puller_port)
     try:
         puller = endpoints("puller", encrypt=encrypt, listen_port=puller_port, relay=relay)
@@ -170,7 +164,7 @@ def test_a_sniffer_on_the_path_sees_a_blob_only_when_encryption_is_off(encrypt):
     def make(
         name: str, listen_port: int | None = None, relay: Relay | None = None, **settings
     ) -> Endpoint:
-        listen = f"tcp://127.0.0.1:{listen_port or free_port()}"
+        listen = f"tcp://127.0.0.1:{listen_port or free_ports(1)[0]}"
         advertise = relay.address if relay is not None else ""
         endpoint = Endpoint(
             Identity.generate(),

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-import socket
 import threading
 import time
 from collections import Counter
@@ -39,6 +38,7 @@ from meshfl.protocol.transport import (
     TransportError,
     curve_client,
     curve_server,
+    free_ports,
     split_contact,
 )
 from meshfl.protocol.wire import (
@@ -61,12 +61,6 @@ OTHER_MESH = hashlib.sha256(b"some other mesh").digest()[:16]
 SCHEMA = hashlib.sha256(b"model schema").digest()
 SMALL = Limits(max_message_bytes=64 << 10, max_frames=4, max_envelope_bytes=16 << 10)
 WAIT = 5.0  # the longest any single step may take before the test fails
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def poll_until(condition: Callable[[], bool], timeout: float = WAIT, step: float = 0.01) -> bool:
@@ -98,7 +92,7 @@ def make_endpoint():
     ) -> Endpoint:
         identity = identity or Identity.generate()
         for _ in range(5):  # a port found free can be taken before we bind it
-            listen = f"tcp://127.0.0.1:{free_port()}"
+            listen = f"tcp://127.0.0.1:{free_ports(1)[0]}"
             try:
                 endpoint = Endpoint(
                     identity, MESH, EndpointSettings(name, listen, **settings), schema=schema
@@ -509,7 +503,7 @@ def test_a_twin_joining_through_another_peer_is_refused(make_endpoint):
 
 def test_wait_joined_is_false_when_nobody_answers(make_endpoint):
     lonely = make_endpoint("lonely")
-    lonely.start([f"tcp://127.0.0.1:{free_port()}"])
+    lonely.start([f"tcp://127.0.0.1:{free_ports(1)[0]}"])
     assert lonely.wait_joined(0.3) is False
 
 

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from meshfl.launch.experiments import (
+from meshfl.launch.experiment_runs import (
     _differences,
     _planned_config,
     _what_decides_results,

@@ -87,7 +87,10 @@ MESH = {
         "split": [0.3, 0.1, 0.6],
     },
 }
-BUDGET = 240.0  # seconds for the whole mesh, joiner included; about 30 on two idle cores
+# The mesh (about 30 s on two idle cores) fails the test only when no node finished a
+# round for STALL seconds (a busy machine is slow, not stuck), or after LIMIT in all.
+STALL = 120.0
+LIMIT = 900.0
 
 
 def ip(*args: str) -> None:
@@ -222,8 +225,8 @@ def run_mesh(lan: VirtualLan, config: Path, root: Path) -> None:
         )
         for index, name in enumerate(NAMED)
     ]
-    deadline = time.monotonic() + BUDGET
-    wait_for(lambda: records(host_dir(root, 0), NAMED[0]), deadline, "alpha's first round")
+    progress = Progress(root)
+    progress.wait_for(lambda: records(host_dir(root, 0), NAMED[0]), "alpha's first round")
     joiner_index = len(NAMED)
     joiner = lan.start(
         joiner_index,
@@ -239,15 +242,33 @@ def run_mesh(lan: VirtualLan, config: Path, root: Path) -> None:
         "--local-nodes",
         "4",
     )
+    progress.wait_for(lambda: all(p.poll() is not None for p in [*nodes, joiner]), "the exits")
     for process in [*nodes, joiner]:
-        left = max(1.0, deadline - time.monotonic())
-        assert process.wait(timeout=left) == 0, f"exit {process.returncode}: {process.args}"
+        assert process.returncode == 0, f"exit {process.returncode}: {process.args}"
 
 
-def wait_for(condition, deadline: float, what: str) -> None:
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
+class Progress:
+    """Waits that end in failure only when the mesh under `root` stops making progress
+    (no new metrics line anywhere for STALL seconds), or at LIMIT."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.started = time.monotonic()
+
+    def lines(self) -> int:
+        return sum(
+            len(path.read_text().splitlines()) for path in self.root.glob("*/*/metrics.jsonl")
+        )
+
+    def wait_for(self, condition, what: str) -> None:
+        seen, since = self.lines(), time.monotonic()
+        while not condition():
+            now = time.monotonic()
+            if (lines := self.lines()) != seen:
+                seen, since = lines, now
+            assert now - since < STALL, f"no round finished for {STALL:.0f} s, waiting for {what}"
+            assert now - self.started < LIMIT, f"timed out ({LIMIT:.0f} s) waiting for {what}"
+            time.sleep(0.2)
 
 
 def peer_addresses(folder: Path) -> list[str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from torch import nn
@@ -164,3 +166,21 @@ def test_schema_is_sorted_and_differs_between_head_conventions():
         (key, dtype) for key, dtype, _ in model_schema(build_model("alexnet", (3, 32, 32), 10))
     )
     assert alexnet["body.bn1.num_batches_tracked"] == "int64"
+
+
+def test_models_built_at_once_on_several_threads_are_each_the_seeded_one():
+    # The nodes of a host build their models on threads of their own, at the same time.
+    expected = build_model("mlp", (1, 8, 8), 10, seed=3).state_dict()
+    differing: list[str] = []
+
+    def build_some() -> None:
+        for _ in range(10):
+            state = build_model("mlp", (1, 8, 8), 10, seed=3).state_dict()
+            differing.extend(k for k in expected if not torch.equal(state[k], expected[k]))
+
+    threads = [threading.Thread(target=build_some) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert differing == []

@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from meshfl.algorithms import ALGORITHM_NAMES
-from meshfl.launch.experiments import _planned_config, available, with_attack_grid
+from meshfl.launch.experiment_runs import _planned_config, available, with_attack_grid
 from meshfl.launch.measures import RULES, node_decisions
 from meshfl.node.config import (
     AlgorithmConfig,

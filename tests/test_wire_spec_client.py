@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 
 from meshfl.protocol.endpoint import Endpoint, EndpointSettings
 from meshfl.protocol.identity import Identity
+from meshfl.protocol.transport import free_ports
 
 SPEC = Path(__file__).resolve().parents[1] / "protocol" / "WIRE.md"
 MESH = hashlib.sha256(b"spec client mesh").digest()[:16]
@@ -27,16 +27,10 @@ def spec_client() -> str:
     return code
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture
 def alpha():
     node = Endpoint(
-        Identity.generate(), MESH, EndpointSettings("alpha", f"tcp://127.0.0.1:{free_port()}")
+        Identity.generate(), MESH, EndpointSettings("alpha", f"tcp://127.0.0.1:{free_ports(1)[0]}")
     )
     node.start()
     yield node
