@@ -152,7 +152,7 @@ def sent_bytes(out: Path) -> Counter[str]:
     for metrics in out.glob("*/metrics.jsonl"):
         record = last_record(metrics)
         if record is not None:
-            total.update(record.get("bytes_sent_by_kind", {}))
+            total.update(record.bytes_sent_by_kind or {})
     return total
 
 

@@ -151,9 +151,9 @@ def say_finished(options: NodeOptions) -> None:
     record = last_record(metrics)
     if record is None:
         print(f"meshfl: {options.name} ran no round (rounds: {options.config.rounds})", flush=True)
-    elif "test_acc" in record:
+    elif record.test_acc is not None:
         print(
-            f"meshfl: {options.name} finished round {record['round']}/"
-            f"{options.config.rounds}, test accuracy {record['test_acc']:.3f} ({metrics})",
+            f"meshfl: {options.name} finished round {record.round}/"
+            f"{options.config.rounds}, test accuracy {record.test_acc:.3f} ({metrics})",
             flush=True,
         )

@@ -63,11 +63,20 @@ def fork_command(
     to `log_path`, the descriptors `close_fds` (the launcher's own ends) closed."""
     sys.stdout.flush()  # or the child would write what the launcher had buffered again
     sys.stderr.flush()
+    # Stop signals wait until each side has its own handlers: the launcher's would
+    # raise KeyboardInterrupt in the child, which must never run the launcher's code.
+    stops = {signal.SIGINT, *STOP_SIGNALS}
     with open(log_path, "ab") as log_file:
+        signal.pthread_sigmask(signal.SIG_BLOCK, stops)
         pid = os.fork()
         if pid == 0:  # the child: it never returns from here
-            _become_child(log_file.fileno(), close_fds)
-            _run_and_exit(main, argv)
+            try:
+                _become_child(log_file.fileno(), close_fds)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
+                _run_and_exit(main, argv)
+            finally:
+                os._exit(1)  # reached only if becoming the child itself failed
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
     return ForkedProcess(pid, argv)
 
 
@@ -91,7 +100,7 @@ def _run_and_exit(main: Callable[[list[str]], int], argv: list[str]) -> None:
     try:
         code = main(argv)
     except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else 1
+        code = 0 if exit_.code is None else exit_.code if isinstance(exit_.code, int) else 1
     except BaseException:  # noqa: BLE001 - a child must never return into the launcher
         traceback.print_exc()
     finally:

@@ -42,12 +42,9 @@ def records(path: Path) -> list[RoundRecord]:
     return metrics.read_records(path, RoundRecord)
 
 
-def last_record(path: Path) -> dict[str, Any] | None:
-    """The last complete record of a node's metrics file as its JSON object: for the
-    callers that still read it by key (launch/supervise.py, entry.py, bench_scale.py);
-    new code reads `meshfl.node.metrics.last_record`."""
-    record = metrics.last_record(path, RoundRecord)
-    return None if record is None else record.to_json()
+def last_record(path: Path) -> RoundRecord | None:
+    """The last complete record of a node's metrics file (None when there is none yet)."""
+    return metrics.last_record(path, RoundRecord)
 
 
 def failed_nodes(summary: dict[str, Any]) -> list[str]:

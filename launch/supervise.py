@@ -12,6 +12,7 @@ asked to, stops them all on Ctrl-C or a stop signal, and ends with the run's sum
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -20,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -31,7 +33,8 @@ from typing import Any
 from meshfl.node import config as cfgmod
 from meshfl.node.coordinator import COORDINATOR, needs_coordinator
 from meshfl.node.data import load_node_data
-from meshfl.node.host import files_per_node, open_files_limit
+from meshfl.node.host import files_per_node, raise_open_files_limit
+from meshfl.node.trainer import set_torch_threads
 from meshfl.protocol.transport import free_ports
 
 from .contacts import key_path, own_contact
@@ -97,7 +100,7 @@ def default_hosts(peers: int) -> int:
     where the nodes' connections would not fit one process's open-files limit (a node
     of a full mesh holds a few per peer), with a fifth of the limit to spare."""
     per_core = min(peers, os.cpu_count() or 1)
-    by_files = math.ceil(peers * files_per_node(peers) / (0.8 * open_files_limit()))
+    by_files = math.ceil(peers * files_per_node(peers) / (0.8 * raise_open_files_limit()))
     return max(1, per_core, min(peers, by_files))
 
 
@@ -200,7 +203,10 @@ def _default_run_dir(cfg: cfgmod.MeshConfig) -> str:
 
 
 def _check_data(cfg: cfgmod.MeshConfig) -> None:
-    """Load the first node's data here, so a wrong path fails once, before any process."""
+    """Load the first node's data here, so a wrong path fails once, before any process.
+    On one torch thread: an OpenMP thread pool made here would not survive the forks
+    of the processes (forked.py), and a child that found it half there could hang."""
+    set_torch_threads(os.cpu_count() or 1)  # one thread: all cores among that many
     data = cfgmod.data_for(cfg, cfg.peers[0])
     load_node_data(
         data.dataset,
@@ -267,6 +273,7 @@ class SupervisedProcess:
     process: subprocess.Popen | ForkedProcess
     restarts: int = 0
     running: list[str] = field(default_factory=list)
+    node_restarts: Counter[str] = field(default_factory=Counter)  # name -> times re-run
 
     def __post_init__(self) -> None:
         self.running = self.running or list(self.names)
@@ -279,18 +286,15 @@ class SupervisedProcess:
         process ended and the last error line of its log (else of its host's log). A
         node of a failed host that had finished its rounds finished."""
         code = self.process.poll()
-        if (
-            code == 0
-            or name not in self.running
-            or (len(self.running) > 1 and _finished(out, name, rounds))
-        ):
-            return {"status": FINISHED, "restarts": self.restarts}
+        restarts = self.node_restarts[name]
+        if code == 0 or name not in self.running or _finished(out, name, rounds):
+            return {"status": FINISHED, "restarts": restarts}
         error = last_error_line(out / name / "node.log") or last_error_line(
             _process_log(out, self.running)
         )
         return {
             "status": FAILED,
-            "restarts": self.restarts,
+            "restarts": restarts,
             "ended": how_it_ended(code),
             "last_error": error,
         }
@@ -298,7 +302,7 @@ class SupervisedProcess:
 
 def _finished(out: Path, name: str, rounds: int) -> bool:
     record = last_record(out / name / "metrics.jsonl")
-    return record is not None and record["round"] >= rounds
+    return record is not None and record.round >= rounds
 
 
 def how_it_ended(code: int | None) -> str:
@@ -327,12 +331,15 @@ def _supervise(
     """Show progress and restart failed processes (up to `restarts` times each) until
     every process has exited."""
     progress = _Progress(out, rounds, quiet)
-    while any(each.process.poll() is None for each in supervised):
-        time.sleep(0.5)
+    while True:
         for each in supervised:
             if each.failed() and each.restarts < restarts:
                 _restart(each, start, restarts, out, rounds, quiet)
                 write_processes(out, supervised)
+        # Checked after the restarts: a process that failed last is still restarted.
+        if all(each.process.poll() is not None for each in supervised):
+            break
+        time.sleep(0.5)
         progress.show([name for each in supervised if not each.failed() for name in each.running])
     progress.end()
 
@@ -345,11 +352,11 @@ def _restart(
         return  # it failed after every node of it finished: nothing to run again
     failed.restarts += 1
     failed.running = unfinished
+    failed.node_restarts.update(unfinished)
     if not quiet:
         last = {name: last_record(out / name / "metrics.jsonl") for name in unfinished}
         after = ", ".join(
-            f"{name} after round {record['round'] if record else 0}"
-            for name, record in last.items()
+            f"{name} after round {record.round if record else 0}" for name, record in last.items()
         )
         print(
             f"\nmeshfl: {failed.label} failed ({how_it_ended(failed.process.returncode)}): "
@@ -370,12 +377,12 @@ class _Progress:
 
     def show(self, names: list[str]) -> None:
         records = {name: last_record(self.out / name / "metrics.jsonl") for name in names}
-        done = min((r["round"] if r else 0 for r in records.values()), default=0)
+        done = min((r.round if r else 0 for r in records.values()), default=0)
         if self.live:
             accuracies = " ".join(
-                f"{name}:{r['test_acc']:.2f}"
+                f"{name}:{r.test_acc:.2f}"
                 for name, r in records.items()
-                if r and "test_acc" in r
+                if r and r.test_acc is not None
             )
             print(f"\r  round {done}/{self.rounds}  {accuracies}   ", end="", flush=True)
         elif not self.quiet and done > self.shown_round:
@@ -405,10 +412,20 @@ def last_error_line(log_path: Path) -> str | None:
 def _stop(processes: list[subprocess.Popen | ForkedProcess]) -> None:
     for process in processes:
         if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
+            _signal_group(process.pid, signal.SIGTERM)
     for process in processes:
         try:
             process.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+            _signal_group(process.pid, signal.SIGKILL)
             process.wait()
+
+
+def _signal_group(pid: int, signum: int) -> None:
+    """Signal the session a process leads, or the process alone if it has not made its
+    session yet (a fork that has just been born)."""
+    try:
+        os.killpg(pid, signum)
+    except ProcessLookupError:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)

@@ -83,18 +83,23 @@ def files_per_node(mesh_size: int) -> int:
     return 5 * (mesh_size - 1) + 16
 
 
-def open_files_limit() -> int:
-    """The most files this process may open once `raise_open_files_limit` ran."""
-    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    return 1 << 20 if hard == resource.RLIM_INFINITY else hard
+UNLIMITED_FILES = 1 << 20  # what "no limit" is taken to mean
 
 
-def raise_open_files_limit() -> None:
-    """Lift this process's soft open-files limit (often 1024) to its hard one: a node
-    holds a few files per peer, and a host holds dozens of nodes."""
+def raise_open_files_limit() -> int:
+    """Lift this process's soft open-files limit (often 1024) to its hard one, where the
+    system allows (macOS caps it lower), and return the limit now in effect: a node
+    holds a few files per peer, and a host holds dozens of nodes. Processes started
+    from this one inherit it."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < open_files_limit():
-        resource.setrlimit(resource.RLIMIT_NOFILE, (open_files_limit(), hard))
+    target = UNLIMITED_FILES if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass  # the system's own cap: keep what we have, and size hosts by it
+    return UNLIMITED_FILES if soft == resource.RLIM_INFINITY else soft
 
 
 @dataclass

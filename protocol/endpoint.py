@@ -54,6 +54,8 @@ MAX_QUEUED_PER_SENDER = 2
 # What a receiver does not count as a sign of life (WIRE.md 7.3): a message of any other
 # kind to a peer stands in for a heartbeat to it.
 NO_PROOF_OF_LIFE = frozenset({"refuse", "bye", "status", "status_reply"})
+# A peer that was sent other messages still gets a heartbeat this many periods apart.
+BEAT_ANYWAY_PERIODS = 5
 
 # Refused at the encrypted handshake, before any message: a client key a closed mesh
 # does not list (WIRE.md 1.1). Counted beside the decoder's reasons.
@@ -183,6 +185,7 @@ class Endpoint:
         self.fetch_log: list[FetchRecord] = []
         self.bytes_sent_by_kind: Counter[str] = Counter()
         self._last_sent: dict[str, float] = {}  # address -> when we last told it anything
+        self._last_beat: dict[str, float] = {}  # address -> when we last heartbeat it
         self._latest_published: list[Blob] = []  # re-announced to whoever says hello
         self._changes = 0  # counts handled messages and heartbeat ticks: see wait_change
         # What the node adds to a status answer (accuracies...); called on the worker
@@ -571,7 +574,9 @@ class Endpoint:
     def _beat(self) -> None:
         """Mark silent peers down, and heartbeat each peer we told nothing for a while.
         In a mesh of more than HEARTBEAT_FANOUT peers both waits stretch with its size
-        (membership.liveness_stretch); any other message is as good as a heartbeat."""
+        (membership.liveness_stretch); any other message is as good as a heartbeat, but
+        every BEAT_ANYWAY_PERIODS a heartbeat goes anyway: only it (or a hello) makes us
+        known to a peer that lost us, say one restarted since."""
         now = time.monotonic()
         with self._lock:
             for entry in self.table.expire():
@@ -579,15 +584,20 @@ class Endpoint:
                     "%s: peer %s (%s) is down", self.settings.name, entry.name, entry.address
                 )
             period = self.settings.heartbeat_interval * liveness_stretch(self.table.known())
+            anyway = BEAT_ANYWAY_PERIODS
             targets = [
                 entry.address
                 for entry in self.table.entries.values()
                 if entry.state != LEFT
-                and now - self._last_sent.get(entry.address, -period) >= period
+                and (
+                    now - self._last_sent.get(entry.address, -period) >= period
+                    or now - self._last_beat.get(entry.address, -period) >= anyway * period
+                )
             ]
             self._changes += 1
             self._changed.notify_all()
         for address in targets:
+            self._last_beat[address] = now
             self._send(address, "heartbeat", self._hello_body())
 
     def _handle_frames(self, received: Received) -> None:

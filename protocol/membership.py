@@ -58,14 +58,18 @@ class PeerTable:
         self.timeout = timeout
         self.clock = clock
         self.entries: dict[bytes, PeerEntry] = {}
-        # The peers the node was told to dial at start: the size of its mesh before it
-        # has heard from them all (a 100-node mesh starting up is not a 5-node one).
+        # The most peers the node has known, starting from those it was told to dial:
+        # its mesh's size before it heard from them all (a 100-node mesh starting up is
+        # not a 5-node one), and after some left (the others still beat at its pace).
         self.listed = 0
 
     def known(self) -> int:
-        """Peers not marked left (the ones a node heartbeats), or the peers it was
-        listed at start if there are more of those."""
-        return max(self.listed, sum(entry.state != LEFT for entry in self.entries.values()))
+        """The most peers this node has known not marked left (the ones it heartbeats),
+        at least as many as it was listed at start: every node of a mesh stretches its
+        liveness waits (`liveness_stretch`) alike, however its table stands now."""
+        now = sum(entry.state != LEFT for entry in self.entries.values())
+        self.listed = max(self.listed, now)
+        return self.listed
 
     def alive(self) -> list[PeerEntry]:
         return [entry for entry in self.entries.values() if entry.state == ALIVE]
