@@ -447,7 +447,7 @@ class PFedLIA(PeerAlgorithm):
             unscored[self.node] = self.lazy_model
         assert self.anchor is not None, "scoring starts once the anchor is agreed"
         new_scores = lazy_influence_scores(
-            self._fresh_model(), self.anchor, unscored, data.x_val, data.y_val
+            self.scratch_model(), self.anchor, unscored, data.x_val, data.y_val
         )
         self.scores.update(new_scores)
         self._newly_scored = sorted(new_scores)
@@ -476,7 +476,7 @@ class PFedLIA(PeerAlgorithm):
             return
         assert self.context.train is not None, "the node provides its training recipe"
         self.lazy_model = train_lazy_model(
-            self._fresh_model(),
+            self.scratch_model(),  # it starts from the anchor it loads
             self.anchor,
             data.x_train,
             data.y_train,
@@ -490,15 +490,13 @@ class PFedLIA(PeerAlgorithm):
         for peer, blob in blobs.items():
             self.truths[peer] = int(blob.state[TRUTH_KEY].reshape(-1)[0])
 
-    def _fresh_model(self) -> torch.nn.Module:
-        """A new instance of the node's architecture, never a kept one: lazy models train
-        it, and the initial state must be the architecture's own initialisation."""
-        assert self.context.new_model is not None, "the node provides its architecture"
-        return self.context.new_model()
-
     def _initial_state(self) -> State:
+        """θ_0 without a warm-up: the architecture's own seeded initialisation, from a new
+        instance (the kept scratch model holds whatever was loaded last)."""
+        assert self.context.new_model is not None, "the node provides its architecture"
         return {
-            key: value.detach().clone() for key, value in self._fresh_model().state_dict().items()
+            key: value.detach().clone()
+            for key, value in self.context.new_model().state_dict().items()
         }
 
     def _diagnostics(self, phase: str) -> dict[str, Any]:

@@ -497,8 +497,7 @@ class PFedSV(PeerAlgorithm):
         """state -> its logits on the own val split. With a shared body every player has
         the same body, so its features are computed once and each coalition only runs its
         averaged head: the same logits at a fraction of the cost."""
-        assert self.context.new_model is not None, "the node passes Context.new_model"
-        model = self.context.new_model()
+        model = self.scratch_model()
         model.eval()
         x_val = data.x_val
         split = self.params.shared_body and hasattr(model, "body") and hasattr(model, "head")

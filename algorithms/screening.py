@@ -134,6 +134,10 @@ class Screened(PeerAlgorithm):
         self.ranks_offers = rule.ranks_offers
         self._seen: dict[int, set[bytes]] = {}  # round -> digests received or adopted
 
+    def scratch_model(self) -> torch.nn.Module:
+        """The wrapped rule's: one spare model per node; every user loads a state first."""
+        return self.rule.scratch_model()
+
     def __getattr__(self, name: str) -> Any:  # the rule's own state (groups, scores...)
         if "rule" not in self.__dict__:  # half-built (a copy being made)
             raise AttributeError(name)

@@ -22,6 +22,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from .options import positive, positive_list
 from .summary import last_record
 
 BLOB_KINDS = ("blob",)  # what carries model bytes; everything else is control traffic
@@ -160,16 +161,6 @@ def down_marks(out: Path) -> int:
     return sum(log.read_text(errors="replace").count(" is down") for log in out.glob("*/node.log"))
 
 
-def _sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(part) for part in text.split(",")]
-    except ValueError:
-        sizes = []
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"got {text!r}; allowed: node counts, e.g. 16,50,100")
-    return sizes
-
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="meshfl bench scale",
@@ -179,14 +170,16 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument(
         "--sizes",
-        type=_sizes,
+        type=positive_list(int),
         default=[16, 50, 100],
         help="node counts, comma-separated (default: 16,50,100)",
     )
-    parser.add_argument("--rounds", type=int, default=5, help="rounds per run (default: 5)")
+    parser.add_argument(
+        "--rounds", type=positive(int), default=5, help="rounds per run (default: 5)"
+    )
     parser.add_argument(
         "--hosts",
-        type=int,
+        type=positive(int),
         default=None,
         help="node host processes per run (default: what launch picks)",
     )
@@ -204,10 +197,7 @@ def main(argv: list[str]) -> int:
         default=None,
         help="keep each run's folder under DIR (default: a temporary folder)",
     )
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exit_:
-        return int(exit_.code or 0)
+    args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="meshfl-scale-") as scratch:
         root = Path(args.keep or scratch)
         for size in args.sizes:

@@ -72,6 +72,8 @@ from meshfl.protocol import wire
 from meshfl.protocol.identity import Identity
 from meshfl.protocol.transport import Encryption, curve_client, curve_server
 
+from .options import positive, positive_list
+
 MIB = 1 << 20
 WARMUP_MESSAGES = 2  # connection set-up, first-touch page faults, TCP window growth
 MIN_TIMED_MESSAGES = 8
@@ -379,29 +381,6 @@ def bench_wire(
     return results
 
 
-def _sizes(text: str) -> list[float]:
-    try:
-        sizes = [float(item) for item in text.split(",") if item.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"got {text!r}; expected numbers like 1,10,100") from None
-    if not sizes or min(sizes) <= 0:
-        raise argparse.ArgumentTypeError(f"got {text!r}; sizes must be positive")
-    return sizes
-
-
-def _positive(kind: type) -> Any:
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            value = 0
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"got {text!r}; expected a positive number")
-        return value
-
-    return parse
-
-
 def _detail(row: dict[str, Any]) -> list[str]:
     """Where the CPU goes, per path: enough to tell a CPU-bound path from a waiting one."""
     lines = []
@@ -426,19 +405,19 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument(
         "--sizes",
-        type=_sizes,
+        type=positive_list(float),
         default=[1.0, 10.0, 100.0],
         help="blob sizes in MB (2**20 bytes), comma-separated (default: 1,10,100)",
     )
     parser.add_argument(
         "--repeats",
-        type=_positive(int),
+        type=positive(int),
         default=3,
         help="repetitions per size; the median is reported (default: 3)",
     )
     parser.add_argument(
         "--seconds",
-        type=_positive(float),
+        type=positive(float),
         default=8.0,
         help="seconds of timed streaming per size, shared by the repetitions "
         "of both paths (default: 8)",

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import TypeVar
 
 from meshfl.node import config as cfgmod
+
+Number = TypeVar("Number", int, float)
 
 # The config fields that have a flag of their own (cli.py), by the flag's dest.
 _FLAG_FIELDS = {
@@ -16,6 +20,34 @@ _FLAG_FIELDS = {
     "rounds": "rounds",
     "seed": "seed",
 }
+
+
+def positive(kind: type[Number]) -> Callable[[str], Number]:
+    """An argparse type: a number of `kind` above zero."""
+
+    def parse(text: str) -> Number:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = kind(0)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"got {text!r}; expected a positive number")
+        return value
+
+    return parse
+
+
+def positive_list(kind: type[Number]) -> Callable[[str], list[Number]]:
+    """An argparse type: comma-separated numbers of `kind` above zero, e.g. 1,10,100."""
+    one = positive(kind)
+
+    def parse(text: str) -> list[Number]:
+        items = [item for item in text.split(",") if item.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"got {text!r}; expected numbers like 1,10,100")
+        return [one(item) for item in items]
+
+    return parse
 
 
 def named_overrides(args: argparse.Namespace) -> list[str]:

@@ -28,12 +28,12 @@ from typing import Any
 
 import yaml
 
+from meshfl.node.coordinator import COORDINATOR
 from meshfl.node.metrics import CoordinatorRecord, Record, RoundRecord, read_records
 
 from .errors import UserError
 from .measures import measures_of, node_decisions
 
-COORDINATOR = "coordinator"  # the folder of the coordinator node (node/coordinator.py)
 # A node's true cluster as its data facts (info.json) name it, by partition.
 TRUTH_KEYS = (("true_cluster", "cluster"), ("group", "group"), ("domain", "domain"))
 MAX_ANNOTATED = 12  # cells carry their value as text up to this many nodes

@@ -29,14 +29,6 @@ log = logging.getLogger("meshfl.launch")
 FINISHED, FAILED = "finished", "failed"  # a node's status in summary.json
 
 
-def file_lines(path: Path) -> list[str]:
-    """A text file's lines ([] when it cannot be read, or is not there yet)."""
-    try:
-        return path.read_text().splitlines()
-    except OSError:
-        return []
-
-
 def records(path: Path) -> list[RoundRecord]:
     """Every complete record of a node's metrics file ([] when there is none yet)."""
     return metrics.read_records(path, RoundRecord)
@@ -137,9 +129,14 @@ def _node_entry(
     }
 
 
+def ran_every_round(record: RoundRecord | None, rounds: int) -> bool:
+    """Whether a node whose last record is `record` finished a run of `rounds`: what
+    counts, whatever became of its process afterwards."""
+    return record is not None and record.round >= rounds
+
+
 def _judged_by_rounds(record: RoundRecord | None, rounds: int) -> dict[str, Any]:
-    finished = record is not None and record.round >= rounds
-    return {"status": FINISHED if finished else FAILED}
+    return {"status": FINISHED if ran_every_round(record, rounds) else FAILED}
 
 
 def _recorded_outcomes(out: Path) -> dict[str, dict[str, Any]]:

@@ -34,6 +34,7 @@ from meshfl.node import config as cfgmod
 from meshfl.node.coordinator import COORDINATOR, needs_coordinator
 from meshfl.node.data import load_node_data
 from meshfl.node.host import files_per_node, raise_open_files_limit
+from meshfl.node.metrics import read_lines
 from meshfl.node.trainer import set_torch_threads
 from meshfl.protocol.transport import free_ports
 
@@ -46,9 +47,9 @@ from .summary import (
     FAILED,
     FINISHED,
     failed_nodes,
-    file_lines,
     last_record,
     print_table,
+    ran_every_round,
     write_summary,
 )
 
@@ -271,12 +272,16 @@ class SupervisedProcess:
     label: str
     names: list[str]
     process: subprocess.Popen | ForkedProcess
-    restarts: int = 0
     running: list[str] = field(default_factory=list)
     node_restarts: Counter[str] = field(default_factory=Counter)  # name -> times re-run
 
     def __post_init__(self) -> None:
         self.running = self.running or list(self.names)
+
+    @property
+    def restarts(self) -> int:
+        """How often this process was started again: its nodes that ran every time."""
+        return max(self.node_restarts.values(), default=0)
 
     def failed(self) -> bool:
         return self.process.poll() not in (None, 0)
@@ -301,8 +306,7 @@ class SupervisedProcess:
 
 
 def _finished(out: Path, name: str, rounds: int) -> bool:
-    record = last_record(out / name / "metrics.jsonl")
-    return record is not None and record.round >= rounds
+    return ran_every_round(last_record(out / name / "metrics.jsonl"), rounds)
 
 
 def how_it_ended(code: int | None) -> str:
@@ -334,8 +338,8 @@ def _supervise(
     while True:
         for each in supervised:
             if each.failed() and each.restarts < restarts:
-                _restart(each, start, restarts, out, rounds, quiet)
-                write_processes(out, supervised)
+                if _restart(each, start, restarts, out, rounds, quiet):
+                    write_processes(out, supervised)
         # Checked after the restarts: a process that failed last is still restarted.
         if all(each.process.poll() is not None for each in supervised):
             break
@@ -346,12 +350,12 @@ def _supervise(
 
 def _restart(
     failed: SupervisedProcess, start: Start, restarts: int, out: Path, rounds: int, quiet: bool
-) -> None:
+) -> bool:
+    """Start the unfinished nodes of `failed` again; False when none is left to run."""
     unfinished = [name for name in failed.running if not _finished(out, name, rounds)]
-    if not unfinished:
-        return  # it failed after every node of it finished: nothing to run again
-    failed.restarts += 1
     failed.running = unfinished
+    if not unfinished:
+        return False  # it failed after every node of it finished: nothing to run again
     failed.node_restarts.update(unfinished)
     if not quiet:
         last = {name: last_record(out / name / "metrics.jsonl") for name in unfinished}
@@ -364,6 +368,7 @@ def _restart(
             flush=True,
         )
     failed.process = start(unfinished)
+    return True
 
 
 class _Progress:
@@ -405,7 +410,7 @@ _ERROR_LINE = re.compile(
 def last_error_line(log_path: Path) -> str | None:
     """The last error or traceback line of a node's log, or None when it has none (a
     SIGKILL leaves no word)."""
-    errors = [line.strip() for line in file_lines(log_path) if _ERROR_LINE.fullmatch(line.strip())]
+    errors = [line.strip() for line in read_lines(log_path) if _ERROR_LINE.fullmatch(line.strip())]
     return errors[-1] if errors else None
 
 

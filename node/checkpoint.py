@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from .metrics import is_record
+
 log = logging.getLogger("meshfl.node")
 
 
@@ -157,7 +159,7 @@ def _parsed_lines(text: str) -> tuple[list[dict[str, Any]], list[int]]:
             record = json.loads(line)
         except ValueError:
             record = None
-        if isinstance(record, dict) and isinstance(record.get("round"), int):
+        if is_record(record):
             records.append(record)
         else:
             unreadable.append(number)

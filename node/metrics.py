@@ -24,6 +24,12 @@ from typing import Any, TypeVar
 Record = TypeVar("Record", bound="_Round")
 
 
+def is_record(line: Any) -> bool:
+    """Whether a decoded metrics line holds a record of any role: an object with an
+    integer round (without one a line cannot be placed, and reads as damaged)."""
+    return isinstance(line, dict) and isinstance(line.get("round"), int)
+
+
 @dataclass
 class _Round:
     """What every role records of a round."""
@@ -48,7 +54,7 @@ class _Round:
     def from_json(cls: type[Record], line: Any) -> Record:
         """The record a decoded line holds; ValueError when it holds none (not an object,
         or no integer round)."""
-        if not isinstance(line, dict) or not isinstance(line.get("round"), int):
+        if not is_record(line):
             raise ValueError("a metrics line is a JSON object with an integer round")
         names = {item.name for item in fields(cls)} - {"extra"}
         return cls(
@@ -98,7 +104,8 @@ def parse_records(lines: Iterable[str], kind: type[Record]) -> Iterator[Record]:
             continue
 
 
-def _lines(path: Path) -> list[str]:
+def read_lines(path: Path) -> list[str]:
+    """A text file's lines ([] when it cannot be read, or is not there yet)."""
     try:
         return path.read_text().splitlines()
     except OSError:  # not written yet, or gone
@@ -108,9 +115,27 @@ def _lines(path: Path) -> list[str]:
 def read_records(path: Path, kind: type[Record]) -> list[Record]:
     """Every complete `kind` record of a metrics file (RoundRecord for a learner's,
     CoordinatorRecord for the coordinator's), in file order ([] when there is none)."""
-    return list(parse_records(_lines(path), kind))
+    return list(parse_records(read_lines(path), kind))
+
+
+# How much of a metrics file's end `last_record` reads first: a line of a 100-node mesh
+# is about 10 kB, and launch asks for every node's last line twice a second.
+TAIL_BYTES = 64 << 10
 
 
 def last_record(path: Path, kind: type[Record]) -> Record | None:
-    """The last complete record of a metrics file (None when there is none)."""
-    return next(parse_records(reversed(_lines(path)), kind), None)
+    """The last complete record of a metrics file (None when there is none), read from
+    the file's end: a long run's file is not read whole each time."""
+    try:
+        with open(path, "rb") as file:
+            size = file.seek(0, 2)
+            file.seek(max(0, size - TAIL_BYTES))
+            tail = file.read().decode(errors="replace").splitlines()
+    except OSError:  # not written yet, or gone
+        return None
+    if size > TAIL_BYTES:
+        tail = tail[1:]  # the first line read may be the end of a longer one
+    found = next(parse_records(reversed(tail), kind), None)
+    if found is None and size > TAIL_BYTES:
+        return next(parse_records(reversed(read_lines(path)), kind), None)  # lines over 64 kB
+    return found

@@ -333,12 +333,12 @@ class Node:
                 if self.attack.trains
                 else None
             )
+            # In the same turn at the CPU: a rule may train here too (pFedLIA's lazy model).
+            publications = self.algorithm.publish(round_no, self._state_copy(), self.data)
         self._straggle()
         seconds["train"] = time.perf_counter() - clock
 
         clock = time.perf_counter()
-        with self.cpu:  # a rule may train here (pFedLIA's lazy model)
-            publications = self.algorithm.publish(round_no, self._state_copy(), self.data)
         publications, claimed = self.attack.tamper(round_no, publications, len(self.data.y_train))
         for kind, state in publications.items():
             self.endpoint.publish(

@@ -282,7 +282,7 @@ class Endpoint:
                 elif self.settings.encrypt and address not in self._curve_keys:
                     self._greet_when_keyed.add(address)
                 targets.append(address)
-        self.table.listed = len(set(targets))
+        self.table.most_known = len(set(targets))
         waiting = sorted(self._greet_when_keyed)
         if waiting:
             # Nodes started together learn each other's keys from the first hellos; a

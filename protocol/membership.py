@@ -61,15 +61,16 @@ class PeerTable:
         # The most peers the node has known, starting from those it was told to dial:
         # its mesh's size before it heard from them all (a 100-node mesh starting up is
         # not a 5-node one), and after some left (the others still beat at its pace).
-        self.listed = 0
+        self.most_known = 0
 
     def known(self) -> int:
         """The most peers this node has known not marked left (the ones it heartbeats),
         at least as many as it was listed at start: every node of a mesh stretches its
         liveness waits (`liveness_stretch`) alike, however its table stands now."""
-        now = sum(entry.state != LEFT for entry in self.entries.values())
-        self.listed = max(self.listed, now)
-        return self.listed
+        return max(self.most_known, self._not_left())
+
+    def _not_left(self) -> int:
+        return sum(entry.state != LEFT for entry in self.entries.values())
 
     def alive(self) -> list[PeerEntry]:
         return [entry for entry in self.entries.values() if entry.state == ALIVE]
@@ -106,6 +107,7 @@ class PeerTable:
             self.entries[public_key] = PeerEntry(
                 public_key, name, address, instance, last_seen=self.clock()
             )
+            self.most_known = max(self.most_known, self._not_left())
             return True
         came_back = entry.state != ALIVE or entry.instance != instance
         entry.name, entry.address, entry.instance = name, address, instance

@@ -211,6 +211,16 @@ def test_an_unlisted_key_cannot_complete_the_handshake_of_a_closed_mesh(endpoint
     assert "the node refused our key" in caplog.text
 
 
+def names_no_encryption(log: str, side: str) -> bool:
+    """Whether `log` has a line saying the handshake with `side` failed for want of
+    encryption on the other end."""
+    return any(
+        f"encrypted handshake with {side} failed" in line
+        and ("does not encrypt" in line or "speak without encryption" in line)
+        for line in log.splitlines()
+    )
+
+
 def test_a_node_that_does_not_encrypt_is_told_apart_and_nothing_crashes(endpoints, caplog):
     """A protocol-2 node speaks ZMTP NULL, as one with `encrypt: false` does."""
     encrypted = endpoints("encrypted")
@@ -223,9 +233,11 @@ def test_a_node_that_does_not_encrypt_is_told_apart_and_nothing_crashes(endpoint
         encrypted_dialler = endpoints("encrypted-joiner")
         encrypted_dialler.start([contact(plain.settings.listen, plain.identity.public_key)])
         assert not plain_dialler.wait_joined(1.0) and not encrypted_dialler.wait_joined(0.5)
-        assert poll_until(lambda: caplog.text.count("does not encrypt") >= 2, 10.0)
-    assert "encrypted handshake with incoming failed" in caplog.text
-    assert f"encrypted handshake with {plain.settings.listen} failed" in caplog.text
+        # Which end of a mismatched handshake notices first is a race inside ZeroMQ: an
+        # encrypted end reads either the plain greeting (does not encrypt) or the other
+        # end hanging up on its own (closed during the handshake); both words say so.
+        sides = ["incoming", plain.settings.listen]
+        assert poll_until(lambda: all(names_no_encryption(caplog.text, side) for side in sides))
     assert encrypted.peers() == [] and plain.peers() == []
     assert encrypted.rejections() == {} and plain.rejections() == {}
 

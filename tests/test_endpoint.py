@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import logging
 import threading
 import time
@@ -21,7 +22,13 @@ import numpy as np
 import pytest
 import zmq
 
-from meshfl.protocol.endpoint import Endpoint, EndpointSettings, FetchRecord, Refused
+from meshfl.protocol.endpoint import (
+    BEAT_ANYWAY_PERIODS,
+    Endpoint,
+    EndpointSettings,
+    FetchRecord,
+    Refused,
+)
 from meshfl.protocol.identity import Identity, curve_public_key, verify
 from meshfl.protocol.membership import (
     ALIVE,
@@ -545,25 +552,70 @@ def test_a_node_that_reads_its_inbox_late_does_not_blame_its_peers(context, make
                 for peer in peers:
                     peer.send(peer.frames("heartbeat", {}))
                 time.sleep(timeout / 5)
-        for _ in range(5):
-            for peer in peers:
-                peer.send(peer.frames("heartbeat", {}))
-            time.sleep(interval)
-    assert [e.state for e in endpoint.peers()] == [ALIVE, ALIVE]
+        time.sleep(2 * interval)  # a few ticks after the backlog, within the timeout
+        assert [e.state for e in endpoint.peers()] == [ALIVE, ALIVE]
     assert "is down" not in caplog.text
 
 
-def test_heartbeats_stop_while_other_messages_show_life_and_stretch_in_a_big_mesh():
+def test_liveness_waits_stretch_with_the_most_peers_a_node_has_known():
     assert liveness_stretch(5) == 1.0 and liveness_stretch(HEARTBEAT_FANOUT) == 1.0
     assert liveness_stretch(100) == 100 / HEARTBEAT_FANOUT
     now = [0.0]
     table = PeerTable(timeout=5.0, clock=lambda: now[0])
-    for index in range(100):
-        table.upsert(bytes([index]) * 32, f"n{index}", f"tcp://h:{index}", b"i" * 16)
+    keys = [bytes([index]) * 32 for index in range(100)]
+    for index, key in enumerate(keys):
+        table.upsert(key, f"n{index}", f"tcp://h:{index}", b"i" * 16)
+    for key in keys[5:]:
+        table.mark_left(key)  # the others still beat at the pace of a 100-node mesh
+    assert table.known() == 100
     now[0] = 5.0 * 9.9  # silent for longer than the timeout, less than it stretched
     assert table.expire() == []
     now[0] = 5.0 * 10.1
-    assert len(table.expire()) == 100
+    assert len(table.expire()) == 5
+
+
+def test_a_node_starting_in_a_big_mesh_takes_its_size_from_its_bootstrap_list(make_endpoint):
+    endpoint = make_endpoint("starting")
+    endpoint.start([f"tcp://127.0.0.1:{port}" for port in free_ports(30)])
+    assert endpoint.table.known() == 30
+
+
+def test_heartbeats_give_way_to_other_messages_but_never_stop(context, make_endpoint):
+    interval = 0.1
+    endpoint = make_endpoint("beater", heartbeat_interval=interval, peer_timeout=60.0)
+    endpoint.start()
+    raw = RawPeer(context, endpoint.contact)
+    raw.join()
+    idle = raw.collect("heartbeat", 20 * interval)
+    stop = threading.Event()
+
+    def announce_every_tick() -> None:
+        for round_no in itertools.count(1):
+            if stop.wait(interval / 2):
+                return
+            arrays = model_arrays(round_no)
+            endpoint.publish(make_blob(endpoint.identity, 1, "model", arrays, schema=SCHEMA))
+
+    announcer = threading.Thread(target=announce_every_tick)
+    announcer.start()
+    try:
+        busy = raw.collect("heartbeat", 20 * interval)
+    finally:
+        stop.set()
+        announcer.join()
+    assert len(idle) >= 12, "about one a tick while nothing else is sent"
+    assert 1 <= len(busy) <= 20 // BEAT_ANYWAY_PERIODS + 2, "one every few ticks when busy"
+
+
+def test_a_node_greets_a_peer_named_in_a_list_without_asking_for_its_list(context, make_endpoint):
+    endpoint = make_endpoint("target")
+    endpoint.start()
+    lister, named = RawPeer(context, endpoint.contact, name="lister"), None
+    lister.join()
+    named = RawPeer(context, endpoint.contact, name="named")
+    entry = {"name": "named", "addr": named.address, "key": named.public_key}
+    lister.send(lister.frames("peers", {"peers": [entry]}))
+    assert named.expect("hello").body.get("list") is False
 
 
 def test_a_hello_that_asks_for_no_list_is_answered_by_the_node_alone(context, make_endpoint):

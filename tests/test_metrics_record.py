@@ -5,10 +5,12 @@ experiment tables show."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from meshfl.launch import measures, report
+from meshfl.node import metrics
 from meshfl.node.metrics import CoordinatorRecord, RoundRecord, last_record, read_records
 
 # One line of each role, with every key its writer writes today (node/runtime.py,
@@ -143,3 +145,24 @@ def test_the_table_rows_keep_the_order_of_the_registry_and_name_each_score_once(
         "influence_own_share",
         "class_influence_peak",
     ]
+
+
+def test_the_last_record_is_read_from_the_end_of_a_long_file_and_a_torn_tail_skipped(
+    tmp_path, monkeypatch
+):
+    whole_reads: list[Path] = []
+    read_whole = metrics.read_lines
+    monkeypatch.setattr(
+        metrics, "read_lines", lambda path: whole_reads.append(path) or read_whole(path)
+    )
+    path = tmp_path / "metrics.jsonl"
+    names = ["node" + "x" * 60] * 200  # a line of a big mesh lists its peers
+    lines = [json.dumps({"round": r, "received": names}) for r in range(1, 101)]
+    path.write_text("\n".join(lines) + '\n{"round": 101, "rece')  # a crash mid-append
+    assert path.stat().st_size > 2 * metrics.TAIL_BYTES
+    assert last_record(path, RoundRecord).round == 100
+    assert whole_reads == [], "a long file is not read whole for its last line"
+    longer_than_the_tail = {"round": 7, "received": names * 20}
+    path.write_text(json.dumps(longer_than_the_tail) + "\n")
+    assert last_record(path, RoundRecord).received == names * 20
+    assert whole_reads == [path], "only a line longer than the tail makes it read whole"

@@ -170,12 +170,13 @@ def test_schema_is_sorted_and_differs_between_head_conventions():
 
 def test_models_built_at_once_on_several_threads_are_each_the_seeded_one():
     # The nodes of a host build their models on threads of their own, at the same time.
-    expected = build_model("mlp", (1, 8, 8), 10, seed=3).state_dict()
+    # lenet on 32x32 takes long enough to build that unguarded builds would interleave.
+    expected = build_model("lenet", (3, 32, 32), 10, seed=3).state_dict()
     differing: list[str] = []
 
     def build_some() -> None:
-        for _ in range(10):
-            state = build_model("mlp", (1, 8, 8), 10, seed=3).state_dict()
+        for _ in range(5):
+            state = build_model("lenet", (3, 32, 32), 10, seed=3).state_dict()
             differing.extend(k for k in expected if not torch.equal(state[k], expected[k]))
 
     threads = [threading.Thread(target=build_some) for _ in range(4)]

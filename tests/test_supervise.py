@@ -1,0 +1,80 @@
+"""How `meshfl launch` decides what to restart and how each node ended, with stand-in
+processes (the real ones are in test_mesh_faults.py): restarts run only the nodes of a
+failed process that had not finished, a process that fails last is still restarted,
+and a node that ran every round finished whatever became of its process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from meshfl.launch.supervise import SupervisedProcess, _supervise
+
+ROUNDS = 5
+
+
+class Stopped:
+    """A process that has already exited with `code`."""
+
+    def __init__(self, code: int, pid: int = 1) -> None:
+        self.code, self.pid = code, pid
+
+    def poll(self) -> int:
+        return self.code
+
+
+def ran_rounds(out: Path, name: str, rounds: int) -> None:
+    (out / name).mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps({"round": r, "node": name}) for r in range(1, rounds + 1)]
+    (out / name / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
+
+
+def test_a_failed_host_restarts_only_its_unfinished_nodes_and_counts_them(tmp_path):
+    ran_rounds(tmp_path, "a", ROUNDS)  # finished before its host died
+    ran_rounds(tmp_path, "b", 2)
+    host = SupervisedProcess("host0", ["a", "b"], Stopped(-9))
+    started: list[list[str]] = []
+
+    def start(names: list[str]) -> Stopped:
+        started.append(names)
+        return Stopped(0)
+
+    _supervise([host], start, restarts=1, out=tmp_path, rounds=ROUNDS, quiet=True)
+    assert started == [["b"]]
+    assert host.node_restarts == {"b": 1} and host.restarts == 1
+    assert host.outcome("a", tmp_path, ROUNDS) == {"status": "finished", "restarts": 0}
+    assert host.outcome("b", tmp_path, ROUNDS) == {"status": "finished", "restarts": 1}
+
+
+def test_a_process_that_fails_after_all_others_exited_is_still_restarted(tmp_path):
+    ran_rounds(tmp_path, "a", ROUNDS)
+    ran_rounds(tmp_path, "b", 1)
+    done = SupervisedProcess("a", ["a"], Stopped(0))
+    last = SupervisedProcess("b", ["b"], Stopped(1))  # everything has exited already
+    started: list[list[str]] = []
+
+    def start(names: list[str]) -> Stopped:
+        started.append(names)
+        return Stopped(0)
+
+    _supervise([done, last], start, restarts=2, out=tmp_path, rounds=ROUNDS, quiet=True)
+    assert started == [["b"]]
+
+
+def test_a_node_that_ran_every_round_finished_even_if_its_process_was_killed_after(tmp_path):
+    ran_rounds(tmp_path, "a", ROUNDS)
+    ran_rounds(tmp_path, "b", 3)
+    alone = SupervisedProcess("a", ["a"], Stopped(-9))
+    cut_short = SupervisedProcess("b", ["b"], Stopped(-9))
+    assert alone.outcome("a", tmp_path, ROUNDS)["status"] == "finished"
+    failed = cut_short.outcome("b", tmp_path, ROUNDS)
+    assert failed["status"] == "failed" and failed["ended"] == "SIGKILL"
+
+
+def test_a_process_whose_nodes_all_finished_is_not_restarted_again_and_again(tmp_path):
+    ran_rounds(tmp_path, "a", ROUNDS)
+    host = SupervisedProcess("host0", ["a"], Stopped(-9))
+    started: list[list[str]] = []
+    _supervise([host], started.append, restarts=3, out=tmp_path, rounds=ROUNDS, quiet=True)
+    assert started == [] and host.running == []
+    assert host.outcome("a", tmp_path, ROUNDS) == {"status": "finished", "restarts": 0}
