@@ -7,6 +7,10 @@ run costs the machine (RSS would count torch's shared pages once per process). A
 the run it reads what the nodes wrote: bytes each node sent by message kind, and the
 "is down" lines of the node logs (a live peer marked down because it was not heard
 from in time).
+
+With `--ray-nodes K` each size runs a second time on a Ray cluster of K Ray nodes
+started on this machine for that run (launch/ray_local.py), the Ray processes' PSS
+counted with the launcher's: what Ray costs beside a plain launch, as ratios.
 """
 
 from __future__ import annotations
@@ -21,9 +25,13 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .options import positive, positive_list
 from .summary import last_record
+
+if TYPE_CHECKING:
+    from .ray_local import LocalRayCluster
 
 BLOB_KINDS = ("blob",)  # what carries model bytes; everything else is control traffic
 
@@ -88,17 +96,18 @@ def pss_kb(pid: int) -> int:
 
 
 class PeakPss:
-    """Samples the total PSS of a process tree every `period` seconds; keeps the peak."""
+    """Samples the total PSS of the process trees under `roots` every `period` seconds;
+    keeps the peak."""
 
-    def __init__(self, root: int, period: float = 1.0) -> None:
-        self.root, self.period, self.peak_kb = root, period, 0
+    def __init__(self, roots: list[int], period: float = 1.0) -> None:
+        self.roots, self.period, self.peak_kb = roots, period, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
 
     def _sample(self) -> None:
         while not self._stop.wait(self.period):
-            total = sum(pss_kb(pid) for pid in process_tree(self.root))
+            total = sum(pss_kb(pid) for root in self.roots for pid in process_tree(root))
             self.peak_kb = max(self.peak_kb, total)
 
     def stop(self) -> float:
@@ -108,8 +117,15 @@ class PeakPss:
 
 
 def run_size(
-    nodes: int, hosts: int | None, rounds: int, out: Path, settings: list[str]
+    nodes: int,
+    hosts: int | None,
+    rounds: int,
+    out: Path,
+    settings: list[str],
+    ray: LocalRayCluster | None = None,
 ) -> ScaleResult:
+    """One `meshfl launch --nodes N` (on the Ray cluster `ray`, if given: its processes
+    count towards the PSS, and the hosts column says "ray")."""
     command = [
         sys.executable,
         "-m",
@@ -125,11 +141,14 @@ def run_size(
     ]
     if hosts is not None:
         command += ["--hosts", str(hosts)]
+    if ray is not None:
+        command += ["--ray", ray.address]
     for assignment in settings:
         command += ["--set", assignment]
     clock = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    pss = PeakPss(process.pid)
+    cluster = [each.pid for each in ray.processes] if ray is not None else []
+    pss = PeakPss([process.pid, *cluster])
     _, stderr = process.communicate()
     wall = time.perf_counter() - clock
     peak = pss.stop()
@@ -137,7 +156,7 @@ def run_size(
         raise RuntimeError(f"meshfl launch --nodes {nodes} failed: {stderr.decode()[-800:]}")
     return ScaleResult(
         nodes,
-        str(hosts) if hosts is not None else "auto",
+        "ray" if ray is not None else str(hosts) if hosts is not None else "auto",
         rounds,
         wall,
         peak,
@@ -192,6 +211,15 @@ def main(argv: list[str]) -> int:
         help="a config change for every run, repeatable",
     )
     parser.add_argument(
+        "--ray-nodes",
+        type=positive(int),
+        default=None,
+        metavar="K",
+        help="also run each size on a Ray cluster of K Ray nodes started on this machine "
+        "for it (the cores split among them; its processes count towards the PSS), and "
+        "print Ray's cost as ratios to the run without it",
+    )
+    parser.add_argument(
         "--keep",
         metavar="DIR",
         default=None,
@@ -201,9 +229,27 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="meshfl-scale-") as scratch:
         root = Path(args.keep or scratch)
         for size in args.sizes:
-            result = run_size(size, args.hosts, args.rounds, root / f"nodes{size}", args.settings)
-            print(result.line(), flush=True)
+            alone = run_size(size, args.hosts, args.rounds, root / f"nodes{size}", args.settings)
+            print(alone.line(), flush=True)
+            if args.ray_nodes:
+                on_ray = _run_on_ray(size, args, root)
+                print(on_ray.line(), flush=True)
+                print(
+                    f"  ray/alone: wall={on_ray.wall_s / alone.wall_s:.2f}x "
+                    f"pss={on_ray.pss_mb / alone.pss_mb:.2f}x",
+                    flush=True,
+                )
     return 0
+
+
+def _run_on_ray(size: int, args: argparse.Namespace, root: Path) -> ScaleResult:
+    """A size on a fresh local Ray cluster, so that no run inherits another's workers."""
+    from .ray_local import LocalRayCluster, Place
+
+    cpus = max(1, (os.cpu_count() or 1) // args.ray_nodes)
+    out = root / f"nodes{size}-ray"
+    with LocalRayCluster([Place()] * args.ray_nodes, cpus, logs=out / "cluster") as ray:
+        return run_size(size, args.hosts, args.rounds, out, args.settings, ray)
 
 
 if __name__ == "__main__":

@@ -97,6 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
         "its nodes take turns at the CPU, each still a full peer on the "
         "wire. --hosts equal to --nodes gives every node its own process",
     )
+    launch.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        help="run the node hosts on the Ray cluster at ADDRESS (HEAD:6379, or auto for "
+        "the cluster this machine belongs to), spread over its machines by their CPUs; "
+        "nodes still talk over meshfl's own wire, and the run folder is gathered here. "
+        "Needs the ray extra: pip install 'meshfl[ray]'",
+    )
     launch.add_argument("--quiet", action="store_true", help="no live progress line")
     launch.add_argument(
         "--restarts",

@@ -68,7 +68,14 @@ def launch_local(args: argparse.Namespace) -> int:
             f"({len(cfg.peers)}), which gives every node a process of its own"
         )
     out = Path(args.out or _default_run_dir(cfg))
-    summary = run_mesh(cfg, out, quiet=args.quiet, restarts=args.restarts, hosts=args.hosts)
+    if args.ray is not None:
+        from .ray_hosts import run_mesh_on_ray  # the only module that imports Ray
+
+        summary = run_mesh_on_ray(
+            cfg, out, args.ray, quiet=args.quiet, restarts=args.restarts, hosts=args.hosts
+        )
+    else:
+        summary = run_mesh(cfg, out, quiet=args.quiet, restarts=args.restarts, hosts=args.hosts)
     print_table(summary)
     failed = failed_nodes(summary)
     if failed:
@@ -334,7 +341,7 @@ def _supervise(
 ) -> None:
     """Show progress and restart failed processes (up to `restarts` times each) until
     every process has exited."""
-    progress = _Progress(out, rounds, quiet)
+    progress = Progress(out, rounds, quiet)
     while True:
         for each in supervised:
             if each.failed() and each.restarts < restarts:
@@ -371,7 +378,7 @@ def _restart(
     return True
 
 
-class _Progress:
+class Progress:
     """The live line on a terminal, else a line each time every running node finished
     another round."""
 

@@ -5,10 +5,8 @@ address; a fourth joins with `meshfl join` through one of them. The mesh must le
 (every node ends above a Local model trained on the same data) and no peer table may
 hold a loopback address.
 
-Traffic stays inside: the bridge has no address in the test's own namespace and the
-hosts have no default route, so nothing they send can leave the virtual LAN. Every
-namespace, link and process is named with a per-run token and removed in a `finally`,
-whatever the test's outcome. About 50 s on two idle cores, half of it the Local reference.
+The LAN (tests/netns.py) keeps every packet inside and is torn down whatever the test's
+outcome. About 50 s on two idle cores, half of it the Local reference.
 
 The last test needs no namespaces: a late member listed in peers.yaml (the way into a
 closed mesh) joins as its own entry.
@@ -16,15 +14,9 @@ closed mesh) joins as its own entry.
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import json
-import os
-import secrets
-import shutil
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -39,29 +31,11 @@ from meshfl.node.data import load_node_data
 from meshfl.node.models import build_model
 from meshfl.node.trainer import evaluate, train_local
 from meshfl.protocol.identity import Identity
+from tests.netns import VirtualLan, needs_netns, virtual_lan
 from tests.nodes import records
 
 pytestmark = pytest.mark.slow  # real processes over real sockets
 
-
-def can_build_namespaces() -> bool:
-    """Root with iproute2 is not enough in a container without CAP_NET_ADMIN: try it."""
-    if os.name != "posix" or os.geteuid() != 0 or shutil.which("ip") is None:
-        return False
-    probe = f"meshfl-probe-{secrets.token_hex(3)}"
-    try:
-        made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, timeout=10)
-        subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return made.returncode == 0
-
-
-needs_netns = pytest.mark.skipif(
-    not can_build_namespaces(),
-    reason="needs root with CAP_NET_ADMIN and iproute2 (`ip netns`) to build a virtual "
-    "LAN of namespaces",
-)
 
 SUBNET = "10.77.0"  # private; only the namespaces of one run ever see it
 PORT = 7700  # the same port on every host, as on real machines
@@ -93,92 +67,14 @@ STALL = 120.0
 LIMIT = 900.0
 
 
-def ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
-
-
-class VirtualLan:
-    """Hosts h0..h{n-1}: each a namespace with eth0 at SUBNET.(i+1), all on one bridge."""
-
-    def __init__(self) -> None:
-        token = secrets.token_hex(3)  # interface names must stay within 15 characters
-        self.bridge = f"mfbr{token}"
-        self.prefix = f"mf{token}"
-        self.namespaces: list[str] = []
-        self.veths: list[str] = []  # outside ends, deleted even if a host was half made
-        self.processes: list[subprocess.Popen] = []
-
-    def add_host(self) -> str:
-        index = len(self.namespaces)
-        namespace = f"meshfl-test-{self.prefix}-h{index}"
-        outside, inside = f"{self.prefix}o{index}", f"{self.prefix}i{index}"
-        ip("netns", "add", namespace)
-        self.namespaces.append(namespace)
-        ip("link", "add", outside, "type", "veth", "peer", "name", inside)
-        self.veths.append(outside)
-        ip("link", "set", outside, "master", self.bridge, "up")
-        ip("link", "set", inside, "netns", namespace)
-        ip("-n", namespace, "link", "set", inside, "name", "eth0")
-        ip("-n", namespace, "addr", "add", f"{self.address(index)}/24", "dev", "eth0")
-        ip("-n", namespace, "link", "set", "eth0", "up")
-        ip("-n", namespace, "link", "set", "lo", "up")
-        return namespace
-
-    @staticmethod
-    def address(index: int) -> str:
-        return f"{SUBNET}.{index + 1}"
-
-    def start(self, index: int, log: Path, *meshfl_args: str) -> subprocess.Popen:
-        """`meshfl ARGS` on host `index`, in its own process group."""
-        command = [
-            "ip",
-            "netns",
-            "exec",
-            self.namespaces[index],
-            sys.executable,
-            "-m",
-            "meshfl.launch.cli",
-            *meshfl_args,
-        ]
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "ab") as output:
-            process = subprocess.Popen(
-                command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        self.processes.append(process)
-        return process
-
-    def destroy(self) -> None:
-        for process in self.processes:
-            with contextlib.suppress(ProcessLookupError):  # it may end on its own meanwhile
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=10)
-        for namespace in self.namespaces:
-            subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=10)
-        # Deleting a namespace deletes the veth end inside and with it the pair; a pair
-        # whose end never moved in is deleted here (an error for the others is harmless).
-        for veth in self.veths:
-            subprocess.run(["ip", "link", "del", veth], capture_output=True, timeout=10)
-        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, timeout=10)
-
-
-def _end_on_sigterm(signum, frame):
-    raise SystemExit(f"ended by signal {signum}")
-
-
 @pytest.fixture
 def lan():
-    # A SIGTERM (a CI time limit) would end Python without running `finally` and leave
-    # the namespaces behind; as an exception it unwinds through the cleanup below.
-    previous = signal.signal(signal.SIGTERM, _end_on_sigterm)
-    network = VirtualLan()
-    try:
-        ip("link", "add", network.bridge, "type", "bridge")
-        ip("link", "set", network.bridge, "up")
+    with virtual_lan(SUBNET) as network:
         yield network
-    finally:
-        network.destroy()
-        signal.signal(signal.SIGTERM, previous)
+
+
+def lan_address(index: int) -> str:
+    return f"{SUBNET}.{index + 1}"  # what VirtualLan gives host `index`
 
 
 def write_peers(path: Path, root: Path | None = None) -> cfgmod.MeshConfig:
@@ -186,7 +82,7 @@ def write_peers(path: Path, root: Path | None = None) -> cfgmod.MeshConfig:
     folder first and its public key listed, as on real machines: the mesh encrypts, and
     a node dials another only with its key (WIRE.md 1.1)."""
     peers = [
-        {"name": name, "listen": f"tcp://{VirtualLan.address(index)}:{PORT}"}
+        {"name": name, "listen": f"tcp://{lan_address(index)}:{PORT}"}
         for index, name in enumerate(NAMED)
     ]
     if root is not None:
@@ -232,7 +128,7 @@ def run_mesh(lan: VirtualLan, config: Path, root: Path) -> None:
         joiner_index,
         node_dir(root, joiner_index, JOINER) / "node.log",
         "join",
-        f"tcp://{VirtualLan.address(1)}:{PORT}",
+        f"tcp://{lan_address(1)}:{PORT}",
         "--config",
         str(config),
         "--name",
@@ -331,7 +227,7 @@ def test_three_hosts_and_a_joiner_learn_over_a_virtual_lan(lan, tmp_path):
     run_mesh(lan, config, tmp_path)
 
     hosts = {name: index for index, name in enumerate([*NAMED, JOINER])}
-    lan_addresses = {f"tcp://{VirtualLan.address(index)}" for index in hosts.values()}
+    lan_addresses = {f"tcp://{lan_address(index)}" for index in hosts.values()}
     joined = records(host_dir(tmp_path, hosts[JOINER]), JOINER)
     assert joined and joined[0]["round"] > 1, "the joiner came into a running mesh"
     assert any(record["received"] for record in joined), "the joiner learned from the mesh"
@@ -361,7 +257,7 @@ def test_a_late_member_listed_in_peers_yaml_joins_as_its_entry(tmp_path, monkeyp
         main(
             [
                 "join",
-                f"tcp://{VirtualLan.address(0)}:{PORT}",
+                f"tcp://{lan_address(0)}:{PORT}",
                 "--config",
                 str(config),
                 "--name",
@@ -373,7 +269,7 @@ def test_a_late_member_listed_in_peers_yaml_joins_as_its_entry(tmp_path, monkeyp
         == 0
     )
     (options,) = started
-    assert options.listen == f"tcp://{VirtualLan.address(2)}:{PORT}"
+    assert options.listen == f"tcp://{lan_address(2)}:{PORT}"
     assert options.key_path == Path("keys/gamma.pem")
     assert (options.node_index, options.num_nodes) == (2, len(NAMED))
     assert options.joining

@@ -1,0 +1,134 @@
+"""`meshfl launch --ray` on a Ray cluster the test starts itself (launch/ray_local.py): a
+head and a second Ray node, each in a network namespace of its own with its own
+address where the machine allows (tests/netns.py), so that the mesh's traffic really
+crosses hosts; else both on loopback. The cluster is stopped at the end whatever the
+outcome, and every wait is bounded.
+
+One run of 20 nodes shows what a user relies on: nodes on different Ray nodes exchange
+blobs over meshfl's own wire, the run folder is gathered on the launching machine, and
+a host killed on one Ray node is restarted there and resumes its nodes from their
+checkpoints while the others go on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from meshfl.launch.cli import main
+from meshfl.launch.ray_local import LocalRayCluster, Place
+from tests.netns import can_build_namespaces, virtual_lan
+from tests.nodes import records
+
+NODES, ROUNDS = 20, 10
+SUBNET = "10.78.0"  # private; apart from the LAN test's
+RUN_LIMIT_S = 600.0
+
+
+@pytest.fixture
+def ray_cluster(tmp_path: Path) -> Iterator[LocalRayCluster]:
+    """A head (place 0) and one more Ray node (place 1), one CPU each."""
+    pytest.importorskip("ray", reason="the ray extra: pip install -e '.[ray]'")
+    with contextlib.ExitStack() as stack:
+        places = [Place(), Place()]
+        if can_build_namespaces():
+            lan = stack.enter_context(virtual_lan(SUBNET))
+            namespaces = [lan.add_host(), lan.add_host()]
+            places = [
+                Place(lan.address(index), ("ip", "netns", "exec", namespace))
+                for index, namespace in enumerate(namespaces)
+            ]
+        yield stack.enter_context(LocalRayCluster(places, cpus=1, logs=tmp_path / "cluster"))
+
+
+def processes(out: Path) -> list[dict]:
+    return json.loads((out / "processes.json").read_text())["processes"]
+
+
+def wait_for(condition, what: str, launch: subprocess.Popen) -> None:
+    deadline = time.monotonic() + RUN_LIMIT_S
+    while not condition():
+        assert launch.poll() is None, f"launch exited ({launch.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def host_of(address: str) -> str:
+    return address.removeprefix("tcp://").rsplit(":", 1)[0]
+
+
+@pytest.mark.slow  # a Ray cluster and real node hosts
+def test_a_mesh_spread_over_two_ray_nodes_learns_gathers_its_folder_and_survives_a_kill(
+    ray_cluster, tmp_path
+):
+    out = tmp_path / "run"
+    launch = ray_cluster.run(
+        [sys.executable, "-m", "meshfl.launch.cli", "launch", "--ray", ray_cluster.address]
+        + ["--out", str(out), "--nodes", str(NODES), "--rounds", str(ROUNDS)]
+        + ["--restarts", "1", "--quiet"],
+        tmp_path / "cluster" / "launch.log",
+    )
+    try:
+        wait_for(lambda: (out / "processes.json").exists(), "the hosts to start", launch)
+        hosts = processes(out)
+        assert len({host["ray_node"] for host in hosts}) == 2, "hosts on both Ray nodes"
+        victim = hosts[-1]
+        wait_for(
+            lambda: all(len(records(out, name)) >= 2 for name in victim["nodes"]),
+            "the victim host's nodes to finish round 2",
+            launch,
+        )
+        os.kill(victim["pid"], signal.SIGKILL)
+        assert launch.wait(timeout=RUN_LIMIT_S) == 0, (tmp_path / "cluster/launch.log").read_text()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launch.pid, signal.SIGKILL)
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert [node["status"] for node in summary["nodes"]] == ["finished"] * NODES
+    restarted = {node["name"] for node in summary["nodes"] if node["restarts"]}
+    assert restarted == set(victim["nodes"]), "exactly the killed host's nodes restarted"
+    after = next(host for host in processes(out) if host["label"] == victim["label"])
+    assert after["pid"] != victim["pid"] and after["ray_node"] == victim["ray_node"]
+
+    # The run folder is gathered here; checkpoints and keys stay where the nodes ran.
+    assert (out / "config.yaml").is_file()
+    for name in (f"node{i}" for i in range(NODES)):
+        rounds = [record["round"] for record in records(out, name)]
+        assert rounds[-1] == ROUNDS and rounds == sorted(set(rounds)), (name, rounds)
+        assert (out / name / "info.json").is_file() and (out / name / "node.log").is_file()
+        assert not (out / name / "checkpoint.pt").exists()
+    for name in victim["nodes"]:
+        assert "resumed from the checkpoint of round" in (out / name / "node.log").read_text()
+
+    # Nodes on one Ray node fetched blobs from nodes on the other, over meshfl's wire.
+    ray_node_of = {name: host["ray_node"] for host in hosts for name in host["nodes"]}
+    for name, ray_node in ray_node_of.items():
+        senders = {f["from"] for r in records(out, name) for f in r["transport_fetches"]}
+        assert any(ray_node_of.get(sender) != ray_node for sender in senders), name
+    if ray_cluster.places[0].prefix:  # namespaces: each node listened on its Ray node's address
+        peers = yaml.safe_load((out / "config.yaml").read_text())["peers"]
+        listens = {peer["name"]: host_of(peer["listen"]) for peer in peers}
+        ip_of = {host["ray_node"]: host["ip"] for host in hosts}
+        assert set(ip_of.values()) == {place.ip for place in ray_cluster.places}
+        for name, ray_node in ray_node_of.items():
+            assert listens[name] == ip_of[ray_node]
+            assert not ipaddress.ip_address(listens[name]).is_loopback
+
+
+def test_without_ray_installed_launch_says_how_to_install_it(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "ray", None)  # what an install without the extra sees
+    assert main(["launch", "--ray", "auto", "--out", str(tmp_path / "run")]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.count("\n") == 0 and "pip install 'meshfl[ray]'" in error
