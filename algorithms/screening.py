@@ -50,6 +50,9 @@ from .base import (
 N_CLAIM_FACTOR = 4
 MEMORY_ROUNDS = 3
 SCREEN_KEY = "screen"
+# The digests screening remembers, in the node's checkpoint beside the rule's own state:
+# a node that resumes still knows the models of its last rounds, and a replay of one.
+MEMORY_KEY = "screening_memory"
 
 
 # --------------------------------------------------------------------------- pure checks
@@ -153,10 +156,13 @@ class Screened(PeerAlgorithm):
         return self.rule.layouts(kind)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.rule.state_dict()
+        memory = {round_no: sorted(d.hex() for d in seen) for round_no, seen in self._seen.items()}
+        return {**self.rule.state_dict(), MEMORY_KEY: memory}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.rule.load_state_dict(state)
+        memory = state.get(MEMORY_KEY, {})  # absent in a checkpoint of an older version
+        self._seen = {int(r): {bytes.fromhex(d) for d in seen} for r, seen in memory.items()}
+        self.rule.load_state_dict({key: value for key, value in state.items() if key != MEMORY_KEY})
 
     def aggregate(
         self, round_no: int, own: PeerModel, received: ReceivedModels, data: Any

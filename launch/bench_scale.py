@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .errors import STOP_SIGNALS, raise_stopped
 from .options import positive, positive_list
 from .summary import last_record
 
@@ -226,6 +228,9 @@ def main(argv: list[str]) -> int:
         help="keep each run's folder under DIR (default: a temporary folder)",
     )
     args = parser.parse_args(argv)
+    # A stop signal unwinds like Ctrl-C, so that a Ray cluster started here is stopped.
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, raise_stopped)
     with tempfile.TemporaryDirectory(prefix="meshfl-scale-") as scratch:
         root = Path(args.keep or scratch)
         for size in args.sizes:

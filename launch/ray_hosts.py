@@ -25,16 +25,17 @@ import logging
 import math
 import os
 import tempfile
+import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from meshfl.node import config as cfgmod
+from meshfl.node.checkpoint import write_atomically
 from meshfl.node.coordinator import COORDINATOR, make_node
 from meshfl.node.host import FINISHED, NodeHost, NodeLog, files_per_node, raise_open_files_limit
 from meshfl.node.logs import FORMAT, OneLineFormatter
@@ -45,16 +46,23 @@ from meshfl.protocol.transport import free_ports
 from .contacts import key_path
 from .entry import named_node_options, node_options
 from .errors import UserError
-from .summary import FAILED, last_record, ran_every_round, write_summary
-from .supervise import Progress, last_error_line
+from .summary import FAILED, write_summary
+from .supervise import Progress, host_groups, last_error_line, node_finished, process_log
 
 log = logging.getLogger("meshfl.launch")
 
 INSTALL_HINT = "pip install 'meshfl[ray]' (in a checkout: pip install -e '.[ray]')"
+PLACE_LIMIT_S = 120.0  # hosts not placed by then wait for CPUs the cluster lacks
 MIRROR_EVERY_S = 1.0  # how often the launcher copies the nodes' files back
-STOP_WAIT_S = 15.0  # how long stopping hosts may take before they are killed
+MIRROR_WAIT_S = 30.0  # how long the last copy of a run waits for the hosts' answers
+STOP_WAIT_S = 15.0  # how long stopping hosts may take before they are ended
+SEAT_TRIES = 5  # two hosts of a machine may draw the same free port: draw again
 # The files of a node that come back to the run folder; its checkpoint and key stay.
 MIRRORED = ("metrics.jsonl", "node.log", "info.json")
+# How much of a copied file's end must still match the original for its tail alone to
+# be sent: a file written anew (a resumed node's metrics) comes back whole.
+MATCHED_TAIL = 256
+CPU_GRAIN = 1e-4  # Ray counts resources in ten-thousandths
 
 
 def import_ray() -> Any:
@@ -65,7 +73,7 @@ def import_ray() -> Any:
     return ray
 
 
-# --- the launcher's side -----------------------------------------------------------
+# --- the launcher's side: where the hosts go ---------------------------------------
 
 
 @dataclass(frozen=True)
@@ -90,34 +98,35 @@ def cluster_machines(ray: Any) -> list[Machine]:
 
 @dataclass
 class Placement:
-    """The hosts of one machine: each host's node names, and the CPUs each reserves."""
+    """The hosts of one machine: each host's node names."""
 
     machine: Machine
     groups: list[list[str]]
 
     @property
     def cpus_per_host(self) -> float:
-        return self.machine.cpus / len(self.groups)
+        """Each host's share of the machine's CPUs, as Ray can grant it in full."""
+        return math.floor(self.machine.cpus / len(self.groups) / CPU_GRAIN) * CPU_GRAIN
 
 
 def plan_hosts(names: list[str], machines: list[Machine], hosts: int | None) -> list[Placement]:
-    """Spread `names` over `machines` in proportion to their CPUs, in about one host per
-    CPU (or `hosts` in all), more where a host's connections would not fit a process's
-    open-files limit; consecutive names share a host."""
+    """Spread `names` over `machines` in proportion to their CPUs, consecutive names
+    sharing a host: about one host per CPU, more where a host's connections would not
+    fit a process's open-files limit; or `hosts` in all (at least one per machine used)."""
     total_cpus = sum(machine.cpus for machine in machines)
-    shares = _proportional(len(names), [machine.cpus / total_cpus for machine in machines])
+    counts = _proportional(len(names), [machine.cpus / total_cpus for machine in machines])
+    used = [(machine, count) for machine, count in zip(machines, counts, strict=True) if count]
+    if hosts is None:
+        wanted = [
+            max(1, int(machine.cpus), _hosts_by_files(count, len(names))) for machine, count in used
+        ]
+    else:
+        wanted = [max(1, n) for n in _proportional(hosts, [c / len(names) for _, c in used])]
     placements, start = [], 0
-    for machine, count in zip(machines, shares, strict=True):
-        if count == 0:
-            continue
+    for (machine, count), hosts_here in zip(used, wanted, strict=True):
         mine = names[start : start + count]
         start += count
-        wanted = (
-            max(1, round(hosts * count / len(names)))
-            if hosts is not None
-            else max(1, int(machine.cpus), _hosts_by_files(count, len(names)))
-        )
-        placements.append(Placement(machine, _even_runs(mine, min(wanted, count))))
+        placements.append(Placement(machine, host_groups(mine, min(hosts_here, count))))
     return placements
 
 
@@ -135,16 +144,6 @@ def _proportional(total: int, weights: list[float]) -> list[int]:
     return counts
 
 
-def _even_runs(names: list[str], runs: int) -> list[list[str]]:
-    size, extra = divmod(len(names), runs)
-    groups, start = [], 0
-    for index in range(runs):
-        end = start + size + (index < extra)
-        groups.append(names[start:end])
-        start = end
-    return groups
-
-
 @dataclass
 class RayProcess:
     """One host actor as the launcher sees it: its nodes, where it runs, its run call."""
@@ -152,12 +151,13 @@ class RayProcess:
     label: str
     names: list[str]
     actor: Any
-    placement: Placement
-    hosts_on_ip: int  # hosts on its machine: they share its cores
+    machine: Machine
+    cpus: float  # its share of the machine's CPUs
     run_id: str  # the run's scratch folder on its machine
     running: list[str] = field(default_factory=list)
     node_restarts: Counter[str] = field(default_factory=Counter)
     pid: int = 0
+    ray_node: str = ""  # where Ray says it runs
     run_ref: Any = None
     ended: str | None = None  # how it ended, when it failed for good
 
@@ -167,6 +167,12 @@ class RayProcess:
     @property
     def restarts(self) -> int:
         return max(self.node_restarts.values(), default=0)
+
+    def start_run(self, config_text: str) -> None:
+        self.run_ref = self.actor.run.remote(config_text, self.running, self.cpus)
+
+
+# --- the launcher's side: the run ---------------------------------------------------
 
 
 def run_mesh_on_ray(
@@ -188,39 +194,28 @@ def run_mesh_on_ray(
     processes: list[RayProcess] = []
     try:
         processes = _start_hosts(ray, cfg, out, restarts, hosts)
-        cfg = _with_seats(cfg, processes, ray)
+        cfg = _with_seats(ray, cfg, processes)
         cfgmod.validate(cfg)
         config_path = out / "config.yaml"
         cfgmod.save_config(cfgmod.with_explicit_params(cfg), config_path)
         config_text = config_path.read_text()
         for each in processes:
-            each.run_ref = each.actor.run.remote(config_text, each.running, each.hosts_on_ip)
+            each.start_run(config_text)
         _write_processes(out, address, processes)
         if not quiet:
-            machines = {each.placement.machine.node_id for each in processes}
+            machines = {each.ray_node for each in processes}
             print(
                 f"meshfl: {len(cfg.peers)} nodes in {len(processes)} hosts on "
                 f"{len(machines)} Ray nodes at {address}, {cfg.algorithm.name} on "
                 f"{cfg.data.dataset} ({cfg.data.partition}), {cfg.rounds} rounds -> {out}",
                 flush=True,
             )
-        mirror = Mirror(out)
-        progress = Progress(out, cfg.rounds, quiet)
-        restart = partial(_restart, ray, config_text, out, cfg.rounds, restarts, quiet)
-        while any(each.run_ref is not None for each in processes):
-            _wait_for_runs(ray, processes, restart)
-            mirror.pull(ray, processes)
-            progress.show([name for each in processes for name in each.running])
-            if any(each.run_ref is not None for each in processes):
-                time.sleep(MIRROR_EVERY_S)
-        progress.end()
+        _supervise(ray, processes, config_text, out, address, cfg.rounds, restarts, quiet)
     finally:
         _stop_hosts(ray, out, processes)
         ray.shutdown()
     outcomes = {
-        name: _outcome(each, name, out, cfg.rounds, last_error_line)
-        for each in processes
-        for name in each.names
+        name: _outcome(each, name, out, cfg.rounds) for each in processes for name in each.names
     }
     return write_summary(cfg, out, outcomes)
 
@@ -230,14 +225,10 @@ def _start_hosts(
 ) -> list[RayProcess]:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    names = [peer.name for peer in cfg.peers]
-    placements = plan_hosts(names, cluster_machines(ray), hosts)
-    if cfg.coordinator is not None:  # a host of its own, on the first machine
-        placements.append(Placement(placements[0].machine, [[COORDINATOR]]))
+    placements = plan_hosts([peer.name for peer in cfg.peers], cluster_machines(ray), hosts)
+    if cfg.coordinator is not None:  # a host of its own, sharing the first machine's CPUs
+        placements[0].groups.append([COORDINATOR])
     run_id = _run_id(out)
-    hosts_on_ip = Counter(
-        placement.machine.ip for placement in placements for _ in placement.groups
-    )
     remote_host = ray.remote(RayHost)
     processes: list[RayProcess] = []
     for placement in placements:
@@ -245,16 +236,14 @@ def _start_hosts(
         where = NodeAffinitySchedulingStrategy(placement.machine.node_id, soft=False)
         for group in placement.groups:
             actor = remote_host.options(
-                num_cpus=min(1.0, placement.cpus_per_host),
+                num_cpus=placement.cpus_per_host,
                 scheduling_strategy=where,
                 max_restarts=restarts,
                 max_concurrency=4,  # its run call, and the mirror's and the stop's calls
             ).remote(run_id, group)
             label = group[0] if len(group) == 1 else f"host{len(processes)}"
             processes.append(
-                RayProcess(
-                    label, group, actor, placement, hosts_on_ip[placement.machine.ip], run_id
-                )
+                RayProcess(label, group, actor, placement.machine, placement.cpus_per_host, run_id)
             )
     return processes
 
@@ -269,69 +258,116 @@ def _run_id(out: Path) -> str:
         return f"{out.resolve().name}-{uuid.uuid4().hex[:8]}"
 
 
-def _with_seats(cfg: cfgmod.MeshConfig, processes: list[RayProcess], ray: Any) -> cfgmod.MeshConfig:
+def _with_seats(ray: Any, cfg: cfgmod.MeshConfig, processes: list[RayProcess]) -> cfgmod.MeshConfig:
     """`cfg` with each peer's listen address on its host's machine and its public key
     (made there; the private key never leaves that machine)."""
-    try:
-        answers = ray.get([each.actor.seats.remote() for each in processes])
-    except ray.exceptions.RayError as err:
-        raise UserError(
-            f"--ray: a node host could not start on the cluster ({type(err).__name__}); "
-            "every machine needs meshfl installed, the same version as here"
-        ) from err
     seats: dict[str, tuple[str, str]] = {}
-    for each, (pid, node_seats) in zip(processes, answers, strict=True):
-        each.pid = pid
-        seats.update(node_seats)
+    asking = processes
+    for _ in range(SEAT_TRIES):
+        for each, (where, drawn) in zip(asking, _ask(ray, asking, "seats"), strict=True):
+            each.pid, each.ray_node = where
+            seats.update(drawn)
+        taken = Counter(address for address, _ in seats.values())
+        asking = [each for each in processes if any(taken[seats[n][0]] > 1 for n in each.names)]
+        if not asking:
+            break  # else the hosts that drew a port twice draw again
     peers = [
-        replace(peer, listen=seats[peer.name][0], public_key=seats[peer.name][1])
+        # The key is the one made where the node runs, not a path of this machine.
+        replace(peer, listen=seats[peer.name][0], public_key=seats[peer.name][1], key=None)
         for peer in cfg.peers
     ]
     coordinator = seats[COORDINATOR][0] if COORDINATOR in seats else None
     return replace(cfg, peers=peers, coordinator=coordinator)
 
 
-def _wait_for_runs(
-    ray: Any, processes: list[RayProcess], restart: Callable[[RayProcess], None]
+def _ask(ray: Any, processes: list[RayProcess], method: str) -> list[Any]:
+    """Every host's answer to `method`, once Ray has placed them all; UserError when it
+    cannot, in words a user can act on."""
+    refs = [getattr(each.actor, method).remote() for each in processes]
+    try:
+        return ray.get(refs, timeout=PLACE_LIMIT_S)
+    except ray.exceptions.GetTimeoutError:
+        raise UserError(
+            f"--ray: the cluster did not place {len(processes)} node hosts within "
+            f"{PLACE_LIMIT_S:.0f} s: its CPUs are taken (`ray status` shows them)"
+        ) from None
+    except ray.exceptions.RayError as err:
+        raise UserError(
+            f"--ray: a node host could not start on the cluster ({type(err).__name__}); "
+            "every machine needs meshfl installed, the same version as here"
+        ) from err
+
+
+def _supervise(
+    ray: Any,
+    processes: list[RayProcess],
+    config_text: str,
+    out: Path,
+    address: str,
+    rounds: int,
+    restarts: int,
+    quiet: bool,
 ) -> None:
-    """Take the result of every run call that has ended; restart a host that died."""
+    """Mirror the files, show progress and restart failed hosts until every run ended."""
+    mirror, progress = Mirror(out), Progress(out, rounds, quiet)
+    while any(each.run_ref is not None for each in processes):
+        for each in _ended_runs(ray, processes):
+            _run_again(ray, each, config_text, out, rounds, restarts, quiet, mirror)
+            _write_processes(out, address, processes)
+        mirror.pull(ray, processes)
+        progress.show([name for each in processes if each.run_ref for name in each.running])
+        time.sleep(MIRROR_EVERY_S)
+    progress.end()
+
+
+def _ended_runs(ray: Any, processes: list[RayProcess]) -> list[RayProcess]:
+    """The hosts whose run call has ended and left a node unfinished; the others' run
+    calls are taken as they end."""
     pending = [each.run_ref for each in processes if each.run_ref is not None]
     done, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
+    failed = []
     for each in processes:
         if each.run_ref is None or each.run_ref not in done:
             continue
         try:
             ends = ray.get(each.run_ref)
-        except ray.exceptions.RayError as err:  # the actor died: killed, OOM, machine lost
-            ends, each.ended = {}, f"host died ({type(err).__name__})"
+        except ray.exceptions.RayTaskError as err:  # run() raised: its first line says why
+            ends, each.ended = {}, f"host raised: {str(err).strip().splitlines()[-1][:200]}"
+        except ray.exceptions.RayError as err:  # gone or unreachable: killed, OOM, network
+            ends, each.ended = {}, f"host lost ({type(err).__name__})"
         each.run_ref = None
-        if ends and all(status == FINISHED for status in ends.values()):
-            continue
-        each.ended = each.ended or "a node of the host raised (its node.log says why)"
-        restart(each)
+        if not ends or any(status != FINISHED for status in ends.values()):
+            each.ended = each.ended or "a node of the host raised (its node.log says why)"
+            failed.append(each)
+    return failed
 
 
-def _restart(
+def _run_again(
     ray: Any,
+    failed: RayProcess,
     config_text: str,
     out: Path,
     rounds: int,
     restarts: int,
     quiet: bool,
-    failed: RayProcess,
+    mirror: Mirror,
 ) -> None:
-    """Run the unfinished nodes of a host that failed again, on its machine (Ray
-    restarts an actor that died there), from their checkpoints."""
-    if failed.restarts >= restarts:
-        return
+    """Start the unfinished nodes of a host whose run ended, on its machine (Ray
+    restarts an actor that died there), from their checkpoints. An actor that was only
+    out of reach and still runs its nodes is joined again instead (RayHost.run)."""
     try:
-        failed.pid = ray.get(failed.actor.pid.remote())  # once Ray has it back
-    except ray.exceptions.RayError as err:  # its machine is gone: Ray cannot restart it
+        pid = _pid_once_back(ray, failed)
+    except ray.exceptions.RayError as err:  # its machine is gone, or its restarts spent
         failed.ended = f"host lost ({type(err).__name__})"
         return
-    Mirror(out).pull(ray, [failed])  # what its nodes finished before it went
-    failed.running = [name for name in failed.running if not _finished(out, name, rounds)]
-    if not failed.running:
+    if pid == failed.pid and failed.ended and failed.ended.startswith("host lost"):
+        failed.ended = None  # the same process, out of reach for a while: join it again
+        failed.start_run(config_text)
+        return
+    failed.pid = pid
+    _pull_all(ray, mirror, [failed])  # what its nodes finished before it went
+    failed.running = [name for name in failed.running if not node_finished(out, name, rounds)]
+    if not failed.running or failed.restarts >= restarts:
         return
     failed.node_restarts.update(failed.running)
     if not quiet:
@@ -341,30 +377,33 @@ def _restart(
             flush=True,
         )
     failed.ended = None
-    failed.run_ref = failed.actor.run.remote(config_text, failed.running, failed.hosts_on_ip)
-    _write_processes(out, None, [failed], update=True)
+    failed.start_run(config_text)
 
 
-def _finished(out: Path, name: str, rounds: int) -> bool:
-    return ran_every_round(last_record(out / name / "metrics.jsonl"), rounds)
+def _pid_once_back(ray: Any, host: RayProcess) -> int:
+    """The pid of the host's process once it answers: Ray calls an actor it is still
+    restarting unavailable. RayError when it does not come back (ActorDiedError: its
+    restarts are spent or its machine is gone)."""
+    deadline = time.monotonic() + PLACE_LIMIT_S
+    while True:
+        try:
+            return int(ray.get(host.actor.where.remote(), timeout=PLACE_LIMIT_S)[0])
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(MIRROR_EVERY_S)
 
 
-def _outcome(
-    each: RayProcess,
-    name: str,
-    out: Path,
-    rounds: int,
-    last_error_line: Callable[[Path], str | None],
-) -> dict[str, Any]:
+def _outcome(each: RayProcess, name: str, out: Path, rounds: int) -> dict[str, Any]:
     restarts = each.node_restarts[name]
-    if _finished(out, name, rounds):
+    if node_finished(out, name, rounds):
         return {"status": FINISHED, "restarts": restarts}
     return {
         "status": FAILED,
         "restarts": restarts,
         "ended": each.ended or "stopped before its last round",
         "last_error": last_error_line(out / name / "node.log")
-        or last_error_line(out / _host_log_name(each.names)),
+        or last_error_line(process_log(out, each.names)),
     }
 
 
@@ -377,57 +416,79 @@ def _stop_hosts(ray: Any, out: Path, processes: list[RayProcess]) -> None:
         ray.wait(stops, num_returns=len(stops), timeout=STOP_WAIT_S)
         refs = [each.run_ref for each in running]
         ray.wait(refs, num_returns=len(refs), timeout=STOP_WAIT_S)
-    Mirror(out).pull(ray, processes)
+    _pull_all(ray, Mirror(out), processes)
     for each in processes:
         ray.kill(each.actor)
 
 
-def _write_processes(
-    out: Path, address: str | None, processes: list[RayProcess], update: bool = False
-) -> None:
-    """<out>/processes.json: which host runs which nodes, on which Ray node, with its pid,
-    and the name of the run's scratch folders there (`ray_run`)."""
-    path = out / "processes.json"
-    listing: dict[str, Any] = json.loads(path.read_text()) if update else {"launcher": os.getpid()}
-    if address is not None:
-        listing["ray"] = address
-        listing["ray_run"] = processes[0].run_id
-    rows = {row["label"]: row for row in listing.get("processes", [])}
-    for each in processes:
-        rows[each.label] = {
-            "label": each.label,
-            "pid": each.pid,
-            "nodes": each.running,
-            "ray_node": each.placement.machine.node_id,
-            "ip": each.placement.machine.ip,
-        }
-    listing["processes"] = list(rows.values())
-    path.write_text(json.dumps(listing, indent=2) + "\n")
+def _pull_all(ray: Any, mirror: Mirror, processes: list[RayProcess]) -> None:
+    """Everything the hosts' nodes wrote, as far as the hosts answer in MIRROR_WAIT_S."""
+    mirror.asked.clear()  # earlier requests may carry older copies' sizes
+    mirror.pull(ray, processes, wait=MIRROR_WAIT_S)
+
+
+def _write_processes(out: Path, address: str, processes: list[RayProcess]) -> None:
+    """<out>/processes.json: which host runs which nodes, on which Ray node and address,
+    with its pid, and the name of the run's scratch folders there (`ray_run`)."""
+    listing = {
+        "launcher": os.getpid(),
+        "ray": address,
+        "ray_run": processes[0].run_id,
+        "processes": [
+            {
+                "label": each.label,
+                "pid": each.pid,
+                "nodes": each.running,
+                "ray_node": each.ray_node,
+                "ip": each.machine.ip,
+            }
+            for each in processes
+        ],
+    }
+    write_atomically(out / "processes.json", (json.dumps(listing, indent=2) + "\n").encode())
 
 
 class Mirror:
     """Copies what the hosts' nodes write (MIRRORED, and each host's log) into the run
-    folder: appended bytes as they come, a file written anew as a whole."""
+    folder: appended bytes as they come, a file written anew as a whole. One request
+    per host is out at a time, taken when it is answered: a host slow to answer (a
+    loaded machine) delays its own copies, never piles requests up."""
 
     def __init__(self, out: Path) -> None:
         self.out = out
+        self.asked: dict[str, Any] = {}  # host label -> its unanswered request
 
-    def pull(self, ray: Any, processes: list[RayProcess]) -> None:
-        asks = [each.actor.files.remote(self._offsets(each)) for each in processes]
-        for ref in asks:
+    def pull(self, ray: Any, processes: list[RayProcess], wait: float = 0.0) -> None:
+        """Ask every host not asked yet; copy what the answered ones sent, waiting up to
+        `wait` seconds for answers."""
+        for each in processes:
+            if each.label not in self.asked:
+                self.asked[each.label] = each.actor.files.remote(self._copies(each))
+        refs = list(self.asked.values())
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait)
+        for label, ref in list(self.asked.items()):
+            if ref not in ready:
+                continue
+            del self.asked[label]
             try:
-                files = ray.get(ref, timeout=30)
-            except ray.exceptions.RayError:  # died, being restarted, or slow: next time
+                files = ray.get(ref)
+            except ray.exceptions.RayError:  # died or being restarted: ask again
                 continue
             for relative, (start, data) in files.items():
                 self._write(relative, start, data)
 
-    def _offsets(self, each: RayProcess) -> dict[str, int]:
-        offsets = {}
+    def _copies(self, each: RayProcess) -> dict[str, tuple[int, bytes]]:
+        """For each file of the host: its copy's size and last bytes ((0, b"") for none)."""
+        copies = {}
         for relative in host_files(each.names):
-            path = self.out / relative
-            offsets[relative] = path.stat().st_size if path.exists() else 0
-        return offsets
+            try:
+                with open(self.out / relative, "rb") as file:
+                    size = file.seek(0, 2)
+                    file.seek(max(0, size - MATCHED_TAIL))
+                    copies[relative] = (size, file.read())
+            except OSError:
+                copies[relative] = (0, b"")
+        return copies
 
     def _write(self, relative: str, start: int, data: bytes) -> None:
         path = self.out / relative
@@ -439,12 +500,11 @@ class Mirror:
 
 
 def host_files(names: list[str]) -> list[str]:
-    """The files of a host's nodes that the run folder mirrors, relative to it."""
-    return [f"{name}/{each}" for name in names for each in MIRRORED] + [_host_log_name(names)]
-
-
-def _host_log_name(names: list[str]) -> str:
-    return f"host-{names[0]}-{names[-1]}.log"
+    """The files of a host's nodes that the run folder mirrors, relative to it: theirs,
+    and the host's own log (a lone node's host writes to its node.log)."""
+    files = [f"{name}/{each}" for name in names for each in MIRRORED]
+    host_log = str(process_log(Path(), names))
+    return files if host_log in files else [*files, host_log]
 
 
 # --- the host's side: a Ray actor on some machine of the cluster --------------------
@@ -458,15 +518,22 @@ class RayHost:
     def __init__(self, run_id: str, names: list[str]) -> None:
         self.root = Path(tempfile.gettempdir()) / "meshfl-ray" / run_id
         self.names = names
+        self.stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._run_done: threading.Event | None = None  # set while a run is under way
+        self._ends: dict[str, str] = {}
         self.host: NodeHost | None = None
         raise_open_files_limit()
 
-    def pid(self) -> int:
-        return os.getpid()
+    def where(self) -> tuple[int, str]:
+        """This process's pid and the Ray node it runs on."""
+        import ray
 
-    def seats(self) -> tuple[int, dict[str, tuple[str, str]]]:
-        """This process's pid, and for each node the address it will listen on (a free
-        port of this machine) and its public key (hex)."""
+        return os.getpid(), ray.get_runtime_context().get_node_id()
+
+    def seats(self) -> tuple[tuple[int, str], dict[str, tuple[str, str]]]:
+        """Where this host runs, and for each node the address it will listen on (a free
+        port of this machine) and its public key (hex), made here on the first call."""
         import ray
 
         ip = ray.util.get_node_ip_address()
@@ -475,43 +542,70 @@ class RayHost:
         for name, port in zip(self.names, ports, strict=True):
             identity = Identity.load_or_create(key_path(self.root, name))
             seats[name] = (f"tcp://{ip}:{port}", identity.public_key.hex())
-        return os.getpid(), seats
+        return self.where(), seats
 
-    def run(self, config_text: str, names: list[str], local_nodes: int) -> dict[str, str]:
-        """Run `names` (resuming from their checkpoints, if any) until each has ended."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        config_path = self.root / "config.yaml"
-        config_path.write_text(config_text)
-        cfg = cfgmod.load_config(config_path)
-        options = [self._options(cfg, name, local_nodes) for name in names]
-        role = COORDINATOR if names == [COORDINATOR] else "peer"
-        self.host = NodeHost(options, partial(make_node, role=role))
-        with _host_log(self.root / _host_log_name(self.names), options):
-            ends = self.host.run()
-        return {name: end.status for name, end in ends.items()}
+    def run(self, config_text: str, names: list[str], cpus: float) -> dict[str, str]:
+        """Run `names` (resuming from their checkpoints, if any) until each has ended,
+        with torch threads for `cpus` CPUs; how each ended. A call while a run is under
+        way (the launcher lost sight of this actor for a while) waits for that one."""
+        with self._lock:
+            under_way = self._run_done
+            if under_way is None:
+                self._run_done = threading.Event()
+        if under_way is not None:
+            under_way.wait()
+            return self._ends
+        try:
+            self._ends = self._run(config_text, names, cpus)
+        finally:
+            with self._lock:
+                done, self._run_done = self._run_done, None
+            assert done is not None
+            done.set()
+        return self._ends
 
     def stop(self) -> None:
+        self.stopping.set()
         if self.host is not None:
             self.host.stop()
 
-    def files(self, offsets: dict[str, int]) -> dict[str, tuple[int, bytes]]:
-        """What the run folder lacks of each file it asks for, as (where it starts, the
-        bytes): the tail past its copy's size, or the whole file where the copy is longer
-        (the file was written anew)."""
+    def files(self, copies: dict[str, tuple[int, bytes]]) -> dict[str, tuple[int, bytes]]:
+        """What the launcher's copies lack, as (where it starts, the bytes): the tail past
+        a copy's size where the copy's last bytes still match, else the whole file (it
+        was written anew)."""
         found = {}
-        for relative, have in offsets.items():
-            path = self.root / relative
+        for relative, (size, last) in copies.items():
             try:
-                with open(path, "rb") as file:
-                    size = file.seek(0, 2)
-                    start = have if size >= have else 0
+                with open(self.root / relative, "rb") as file:
+                    length = file.seek(0, 2)
+                    file.seek(max(0, size - len(last)))
+                    matches = length >= size and file.read(len(last)) == last
+                    start = size if matches else 0
                     file.seek(start)
                     data = file.read()
             except OSError:
                 continue  # not written yet
-            if data or start == 0 and have:
+            if data or not matches:
                 found[relative] = (start, data)
         return found
+
+    def _run(self, config_text: str, names: list[str], cpus: float) -> dict[str, str]:
+        if self.stopping.is_set():
+            return {}
+        self.root.mkdir(parents=True, exist_ok=True)
+        config_path = self.root / "config.yaml"  # every host of the machine writes it
+        write_atomically(config_path, config_text.encode())
+        cfg = cfgmod.load_config(config_path)
+        # Torch threads per host: its CPUs (set_torch_threads divides the machine's cores).
+        local_nodes = max(1, (os.cpu_count() or 1) // max(1, int(cpus)))
+        options = [self._options(cfg, name, local_nodes) for name in names]
+        role = COORDINATOR if names == [COORDINATOR] else "peer"
+        self.host = NodeHost(options, partial(make_node, role=role))
+        if self.stopping.is_set():  # a stop that came while the host was being made
+            return {}
+        with _host_log(self.root / process_log(Path(), self.names), options):
+            ends = self.host.run()
+        return {name: end.status for name, end in ends.items()}
 
     def _options(self, cfg: cfgmod.MeshConfig, name: str, local_nodes: int) -> NodeOptions:
         if name != COORDINATOR:
@@ -526,6 +620,7 @@ class _host_log:  # noqa: N801 - used as a context manager, like open()
     """The host's own log lines (none of a node's) in its log file, at INFO, while it runs."""
 
     def __init__(self, path: Path, options: list[NodeOptions]) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)  # a lone node's: its node.log
         self.handler = logging.FileHandler(path)
         self.handler.setFormatter(OneLineFormatter(FORMAT))
         self.handler.addFilter(NodeLog(options, outside=True))

@@ -71,9 +71,10 @@ def launch_local(args: argparse.Namespace) -> int:
     if args.ray is not None:
         from .ray_hosts import run_mesh_on_ray  # the only module that imports Ray
 
-        summary = run_mesh_on_ray(
-            cfg, out, args.ray, quiet=args.quiet, restarts=args.restarts, hosts=args.hosts
-        )
+        with _stop_signals_as_interrupts():  # its hosts stop as on Ctrl-C
+            summary = run_mesh_on_ray(
+                cfg, out, args.ray, quiet=args.quiet, restarts=args.restarts, hosts=args.hosts
+            )
     else:
         summary = run_mesh(cfg, out, quiet=args.quiet, restarts=args.restarts, hosts=args.hosts)
     print_table(summary)
@@ -250,7 +251,7 @@ def _spawn(
     # Its own session, so that a Ctrl-C in the terminal reaches launch alone, which then
     # stops every process in order; the lifeline covers a launcher that cannot. A host
     # writes each node's log itself; what it prints goes to the host's own log.
-    log_path = _process_log(out, names)
+    log_path = process_log(out, names)
     if can_fork():
         from .cli import main  # the command line's own entry: cli imports this module
 
@@ -265,7 +266,9 @@ def _spawn(
         )
 
 
-def _process_log(out: Path, names: list[str]) -> Path:
+def process_log(out: Path, names: list[str]) -> Path:
+    """Where the process of `names` writes what it prints: a lone node's node.log, or
+    its host's own log."""
     if len(names) == 1:
         return out / names[0] / "node.log"
     return out / f"host-{names[0]}-{names[-1]}.log"
@@ -299,10 +302,10 @@ class SupervisedProcess:
         node of a failed host that had finished its rounds finished."""
         code = self.process.poll()
         restarts = self.node_restarts[name]
-        if code == 0 or name not in self.running or _finished(out, name, rounds):
+        if code == 0 or name not in self.running or node_finished(out, name, rounds):
             return {"status": FINISHED, "restarts": restarts}
         error = last_error_line(out / name / "node.log") or last_error_line(
-            _process_log(out, self.running)
+            process_log(out, self.running)
         )
         return {
             "status": FAILED,
@@ -312,7 +315,8 @@ class SupervisedProcess:
         }
 
 
-def _finished(out: Path, name: str, rounds: int) -> bool:
+def node_finished(out: Path, name: str, rounds: int) -> bool:
+    """Whether node `name` of the run in `out` recorded its last round."""
     return ran_every_round(last_record(out / name / "metrics.jsonl"), rounds)
 
 
@@ -359,7 +363,7 @@ def _restart(
     failed: SupervisedProcess, start: Start, restarts: int, out: Path, rounds: int, quiet: bool
 ) -> bool:
     """Start the unfinished nodes of `failed` again; False when none is left to run."""
-    unfinished = [name for name in failed.running if not _finished(out, name, rounds)]
+    unfinished = [name for name in failed.running if not node_finished(out, name, rounds)]
     failed.running = unfinished
     if not unfinished:
         return False  # it failed after every node of it finished: nothing to run again

@@ -36,10 +36,11 @@ SUBNET = "10.78.0"  # private; apart from the LAN test's
 RUN_LIMIT_S = 600.0
 
 
-@pytest.fixture
-def ray_cluster(tmp_path: Path) -> Iterator[LocalRayCluster]:
-    """A head (place 0) and one more Ray node (place 1), one CPU each."""
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRayCluster]:
+    """A head (place 0) and one more Ray node (place 1), one CPU each, for the module."""
     pytest.importorskip("ray", reason="the ray extra: pip install -e '.[ray]'")
+    logs = tmp_path_factory.mktemp("cluster")
     with contextlib.ExitStack() as stack:
         places = [Place(), Place()]
         if can_build_namespaces():
@@ -49,7 +50,13 @@ def ray_cluster(tmp_path: Path) -> Iterator[LocalRayCluster]:
                 Place(lan.address(index), ("ip", "netns", "exec", namespace))
                 for index, namespace in enumerate(namespaces)
             ]
-        yield stack.enter_context(LocalRayCluster(places, cpus=1, logs=tmp_path / "cluster"))
+        yield stack.enter_context(LocalRayCluster(places, cpus=1, logs=logs))
+
+
+def launch(cluster: LocalRayCluster, out: Path, *args: str) -> subprocess.Popen:
+    """`meshfl launch --ray` beside the head, its output in `out`.log."""
+    command = [sys.executable, "-m", "meshfl.launch.cli", "launch", "--ray", cluster.address]
+    return cluster.run([*command, "--out", str(out), "--quiet", *args], out.with_suffix(".log"))
 
 
 def processes(out: Path) -> list[dict]:
@@ -73,27 +80,24 @@ def test_a_mesh_spread_over_two_ray_nodes_learns_gathers_its_folder_and_survives
     ray_cluster, tmp_path
 ):
     out = tmp_path / "run"
-    launch = ray_cluster.run(
-        [sys.executable, "-m", "meshfl.launch.cli", "launch", "--ray", ray_cluster.address]
-        + ["--out", str(out), "--nodes", str(NODES), "--rounds", str(ROUNDS)]
-        + ["--restarts", "1", "--quiet"],
-        tmp_path / "cluster" / "launch.log",
+    mesh = launch(
+        ray_cluster, out, "--nodes", str(NODES), "--rounds", str(ROUNDS), "--restarts", "1"
     )
     try:
-        wait_for(lambda: (out / "processes.json").exists(), "the hosts to start", launch)
+        wait_for(lambda: (out / "processes.json").exists(), "the hosts to start", mesh)
         hosts = processes(out)
         assert len({host["ray_node"] for host in hosts}) == 2, "hosts on both Ray nodes"
         victim = hosts[-1]
         wait_for(
             lambda: all(len(records(out, name)) >= 2 for name in victim["nodes"]),
             "the victim host's nodes to finish round 2",
-            launch,
+            mesh,
         )
         os.kill(victim["pid"], signal.SIGKILL)
-        assert launch.wait(timeout=RUN_LIMIT_S) == 0, (tmp_path / "cluster/launch.log").read_text()
+        assert mesh.wait(timeout=RUN_LIMIT_S) == 0, out.with_suffix(".log").read_text()
     finally:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(launch.pid, signal.SIGKILL)
+            os.killpg(mesh.pid, signal.SIGKILL)
 
     summary = json.loads((out / "summary.json").read_text())
     assert [node["status"] for node in summary["nodes"]] == ["finished"] * NODES
@@ -125,6 +129,21 @@ def test_a_mesh_spread_over_two_ray_nodes_learns_gathers_its_folder_and_survives
         for name, ray_node in ray_node_of.items():
             assert listens[name] == ip_of[ray_node]
             assert not ipaddress.ip_address(listens[name]).is_loopback
+
+
+@pytest.mark.slow
+def test_a_coordinated_rule_runs_its_coordinator_in_a_host_of_its_own(ray_cluster, tmp_path):
+    out = tmp_path / "run"
+    mesh = launch(ray_cluster, out, "--nodes", "6", "--rounds", "3", "--algorithm", "fedavg_server")
+    try:
+        assert mesh.wait(timeout=RUN_LIMIT_S) == 0, out.with_suffix(".log").read_text()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(mesh.pid, signal.SIGKILL)
+    summary = json.loads((out / "summary.json").read_text())
+    assert [node["status"] for node in summary["nodes"]] == ["finished"] * 6
+    assert ["coordinator"] in [host["nodes"] for host in processes(out)]
+    assert len(records(out, "coordinator")) == 3, "the coordinator's metrics came back"
 
 
 def test_without_ray_installed_launch_says_how_to_install_it(monkeypatch, capsys, tmp_path):

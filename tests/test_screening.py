@@ -24,6 +24,7 @@ from meshfl.algorithms.screening import (
     worse_beyond_noise,
 )
 from meshfl.node.attacks import flip_labels, noise_like, scaled_update
+from meshfl.node.checkpoint import load_checkpoint, save_checkpoint
 from meshfl.node.data import load_node_data
 from meshfl.node.models import body_keys, build_model, head_keys
 from meshfl.node.trainer import train_local
@@ -151,6 +152,17 @@ def test_inflated_counts_copies_and_replays_are_screened_before_any_val_pass(wor
         "replayer": "replay",
     }
     assert set(outcome.weights) == {"h0", "h2"}
+
+
+def test_a_resumed_node_still_knows_the_models_of_its_last_rounds(world, tmp_path):
+    before = screened(world, "fedavg")
+    aggregate(before, world, {"h1": world.honest["h1"]}, round_no=1)
+    path = tmp_path / "checkpoint.pt"
+    save_checkpoint(path, {"algorithm": before.state_dict()})  # as the node keeps it
+    resumed = screened(world, "fedavg")
+    resumed.load_state_dict(load_checkpoint(path)["algorithm"])
+    outcome = aggregate(resumed, world, {"replayer": world.honest["h1"]}, round_no=2)
+    assert outcome.diagnostics["screened_out"] == {"replayer": "replay"}
 
 
 @pytest.mark.parametrize(
