@@ -593,9 +593,7 @@ class RayHost:
         if self.stopping.is_set():
             return {}
         self.root.mkdir(parents=True, exist_ok=True)
-        config_path = self.root / "config.yaml"  # every host of the machine writes it
-        write_atomically(config_path, config_text.encode())
-        cfg = cfgmod.load_config(config_path)
+        cfg = cfgmod.config_from_text(config_text, "the launcher's config")
         # Torch threads per host: its CPUs (set_torch_threads divides the machine's cores).
         local_nodes = max(1, (os.cpu_count() or 1) // max(1, int(cpus)))
         options = [self._options(cfg, name, local_nodes) for name in names]

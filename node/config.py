@@ -220,6 +220,11 @@ def load_config(path: str | Path | None) -> MeshConfig:
         raise ConfigError(f"{origin}: cannot read: {err.strerror or err}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{origin}: cannot read: not UTF-8 text") from None
+    return config_from_text(text, origin)
+
+
+def config_from_text(text: str, origin: str) -> MeshConfig:
+    """The config in YAML `text` (from `origin`, named in errors); as `load_config`."""
     raw = _parse_yaml(text, origin)
     if raw is None:  # an empty file
         return MeshConfig()
