@@ -3,8 +3,12 @@ wire.Rejected, and the memory it allocates while deciding stays within the size 
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
+import sys
 import tracemalloc
+from collections.abc import Iterator
 
 import msgpack
 import numpy as np
@@ -67,11 +71,28 @@ def template() -> list[bytes]:
 TEMPLATE = template()
 
 
+@contextlib.contextmanager
+def traced_alone() -> Iterator[None]:
+    """Python allocations traced while the code under test runs alone, as far as this
+    process allows: tracemalloc counts every thread's allocations and those of the
+    finalizers a garbage collection runs (earlier tests' leftovers), so no collection runs
+    meanwhile, and other threads get the interpreter only when the code waits."""
+    gc.disable()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(60.0)
+    tracemalloc.start()
+    try:
+        yield
+    finally:
+        tracemalloc.stop()
+        sys.setswitchinterval(interval)
+        gc.enable()
+
+
 def decode_bounded(frames: list[bytes]) -> Message | Rejected:
     """Decode with a fresh decoder; fail on any exception but Rejected or on too much memory."""
     decoder = Decoder(MESH, LIMITS, SCHEMA)
-    tracemalloc.start()
-    try:
+    with traced_alone():
         tracemalloc.reset_peak()
         baseline = tracemalloc.get_traced_memory()[0]
         try:
@@ -79,8 +100,6 @@ def decode_bounded(frames: list[bytes]) -> Message | Rejected:
         except Rejected as rejection:
             result = rejection
         peak = tracemalloc.get_traced_memory()[1] - baseline
-    finally:
-        tracemalloc.stop()
     assert peak <= LIMITS.max_message_bytes + SLACK, f"decode allocated {peak} bytes"
     if isinstance(result, Rejected):
         assert result.reason in REJECTION_REASONS
@@ -425,12 +444,9 @@ def test_decoding_a_large_blob_copies_none_of_its_bytes():
         bytes(f) for f in encode(SENDER, MESH, "blob", 1, 1, {}, instance=INSTANCE, blob=blob)
     ]
     decoder = Decoder(MESH, LIMITS, SCHEMA)
-    tracemalloc.start()
-    try:
+    with traced_alone():
         message = decoder.decode(frames)
         peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
     assert message.blob is not None and message.blob.size == big.nbytes
     assert peak < SLACK + 20 * LIMITS.max_envelope_bytes < big.nbytes
 
