@@ -1,14 +1,18 @@
-"""`meshfl launch --ray ADDRESS`: node hosts as Ray actors, past one machine.
+"""`meshfl launch --ray ADDRESS`: node hosts on the machines of a Ray cluster.
 
-Ray only places and supervises. Each host is an actor pinned to one machine of the
-cluster; its nodes bind on that machine's address and talk to every other node over
-meshfl's own signed, encrypted wire, exactly as the processes of a local launch do. What
-crosses Ray is small and plain: the run's config text, each host's listen addresses and
-public keys, and the nodes' text files on their way back to the launcher.
+Ray only places and supervises. On each machine that gets nodes one actor, pinned
+there and holding the machine's CPUs, forks the node hosts as a plain launch forks them
+(launch/supervise.py): the hosts share the actor's torch, so a machine pays for one
+interpreter and one torch, not one per host, and the actor restarts a host that fails.
+The nodes bind on their machine's address and talk to every other node over meshfl's
+own signed, encrypted wire, exactly as the processes of a local launch do. What
+crosses Ray is small and plain: the run's config text, each node's listen address and
+public key, each machine's hosts, and the nodes' text files on their way back.
 
 - Keys and checkpoints stay on the machine that runs the node, under a scratch folder of
-  its own (`<tmp>/meshfl-ray/<run>/`). A host that Ray restarts (`--restarts N`) lands on
-  the same machine and resumes its unfinished nodes from their checkpoints.
+  its own (`<tmp>/meshfl-ray/<run>/<Ray node>/`). When an actor dies its hosts stop
+  with it (the lifeline); with `--restarts N` Ray brings the actor back on the same
+  machine and its unfinished nodes resume from their checkpoints.
 - The run folder on the launching machine is filled as for a local run: config.yaml,
   each node's metrics.jsonl, node.log and info.json (mirrored while the run goes on),
   the hosts' logs, processes.json and summary.json.
@@ -30,24 +34,31 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 from meshfl.node import config as cfgmod
 from meshfl.node.checkpoint import write_atomically
-from meshfl.node.coordinator import COORDINATOR, make_node
-from meshfl.node.host import FINISHED, NodeHost, NodeLog, files_per_node, raise_open_files_limit
-from meshfl.node.logs import FORMAT, OneLineFormatter
-from meshfl.node.runtime import NodeOptions
+from meshfl.node.coordinator import COORDINATOR
+from meshfl.node.host import FINISHED, files_per_node, raise_open_files_limit
+from meshfl.node.trainer import set_torch_threads
 from meshfl.protocol.identity import Identity
 from meshfl.protocol.transport import free_ports
 
 from .contacts import key_path
-from .entry import named_node_options, node_options
 from .errors import UserError
 from .summary import FAILED, write_summary
-from .supervise import Progress, host_groups, last_error_line, node_finished, process_log
+from .supervise import (
+    Progress,
+    SupervisedProcess,
+    host_groups,
+    host_label,
+    last_error_line,
+    node_finished,
+    node_processes,
+    process_log,
+    supervise,
+)
 
 log = logging.getLogger("meshfl.launch")
 
@@ -56,13 +67,13 @@ PLACE_LIMIT_S = 120.0  # hosts not placed by then wait for CPUs the cluster lack
 MIRROR_EVERY_S = 1.0  # how often the launcher copies the nodes' files back
 MIRROR_WAIT_S = 30.0  # how long the last copy of a run waits for the hosts' answers
 STOP_WAIT_S = 15.0  # how long stopping hosts may take before they are ended
-SEAT_TRIES = 5  # two hosts of a machine may draw the same free port: draw again
+SEAT_TRIES = 5  # Ray nodes sharing an address may draw the same free port: draw again
 # The files of a node that come back to the run folder; its checkpoint and key stay.
 MIRRORED = ("metrics.jsonl", "node.log", "info.json")
 # How much of a copied file's end must still match the original for its tail alone to
 # be sent: a file written anew (a resumed node's metrics) comes back whole.
 MATCHED_TAIL = 256
-CPU_GRAIN = 1e-4  # Ray counts resources in ten-thousandths
+CPU_GRAINS = 10_000  # Ray counts resources in ten-thousandths
 
 
 def import_ray() -> Any:
@@ -104,9 +115,9 @@ class Placement:
     groups: list[list[str]]
 
     @property
-    def cpus_per_host(self) -> float:
-        """Each host's share of the machine's CPUs, as Ray can grant it in full."""
-        return math.floor(self.machine.cpus / len(self.groups) / CPU_GRAIN) * CPU_GRAIN
+    def cpus(self) -> float:
+        """The machine's CPUs as Ray can grant them in full (it counts ten-thousandths)."""
+        return math.floor(self.machine.cpus * CPU_GRAINS) / CPU_GRAINS
 
 
 def plan_hosts(names: list[str], machines: list[Machine], hosts: int | None) -> list[Placement]:
@@ -145,18 +156,21 @@ def _proportional(total: int, weights: list[float]) -> list[int]:
 
 
 @dataclass
-class RayProcess:
-    """One host actor as the launcher sees it: its nodes, where it runs, its run call."""
+class MachineRun:
+    """The node hosts of one machine as the launcher sees them: the actor that forks
+    them there, its run call, and what it last said of its hosts."""
 
     label: str
-    names: list[str]
-    actor: Any
     machine: Machine
-    cpus: float  # its share of the machine's CPUs
+    hosts: list[tuple[str, list[str]]]  # each host's label and node names, as planned
+    actor: Any
+    cpus: float  # the machine's CPUs that Ray grants the actor
     run_id: str  # the run's scratch folder on its machine
     running: list[str] = field(default_factory=list)
+    # Restarts of each node in the actor's earlier lives, and in this one (`listing`).
     node_restarts: Counter[str] = field(default_factory=Counter)
-    pid: int = 0
+    listing: list[HostListing] = field(default_factory=list)
+    pid: int = 0  # the actor's process
     ray_node: str = ""  # where Ray says it runs
     run_ref: Any = None
     ended: str | None = None  # how it ended, when it failed for good
@@ -165,11 +179,39 @@ class RayProcess:
         self.running = self.running or list(self.names)
 
     @property
-    def restarts(self) -> int:
-        return max(self.node_restarts.values(), default=0)
+    def names(self) -> list[str]:
+        return [name for _, names in self.hosts for name in names]
 
-    def start_run(self, config_text: str) -> None:
-        self.run_ref = self.actor.run.remote(config_text, self.running, self.cpus)
+    def planned(self) -> list[HostListing]:
+        """The hosts before the actor has said anything of them: no pid yet."""
+        return [HostListing(label, None, names, {}) for label, names in self.hosts]
+
+    def restarts_of(self, name: str) -> int:
+        local = (listed.restarts.get(name, 0) for listed in self.listing)
+        return self.node_restarts[name] + max(local, default=0)
+
+    @property
+    def restarts(self) -> int:
+        return max((self.restarts_of(name) for name in self.names), default=0)
+
+    def start_run(self, config_text: str, restarts: int) -> None:
+        """Run the unfinished nodes, with what is left of each one's `restarts`."""
+        self.node_restarts.update(
+            {name: n for listed in self.listing for name, n in listed.restarts.items()}
+        )
+        self.listing = []
+        left = max(0, restarts - self.restarts)
+        self.run_ref = self.actor.run.remote(config_text, self.running, self.cpus, left)
+
+
+@dataclass
+class HostListing:
+    """One forked host as its machine's actor reports it, for processes.json."""
+
+    label: str
+    pid: int | None  # None until its actor has forked it
+    nodes: list[str]
+    restarts: dict[str, int]
 
 
 # --- the launcher's side: the run ---------------------------------------------------
@@ -191,61 +233,67 @@ def run_mesh_on_ray(
         ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
     except (ConnectionError, ValueError, RuntimeError) as err:
         raise UserError(f"--ray: cannot reach a Ray cluster at {address}: {err}") from None
-    processes: list[RayProcess] = []
+    machines: list[MachineRun] = []
     try:
-        processes = _start_hosts(ray, cfg, out, restarts, hosts)
-        cfg = _with_seats(ray, cfg, processes)
+        machines = _start_machines(ray, cfg, out, restarts, hosts)
+        cfg = _with_seats(ray, cfg, machines)
         cfgmod.validate(cfg)
         config_path = out / "config.yaml"
         cfgmod.save_config(cfgmod.with_explicit_params(cfg), config_path)
         config_text = config_path.read_text()
-        for each in processes:
-            each.start_run(config_text)
-        _write_processes(out, address, processes)
+        for each in machines:
+            each.start_run(config_text, restarts)
+        _write_processes(out, address, machines)
         if not quiet:
-            machines = {each.ray_node for each in processes}
             print(
-                f"meshfl: {len(cfg.peers)} nodes in {len(processes)} hosts on "
-                f"{len(machines)} Ray nodes at {address}, {cfg.algorithm.name} on "
+                f"meshfl: {len(cfg.peers)} nodes in {sum(len(m.hosts) for m in machines)} "
+                f"hosts on {len(machines)} Ray nodes at {address}, {cfg.algorithm.name} on "
                 f"{cfg.data.dataset} ({cfg.data.partition}), {cfg.rounds} rounds -> {out}",
                 flush=True,
             )
-        _supervise(ray, processes, config_text, out, address, cfg.rounds, restarts, quiet)
+        _supervise(ray, machines, config_text, out, address, cfg.rounds, restarts, quiet)
     finally:
-        _stop_hosts(ray, out, processes)
+        _stop_machines(ray, out, address, machines)
         ray.shutdown()
     outcomes = {
-        name: _outcome(each, name, out, cfg.rounds) for each in processes for name in each.names
+        name: _outcome(each, name, out, cfg.rounds) for each in machines for name in each.names
     }
     return write_summary(cfg, out, outcomes)
 
 
-def _start_hosts(
+def _start_machines(
     ray: Any, cfg: cfgmod.MeshConfig, out: Path, restarts: int, hosts: int | None
-) -> list[RayProcess]:
+) -> list[MachineRun]:
+    """An actor on each machine that gets nodes, holding all of that machine's CPUs."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     placements = plan_hosts([peer.name for peer in cfg.peers], cluster_machines(ray), hosts)
-    if cfg.coordinator is not None:  # a host of its own, sharing the first machine's CPUs
+    if cfg.coordinator is not None:  # a host of its own, beside the first machine's
         placements[0].groups.append([COORDINATOR])
     run_id = _run_id(out)
-    remote_host = ray.remote(RayHost)
-    processes: list[RayProcess] = []
-    for placement in placements:
-        # Pinned to its machine, for good: a restarted host must find its checkpoints.
-        where = NodeAffinitySchedulingStrategy(placement.machine.node_id, soft=False)
+    remote_machine = ray.remote(RayMachine)
+    machines: list[MachineRun] = []
+    count = 0
+    for index, placement in enumerate(placements):
+        labelled = []
         for group in placement.groups:
-            actor = remote_host.options(
-                num_cpus=placement.cpus_per_host,
-                scheduling_strategy=where,
-                max_restarts=restarts,
-                max_concurrency=4,  # its run call, and the mirror's and the stop's calls
-            ).remote(run_id, group)
-            label = group[0] if len(group) == 1 else f"host{len(processes)}"
-            processes.append(
-                RayProcess(label, group, actor, placement.machine, placement.cpus_per_host, run_id)
+            labelled.append((host_label(count, group), group))
+            count += 1
+        actor = remote_machine.options(
+            num_cpus=placement.cpus,
+            # Pinned to its machine, for good: a restarted actor must find the checkpoints.
+            scheduling_strategy=NodeAffinitySchedulingStrategy(
+                placement.machine.node_id, soft=False
+            ),
+            max_restarts=restarts,
+            max_concurrency=4,  # its run call, and the mirror's and the stop's calls
+        ).remote(run_id, placement.machine.node_id, labelled)
+        machines.append(
+            MachineRun(
+                f"machine{index}", placement.machine, labelled, actor, placement.cpus, run_id
             )
-    return processes
+        )
+    return machines
 
 
 def _run_id(out: Path) -> str:
@@ -258,19 +306,19 @@ def _run_id(out: Path) -> str:
         return f"{out.resolve().name}-{uuid.uuid4().hex[:8]}"
 
 
-def _with_seats(ray: Any, cfg: cfgmod.MeshConfig, processes: list[RayProcess]) -> cfgmod.MeshConfig:
-    """`cfg` with each peer's listen address on its host's machine and its public key
-    (made there; the private key never leaves that machine)."""
+def _with_seats(ray: Any, cfg: cfgmod.MeshConfig, machines: list[MachineRun]) -> cfgmod.MeshConfig:
+    """`cfg` with each peer's listen address on its machine and its public key (made
+    there; the private key never leaves that machine)."""
     seats: dict[str, tuple[str, str]] = {}
-    asking = processes
+    asking = machines
     for _ in range(SEAT_TRIES):
         for each, (where, drawn) in zip(asking, _ask(ray, asking, "seats"), strict=True):
             each.pid, each.ray_node = where
             seats.update(drawn)
         taken = Counter(address for address, _ in seats.values())
-        asking = [each for each in processes if any(taken[seats[n][0]] > 1 for n in each.names)]
+        asking = [each for each in machines if any(taken[seats[n][0]] > 1 for n in each.names)]
         if not asking:
-            break  # else the hosts that drew a port twice draw again
+            break  # else the machines (Ray nodes of one host) that drew a port twice draw again
     peers = [
         # The key is the one made where the node runs, not a path of this machine.
         replace(peer, listen=seats[peer.name][0], public_key=seats[peer.name][1], key=None)
@@ -280,27 +328,27 @@ def _with_seats(ray: Any, cfg: cfgmod.MeshConfig, processes: list[RayProcess]) -
     return replace(cfg, peers=peers, coordinator=coordinator)
 
 
-def _ask(ray: Any, processes: list[RayProcess], method: str) -> list[Any]:
-    """Every host's answer to `method`, once Ray has placed them all; UserError when it
+def _ask(ray: Any, machines: list[MachineRun], method: str) -> list[Any]:
+    """Every actor's answer to `method`, once Ray has placed them all; UserError when it
     cannot, in words a user can act on."""
-    refs = [getattr(each.actor, method).remote() for each in processes]
+    refs = [getattr(each.actor, method).remote() for each in machines]
     try:
         return ray.get(refs, timeout=PLACE_LIMIT_S)
     except ray.exceptions.GetTimeoutError:
         raise UserError(
-            f"--ray: the cluster did not place {len(processes)} node hosts within "
-            f"{PLACE_LIMIT_S:.0f} s: its CPUs are taken (`ray status` shows them)"
+            f"--ray: the cluster did not place the node hosts of {len(machines)} machines "
+            f"within {PLACE_LIMIT_S:.0f} s: their CPUs are taken (`ray status` shows them)"
         ) from None
     except ray.exceptions.RayError as err:
         raise UserError(
-            f"--ray: a node host could not start on the cluster ({type(err).__name__}); "
+            f"--ray: node hosts could not start on the cluster ({type(err).__name__}); "
             "every machine needs meshfl installed, the same version as here"
         ) from err
 
 
 def _supervise(
     ray: Any,
-    processes: list[RayProcess],
+    machines: list[MachineRun],
     config_text: str,
     out: Path,
     address: str,
@@ -308,43 +356,44 @@ def _supervise(
     restarts: int,
     quiet: bool,
 ) -> None:
-    """Mirror the files, show progress and restart failed hosts until every run ended."""
+    """Mirror the files, show progress and start the unfinished nodes of a machine whose
+    actor was lost again, until every run ended."""
     mirror, progress = Mirror(out), Progress(out, rounds, quiet)
-    while any(each.run_ref is not None for each in processes):
-        for each in _ended_runs(ray, processes):
+    while any(each.run_ref is not None for each in machines):
+        for each in _ended_runs(ray, machines):
             _run_again(ray, each, config_text, out, rounds, restarts, quiet, mirror)
-            _write_processes(out, address, processes)
-        mirror.pull(ray, processes)
-        progress.show([name for each in processes if each.run_ref for name in each.running])
+        if mirror.pull(ray, machines):
+            _write_processes(out, address, machines)
+        progress.show([name for each in machines if each.run_ref for name in each.running])
         time.sleep(MIRROR_EVERY_S)
     progress.end()
 
 
-def _ended_runs(ray: Any, processes: list[RayProcess]) -> list[RayProcess]:
-    """The hosts whose run call has ended and left a node unfinished; the others' run
-    calls are taken as they end."""
-    pending = [each.run_ref for each in processes if each.run_ref is not None]
+def _ended_runs(ray: Any, machines: list[MachineRun]) -> list[MachineRun]:
+    """The machines whose run call has ended and left a node unfinished; the others'
+    run calls are taken as they end."""
+    pending = [each.run_ref for each in machines if each.run_ref is not None]
     done, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
     failed = []
-    for each in processes:
+    for each in machines:
         if each.run_ref is None or each.run_ref not in done:
             continue
         try:
             ends = ray.get(each.run_ref)
         except ray.exceptions.RayTaskError as err:  # run() raised: its first line says why
-            ends, each.ended = {}, f"host raised: {str(err).strip().splitlines()[-1][:200]}"
+            ends, each.ended = {}, f"raised: {str(err).strip().splitlines()[-1][:200]}"
         except ray.exceptions.RayError as err:  # gone or unreachable: killed, OOM, network
-            ends, each.ended = {}, f"host lost ({type(err).__name__})"
+            ends, each.ended = {}, f"lost ({type(err).__name__})"
         each.run_ref = None
         if not ends or any(status != FINISHED for status in ends.values()):
-            each.ended = each.ended or "a node of the host raised (its node.log says why)"
+            each.ended = each.ended or "a host failed past its restarts (its log says why)"
             failed.append(each)
     return failed
 
 
 def _run_again(
     ray: Any,
-    failed: RayProcess,
+    failed: MachineRun,
     config_text: str,
     out: Path,
     rounds: int,
@@ -352,17 +401,18 @@ def _run_again(
     quiet: bool,
     mirror: Mirror,
 ) -> None:
-    """Start the unfinished nodes of a host whose run ended, on its machine (Ray
-    restarts an actor that died there), from their checkpoints. An actor that was only
-    out of reach and still runs its nodes is joined again instead (RayHost.run)."""
+    """Start the unfinished nodes of a machine whose actor was lost, from their
+    checkpoints there (Ray restarts the actor on its machine, and the actor's hosts
+    stopped with it). An actor that was only out of reach and still runs its hosts is
+    joined again instead (RayMachine.run)."""
     try:
         pid = _pid_once_back(ray, failed)
-    except ray.exceptions.RayError as err:  # its machine is gone, or its restarts spent
-        failed.ended = f"host lost ({type(err).__name__})"
+    except ray.exceptions.RayError as err:  # its machine is gone
+        failed.ended = f"lost ({type(err).__name__})"
         return
-    if pid == failed.pid and failed.ended and failed.ended.startswith("host lost"):
+    if pid == failed.pid and failed.ended and failed.ended.startswith("lost"):
         failed.ended = None  # the same process, out of reach for a while: join it again
-        failed.start_run(config_text)
+        failed.run_ref = failed.actor.run.remote(config_text, failed.running, failed.cpus, 0)
         return
     failed.pid = pid
     _pull_all(ray, mirror, [failed])  # what its nodes finished before it went
@@ -372,77 +422,84 @@ def _run_again(
     failed.node_restarts.update(failed.running)
     if not quiet:
         print(
-            f"\nmeshfl: {failed.label} failed ({failed.ended}); its nodes resume from "
-            f"their checkpoints on its machine ({failed.restarts} of {restarts})",
+            f"\nmeshfl: the hosts of {failed.label} ({failed.machine.ip}) ended "
+            f"({failed.ended}); their nodes resume from their checkpoints there "
+            f"({failed.restarts} of {restarts})",
             flush=True,
         )
     failed.ended = None
-    failed.start_run(config_text)
+    failed.start_run(config_text, restarts)
 
 
-def _pid_once_back(ray: Any, host: RayProcess) -> int:
-    """The pid of the host's process once it answers: Ray calls an actor it is still
+def _pid_once_back(ray: Any, machine: MachineRun) -> int:
+    """The pid of the actor's process once it answers: Ray calls an actor it is still
     restarting unavailable. RayError when it does not come back (ActorDiedError: its
-    restarts are spent or its machine is gone)."""
+    machine is gone)."""
     deadline = time.monotonic() + PLACE_LIMIT_S
     while True:
         try:
-            return int(ray.get(host.actor.where.remote(), timeout=PLACE_LIMIT_S)[0])
+            return int(ray.get(machine.actor.where.remote(), timeout=PLACE_LIMIT_S)[0])
         except ray.exceptions.ActorUnavailableError:
             if time.monotonic() > deadline:
                 raise
             time.sleep(MIRROR_EVERY_S)
 
 
-def _outcome(each: RayProcess, name: str, out: Path, rounds: int) -> dict[str, Any]:
-    restarts = each.node_restarts[name]
+def _outcome(each: MachineRun, name: str, out: Path, rounds: int) -> dict[str, Any]:
+    restarts = each.restarts_of(name)
     if node_finished(out, name, rounds):
         return {"status": FINISHED, "restarts": restarts}
+    logs = [process_log(out, names) for _, names in each.hosts if name in names]
     return {
         "status": FAILED,
         "restarts": restarts,
         "ended": each.ended or "stopped before its last round",
         "last_error": last_error_line(out / name / "node.log")
-        or last_error_line(process_log(out, each.names)),
+        or next(filter(None, map(last_error_line, logs)), None),
     }
 
 
-def _stop_hosts(ray: Any, out: Path, processes: list[RayProcess]) -> None:
-    """Stop every host still running (its nodes say bye; their last rounds are
-    checkpointed), copy the files back one last time, and end the actors."""
-    running = [each for each in processes if each.run_ref is not None]
+def _stop_machines(ray: Any, out: Path, address: str, machines: list[MachineRun]) -> None:
+    """Stop every machine's hosts still running (their nodes say bye; their last rounds
+    are checkpointed), copy the files back one last time, and end the actors."""
+    running = [each for each in machines if each.run_ref is not None]
     if running:
         stops = [each.actor.stop.remote() for each in running]
         ray.wait(stops, num_returns=len(stops), timeout=STOP_WAIT_S)
         refs = [each.run_ref for each in running]
         ray.wait(refs, num_returns=len(refs), timeout=STOP_WAIT_S)
-    _pull_all(ray, Mirror(out), processes)
-    for each in processes:
+    if _pull_all(ray, Mirror(out), machines):
+        _write_processes(out, address, machines)
+    for each in machines:
         ray.kill(each.actor)
 
 
-def _pull_all(ray: Any, mirror: Mirror, processes: list[RayProcess]) -> None:
-    """Everything the hosts' nodes wrote, as far as the hosts answer in MIRROR_WAIT_S."""
+def _pull_all(ray: Any, mirror: Mirror, machines: list[MachineRun]) -> bool:
+    """Everything the hosts' nodes wrote, as far as the actors answer in MIRROR_WAIT_S;
+    whether a machine's hosts changed."""
     mirror.asked.clear()  # earlier requests may carry older copies' sizes
-    mirror.pull(ray, processes, wait=MIRROR_WAIT_S)
+    return mirror.pull(ray, machines, wait=MIRROR_WAIT_S)
 
 
-def _write_processes(out: Path, address: str, processes: list[RayProcess]) -> None:
-    """<out>/processes.json: which host runs which nodes, on which Ray node and address,
-    with its pid, and the name of the run's scratch folders there (`ray_run`)."""
+def _write_processes(out: Path, address: str, machines: list[MachineRun]) -> None:
+    """<out>/processes.json: which host runs which nodes, with its pid (null until
+    known), on which Ray node and address, under which machine's actor (`agent`: its
+    pid), and the name of the run's scratch folders there (`ray_run`)."""
     listing = {
         "launcher": os.getpid(),
         "ray": address,
-        "ray_run": processes[0].run_id,
+        "ray_run": machines[0].run_id,
         "processes": [
             {
-                "label": each.label,
-                "pid": each.pid,
-                "nodes": each.running,
+                "label": host.label,
+                "pid": host.pid,
+                "nodes": host.nodes,
                 "ray_node": each.ray_node,
                 "ip": each.machine.ip,
+                "agent": each.pid,
             }
-            for each in processes
+            for each in machines
+            for host in each.listing or each.planned()
         ],
     }
     write_atomically(out / "processes.json", (json.dumps(listing, indent=2) + "\n").encode())
@@ -450,37 +507,44 @@ def _write_processes(out: Path, address: str, processes: list[RayProcess]) -> No
 
 class Mirror:
     """Copies what the hosts' nodes write (MIRRORED, and each host's log) into the run
-    folder: appended bytes as they come, a file written anew as a whole. One request
-    per host is out at a time, taken when it is answered: a host slow to answer (a
-    loaded machine) delays its own copies, never piles requests up."""
+    folder: appended bytes as they come, a file written anew as a whole; and keeps each
+    machine's listing of its hosts. One request per machine is out at a time, taken
+    when it is answered: a machine slow to answer (a loaded one) delays its own copies,
+    never piles requests up."""
 
     def __init__(self, out: Path) -> None:
         self.out = out
-        self.asked: dict[str, Any] = {}  # host label -> its unanswered request
+        self.asked: dict[str, Any] = {}  # machine label -> its unanswered request
 
-    def pull(self, ray: Any, processes: list[RayProcess], wait: float = 0.0) -> None:
-        """Ask every host not asked yet; copy what the answered ones sent, waiting up to
-        `wait` seconds for answers."""
-        for each in processes:
+    def pull(self, ray: Any, machines: list[MachineRun], wait: float = 0.0) -> bool:
+        """Ask every machine not asked yet; copy what the answered ones sent, waiting up
+        to `wait` seconds for answers. Whether a machine's hosts changed."""
+        for each in machines:
             if each.label not in self.asked:
-                self.asked[each.label] = each.actor.files.remote(self._copies(each))
+                self.asked[each.label] = each.actor.news.remote(self._copies(each))
         refs = list(self.asked.values())
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait)
-        for label, ref in list(self.asked.items()):
-            if ref not in ready:
+        changed = False
+        for each in machines:
+            ref = self.asked.get(each.label)
+            if ref is None or ref not in ready:
                 continue
-            del self.asked[label]
+            del self.asked[each.label]
             try:
-                files = ray.get(ref)
+                listing, files = ray.get(ref)
             except ray.exceptions.RayError:  # died or being restarted: ask again
                 continue
+            if listing and listing != each.listing:
+                each.listing, changed = listing, True
             for relative, (start, data) in files.items():
                 self._write(relative, start, data)
+        return changed
 
-    def _copies(self, each: RayProcess) -> dict[str, tuple[int, bytes]]:
-        """For each file of the host: its copy's size and last bytes ((0, b"") for none)."""
+    def _copies(self, each: MachineRun) -> dict[str, tuple[int, bytes]]:
+        """For each file of the machine's hosts: its copy's size and last bytes ((0, b"")
+        for none)."""
         copies = {}
-        for relative in host_files(each.names):
+        for relative in host_files([names for _, names in each.hosts]):
             try:
                 with open(self.out / relative, "rb") as file:
                     size = file.seek(0, 2)
@@ -499,31 +563,34 @@ class Mirror:
             file.truncate()
 
 
-def host_files(names: list[str]) -> list[str]:
-    """The files of a host's nodes that the run folder mirrors, relative to it: theirs,
-    and the host's own log (a lone node's host writes to its node.log)."""
-    files = [f"{name}/{each}" for name in names for each in MIRRORED]
-    host_log = str(process_log(Path(), names))
-    return files if host_log in files else [*files, host_log]
+def host_files(groups: list[list[str]]) -> list[str]:
+    """The files of the hosts' nodes that the run folder mirrors, relative to it: the
+    nodes', and each host's own log (a lone node's host writes to its node.log)."""
+    files = [f"{name}/{each}" for names in groups for name in names for each in MIRRORED]
+    logs = {str(process_log(Path(), names)) for names in groups}
+    return files + sorted(logs - set(files))
 
 
-# --- the host's side: a Ray actor on some machine of the cluster --------------------
+# --- the machine's side: a Ray actor that forks the node hosts there ----------------
 
 
-class RayHost:
-    """A node host in a Ray actor. Its nodes' folders, keys and checkpoints live under a
-    scratch folder of its machine that every host of the run there shares, and that
-    outlives the actor: a restarted host finds them again."""
+class RayMachine:
+    """The node hosts of one machine of the cluster, forked by one Ray actor as a
+    plain launch forks them (launch/supervise.py): they share the actor's torch, and
+    the actor restarts a host that fails. The hosts' folders, keys and checkpoints live
+    under a scratch folder of the machine that outlives the actor: when Ray restarts the
+    actor (its hosts stop with it: the lifeline), the new one finds them again."""
 
-    def __init__(self, run_id: str, names: list[str]) -> None:
-        self.root = Path(tempfile.gettempdir()) / "meshfl-ray" / run_id
-        self.names = names
+    def __init__(self, run_id: str, node_id: str, hosts: list[tuple[str, list[str]]]) -> None:
+        self.root = Path(tempfile.gettempdir()) / "meshfl-ray" / run_id / node_id[:16]
+        self.hosts = hosts
+        self.names = [name for _, names in hosts for name in names]
         self.stopping = threading.Event()
         self._lock = threading.Lock()
         self._run_done: threading.Event | None = None  # set while a run is under way
         self._ends: dict[str, str] = {}
-        self.host: NodeHost | None = None
-        raise_open_files_limit()
+        self._supervised: list[SupervisedProcess] = []
+        raise_open_files_limit()  # the hosts inherit it
 
     def where(self) -> tuple[int, str]:
         """This process's pid and the Ray node it runs on."""
@@ -532,7 +599,7 @@ class RayHost:
         return os.getpid(), ray.get_runtime_context().get_node_id()
 
     def seats(self) -> tuple[tuple[int, str], dict[str, tuple[str, str]]]:
-        """Where this host runs, and for each node the address it will listen on (a free
+        """Where this actor runs, and for each node the address it will listen on (a free
         port of this machine) and its public key (hex), made here on the first call."""
         import ray
 
@@ -544,10 +611,11 @@ class RayHost:
             seats[name] = (f"tcp://{ip}:{port}", identity.public_key.hex())
         return self.where(), seats
 
-    def run(self, config_text: str, names: list[str], cpus: float) -> dict[str, str]:
-        """Run `names` (resuming from their checkpoints, if any) until each has ended,
-        with torch threads for `cpus` CPUs; how each ended. A call while a run is under
-        way (the launcher lost sight of this actor for a while) waits for that one."""
+    def run(self, config_text: str, names: list[str], cpus: float, restarts: int) -> dict[str, str]:
+        """Run `names` in their hosts (resuming from their checkpoints, if any), starting
+        a failed host's unfinished nodes again up to `restarts` times, until each has
+        ended; how each ended. A call while a run is under way (the launcher lost sight of
+        this actor for a while) waits for that one."""
         with self._lock:
             under_way = self._run_done
             if under_way is None:
@@ -556,7 +624,7 @@ class RayHost:
             under_way.wait()
             return self._ends
         try:
-            self._ends = self._run(config_text, names, cpus)
+            self._ends = self._run(config_text, names, cpus, restarts)
         finally:
             with self._lock:
                 done, self._run_done = self._run_done, None
@@ -565,9 +633,16 @@ class RayHost:
         return self._ends
 
     def stop(self) -> None:
+        """End the run: its hosts are stopped (their nodes say bye)."""
         self.stopping.set()
-        if self.host is not None:
-            self.host.stop()
+
+    def news(self, copies: dict[str, tuple[int, bytes]]) -> tuple[list[HostListing], dict]:
+        """The hosts running now, and what the launcher's copies lack (`files`)."""
+        listing = [
+            HostListing(each.label, each.process.pid, each.running, dict(each.node_restarts))
+            for each in self._supervised
+        ]
+        return listing, self.files(copies)
 
     def files(self, copies: dict[str, tuple[int, bytes]]) -> dict[str, tuple[int, bytes]]:
         """What the launcher's copies lack, as (where it starts, the bytes): the tail past
@@ -589,45 +664,31 @@ class RayHost:
                 found[relative] = (start, data)
         return found
 
-    def _run(self, config_text: str, names: list[str], cpus: float) -> dict[str, str]:
+    def _run(
+        self, config_text: str, names: list[str], cpus: float, restarts: int
+    ) -> dict[str, str]:
         if self.stopping.is_set():
             return {}
         self.root.mkdir(parents=True, exist_ok=True)
-        cfg = cfgmod.config_from_text(config_text, "the launcher's config")
-        # Torch threads per host: its CPUs (set_torch_threads divides the machine's cores).
-        local_nodes = max(1, (os.cpu_count() or 1) // max(1, int(cpus)))
-        options = [self._options(cfg, name, local_nodes) for name in names]
-        role = COORDINATOR if names == [COORDINATOR] else "peer"
-        self.host = NodeHost(options, partial(make_node, role=role))
-        if self.stopping.is_set():  # a stop that came while the host was being made
-            return {}
-        with _host_log(self.root / process_log(Path(), self.names), options):
-            ends = self.host.run()
-        return {name: end.status for name, end in ends.items()}
-
-    def _options(self, cfg: cfgmod.MeshConfig, name: str, local_nodes: int) -> NodeOptions:
-        if name != COORDINATOR:
-            return named_node_options(cfg, name, self.root, local_nodes=local_nodes)
-        assert cfg.coordinator is not None, "a coordinator host runs a coordinated rule"
-        shard = (len(cfg.peers), len(cfg.peers) + 1)
-        key = key_path(self.root, COORDINATOR)
-        return node_options(cfg, COORDINATOR, cfg.coordinator, self.root, key, shard, local_nodes)
-
-
-class _host_log:  # noqa: N801 - used as a context manager, like open()
-    """The host's own log lines (none of a node's) in its log file, at INFO, while it runs."""
-
-    def __init__(self, path: Path, options: list[NodeOptions]) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)  # a lone node's: its node.log
-        self.handler = logging.FileHandler(path)
-        self.handler.setFormatter(OneLineFormatter(FORMAT))
-        self.handler.addFilter(NodeLog(options, outside=True))
-
-    def __enter__(self) -> None:
-        root = logging.getLogger()
-        root.setLevel(logging.INFO)
-        root.addHandler(self.handler)
-
-    def __exit__(self, *exc: object) -> None:
-        logging.getLogger().removeHandler(self.handler)
-        self.handler.close()
+        rounds = cfgmod.config_from_text(config_text, "the launcher's config").rounds
+        config_path = self.root / "config.yaml"
+        write_atomically(config_path, config_text.encode())
+        wanted = set(names)
+        hosts = [(label, [n for n in group if n in wanted]) for label, group in self.hosts]
+        hosts = [(label, group) for label, group in hosts if group]
+        # One torch thread here: an OpenMP pool would not survive the forks; each host
+        # then takes its share of the CPUs Ray granted (set_torch_threads).
+        cores = os.cpu_count() or 1
+        set_torch_threads(cores)
+        local_nodes = max(1, round(cores * len(hosts) / max(cpus, 1 / CPU_GRAINS)))
+        groups = [group for _, group in hosts]
+        labels = [label for label, _ in hosts]
+        with node_processes(config_path, self.root, groups, labels, local_nodes) as (
+            supervised,
+            start,
+        ):
+            self._supervised = supervised
+            supervise(supervised, start, restarts, self.root, rounds, True, self.stopping)
+        return {
+            name: FINISHED if node_finished(self.root, name, rounds) else FAILED for name in names
+        }

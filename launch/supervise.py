@@ -20,6 +20,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -141,33 +142,48 @@ def run_mesh(
     )
     if cfg.coordinator is not None:
         groups.append([COORDINATOR])
-    lifeline = Lifeline()
-    start = partial(_spawn, config_path, out=out, processes=len(groups), lifeline=lifeline)
-    supervised: list[SupervisedProcess] = []
-    try:
-        with _stop_signals_as_interrupts():
-            for index, names in enumerate(groups):
-                supervised.append(SupervisedProcess(_label(index, names), names, start(names)))
-            write_processes(out, supervised)
-            if not quiet:
-                print(
-                    f"meshfl: {len(cfg.peers)} nodes in {len(groups)} processes, "
-                    f"{cfg.algorithm.name} on {cfg.data.dataset} ({cfg.data.partition}), "
-                    f"{cfg.rounds} rounds -> {out}"
-                )
-                print(f"meshfl: join this mesh with: meshfl join {joinable} --config {config_path}")
-            _supervise(supervised, start, restarts, out, cfg.rounds, quiet=quiet)
-    finally:
-        _stop([each.process for each in supervised])
-        lifeline.close()
+    labels = [host_label(index, names) for index, names in enumerate(groups)]
+    with (
+        _stop_signals_as_interrupts(),
+        node_processes(config_path, out, groups, labels, len(groups)) as (supervised, start),
+    ):
+        write_processes(out, supervised)
+        if not quiet:
+            print(
+                f"meshfl: {len(cfg.peers)} nodes in {len(groups)} processes, "
+                f"{cfg.algorithm.name} on {cfg.data.dataset} ({cfg.data.partition}), "
+                f"{cfg.rounds} rounds -> {out}"
+            )
+            print(f"meshfl: join this mesh with: meshfl join {joinable} --config {config_path}")
+        supervise(supervised, start, restarts, out, cfg.rounds, quiet=quiet)
     outcomes = {
         name: each.outcome(name, out, cfg.rounds) for each in supervised for name in each.names
     }
     return write_summary(cfg, out, outcomes)
 
 
-def _label(index: int, names: list[str]) -> str:
+def host_label(index: int, names: list[str]) -> str:
     return names[0] if len(names) == 1 else f"host{index}"
+
+
+@contextmanager
+def node_processes(
+    config_path: Path, out: Path, groups: list[list[str]], labels: list[str], local_nodes: int
+) -> Iterator[tuple[list[SupervisedProcess], Start]]:
+    """A process for each group of names (`_spawn`), each with the lifeline that stops
+    it if this process dies; every one of them stopped when the block ends, however it
+    ends. Yields the processes and how to start one again. Torch threads: the machine's
+    cores among `local_nodes`."""
+    lifeline = Lifeline()
+    start = partial(_spawn, config_path, out=out, local_nodes=local_nodes, lifeline=lifeline)
+    supervised: list[SupervisedProcess] = []
+    try:
+        for label, names in zip(labels, groups, strict=True):
+            supervised.append(SupervisedProcess(label, names, start(names)))
+        yield supervised, start
+    finally:
+        _stop([each.process for each in supervised])
+        lifeline.close()
 
 
 def write_processes(out: Path, supervised: list[SupervisedProcess]) -> None:
@@ -230,7 +246,7 @@ def _check_data(cfg: cfgmod.MeshConfig) -> None:
 
 
 def _spawn(
-    config_path: Path, names: list[str], out: Path, processes: int, lifeline: Lifeline
+    config_path: Path, names: list[str], out: Path, local_nodes: int, lifeline: Lifeline
 ) -> subprocess.Popen | ForkedProcess:
     """Start the process that runs `names`: the coordinator, one node, or a host. It is
     forked from this one where the system allows (forked.py: the processes share one
@@ -246,7 +262,7 @@ def _spawn(
     argv = [
         *role,
         *("--config", str(config_path), "--out", str(out)),
-        *("--local-nodes", str(processes), "--launcher-fd", str(lifeline.node_fd)),
+        *("--local-nodes", str(local_nodes), "--launcher-fd", str(lifeline.node_fd)),
     ]
     # Its own session, so that a Ctrl-C in the terminal reaches launch alone, which then
     # stops every process in order; the lifeline covers a launcher that cannot. A host
@@ -335,18 +351,19 @@ def how_it_ended(code: int | None) -> str:
 Start = Callable[[list[str]], "subprocess.Popen | ForkedProcess"]
 
 
-def _supervise(
+def supervise(
     supervised: list[SupervisedProcess],
     start: Start,
     restarts: int,
     out: Path,
     rounds: int,
     quiet: bool,
+    stopping: threading.Event | None = None,
 ) -> None:
     """Show progress and restart failed processes (up to `restarts` times each) until
-    every process has exited."""
+    every process has exited, or until `stopping` is set."""
     progress = Progress(out, rounds, quiet)
-    while True:
+    while stopping is None or not stopping.is_set():
         for each in supervised:
             if each.failed() and each.restarts < restarts:
                 if _restart(each, start, restarts, out, rounds, quiet):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from meshfl.launch.supervise import SupervisedProcess, _supervise
+from meshfl.launch.supervise import SupervisedProcess, supervise
 
 ROUNDS = 5
 
@@ -39,7 +39,7 @@ def test_a_failed_host_restarts_only_its_unfinished_nodes_and_counts_them(tmp_pa
         started.append(names)
         return Stopped(0)
 
-    _supervise([host], start, restarts=1, out=tmp_path, rounds=ROUNDS, quiet=True)
+    supervise([host], start, restarts=1, out=tmp_path, rounds=ROUNDS, quiet=True)
     assert started == [["b"]]
     assert host.node_restarts == {"b": 1} and host.restarts == 1
     assert host.outcome("a", tmp_path, ROUNDS) == {"status": "finished", "restarts": 0}
@@ -57,7 +57,7 @@ def test_a_process_that_fails_after_all_others_exited_is_still_restarted(tmp_pat
         started.append(names)
         return Stopped(0)
 
-    _supervise([done, last], start, restarts=2, out=tmp_path, rounds=ROUNDS, quiet=True)
+    supervise([done, last], start, restarts=2, out=tmp_path, rounds=ROUNDS, quiet=True)
     assert started == [["b"]]
 
 
@@ -75,6 +75,6 @@ def test_a_process_whose_nodes_all_finished_is_not_restarted_again_and_again(tmp
     ran_rounds(tmp_path, "a", ROUNDS)
     host = SupervisedProcess("host0", ["a"], Stopped(-9))
     started: list[list[str]] = []
-    _supervise([host], started.append, restarts=3, out=tmp_path, rounds=ROUNDS, quiet=True)
+    supervise([host], started.append, restarts=3, out=tmp_path, rounds=ROUNDS, quiet=True)
     assert started == [] and host.running == []
     assert host.outcome("a", tmp_path, ROUNDS) == {"status": "finished", "restarts": 0}
