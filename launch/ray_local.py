@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -25,6 +26,7 @@ from meshfl.protocol.transport import free_ports
 START_LIMIT_S = 120.0  # a Ray node that has not said it started by then never will
 STOP_LIMIT_S = 30.0
 STARTED = "Ray runtime started"  # what `ray start` prints once the node is up
+ACTIVE_NODE = re.compile(r"^ *\d+ node_[0-9a-f]+$", re.MULTILINE)  # a line of `ray status`
 OBJECT_STORE_BYTES = 100_000_000  # nodes send nothing through it; Ray's minimum is 75 MB
 
 
@@ -66,6 +68,24 @@ class LocalRayCluster:
         self._start_node(0, "head", ["--head", f"--port={self.port}", "--include-dashboard=false"])
         for index in range(1, len(self.places)):
             self._start_node(index, f"node{index}", [f"--address={self.address}"])
+        self._wait_for_every_node()
+
+    def _wait_for_every_node(self) -> None:
+        """Until the cluster lists every Ray node as active: a node that said it started
+        may not be known to the head yet, and a launch then would leave it out."""
+        deadline = time.monotonic() + START_LIMIT_S
+        while True:
+            status = subprocess.run(
+                [*self.places[0].prefix, "ray", "status", f"--address={self.address}"],
+                capture_output=True,
+                text=True,
+                env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
+            ).stdout
+            if len(ACTIVE_NODE.findall(status)) >= len(self.places):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the Ray cluster at {self.address} did not list every node")
+            time.sleep(1.0)
 
     def run(self, command: list[str], log: Path, place: int = 0) -> subprocess.Popen:
         """`command` beside Ray node `place` (the head by default), in a session of its own."""
