@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -248,13 +249,19 @@ def main(argv: list[str]) -> int:
 
 
 def _run_on_ray(size: int, args: argparse.Namespace, root: Path) -> ScaleResult:
-    """A size on a fresh local Ray cluster, so that no run inherits another's workers."""
+    """A size on a fresh local Ray cluster, so that no run inherits another's workers;
+    the nodes' checkpoints and keys, kept by a Ray launch for a resume, go with it."""
+    from .ray_hosts import run_id_of, scratch_folder
     from .ray_local import LocalRayCluster, Place
 
     cpus = max(1, (os.cpu_count() or 1) // args.ray_nodes)
     out = root / f"nodes{size}-ray"
-    with LocalRayCluster([Place()] * args.ray_nodes, cpus, logs=out / "cluster") as ray:
-        return run_size(size, args.hosts, args.rounds, out, args.settings, ray)
+    try:
+        with LocalRayCluster([Place()] * args.ray_nodes, cpus, logs=out / "cluster") as ray:
+            return run_size(size, args.hosts, args.rounds, out, args.settings, ray)
+    finally:
+        if (run_id := run_id_of(out)) is not None:
+            shutil.rmtree(scratch_folder(run_id), ignore_errors=True)
 
 
 if __name__ == "__main__":

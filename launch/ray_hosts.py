@@ -296,14 +296,25 @@ def _start_machines(
     return machines
 
 
+def scratch_folder(run_id: str) -> Path:
+    """Where the hosts of the run `run_id` keep their nodes' keys and checkpoints, on
+    each machine (a folder per Ray node inside): kept after the run, for a resume."""
+    return Path(tempfile.gettempdir()) / "meshfl-ray" / run_id
+
+
+def run_id_of(out: Path) -> str | None:
+    """The `ray_run` of the run folder `out`, if a Ray launch made it."""
+    try:
+        return str(json.loads((out / "processes.json").read_text())["ray_run"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _run_id(out: Path) -> str:
     """The name of the run's scratch folders on the cluster's machines: the one a run
     in `out` had before (a run stopped and launched again resumes from the checkpoints
     there), else a new one (a folder made anew never resumes a stale run)."""
-    try:
-        return str(json.loads((out / "processes.json").read_text())["ray_run"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return f"{out.resolve().name}-{uuid.uuid4().hex[:8]}"
+    return run_id_of(out) or f"{out.resolve().name}-{uuid.uuid4().hex[:8]}"
 
 
 def _with_seats(ray: Any, cfg: cfgmod.MeshConfig, machines: list[MachineRun]) -> cfgmod.MeshConfig:
@@ -582,7 +593,7 @@ class RayMachine:
     actor (its hosts stop with it: the lifeline), the new one finds them again."""
 
     def __init__(self, run_id: str, node_id: str, hosts: list[tuple[str, list[str]]]) -> None:
-        self.root = Path(tempfile.gettempdir()) / "meshfl-ray" / run_id / node_id[:16]
+        self.root = scratch_folder(run_id) / node_id[:16]
         self.hosts = hosts
         self.names = [name for _, names in hosts for name in names]
         self.stopping = threading.Event()

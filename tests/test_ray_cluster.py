@@ -18,6 +18,7 @@ import importlib.util
 import ipaddress
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,6 +30,7 @@ import pytest
 import yaml
 
 from meshfl.launch.cli import main
+from meshfl.launch.ray_hosts import run_id_of, scratch_folder
 from meshfl.launch.ray_local import LocalRayCluster, Place
 from tests.netns import can_build_namespaces, virtual_lan
 from tests.nodes import records
@@ -56,6 +58,14 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRayCl
         yield stack.enter_context(LocalRayCluster(places, cpus=1, logs=logs))
 
 
+@pytest.fixture
+def out(tmp_path: Path) -> Iterator[Path]:
+    """A run folder; the Ray scratch folders of its run are removed at the end."""
+    yield tmp_path / "run"
+    if (run_id := run_id_of(tmp_path / "run")) is not None:
+        shutil.rmtree(scratch_folder(run_id), ignore_errors=True)
+
+
 def launch(cluster: LocalRayCluster, out: Path, *args: str) -> subprocess.Popen:
     """`meshfl launch --ray` beside the head, its output in `out`.log."""
     command = [sys.executable, "-m", "meshfl.launch.cli", "launch", "--ray", cluster.address]
@@ -80,9 +90,8 @@ def host_of(address: str) -> str:
 
 @pytest.mark.slow  # a Ray cluster and real node hosts
 def test_a_mesh_spread_over_two_ray_nodes_learns_gathers_its_folder_and_survives_a_kill(
-    ray_cluster, tmp_path
+    ray_cluster, out
 ):
-    out = tmp_path / "run"
     mesh = launch(
         ray_cluster, out, "--nodes", str(NODES), "--rounds", str(ROUNDS), "--restarts", "1"
     )
@@ -151,8 +160,7 @@ def test_a_mesh_spread_over_two_ray_nodes_learns_gathers_its_folder_and_survives
 
 
 @pytest.mark.slow
-def test_a_coordinated_rule_runs_its_coordinator_in_a_host_of_its_own(ray_cluster, tmp_path):
-    out = tmp_path / "run"
+def test_a_coordinated_rule_runs_its_coordinator_in_a_host_of_its_own(ray_cluster, out):
     mesh = launch(ray_cluster, out, "--nodes", "6", "--rounds", "3", "--algorithm", "fedavg_server")
     try:
         assert mesh.wait(timeout=RUN_LIMIT_S) == 0, out.with_suffix(".log").read_text()

@@ -6,6 +6,7 @@ and a node that ran every round finished whatever became of its process."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 from meshfl.launch.supervise import SupervisedProcess, supervise
@@ -78,3 +79,14 @@ def test_a_process_whose_nodes_all_finished_is_not_restarted_again_and_again(tmp
     supervise([host], started.append, restarts=3, out=tmp_path, rounds=ROUNDS, quiet=True)
     assert started == [] and host.running == []
     assert host.outcome("a", tmp_path, ROUNDS) == {"status": "finished", "restarts": 0}
+
+
+def test_a_stop_ends_supervision_at_once_and_restarts_nothing(tmp_path):
+    """A Ray machine's actor stops its hosts this way (ray_hosts.RayMachine.stop)."""
+    ran_rounds(tmp_path, "a", 2)
+    host = SupervisedProcess("host0", ["a"], Stopped(-15))  # ended by the stop's SIGTERM
+    started: list[list[str]] = []
+    stopping = threading.Event()
+    stopping.set()
+    supervise([host], started.append, 3, tmp_path, ROUNDS, quiet=True, stopping=stopping)
+    assert started == [] and host.restarts == 0
