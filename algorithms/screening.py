@@ -12,10 +12,13 @@ meshfl node has). Around the rule's `aggregate`, for the whole models received
    received or adopted in the last `MEMORY_ROUNDS` rounds ("replay"), is nobody's work
    of this round: colluders publishing one model, a replayed model, a free rider
    handing back an aggregate unchanged.
-3. Validation: peer j's model is averaged half and half with the own model; with d the
-   per-sample differences of the val loss of that pair minus the own model's, the peer
-   is screened out ("val_loss") when mean(d) exceeds one standard error of d: it makes
-   the own model worse beyond the noise of the val split.
+3. Validation: peer j's model is averaged half and half with the pivot; with d the
+   per-sample differences of the val loss of that pair minus the pivot's, the peer is
+   screened out ("val_loss") when mean(d) exceeds one standard error of d: it makes the
+   node's model worse beyond the noise of the val split. The pivot is the own model of
+   the round, or the model the round started from (the last round's outcome) where that
+   one validates better: after a round of local training that went astray, every
+   peer, a poisoned one too, would look like a help next to the own model.
 4. Guard: the rule's aggregate is adopted only when its val loss is finite and at most
    the own model's; else the node keeps the own model (pFedSV's val guard, the same
    rule, shared through `adopts`).
@@ -23,7 +26,8 @@ meshfl node has). Around the rule's `aggregate`, for the whole models received
 The rule then sees only the admitted peers, so its `layouts`, `wanted` and diagnostics
 are its own; the screening adds `screened_out` ({peer: reason}) and `screening` to the
 diagnostics. Screening is on by default (`algorithm.screen`); false gives the paper's
-rule unchanged. Cost: one val pass per received model and one for the aggregate.
+rule unchanged. Cost: one val pass per received model, one for the aggregate and one
+for the model the round started from.
 """
 
 from __future__ import annotations
@@ -136,6 +140,7 @@ class Screened(PeerAlgorithm):
         self.name = rule.name
         self.ranks_offers = rule.ranks_offers
         self._seen: dict[int, set[bytes]] = {}  # round -> digests received or adopted
+        self._adopted: dict[int, State] = {}  # the outcomes of this round and the last
 
     def scratch_model(self) -> torch.nn.Module:
         """The wrapped rule's: one spare model per node; every user loads a state first."""
@@ -171,7 +176,8 @@ class Screened(PeerAlgorithm):
         me, models = self.context.node, received.get(MODEL, {})
         judged = len(data.y_val) > 0
         own_losses = self._losses(own.state, data) if judged else None
-        reasons = self._screen(round_no, own, models, data, own_losses)
+        pivot = self._pivot(round_no, own.state, own_losses, data)
+        reasons = self._screen(round_no, own, models, data, pivot)
         admitted = {**received, MODEL: {p: m for p, m in models.items() if p not in reasons}}
         if MODEL not in received:
             admitted.pop(MODEL)
@@ -190,6 +196,12 @@ class Screened(PeerAlgorithm):
             if not report["adopted"]:
                 outcome = Aggregate(own.state, {me: 1.0}, outcome.diagnostics)
         self._remember(round_no, [state_digest(outcome.state)])
+        self._adopted = {
+            round_no: {key: value.detach().clone() for key, value in outcome.state.items()},
+            **{r: state for r, state in self._adopted.items() if r == round_no - 1},
+        }
+        if pivot is not None:
+            report["judged_against"] = "own" if pivot[0] is own.state else "round_start"
         report["seconds"] = time.perf_counter() - clock
         outcome.diagnostics = {
             **outcome.diagnostics,
@@ -198,13 +210,29 @@ class Screened(PeerAlgorithm):
         }
         return outcome
 
+    def _pivot(
+        self, round_no: int, own_state: State, own_losses: torch.Tensor | None, data: Any
+    ) -> tuple[State, torch.Tensor] | None:
+        """The model peers are judged against, with its per-sample val losses: the own
+        model of this round, or the one this round started from (the last round's
+        outcome) where that one validates better. A round of local training that went
+        astray would otherwise make every peer, an attacker too, look like a help."""
+        if own_losses is None:
+            return None  # no val split: nothing to judge by
+        start = self._adopted.get(round_no - 1)
+        if start is not None:
+            start_losses = self._losses(start, data)
+            if float(start_losses.mean()) < float(own_losses.mean()):
+                return start, start_losses
+        return own_state, own_losses
+
     def _screen(
         self,
         round_no: int,
         own: PeerModel,
         models: dict[str, PeerModel],
         data: Any,
-        own_losses: torch.Tensor | None,
+        pivot: tuple[State, torch.Tensor] | None,
     ) -> dict[str, str]:
         """{peer: reason} for the received whole models kept out of the rule."""
         reasons = {
@@ -222,13 +250,14 @@ class Screened(PeerAlgorithm):
             }
         )
         self._remember(round_no, digests.values())
-        if own_losses is None:
+        if pivot is None:
             return reasons
+        pivot_state, pivot_losses = pivot
         for peer in sorted(set(models) - set(reasons)):
             pair = weighted_average(
-                {"own": own.state, peer: models[peer].state}, {"own": 0.5, peer: 0.5}
+                {"pivot": pivot_state, peer: models[peer].state}, {"pivot": 0.5, peer: 0.5}
             )
-            if worse_beyond_noise(own_losses, self._losses(pair, data)):
+            if worse_beyond_noise(pivot_losses, self._losses(pair, data)):
                 reasons[peer] = "val_loss"
         return reasons
 

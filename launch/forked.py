@@ -67,7 +67,9 @@ def fork_command(
     # raise KeyboardInterrupt in the child, which must never run the launcher's code.
     stops = {signal.SIGINT, *STOP_SIGNALS}
     with open(log_path, "ab") as log_file:
-        signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+        # The caller's mask comes back after the fork: a thread that blocks some of
+        # these (a Ray actor's does) keeps them blocked.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, stops)
         pid = os.fork()
         if pid == 0:  # the child: it never returns from here
             try:
@@ -76,7 +78,7 @@ def fork_command(
                 _run_and_exit(main, argv)
             finally:
                 os._exit(1)  # reached only if becoming the child itself failed
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     return ForkedProcess(pid, argv)
 
 

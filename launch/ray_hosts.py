@@ -10,7 +10,7 @@ crosses Ray is small and plain: the run's config text, each node's listen addres
 public key, each machine's hosts, and the nodes' text files on their way back.
 
 - Keys and checkpoints stay on the machine that runs the node, under a scratch folder of
-  its own (`<tmp>/meshfl-ray/<run>/<Ray node>/`). When an actor dies its hosts stop
+  its own (`<tmp>/meshfl-ray/<run>/`). When an actor dies its hosts stop
   with it (the lifeline); with `--restarts N` Ray brings the actor back on the same
   machine and its unfinished nodes resume from their checkpoints.
 - The run folder on the launching machine is filled as for a local run: config.yaml,
@@ -24,6 +24,7 @@ This is the only module of meshfl that imports Ray, and only when `--ray` is giv
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import math
@@ -33,6 +34,8 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -63,10 +66,11 @@ from .supervise import (
 log = logging.getLogger("meshfl.launch")
 
 INSTALL_HINT = "pip install 'meshfl[ray]' (in a checkout: pip install -e '.[ray]')"
-PLACE_LIMIT_S = 120.0  # hosts not placed by then wait for CPUs the cluster lacks
+PLACE_LIMIT_S = 120.0  # actors not placed by then wait for CPUs the cluster lacks
 MIRROR_EVERY_S = 1.0  # how often the launcher copies the nodes' files back
 MIRROR_WAIT_S = 30.0  # how long the last copy of a run waits for the hosts' answers
-STOP_WAIT_S = 15.0  # how long stopping hosts may take before they are ended
+STOP_WAIT_S = 15.0  # how long a machine's hosts may take to stop before its actor ends
+HOSTS_GONE_LIMIT_S = 60.0  # an earlier actor's hosts stop within seconds (lifeline.py)
 SEAT_TRIES = 5  # Ray nodes sharing an address may draw the same free port: draw again
 # The files of a node that come back to the run folder; its checkpoint and key stay.
 MIRRORED = ("metrics.jsonl", "node.log", "info.json")
@@ -167,7 +171,7 @@ class MachineRun:
     cpus: float  # the machine's CPUs that Ray grants the actor
     run_id: str  # the run's scratch folder on its machine
     running: list[str] = field(default_factory=list)
-    # Restarts of each node in the actor's earlier lives, and in this one (`listing`).
+    # Each node's restarts as last known here; the actor's `listing` may know more.
     node_restarts: Counter[str] = field(default_factory=Counter)
     listing: list[HostListing] = field(default_factory=list)
     pid: int = 0  # the actor's process
@@ -187,21 +191,32 @@ class MachineRun:
         return [HostListing(label, None, names, {}) for label, names in self.hosts]
 
     def restarts_of(self, name: str) -> int:
-        local = (listed.restarts.get(name, 0) for listed in self.listing)
-        return self.node_restarts[name] + max(local, default=0)
+        """How often node `name` was started again: by the actor (its hosts' counts,
+        which start from the counts it was given) or here, after the actor was lost."""
+        listed = (host.restarts.get(name, 0) for host in self.listing)
+        return max([self.node_restarts[name], *listed])
 
-    @property
-    def restarts(self) -> int:
-        return max((self.restarts_of(name) for name in self.names), default=0)
+    def resumable(self, restarts: int) -> list[str]:
+        """The running nodes that may be started again: restarted fewer than `restarts`
+        times so far."""
+        return [name for name in self.running if self.restarts_of(name) < restarts]
 
-    def start_run(self, config_text: str, restarts: int) -> None:
-        """Run the unfinished nodes, with what is left of each one's `restarts`."""
-        self.node_restarts.update(
-            {name: n for listed in self.listing for name, n in listed.restarts.items()}
-        )
+    def log_groups(self) -> list[list[str]]:
+        """The node names of every host log: the planned hosts', and those of hosts the
+        actor started again for fewer nodes (a log is named by its host's nodes)."""
+        return [names for _, names in self.hosts] + [host.nodes for host in self.listing]
+
+    def start_run(self, config_text: str, restarts: int, again: list[str] | None = None) -> None:
+        """Run the unfinished nodes, `again` of them started again by this call; each
+        host the actor forks may be started again until one of its nodes has been
+        restarted `restarts` times in all."""
+        for name in self.names:
+            self.node_restarts[name] = self.restarts_of(name)
+        self.node_restarts.update(again or [])
         self.listing = []
-        left = max(0, restarts - self.restarts)
-        self.run_ref = self.actor.run.remote(config_text, self.running, self.cpus, left)
+        self.run_ref = self.actor.run.remote(
+            config_text, self.running, self.cpus, restarts, dict(self.node_restarts)
+        )
 
 
 @dataclass
@@ -287,7 +302,7 @@ def _start_machines(
             ),
             max_restarts=restarts,
             max_concurrency=4,  # its run call, and the mirror's and the stop's calls
-        ).remote(run_id, placement.machine.node_id, labelled)
+        ).remote(run_id, f"machine{index}", labelled)
         machines.append(
             MachineRun(
                 f"machine{index}", placement.machine, labelled, actor, placement.cpus, run_id
@@ -298,7 +313,7 @@ def _start_machines(
 
 def scratch_folder(run_id: str) -> Path:
     """Where the hosts of the run `run_id` keep their nodes' keys and checkpoints, on
-    each machine (a folder per Ray node inside): kept after the run, for a resume."""
+    each machine: kept after the run, for a resume."""
     return Path(tempfile.gettempdir()) / "meshfl-ray" / run_id
 
 
@@ -373,6 +388,7 @@ def _supervise(
     while any(each.run_ref is not None for each in machines):
         for each in _ended_runs(ray, machines):
             _run_again(ray, each, config_text, out, rounds, restarts, quiet, mirror)
+            _write_processes(out, address, machines)
         if mirror.pull(ray, machines):
             _write_processes(out, address, machines)
         progress.show([name for each in machines if each.run_ref for name in each.running])
@@ -397,7 +413,7 @@ def _ended_runs(ray: Any, machines: list[MachineRun]) -> list[MachineRun]:
             ends, each.ended = {}, f"lost ({type(err).__name__})"
         each.run_ref = None
         if not ends or any(status != FINISHED for status in ends.values()):
-            each.ended = each.ended or "a host failed past its restarts (its log says why)"
+            each.ended = each.ended or "a host failed (its log says why)"
             failed.append(each)
     return failed
 
@@ -412,34 +428,37 @@ def _run_again(
     quiet: bool,
     mirror: Mirror,
 ) -> None:
-    """Start the unfinished nodes of a machine whose actor was lost, from their
-    checkpoints there (Ray restarts the actor on its machine, and the actor's hosts
-    stopped with it). An actor that was only out of reach and still runs its hosts is
-    joined again instead (RayMachine.run)."""
+    """Start the unfinished nodes of a machine whose run ended without them, from their
+    checkpoints there, each while it has restarts left: after its actor was lost (Ray
+    restarts the actor on its machine; the actor's hosts stopped with it), or after the
+    actor gave up on a host. An actor that was only out of reach and still runs its
+    hosts is joined again instead (RayMachine.run)."""
     try:
         pid = _pid_once_back(ray, failed)
     except ray.exceptions.RayError as err:  # its machine is gone
         failed.ended = f"lost ({type(err).__name__})"
         return
+    _pull_all(ray, mirror, [failed])  # what its nodes finished meanwhile
+    failed.running = [name for name in failed.running if not node_finished(out, name, rounds)]
     if pid == failed.pid and failed.ended and failed.ended.startswith("lost"):
         failed.ended = None  # the same process, out of reach for a while: join it again
-        failed.run_ref = failed.actor.run.remote(config_text, failed.running, failed.cpus, 0)
+        failed.run_ref = failed.actor.run.remote(
+            config_text, failed.running, failed.cpus, restarts, dict(failed.node_restarts)
+        )
         return
     failed.pid = pid
-    _pull_all(ray, mirror, [failed])  # what its nodes finished before it went
-    failed.running = [name for name in failed.running if not node_finished(out, name, rounds)]
-    if not failed.running or failed.restarts >= restarts:
-        return
-    failed.node_restarts.update(failed.running)
+    resumed = failed.resumable(restarts)
+    if not resumed:
+        return  # its nodes are listed as failed
     if not quiet:
         print(
             f"\nmeshfl: the hosts of {failed.label} ({failed.machine.ip}) ended "
-            f"({failed.ended}); their nodes resume from their checkpoints there "
-            f"({failed.restarts} of {restarts})",
+            f"({failed.ended}); {len(resumed)} unfinished nodes resume from their "
+            "checkpoints there",
             flush=True,
         )
-    failed.ended = None
-    failed.start_run(config_text, restarts)
+    failed.running, failed.ended = resumed, None
+    failed.start_run(config_text, restarts, again=resumed)
 
 
 def _pid_once_back(ray: Any, machine: MachineRun) -> int:
@@ -460,7 +479,7 @@ def _outcome(each: MachineRun, name: str, out: Path, rounds: int) -> dict[str, A
     restarts = each.restarts_of(name)
     if node_finished(out, name, rounds):
         return {"status": FINISHED, "restarts": restarts}
-    logs = [process_log(out, names) for _, names in each.hosts if name in names]
+    logs = [process_log(out, names) for names in each.log_groups() if name in names]
     return {
         "status": FAILED,
         "restarts": restarts,
@@ -555,7 +574,7 @@ class Mirror:
         """For each file of the machine's hosts: its copy's size and last bytes ((0, b"")
         for none)."""
         copies = {}
-        for relative in host_files([names for _, names in each.hosts]):
+        for relative in host_files(each.log_groups()):
             try:
                 with open(self.out / relative, "rb") as file:
                     size = file.seek(0, 2)
@@ -592,8 +611,11 @@ class RayMachine:
     under a scratch folder of the machine that outlives the actor: when Ray restarts the
     actor (its hosts stop with it: the lifeline), the new one finds them again."""
 
-    def __init__(self, run_id: str, node_id: str, hosts: list[tuple[str, list[str]]]) -> None:
-        self.root = scratch_folder(run_id) / node_id[:16]
+    def __init__(self, run_id: str, label: str, hosts: list[tuple[str, list[str]]]) -> None:
+        # Shared by the run's actors on this machine: node folders are named by node, and
+        # each actor's own files by its label.
+        self.root = scratch_folder(run_id)
+        self.label = label
         self.hosts = hosts
         self.names = [name for _, names in hosts for name in names]
         self.stopping = threading.Event()
@@ -622,11 +644,19 @@ class RayMachine:
             seats[name] = (f"tcp://{ip}:{port}", identity.public_key.hex())
         return self.where(), seats
 
-    def run(self, config_text: str, names: list[str], cpus: float, restarts: int) -> dict[str, str]:
+    def run(
+        self,
+        config_text: str,
+        names: list[str],
+        cpus: float,
+        restarts: int,
+        restarted: dict[str, int],
+    ) -> dict[str, str]:
         """Run `names` in their hosts (resuming from their checkpoints, if any), starting
-        a failed host's unfinished nodes again up to `restarts` times, until each has
-        ended; how each ended. A call while a run is under way (the launcher lost sight of
-        this actor for a while) waits for that one."""
+        a failed host's unfinished nodes again until one of them has been restarted
+        `restarts` times (`restarted`: the counts so far), until each has ended; how
+        each ended. A call while a run is under way (the launcher lost sight of this
+        actor for a while) waits for that one."""
         with self._lock:
             under_way = self._run_done
             if under_way is None:
@@ -635,7 +665,7 @@ class RayMachine:
             under_way.wait()
             return self._ends
         try:
-            self._ends = self._run(config_text, names, cpus, restarts)
+            self._ends = self._run(config_text, names, cpus, restarts, Counter(restarted))
         finally:
             with self._lock:
                 done, self._run_done = self._run_done, None
@@ -648,7 +678,8 @@ class RayMachine:
         self.stopping.set()
 
     def news(self, copies: dict[str, tuple[int, bytes]]) -> tuple[list[HostListing], dict]:
-        """The hosts running now, and what the launcher's copies lack (`files`)."""
+        """The hosts of the run under way (or of the last one), and what the launcher's
+        copies lack (`files`)."""
         listing = [
             HostListing(each.label, each.process.pid, each.running, dict(each.node_restarts))
             for each in self._supervised
@@ -676,13 +707,14 @@ class RayMachine:
         return found
 
     def _run(
-        self, config_text: str, names: list[str], cpus: float, restarts: int
+        self, config_text: str, names: list[str], cpus: float, restarts: int, restarted: Counter
     ) -> dict[str, str]:
+        self._supervised = []  # the hosts of an earlier run are not this one's
         if self.stopping.is_set():
             return {}
         self.root.mkdir(parents=True, exist_ok=True)
         rounds = cfgmod.config_from_text(config_text, "the launcher's config").rounds
-        config_path = self.root / "config.yaml"
+        config_path = self.root / f"config-{self.label}.yaml"
         write_atomically(config_path, config_text.encode())
         wanted = set(names)
         hosts = [(label, [n for n in group if n in wanted]) for label, group in self.hosts]
@@ -694,12 +726,35 @@ class RayMachine:
         local_nodes = max(1, round(cores * len(hosts) / max(cpus, 1 / CPU_GRAINS)))
         groups = [group for _, group in hosts]
         labels = [label for label, _ in hosts]
-        with node_processes(config_path, self.root, groups, labels, local_nodes) as (
-            supervised,
-            start,
+        with (
+            self._machine_lock() as lock,
+            node_processes(
+                config_path, self.root, groups, labels, local_nodes, restarted, (lock,)
+            ) as (supervised, start),
         ):
             self._supervised = supervised
             supervise(supervised, start, restarts, self.root, rounds, True, self.stopping)
         return {
             name: FINISHED if node_finished(self.root, name, rounds) else FAILED for name in names
         }
+
+    @contextmanager
+    def _machine_lock(self) -> Iterator[int]:
+        """A lock on this machine's hosts, taken before they are forked and held by each
+        of them (the descriptor is inherited) until it exits: an actor that Ray restarted
+        waits here until the hosts of the one that died have let go of their ports and
+        checkpoints (they stop on their own: the lifeline)."""
+        with open(self.root / f"{self.label}.lock", "a") as file:
+            deadline = time.monotonic() + HOSTS_GONE_LIMIT_S
+            while True:
+                try:
+                    fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(
+                            f"the hosts of an earlier actor on this machine still run after "
+                            f"{HOSTS_GONE_LIMIT_S:.0f} s"
+                        ) from None
+                    time.sleep(0.2)
+            yield file.fileno()

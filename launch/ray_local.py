@@ -25,8 +25,12 @@ from meshfl.protocol.transport import free_ports
 
 START_LIMIT_S = 120.0  # a Ray node that has not said it started by then never will
 STOP_LIMIT_S = 30.0
+STATUS_LIMIT_S = 30.0  # one `ray status` call
 STARTED = "Ray runtime started"  # what `ray start` prints once the node is up
 ACTIVE_NODE = re.compile(r"^ *\d+ node_[0-9a-f]+$", re.MULTILINE)  # a line of `ray status`
+# No usage report; no token authentication, which a token file in ~/.ray (left by any
+# earlier `ray.init`) would turn on for the head alone, shutting the other nodes out.
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
 OBJECT_STORE_BYTES = 100_000_000  # nodes send nothing through it; Ray's minimum is 75 MB
 
 
@@ -75,12 +79,16 @@ class LocalRayCluster:
         may not be known to the head yet, and a launch then would leave it out."""
         deadline = time.monotonic() + START_LIMIT_S
         while True:
-            status = subprocess.run(
-                [*self.places[0].prefix, "ray", "status", f"--address={self.address}"],
-                capture_output=True,
-                text=True,
-                env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
-            ).stdout
+            try:
+                status = subprocess.run(
+                    [*self.places[0].prefix, "ray", "status", f"--address={self.address}"],
+                    capture_output=True,
+                    text=True,
+                    env={**os.environ, **RAY_ENV},
+                    timeout=STATUS_LIMIT_S,
+                ).stdout
+            except subprocess.TimeoutExpired:
+                status = ""
             if len(ACTIVE_NODE.findall(status)) >= len(self.places):
                 return
             if time.monotonic() > deadline:
@@ -96,7 +104,7 @@ class LocalRayCluster:
                 stdout=output,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
+                env={**os.environ, **RAY_ENV},
             )
         self.processes.append(process)
         return process

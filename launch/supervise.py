@@ -155,7 +155,15 @@ def run_mesh(
                 f"{cfg.rounds} rounds -> {out}"
             )
             print(f"meshfl: join this mesh with: meshfl join {joinable} --config {config_path}")
-        supervise(supervised, start, restarts, out, cfg.rounds, quiet=quiet)
+        supervise(
+            supervised,
+            start,
+            restarts,
+            out,
+            cfg.rounds,
+            quiet=quiet,
+            on_restart=partial(write_processes, out, supervised),
+        )
     outcomes = {
         name: each.outcome(name, out, cfg.rounds) for each in supervised for name in each.names
     }
@@ -168,18 +176,28 @@ def host_label(index: int, names: list[str]) -> str:
 
 @contextmanager
 def node_processes(
-    config_path: Path, out: Path, groups: list[list[str]], labels: list[str], local_nodes: int
+    config_path: Path,
+    out: Path,
+    groups: list[list[str]],
+    labels: list[str],
+    local_nodes: int,
+    restarted: Counter[str] | None = None,
+    held: tuple[int, ...] = (),
 ) -> Iterator[tuple[list[SupervisedProcess], Start]]:
     """A process for each group of names (`_spawn`), each with the lifeline that stops
     it if this process dies; every one of them stopped when the block ends, however it
     ends. Yields the processes and how to start one again. Torch threads: the machine's
-    cores among `local_nodes`."""
+    cores among `local_nodes`. `restarted`: how often each node was restarted before;
+    `held`: descriptors every process holds open until it exits."""
     lifeline = Lifeline()
-    start = partial(_spawn, config_path, out=out, local_nodes=local_nodes, lifeline=lifeline)
+    start = partial(
+        _spawn, config_path, out=out, local_nodes=local_nodes, lifeline=lifeline, held=held
+    )
     supervised: list[SupervisedProcess] = []
     try:
         for label, names in zip(labels, groups, strict=True):
-            supervised.append(SupervisedProcess(label, names, start(names)))
+            before = Counter({name: (restarted or Counter())[name] for name in names})
+            supervised.append(SupervisedProcess(label, names, start(names), node_restarts=before))
         yield supervised, start
     finally:
         _stop([each.process for each in supervised])
@@ -246,7 +264,12 @@ def _check_data(cfg: cfgmod.MeshConfig) -> None:
 
 
 def _spawn(
-    config_path: Path, names: list[str], out: Path, local_nodes: int, lifeline: Lifeline
+    config_path: Path,
+    names: list[str],
+    out: Path,
+    local_nodes: int,
+    lifeline: Lifeline,
+    held: tuple[int, ...] = (),
 ) -> subprocess.Popen | ForkedProcess:
     """Start the process that runs `names`: the coordinator, one node, or a host. It is
     forked from this one where the system allows (forked.py: the processes share one
@@ -278,7 +301,7 @@ def _spawn(
             stdout=log_file,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            pass_fds=(lifeline.node_fd,),
+            pass_fds=(lifeline.node_fd, *held),
         )
 
 
@@ -359,15 +382,17 @@ def supervise(
     rounds: int,
     quiet: bool,
     stopping: threading.Event | None = None,
+    on_restart: Callable[[], None] | None = None,
 ) -> None:
-    """Show progress and restart failed processes (up to `restarts` times each) until
-    every process has exited, or until `stopping` is set."""
+    """Show progress and restart failed processes (up to `restarts` times each: a
+    process's count is its most restarted node's) until every process has exited, or
+    until `stopping` is set; `on_restart` after each restart."""
     progress = Progress(out, rounds, quiet)
     while stopping is None or not stopping.is_set():
         for each in supervised:
             if each.failed() and each.restarts < restarts:
-                if _restart(each, start, restarts, out, rounds, quiet):
-                    write_processes(out, supervised)
+                if _restart(each, start, restarts, out, rounds, quiet) and on_restart:
+                    on_restart()
         # Checked after the restarts: a process that failed last is still restarted.
         if all(each.process.poll() is not None for each in supervised):
             break

@@ -5,8 +5,16 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
-from meshfl.launch.ray_hosts import Machine, MachineRun, Mirror, RayMachine, plan_hosts
+from meshfl.launch.ray_hosts import (
+    HostListing,
+    Machine,
+    MachineRun,
+    Mirror,
+    RayMachine,
+    plan_hosts,
+)
 
 NAMES = [f"node{i}" for i in range(10)]
 
@@ -29,7 +37,7 @@ def test_hosts_is_a_total_and_cpus_are_asked_as_ray_can_grant_them():
 
 
 def test_the_mirror_copies_appended_bytes_and_a_file_written_anew_whole(tmp_path: Path):
-    host = RayMachine(f"test-{uuid.uuid4().hex[:8]}", "a-ray-node", [("node0", ["node0"])])
+    host = RayMachine(f"test-{uuid.uuid4().hex[:8]}", "machine0", [("node0", ["node0"])])
     host.root = tmp_path / "where-the-node-runs"
     metrics = host.root / "node0" / "metrics.jsonl"
     metrics.parent.mkdir(parents=True)
@@ -52,3 +60,26 @@ def test_the_mirror_copies_appended_bytes_and_a_file_written_anew_whole(tmp_path
     metrics.write_text('{"round": 1}\n{"round": 2}\n{"round": 9}\n')
     pull()
     assert copy.read_text() == metrics.read_text()
+
+
+def test_restarts_are_counted_per_node_by_the_actor_and_after_it_was_lost():
+    runs: list[tuple] = []
+    actor = SimpleNamespace(run=SimpleNamespace(remote=lambda *args: runs.append(args)))
+    hosts = [("host0", ["a"]), ("host1", ["b"])]
+    machine = MachineRun("machine0", Machine("m", "ip", 2.0), hosts, actor, 2.0, "run")
+    machine.start_run("config", restarts=1)
+    assert runs[-1][1:] == (["a", "b"], 2.0, 1, {"a": 0, "b": 0})
+    # The actor forked host0 again once; then the actor itself was lost.
+    machine.listing = [
+        HostListing("host0", 11, ["a"], {"a": 1}),
+        HostListing("host1", 12, ["b"], {}),
+    ]
+    assert [machine.restarts_of(name) for name in "ab"] == [1, 0]
+    assert machine.resumable(restarts=1) == ["b"], "a has spent its restart, b has not"
+    machine.running = ["b"]
+    machine.start_run("config", restarts=1, again=["b"])
+    assert runs[-1][1:] == (["b"], 2.0, 1, {"a": 1, "b": 1})  # the new actor starts from these
+    assert [machine.restarts_of(name) for name in "ab"] == [1, 1]
+    assert machine.log_groups() == [["a"], ["b"]]
+    machine.listing = [HostListing("host1", 13, ["b"], {"b": 1})]
+    assert machine.restarts_of("b") == 1, "the actor's count includes the one it was given"

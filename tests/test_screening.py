@@ -165,6 +165,20 @@ def test_a_resumed_node_still_knows_the_models_of_its_last_rounds(world, tmp_pat
     assert outcome.diagnostics["screened_out"] == {"replayer": "replay"}
 
 
+def test_a_round_of_training_gone_astray_does_not_let_an_attacker_in(world):
+    """Peers are judged against the model the round started from where the own model
+    of the round validates worse: next to a ruined model, even poison looks like help."""
+    rule = screened(world, "fedavg")
+    aggregate(rule, world, {"h2": world.honest["h2"]}, round_no=1)  # round 2 starts here
+    astray = noise_like(world.honest["h0"], torch.Generator().manual_seed(2))
+    peers = {"h1": world.honest["h1"], "bad": world.attackers["labelflip"]}
+    received = {"model": {peer: PeerModel(state, world.n) for peer, state in peers.items()}}
+    outcome = rule.aggregate(2, PeerModel(astray, world.n), received, world.data)
+    assert outcome.diagnostics["screening"]["judged_against"] == "round_start"
+    assert outcome.diagnostics["screened_out"] == {"bad": "val_loss"}
+    assert outcome.weights.get("bad", 0.0) == 0.0 and outcome.weights.get("h1", 0.0) > 0
+
+
 @pytest.mark.parametrize(
     ("name", "params"),
     [
