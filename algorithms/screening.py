@@ -26,8 +26,8 @@ meshfl node has). Around the rule's `aggregate`, for the whole models received
 The rule then sees only the admitted peers, so its `layouts`, `wanted` and diagnostics
 are its own; the screening adds `screened_out` ({peer: reason}) and `screening` to the
 diagnostics. Screening is on by default (`algorithm.screen`); false gives the paper's
-rule unchanged. Cost: one val pass per received model, one for the aggregate and one
-for the model the round started from.
+rule unchanged. Cost: one val pass per received model and one for the aggregate (and
+one for the model the round started from where the guard did not judge it).
 """
 
 from __future__ import annotations
@@ -140,7 +140,8 @@ class Screened(PeerAlgorithm):
         self.name = rule.name
         self.ranks_offers = rule.ranks_offers
         self._seen: dict[int, set[bytes]] = {}  # round -> digests received or adopted
-        self._adopted: dict[int, State] = {}  # the outcomes of this round and the last
+        # The outcomes of this round and the last, with their val losses where known.
+        self._adopted: dict[int, tuple[State, torch.Tensor | None]] = {}
 
     def scratch_model(self) -> torch.nn.Module:
         """The wrapped rule's: one spare model per node; every user loads a state first."""
@@ -184,21 +185,27 @@ class Screened(PeerAlgorithm):
         outcome = self.rule.aggregate(round_no, own, admitted, data)
         report: dict[str, Any] = {"judged": judged}
         guarded = judged and not self.rule.guards_aggregate and outcome.weights != {me: 1.0}
+        outcome_losses = None  # the outcome's per-sample val losses, where known here
         if guarded:
             assert own_losses is not None
             own_loss = float(own_losses.mean())
-            aggregate_loss = float(self._losses(outcome.state, data).mean())
+            outcome_losses = self._losses(outcome.state, data)
+            aggregate_loss = float(outcome_losses.mean())
             report.update(
                 val_loss_own=own_loss,
                 val_loss_aggregate=aggregate_loss,
                 adopted=adopts(own_loss, aggregate_loss),
             )
             if not report["adopted"]:
-                outcome = Aggregate(own.state, {me: 1.0}, outcome.diagnostics)
+                outcome, outcome_losses = (
+                    Aggregate(own.state, {me: 1.0}, outcome.diagnostics),
+                    own_losses,
+                )
         self._remember(round_no, [state_digest(outcome.state)])
+        kept = {key: value.detach().clone() for key, value in outcome.state.items()}
         self._adopted = {
-            round_no: {key: value.detach().clone() for key, value in outcome.state.items()},
-            **{r: state for r, state in self._adopted.items() if r == round_no - 1},
+            round_no: (kept, outcome_losses),
+            **{r: each for r, each in self._adopted.items() if r == round_no - 1},
         }
         if pivot is not None:
             report["judged_against"] = "own" if pivot[0] is own.state else "round_start"
@@ -219,9 +226,10 @@ class Screened(PeerAlgorithm):
         astray would otherwise make every peer, an attacker too, look like a help."""
         if own_losses is None:
             return None  # no val split: nothing to judge by
-        start = self._adopted.get(round_no - 1)
-        if start is not None:
-            start_losses = self._losses(start, data)
+        if round_no - 1 in self._adopted:
+            start, start_losses = self._adopted[round_no - 1]
+            if start_losses is None:  # the guard did not judge it: judge it now
+                start_losses = self._losses(start, data)
             if float(start_losses.mean()) < float(own_losses.mean()):
                 return start, start_losses
         return own_state, own_losses
