@@ -20,11 +20,8 @@ meshfl node has). Around the rule's `aggregate`, for the whole models received
    one validates better: after a round of local training that went astray, every
    peer, a poisoned one too, would look like a help next to the own model.
 4. Guard: the rule's aggregate is adopted only when its val loss is finite and at most
-   the pivot's (so at most the own model's too); else the node keeps the own model
-   (pFedSV's val guard, the same rule, shared through `adopts`). Peers admitted for
-   helping a round start that validates better than the own model must give an
-   aggregate that beats that start too: an aggregate that merely beats a round of
-   training gone astray can still be far worse than the node was.
+   the own model's; else the node keeps the own model (pFedSV's val guard, the same
+   rule, shared through `adopts`).
 
 The rule then sees only the admitted peers, so its `layouts`, `wanted` and diagnostics
 are its own; the screening adds `screened_out` ({peer: reason}) and `screening` to the
@@ -187,19 +184,18 @@ class Screened(PeerAlgorithm):
             admitted.pop(MODEL)
         outcome = self.rule.aggregate(round_no, own, admitted, data)
         report: dict[str, Any] = {"judged": judged}
+        guarded = judged and not self.rule.guards_aggregate and outcome.weights != {me: 1.0}
         outcome_losses = None  # the outcome's per-sample val losses, where known here
-        if pivot is not None and self._guards(outcome, own.state, pivot[0]):
+        if guarded:
             assert own_losses is not None
-            bar = float(pivot[1].mean())  # at most the own model's loss
+            own_loss = float(own_losses.mean())
             outcome_losses = self._losses(outcome.state, data)
             aggregate_loss = float(outcome_losses.mean())
             report.update(
-                val_loss_own=float(own_losses.mean()),
+                val_loss_own=own_loss,
                 val_loss_aggregate=aggregate_loss,
-                adopted=adopts(bar, aggregate_loss),
+                adopted=adopts(own_loss, aggregate_loss),
             )
-            if pivot[0] is not own.state:
-                report["val_loss_round_start"] = bar
             if not report["adopted"]:
                 outcome, outcome_losses = (
                     Aggregate(own.state, {me: 1.0}, outcome.diagnostics),
@@ -220,15 +216,6 @@ class Screened(PeerAlgorithm):
             "screening": report,
         }
         return outcome
-
-    def _guards(self, outcome: Aggregate, own_state: State, pivot_state: State) -> bool:
-        """Whether the guard judges this outcome: an aggregate (not the own model alone)
-        that has not been judged against the pivot yet. A rule with a guard of its own
-        (pFedSV's) judged it against the own model, which is the pivot unless the own
-        model validates worse than the round's start."""
-        if outcome.weights == {self.context.node: 1.0}:
-            return False
-        return not self.rule.guards_aggregate or pivot_state is not own_state
 
     def _pivot(
         self, round_no: int, own_state: State, own_losses: torch.Tensor | None, data: Any

@@ -176,22 +176,7 @@ def test_a_round_of_training_gone_astray_does_not_let_an_attacker_in(world):
     outcome = rule.aggregate(2, PeerModel(astray, world.n), received, world.data)
     assert outcome.diagnostics["screening"]["judged_against"] == "round_start"
     assert outcome.diagnostics["screened_out"] == {"bad": "val_loss"}
-    assert outcome.weights.get("bad", 0.0) == 0.0
-
-
-def test_an_aggregate_must_beat_the_round_start_it_was_judged_against(world):
-    """Where peers were admitted for helping the round's start, an aggregate that only
-    beats the round's training gone astray is not adopted: it can be far worse than
-    the node was (a feature-shift node fell 12 points so on Digit-5)."""
-    rule = screened(world, "fedavg")
-    aggregate(rule, world, {"h2": world.honest["h2"]}, round_no=1)  # round 2 starts here
-    astray = noise_like(world.honest["h0"], torch.Generator().manual_seed(2))
-    received = {"model": {"h1": PeerModel(world.honest["h1"], world.n)}}
-    outcome = rule.aggregate(2, PeerModel(astray, world.n), received, world.data)
-    report = outcome.diagnostics["screening"]
-    assert report["judged_against"] == "round_start" and not outcome.diagnostics["screened_out"]
-    assert report["val_loss_round_start"] < report["val_loss_aggregate"] < report["val_loss_own"]
-    assert report["adopted"] is False and outcome.weights == {"h0": 1.0}
+    assert outcome.weights.get("bad", 0.0) == 0.0 and outcome.weights.get("h1", 0.0) > 0
 
 
 @pytest.mark.parametrize(
