@@ -213,7 +213,11 @@ def test_a_frozen_peer_holds_no_round_longer_than_its_peer_timeout(launch):
 
     def took_node1_in_again() -> bool:  # from its next announcement
         return all(
-            any("node1" in r["received"] for r in records(run.out, name) if r["round"] > since)
+            any(
+                "node1" in r.get("received", [])
+                for r in records(run.out, name)
+                if r["round"] > since
+            )
             for name, since in thawed_at.items()
         )
 
