@@ -114,12 +114,14 @@ def test_a_killed_node_resumes_from_its_checkpoint_while_the_others_finish(tmp_p
 
 
 def test_a_fifth_node_joining_mid_run_takes_part_in_the_next_rounds(tmp_path):
+    # Rounds without end, stopped once the joiner has taken part: on a fast machine a
+    # 20-round mesh ended while the joiner was still importing torch.
     config = tmp_path / "peers.yaml"
-    cfg = write_config(config, 4, rounds=20, local_epochs=40)
-    processes = [start_node(config, f"node{i}", tmp_path) for i in range(4)]
+    cfg = write_config(config, 4, rounds=100_000, local_epochs=40)
+    others = {"node0", "node1", "node2", "node3"}
+    processes = [start_node(config, name, tmp_path) for name in sorted(others)]
     try:
         wait_round(tmp_path, "node0", 2, timeout=90)
-
         joiner = meshfl(
             "join",
             cfg["peers"][1]["listen"],
@@ -132,16 +134,28 @@ def test_a_fifth_node_joining_mid_run_takes_part_in_the_next_rounds(tmp_path):
             log=tmp_path / "late.log",
         )
         processes.append(joiner)
+
+        def since_joining() -> tuple[list[dict], list[dict]]:
+            """The joiner's rounds, and node0's rounds after the joiner's first."""
+            joined = records(tmp_path, "late")
+            first = joined[0]["round"] if joined else float("inf")
+            return joined, [r for r in records(tmp_path, "node0") if r["round"] > first]
+
+        def took_part_in_two_rounds() -> bool:  # on both sides
+            joined, later = since_joining()
+            full = [r for r in joined if set(r.get("received", [])) == others]
+            return len(full) >= 2 and len(later) >= 2
+
+        wait_until(took_part_in_two_rounds, 120, "the joiner and node0 to share two rounds")
+        joined, later = since_joining()  # before the stop: the last rounds miss peers
         for process in processes:
-            assert process.wait(timeout=150) == 0
+            process.send_signal(signal.SIGTERM)
+        for process in processes:
+            assert process.wait(timeout=60) == 128 + signal.SIGTERM
     finally:
         stop(processes)
-    joined = records(tmp_path, "late")
-    assert joined and joined[0]["round"] > 1, "the joiner starts at the mesh's round"
-    assert joined[-1]["round"] == 20
-    assert set(joined[-1]["received"]) == {"node0", "node1", "node2", "node3"}
-    later = [r for r in records(tmp_path, "node0") if r["round"] > joined[0]["round"]]
-    assert later and all("late" in r["received"] for r in later)
+    assert joined[0]["round"] > 1, "the joiner starts at the mesh's round"
+    assert all("late" in r.get("received", []) for r in later)
     info = json.loads((tmp_path / "late" / "info.json").read_text())
     hint = (
         f"late: joined; the next node can join with: meshfl join "
