@@ -13,7 +13,8 @@ A round at node i:
    d_j = ‖θ_i − θ_j‖ (self: the smallest peer distance in S), normalized; when no
    weight is positive the node keeps its own model. Then the val guard (on by default,
    not in the paper; `val_guard=false` is the paper's rule): the node adopts the
-   weighted average only when its val loss is at most its own model's. A peer's Shapley
+   weighted average only when its val loss is at most its own model's and its val errors
+   are no more than the own model's beyond noise (the screening guard). A peer's Shapley
    value credits what it scores alone, so a peer that knows half of the node's labels
    earns weight even where averaging it in hurts (README, pFedSV results). (With a
    shared body, "own model" is the own head on the mesh body: the guard weighs heads
@@ -53,7 +54,6 @@ from typing import Any, cast
 
 import numpy as np
 import torch
-from torch.nn import functional
 
 from .base import (
     MODEL,
@@ -69,7 +69,7 @@ from .base import (
     state_part,
     weighted_average,
 )
-from .screening import adopts
+from .screening import batched_logits, guard_adopts, scores_of_logits
 
 BODY, HEAD = "body", "head"
 EXACT_SHAPLEY_MAX_PLAYERS = 8  # 2^8 utilities cost less than sampling 3|S| permutations
@@ -268,41 +268,21 @@ def dynamic_k(scores: dict[str, float], settled: bool, start_k: int, k_min: int,
 # --------------------------------------------------------------------------- helpers
 
 
-def batched_logits(
-    forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, batch_size: int = 1024
-) -> torch.Tensor:
-    """`forward` over `x` in batches and without gradients: a large val split never
-    has to pass through the model at once."""
-    with torch.no_grad():
-        if len(x) == 0:  # no batches to concatenate: one empty pass gives the shape
-            return forward(x)
-        return torch.cat([forward(batch) for batch in x.split(batch_size)])
-
-
 def accuracy(logits: torch.Tensor, y: torch.Tensor) -> float:
     """Share of the samples whose largest logit is their label; 0 for none."""
     return float((logits.argmax(dim=1) == y).float().mean()) if len(y) else 0.0
 
 
-def mean_cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> float:
-    """Mean cross-entropy of the logits against the labels; 0 for none."""
-    return float(functional.cross_entropy(logits, y.long())) if len(y) else 0.0
-
-
 def _guard_verdict(
     own_logits: torch.Tensor, average_logits: torch.Tensor, y_val: torch.Tensor
 ) -> tuple[bool, dict[str, float]]:
-    """Whether the val guard adopts the Shapley-weighted average, with the figures it
-    judged by: it adopts only when the average's val loss is finite and at most the own
-    model's. Loss, not accuracy: a good own model gets
-    (nearly) all of a small val split right, so accuracies often tie where cross-entropy
-    still tells the models apart, and a tie is no evidence that the average is better."""
-    own_loss = mean_cross_entropy(own_logits, y_val)
-    average_loss = mean_cross_entropy(average_logits, y_val)
-    return adopts(own_loss, average_loss), {
+    """Whether the val guard adopts the Shapley-weighted average (the screening guard:
+    no higher val loss, no more val errors beyond noise), with the figures it judged by."""
+    own, average = scores_of_logits(own_logits, y_val), scores_of_logits(average_logits, y_val)
+    return guard_adopts(own, average), {
         "v_aggregate": accuracy(average_logits, y_val),
-        "val_loss_own": own_loss,
-        "val_loss_aggregate": average_loss,
+        "val_loss_own": float(own.losses.mean()),
+        "val_loss_aggregate": float(average.losses.mean()),
     }
 
 

@@ -20,14 +20,25 @@ meshfl node has). Around the rule's `aggregate`, for the whole models received
    one validates better: after a round of local training that went astray, every
    peer, a poisoned one too, would look like a help next to the own model.
 4. Guard: the rule's aggregate is adopted only when its val loss is finite and at most
-   the own model's; else the node keeps the own model (pFedSV's val guard, the same
-   rule, shared through `adopts`).
+   the own model's and its val errors are not more than the own model's beyond one
+   standard error of the paired per-sample differences; else the node keeps the own
+   model. Loss alone is not enough where a
+   model is over-confident (LeNet on Digit-5 overfits in loss long before accuracy):
+   an aggregate a hair lower in loss can be 12 points lower in val accuracy. pFedSV's
+   val guard is this one (`guard_adopts`), judged on the logits its game computed.
+5. Spikes: where the outcome makes more val errors than the model the round started
+   from beyond one standard error, the node keeps that model instead: a round whose
+   local training went astray (a loss spike at lr 0.05 and momentum 0.9 costs an MLP
+   30 points in one round) and that no peer mended is undone rather than carried on.
+   Local training alone has no such step, so a screened rule can end above Local
+   through it as well as through its peers.
 
 The rule then sees only the admitted peers, so its `layouts`, `wanted` and diagnostics
 are its own; the screening adds `screened_out` ({peer: reason}) and `screening` to the
 diagnostics. Screening is on by default (`algorithm.screen`); false gives the paper's
 rule unchanged. Cost: one val pass per received model and one for the aggregate (and
-one for the model the round started from where the guard did not judge it).
+one for the model the round started from where the guard did not judge it); each pass
+gives both the per-sample losses and the per-sample errors.
 """
 
 from __future__ import annotations
@@ -36,7 +47,8 @@ import hashlib
 import math
 import statistics
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from torch.nn import functional
@@ -67,6 +79,17 @@ def adopts(own_loss: float, aggregate_loss: float) -> bool:
     only when the aggregate's loss is finite and at most the own model's. Loss, not
     accuracy: on a small val split accuracies tie where cross-entropy still differs."""
     return math.isfinite(aggregate_loss) and aggregate_loss <= own_loss
+
+
+def guard_adopts(own: ValScores, aggregate: ValScores) -> bool:
+    """Whether the screening guard takes an aggregate over the own model: `adopts` on the
+    mean val losses, and val errors no worse beyond the noise of the split. With no val
+    split there is nothing to judge by, and the aggregate stands."""
+    if len(own.losses) == 0:
+        return True
+    return adopts(float(own.losses.mean()), float(aggregate.losses.mean())) and not (
+        worse_beyond_noise(own.errors, aggregate.errors)
+    )
 
 
 def inflated_claims(own_n: int, claims: dict[str, int]) -> set[str]:
@@ -100,10 +123,14 @@ def copies(digests: dict[str, bytes], seen_before: set[bytes]) -> dict[str, str]
     return found
 
 
-def worse_beyond_noise(own_losses: torch.Tensor, other_losses: torch.Tensor) -> bool:
-    """Whether per-sample losses are higher than the own model's by more than one
-    standard error of the paired differences (or not finite)."""
-    differences = (other_losses - own_losses).double()
+def _loss(scored: tuple[State, ValScores]) -> float:
+    return float(scored[1].losses.mean())
+
+
+def worse_beyond_noise(own: torch.Tensor, other: torch.Tensor) -> bool:
+    """Whether per-sample losses (or errors) are higher than the own model's by more than
+    one standard error of the paired differences (or not finite)."""
+    differences = (other - own).double()
     if not torch.isfinite(differences).all():
         return True
     if len(differences) < 2:
@@ -112,20 +139,37 @@ def worse_beyond_noise(own_losses: torch.Tensor, other_losses: torch.Tensor) -> 
     return float(differences.mean()) > noise
 
 
-def per_sample_losses(
-    model: torch.nn.Module, state: State, x: torch.Tensor, y: torch.Tensor, batch_size: int = 512
+def batched_logits(
+    forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, batch_size: int = 1024
 ) -> torch.Tensor:
+    """`forward` over `x` in batches and without gradients: a large val split never
+    has to pass through the model at once."""
+    with torch.no_grad():
+        if len(x) == 0:  # no batches to concatenate: one empty pass gives the shape
+            return forward(x)
+        return torch.cat([forward(batch) for batch in x.split(batch_size)])
+
+
+class ValScores(NamedTuple):
+    """A model's per-sample cross-entropy and 0/1 errors on a val split."""
+
+    losses: torch.Tensor
+    errors: torch.Tensor
+
+
+def val_scores(
+    model: torch.nn.Module, state: State, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024
+) -> ValScores:
+    """Both from one forward pass over the split."""
     model.load_state_dict(state)
     model.eval()
-    with torch.no_grad():
-        return torch.cat(
-            [
-                functional.cross_entropy(
-                    model(x[i : i + batch_size]), y[i : i + batch_size].long(), reduction="none"
-                )
-                for i in range(0, len(x), batch_size)
-            ]
-        )
+    return scores_of_logits(batched_logits(model, x, batch_size), y)
+
+
+def scores_of_logits(logits: torch.Tensor, y: torch.Tensor) -> ValScores:
+    labels = y.long()
+    losses = functional.cross_entropy(logits, labels, reduction="none")
+    return ValScores(losses, (logits.argmax(dim=1) != labels).double())
 
 
 # --------------------------------------------------------------------------- the wrapper
@@ -140,8 +184,8 @@ class Screened(PeerAlgorithm):
         self.name = rule.name
         self.ranks_offers = rule.ranks_offers
         self._seen: dict[int, set[bytes]] = {}  # round -> digests received or adopted
-        # The outcomes of this round and the last, with their val losses where known.
-        self._adopted: dict[int, tuple[State, torch.Tensor | None]] = {}
+        # The outcomes of this round and the last, with their val scores where known.
+        self._adopted: dict[int, tuple[State, ValScores | None]] = {}
 
     def scratch_model(self) -> torch.nn.Module:
         """The wrapped rule's: one spare model per node; every user loads a state first."""
@@ -174,41 +218,30 @@ class Screened(PeerAlgorithm):
         self, round_no: int, own: PeerModel, received: ReceivedModels, data: Any
     ) -> Aggregate:
         clock = time.perf_counter()
-        me, models = self.context.node, received.get(MODEL, {})
-        judged = len(data.y_val) > 0
-        own_losses = self._losses(own.state, data) if judged else None
-        pivot = self._pivot(round_no, own.state, own_losses, data)
+        models = received.get(MODEL, {})
+        report: dict[str, Any] = {"judged": len(data.y_val) > 0}
+        own_scored = (own.state, self._scores(own.state, data)) if report["judged"] else None
+        start = self._round_start(round_no, data) if report["judged"] else None
+        pivot = own_scored
+        if start is not None and own_scored is not None and _loss(start) < _loss(own_scored):
+            pivot = start
         reasons = self._screen(round_no, own, models, data, pivot)
         admitted = {**received, MODEL: {p: m for p, m in models.items() if p not in reasons}}
         if MODEL not in received:
             admitted.pop(MODEL)
         outcome = self.rule.aggregate(round_no, own, admitted, data)
-        report: dict[str, Any] = {"judged": judged}
-        guarded = judged and not self.rule.guards_aggregate and outcome.weights != {me: 1.0}
-        outcome_losses = None  # the outcome's per-sample val losses, where known here
-        if guarded:
-            assert own_losses is not None
-            own_loss = float(own_losses.mean())
-            outcome_losses = self._losses(outcome.state, data)
-            aggregate_loss = float(outcome_losses.mean())
-            report.update(
-                val_loss_own=own_loss,
-                val_loss_aggregate=aggregate_loss,
-                adopted=adopts(own_loss, aggregate_loss),
-            )
-            if not report["adopted"]:
-                outcome, outcome_losses = (
-                    Aggregate(own.state, {me: 1.0}, outcome.diagnostics),
-                    own_losses,
-                )
+        scored = self._guard(outcome, own_scored, report, data)
+        if start is not None:
+            scored = self._unless_a_spike(scored, start, report, data)
+        outcome = scored[0]
         self._remember(round_no, [state_digest(outcome.state)])
         kept = {key: value.detach().clone() for key, value in outcome.state.items()}
         self._adopted = {
-            round_no: (kept, outcome_losses),
+            round_no: (kept, scored[1]),
             **{r: each for r, each in self._adopted.items() if r == round_no - 1},
         }
         if pivot is not None:
-            report["judged_against"] = "own" if pivot[0] is own.state else "round_start"
+            report["judged_against"] = "own" if pivot is own_scored else "round_start"
         report["seconds"] = time.perf_counter() - clock
         outcome.diagnostics = {
             **outcome.diagnostics,
@@ -217,22 +250,59 @@ class Screened(PeerAlgorithm):
         }
         return outcome
 
-    def _pivot(
-        self, round_no: int, own_state: State, own_losses: torch.Tensor | None, data: Any
-    ) -> tuple[State, torch.Tensor] | None:
-        """The model peers are judged against, with its per-sample val losses: the own
-        model of this round, or the one this round started from (the last round's
-        outcome) where that one validates better. A round of local training that went
-        astray would otherwise make every peer, an attacker too, look like a help."""
-        if own_losses is None:
-            return None  # no val split: nothing to judge by
-        if round_no - 1 in self._adopted:
-            start, start_losses = self._adopted[round_no - 1]
-            if start_losses is None:  # the guard did not judge it: judge it now
-                start_losses = self._losses(start, data)
-            if float(start_losses.mean()) < float(own_losses.mean()):
-                return start, start_losses
-        return own_state, own_losses
+    def _guard(
+        self,
+        outcome: Aggregate,
+        own_scored: tuple[State, ValScores] | None,
+        report: dict[str, Any],
+        data: Any,
+    ) -> tuple[Aggregate, ValScores | None]:
+        """The rule's outcome, or the own model where the guard refuses the aggregate,
+        with its val scores where known."""
+        me = self.context.node
+        if own_scored is None:
+            return outcome, None
+        own_state, own_scores = own_scored
+        if outcome.weights == {me: 1.0}:  # the own model (or a rule's variant of it)
+            return outcome, own_scores if outcome.state is own_state else None
+        if self.rule.guards_aggregate:  # judged by the rule itself (pFedSV's val guard)
+            return outcome, None
+        scores = self._scores(outcome.state, data)
+        report.update(
+            val_loss_own=float(own_scores.losses.mean()),
+            val_loss_aggregate=float(scores.losses.mean()),
+            val_errors_own=int(own_scores.errors.sum()),
+            val_errors_aggregate=int(scores.errors.sum()),
+            adopted=guard_adopts(own_scores, scores),
+        )
+        if report["adopted"]:
+            return outcome, scores
+        return Aggregate(own_state, {me: 1.0}, outcome.diagnostics), own_scores
+
+    def _unless_a_spike(
+        self,
+        scored: tuple[Aggregate, ValScores | None],
+        start: tuple[State, ValScores],
+        report: dict[str, Any],
+        data: Any,
+    ) -> tuple[Aggregate, ValScores | None]:
+        """The round's outcome, or the model the round started from where the outcome
+        makes more val errors than that one beyond noise: a round whose local training
+        went astray, with no peer's help to mend it, is undone rather than kept."""
+        outcome, scores = scored
+        scores = scores if scores is not None else self._scores(outcome.state, data)
+        report["kept_round_start"] = worse_beyond_noise(start[1].errors, scores.errors)
+        if report["kept_round_start"]:
+            return Aggregate(start[0], {self.context.node: 1.0}, outcome.diagnostics), start[1]
+        return outcome, scores
+
+    def _round_start(self, round_no: int, data: Any) -> tuple[State, ValScores] | None:
+        """The model this round started from (the last round's outcome), with its val
+        scores; None in a node's first round here."""
+        if round_no - 1 not in self._adopted:
+            return None
+        state, scores = self._adopted[round_no - 1]
+        return state, scores if scores is not None else self._scores(state, data)
 
     def _screen(
         self,
@@ -240,7 +310,7 @@ class Screened(PeerAlgorithm):
         own: PeerModel,
         models: dict[str, PeerModel],
         data: Any,
-        pivot: tuple[State, torch.Tensor] | None,
+        pivot: tuple[State, ValScores] | None,
     ) -> dict[str, str]:
         """{peer: reason} for the received whole models kept out of the rule."""
         reasons = {
@@ -260,17 +330,17 @@ class Screened(PeerAlgorithm):
         self._remember(round_no, digests.values())
         if pivot is None:
             return reasons
-        pivot_state, pivot_losses = pivot
+        pivot_state, pivot_scores = pivot
         for peer in sorted(set(models) - set(reasons)):
             pair = weighted_average(
                 {"pivot": pivot_state, peer: models[peer].state}, {"pivot": 0.5, peer: 0.5}
             )
-            if worse_beyond_noise(pivot_losses, self._losses(pair, data)):
+            if worse_beyond_noise(pivot_scores.losses, self._scores(pair, data).losses):
                 reasons[peer] = "val_loss"
         return reasons
 
-    def _losses(self, state: State, data: Any) -> torch.Tensor:
-        return per_sample_losses(self.scratch_model(), state, data.x_val, data.y_val)
+    def _scores(self, state: State, data: Any) -> ValScores:
+        return val_scores(self.scratch_model(), state, data.x_val, data.y_val)
 
     def _seen_before(self, round_no: int) -> set[bytes]:
         """Digests of earlier rounds only: a step the node re-runs (node/containment.py)

@@ -107,11 +107,22 @@ def with_attack_grid(spec: dict[str, Any]) -> dict[str, Any]:
     return {**spec, "variants": variants}
 
 
-def robustness_cell(runs: list[dict[str, Any]]) -> str:
+def honest_accuracies(run: dict[str, Any], attackers: list[str]) -> list[float]:
+    """Test accuracies of the finished nodes outside `attackers`: the same nodes in the
+    row without attackers as under attack, so that the rows compare like with like."""
+    return [
+        node["test_acc"]
+        for node in run["nodes"]
+        if node["name"] not in attackers and node["test_acc"] is not None
+    ]
+
+
+def robustness_cell(runs: list[dict[str, Any]], attackers: list[str]) -> str:
     """Honest nodes' mean / worst test accuracy and the attackers' weight, in %, over
     the seeds."""
-    mean = statistics.fmean(run["mean_test_acc"] for run in runs) * 100
-    worst = statistics.fmean(run["worst_test_acc"] for run in runs) * 100
+    honest = [honest_accuracies(run, attackers) for run in runs]
+    mean = statistics.fmean(statistics.fmean(accuracies) for accuracies in honest) * 100
+    worst = statistics.fmean(min(accuracies) for accuracies in honest) * 100
     weights = [run["attacker_weight"] for run in runs if "attacker_weight" in run]
     weight = f" / {statistics.fmean(weights) * 100:.0f}%" if weights else ""
     return f"{mean:.1f} / {worst:.1f}{weight}"
@@ -135,7 +146,7 @@ def render_robustness(
         cells = [summaries.get(f"{rule}{GRID_SEPARATOR}{attack}") for rule in rules]
         lines.append(
             f"| {attack} | "
-            + " | ".join(robustness_cell(runs) if runs else "" for runs in cells)
+            + " | ".join(robustness_cell(runs, spec["attackers"]) if runs else "" for runs in cells)
             + " |"
         )
     lines += _cost_rows(

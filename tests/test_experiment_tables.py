@@ -15,6 +15,7 @@ from meshfl.launch.experiment_runs import (
     _differences,
     _planned_config,
     _what_decides_results,
+    render_robustness,
     render_table,
 )
 from meshfl.launch.measures import (
@@ -259,3 +260,26 @@ def test_where_data_lay_and_timeouts_do_not_count_but_the_number_of_nodes_does(t
     assert _differences(_what_decides_results(planned), _what_decides_results(bigger)) == [
         "nodes: 2 there, 3 now"
     ]
+
+
+def test_the_robustness_row_without_attackers_averages_the_same_nodes_as_under_attack():
+    """Under attack the attackers' own scores are left out; without attackers the same
+    nodes are, or the rows would compare ten nodes against eight."""
+
+    def run(attacker_acc, weight=None):
+        accuracies = {"node0": 0.8, "node1": 0.6, "node2": attacker_acc}
+        nodes = [{"name": name, "test_acc": acc} for name, acc in accuracies.items()]
+        return {"nodes": nodes} | ({"attacker_weight": weight} if weight is not None else {})
+
+    spec = {
+        "title": "t",
+        "caps": "c",
+        "nodes": 3,
+        "attackers": ["node2"],
+        "rules": {"Rule": []},
+        "attacks": {"none": [], "flip": ["attack.kind=labelflip"]},
+    }
+    summaries = {"Rule | none": [run(1.0)], "Rule | flip": [run(0.0, weight=0.25)]}
+    table = render_robustness(spec, summaries, [0], argparse.Namespace(name="x", data_root=None))
+    assert "| none | 70.0 / 60.0 |" in table
+    assert "| flip | 70.0 / 60.0 / 25% |" in table

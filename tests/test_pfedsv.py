@@ -24,7 +24,6 @@ from meshfl.algorithms.pfedsv import (
     clip_and_noise,
     dynamic_k,
     exact_shapley,
-    mean_cross_entropy,
     monte_carlo_shapley,
     positive_peers,
     scores_settled,
@@ -517,7 +516,6 @@ def test_val_logits_come_in_batches_equal_to_one_pass_and_an_empty_split_gives_n
     assert torch.allclose(batched_logits(model, x, batch_size=3), whole, atol=1e-6)
     assert batched_logits(model, x[:0]).shape == (0, 4)
     assert accuracy(whole[:0], torch.zeros(0, dtype=torch.long)) == 0.0
-    assert mean_cross_entropy(whole[:0], torch.zeros(0, dtype=torch.long)) == 0.0
 
 
 def test_state_survives_a_json_checkpoint_and_repeats_the_next_selection(world):

@@ -17,9 +17,12 @@ from meshfl.algorithms import (
 from meshfl.algorithms.base import Aggregate, Context
 from meshfl.algorithms.screening import (
     Screened,
+    ValScores,
     adopts,
     copies,
+    guard_adopts,
     inflated_claims,
+    scores_of_logits,
     state_digest,
     worse_beyond_noise,
 )
@@ -102,6 +105,31 @@ def test_the_guard_adopts_only_a_finite_aggregate_no_worse_on_val():
     assert not adopts(1.0, 1.01) and not adopts(1.0, float("nan"))
 
 
+def scores(losses, errors):
+    return ValScores(torch.tensor(losses), torch.tensor(errors, dtype=torch.float64))
+
+
+def test_the_guard_refuses_an_aggregate_lower_in_loss_but_wrong_on_more_samples():
+    """The Digit-5 case: confidently wrong on a few samples costs more loss than being
+    unsure on many, so mean loss alone took an aggregate 12 points worse in accuracy."""
+    own = scores([3.0] * 2 + [0.1] * 8, [1] * 2 + [0] * 8)
+    unsure = scores([0.6] * 2 + [0.9] * 5 + [0.1] * 3, [0] * 2 + [1] * 5 + [0] * 3)
+    assert adopts(float(own.losses.mean()), float(unsure.losses.mean()))
+    assert not guard_adopts(own, unsure), "3 more errors in 10"
+    swapped = scores([2.0] * 2 + [0.1] * 8, [1, 0, 1] + [0] * 7)
+    assert guard_adopts(own, swapped), "as many errors, lower loss"
+    assert not guard_adopts(own, scores([9.0] * 10, [0] * 10)), "higher loss"
+    assert guard_adopts(scores([], []), scores([], [])), "no val split: nothing to judge by"
+
+
+def test_val_scores_are_the_per_sample_cross_entropy_and_misclassifications():
+    logits = torch.tensor([[2.0, 0.0], [0.0, 2.0], [1.0, 1.5]])
+    found = scores_of_logits(logits, torch.tensor([0, 0, 1]))
+    expected = torch.nn.functional.cross_entropy(logits, torch.tensor([0, 0, 1]), reduction="none")
+    assert torch.allclose(found.losses, expected)
+    assert found.errors.tolist() == [0.0, 1.0, 0.0]
+
+
 def test_claims_far_above_the_median_count_are_screened():
     assert inflated_claims(100, {"a": 90, "b": 120, "c": 10**9}) == {"c"}
     assert inflated_claims(100, {"a": 400}) == set(), "4 times the median is allowed"
@@ -176,7 +204,22 @@ def test_a_round_of_training_gone_astray_does_not_let_an_attacker_in(world):
     outcome = rule.aggregate(2, PeerModel(astray, world.n), received, world.data)
     assert outcome.diagnostics["screening"]["judged_against"] == "round_start"
     assert outcome.diagnostics["screened_out"] == {"bad": "val_loss"}
-    assert outcome.weights.get("bad", 0.0) == 0.0 and outcome.weights.get("h1", 0.0) > 0
+    assert outcome.weights.get("bad", 0.0) == 0.0
+
+
+def test_a_round_that_went_astray_with_no_peer_to_mend_it_is_undone(world):
+    rule = screened(world, "fedavg")
+    start = aggregate(rule, world, {"h2": world.honest["h2"]}, round_no=1).state
+    astray = noise_like(world.honest["h0"], torch.Generator().manual_seed(2))
+    received = {"model": {"bad": PeerModel(world.attackers["labelflip"], world.n)}}
+    outcome = rule.aggregate(2, PeerModel(astray, world.n), received, world.data)
+    assert outcome.diagnostics["screening"]["kept_round_start"] is True
+    assert all(torch.equal(outcome.state[key], start[key]) for key in start)
+    assert outcome.weights == {"h0": 1.0}
+    trained_on = aggregate(rule, world, {"h1": world.honest["h1"]}, round_no=3)
+    assert trained_on.diagnostics["screening"]["kept_round_start"] is False, (
+        "a round that validates as well as its start is kept"
+    )
 
 
 @pytest.mark.parametrize(
@@ -198,8 +241,8 @@ def test_every_peer_rule_behind_screening_leaves_attackers_no_weight(world, name
     outcome = aggregate(rule, world, peers)
     assert not set(outcome.weights) & set(world.attackers), outcome.weights
     assert set(world.attackers) <= set(outcome.diagnostics["screened_out"])
-    own_loss = float(rule._losses(world.honest["h0"], world.data).mean())
-    assert float(rule._losses(outcome.state, world.data).mean()) <= own_loss + 1e-6, (
+    own_loss = float(rule._scores(world.honest["h0"], world.data).losses.mean())
+    assert float(rule._scores(outcome.state, world.data).losses.mean()) <= own_loss + 1e-6, (
         "never worse than the own model on the val split"
     )
     assert rule.layouts("model") == rule.rule.layouts("model")
