@@ -22,10 +22,10 @@ meshfl node has). Around the rule's `aggregate`, for the whole models received
 4. Guard: the rule's aggregate is adopted only when its val loss is finite and at most
    the own model's and its val errors are not more than the own model's beyond one
    standard error of the paired per-sample differences; else the node keeps the own
-   model. Loss alone is not enough where a
-   model is over-confident (LeNet on Digit-5 overfits in loss long before accuracy):
-   an aggregate a hair lower in loss can be 12 points lower in val accuracy. pFedSV's
-   val guard is this one (`guard_adopts`), judged on the logits its game computed.
+   model. Loss alone is not enough where a model is over-confident (LeNet on Digit-5
+   overfits in loss long before accuracy): an aggregate a hair lower in loss can be 12
+   points lower in val accuracy. pFedSV's val guard is this one (`guard_adopts`),
+   judged on the logits its game computed.
 5. Spikes: where the outcome makes more val errors than the model the round started
    from beyond one standard error, the node keeps that model instead: a round whose
    local training went astray (a loss spike at lr 0.05 and momentum 0.9 costs an MLP
@@ -123,10 +123,6 @@ def copies(digests: dict[str, bytes], seen_before: set[bytes]) -> dict[str, str]
     return found
 
 
-def _loss(scored: tuple[State, ValScores]) -> float:
-    return float(scored[1].losses.mean())
-
-
 def worse_beyond_noise(own: torch.Tensor, other: torch.Tensor) -> bool:
     """Whether per-sample losses (or errors) are higher than the own model's by more than
     one standard error of the paired differences (or not finite)."""
@@ -170,6 +166,10 @@ def scores_of_logits(logits: torch.Tensor, y: torch.Tensor) -> ValScores:
     labels = y.long()
     losses = functional.cross_entropy(logits, labels, reduction="none")
     return ValScores(losses, (logits.argmax(dim=1) != labels).double())
+
+
+def _loss(scored: tuple[State, ValScores]) -> float:
+    return float(scored[1].losses.mean())
 
 
 # --------------------------------------------------------------------------- the wrapper
@@ -230,14 +230,13 @@ class Screened(PeerAlgorithm):
         if MODEL not in received:
             admitted.pop(MODEL)
         outcome = self.rule.aggregate(round_no, own, admitted, data)
-        scored = self._guard(outcome, own_scored, report, data)
+        outcome, scores = self._guard(outcome, own_scored, report, data)
         if start is not None:
-            scored = self._unless_a_spike(scored, start, report, data)
-        outcome = scored[0]
+            outcome, scores = self._unless_a_spike((outcome, scores), start, report, data)
         self._remember(round_no, [state_digest(outcome.state)])
         kept = {key: value.detach().clone() for key, value in outcome.state.items()}
         self._adopted = {
-            round_no: (kept, scored[1]),
+            round_no: (kept, scores),
             **{r: each for r, each in self._adopted.items() if r == round_no - 1},
         }
         if pivot is not None:
