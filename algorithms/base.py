@@ -139,6 +139,11 @@ class PeerAlgorithm:
     ) -> Aggregate:
         raise NotImplementedError
 
+    def adopted(self, state: State) -> None:
+        """The model the node ends the round with, where a wrapper (screening) may have
+        chosen another than this rule's outcome; a rule that keeps a reference to the
+        model its next round starts from takes it from here."""
+
     def state_dict(self) -> dict[str, Any]:
         """Algorithm state for the node's checkpoint: plain values and tensors."""
         return {}

@@ -69,7 +69,7 @@ from .base import (
     state_part,
     weighted_average,
 )
-from .screening import batched_logits, guard_adopts, scores_of_logits
+from .screening import batched_logits, guard_verdict, scores_of_logits
 
 BODY, HEAD = "body", "head"
 EXACT_SHAPLEY_MAX_PLAYERS = 8  # 2^8 utilities cost less than sampling 3|S| permutations
@@ -278,12 +278,10 @@ def _guard_verdict(
 ) -> tuple[bool, dict[str, float]]:
     """Whether the val guard adopts the Shapley-weighted average (the screening guard:
     no higher val loss, no more val errors beyond noise), with the figures it judged by."""
-    own, average = scores_of_logits(own_logits, y_val), scores_of_logits(average_logits, y_val)
-    return guard_adopts(own, average), {
-        "v_aggregate": accuracy(average_logits, y_val),
-        "val_loss_own": float(own.losses.mean()),
-        "val_loss_aggregate": float(average.losses.mean()),
-    }
+    adopt, figures = guard_verdict(
+        scores_of_logits(own_logits, y_val), scores_of_logits(average_logits, y_val)
+    )
+    return adopt, {"v_aggregate": accuracy(average_logits, y_val), **figures}
 
 
 def uniform_average(states: Sequence[State]) -> State:
@@ -357,6 +355,10 @@ class PFedSV(PeerAlgorithm):
             BODY: state_part(state, self.context.body_keys),
             HEAD: state_part(state, self.context.head_keys),
         }
+
+    def adopted(self, state: State) -> None:
+        if self.params.dp_clip is not None:
+            self._round_start = state
 
     def _privatized(self, round_no: int, state: State) -> State:
         reference = self._round_start

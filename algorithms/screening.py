@@ -24,7 +24,7 @@ meshfl node has). Around the rule's `aggregate`, for the whole models received
    standard error of the paired per-sample differences; else the node keeps the own
    model. Loss alone is not enough where a model is over-confident (LeNet on Digit-5
    overfits in loss long before accuracy): an aggregate a hair lower in loss can be 12
-   points lower in val accuracy. pFedSV's val guard is this one (`guard_adopts`),
+   points lower in val accuracy. pFedSV's val guard is this one (`guard_verdict`),
    judged on the logits its game computed.
 5. Spikes: where the outcome makes more val errors than the model the round started
    from beyond one standard error, the node keeps that model instead: a round whose
@@ -81,15 +81,20 @@ def adopts(own_loss: float, aggregate_loss: float) -> bool:
     return math.isfinite(aggregate_loss) and aggregate_loss <= own_loss
 
 
-def guard_adopts(own: ValScores, aggregate: ValScores) -> bool:
-    """Whether the screening guard takes an aggregate over the own model: `adopts` on the
-    mean val losses, and val errors no worse beyond the noise of the split. With no val
-    split there is nothing to judge by, and the aggregate stands."""
+def guard_verdict(own: ValScores, aggregate: ValScores) -> tuple[bool, dict[str, float]]:
+    """Whether the guard takes an aggregate over the own model, with the figures it
+    judged by: `adopts` on the mean val losses, and no more val errors beyond noise.
+    With no val split there is nothing to judge by, and the aggregate stands."""
     if len(own.losses) == 0:
-        return True
-    return adopts(float(own.losses.mean()), float(aggregate.losses.mean())) and not (
-        worse_beyond_noise(own.errors, aggregate.errors)
-    )
+        return True, {}
+    figures = {
+        "val_loss_own": float(own.losses.mean()),
+        "val_loss_aggregate": float(aggregate.losses.mean()),
+        "val_errors_own": int(own.errors.sum()),
+        "val_errors_aggregate": int(aggregate.errors.sum()),
+    }
+    adopt = adopts(figures["val_loss_own"], figures["val_loss_aggregate"])
+    return adopt and not more_errors_beyond_noise(own.errors, aggregate.errors), figures
 
 
 def inflated_claims(own_n: int, claims: dict[str, int]) -> set[str]:
@@ -135,6 +140,17 @@ def worse_beyond_noise(own: torch.Tensor, other: torch.Tensor) -> bool:
     return float(differences.mean()) > noise
 
 
+def more_errors_beyond_noise(own: torch.Tensor, other: torch.Tensor) -> bool:
+    """Whether 0/1 errors are more than the own model's beyond noise: of the samples on
+    which the two differ, the other gets w wrong and b right, and w - b exceeds
+    sqrt(w + b), the standard deviation of w - b were each such sample a coin flip.
+    (The paired standard error of `worse_beyond_noise` ties exactly with one extra
+    error, where rounding alone would decide.)"""
+    worse = int(((other > 0) & (own == 0)).sum())
+    better = int(((own > 0) & (other == 0)).sum())
+    return worse - better > math.sqrt(worse + better)
+
+
 def batched_logits(
     forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, batch_size: int = 1024
 ) -> torch.Tensor:
@@ -163,12 +179,13 @@ def val_scores(
 
 
 def scores_of_logits(logits: torch.Tensor, y: torch.Tensor) -> ValScores:
+    """Per-sample cross-entropy and misclassifications of logits against labels."""
     labels = y.long()
     losses = functional.cross_entropy(logits, labels, reduction="none")
     return ValScores(losses, (logits.argmax(dim=1) != labels).double())
 
 
-def _loss(scored: tuple[State, ValScores]) -> float:
+def _mean_loss(scored: tuple[State, ValScores]) -> float:
     return float(scored[1].losses.mean())
 
 
@@ -221,9 +238,13 @@ class Screened(PeerAlgorithm):
         models = received.get(MODEL, {})
         report: dict[str, Any] = {"judged": len(data.y_val) > 0}
         own_scored = (own.state, self._scores(own.state, data)) if report["judged"] else None
-        start = self._round_start(round_no, data) if report["judged"] else None
+        start = self._scored_round_start(round_no, data) if report["judged"] else None
         pivot = own_scored
-        if start is not None and own_scored is not None and _loss(start) < _loss(own_scored):
+        if (
+            start is not None
+            and own_scored is not None
+            and _mean_loss(start) < _mean_loss(own_scored)
+        ):
             pivot = start
         reasons = self._screen(round_no, own, models, data, pivot)
         admitted = {**received, MODEL: {p: m for p, m in models.items() if p not in reasons}}
@@ -235,6 +256,7 @@ class Screened(PeerAlgorithm):
             outcome, scores = self._unless_a_spike((outcome, scores), start, report, data)
         self._remember(round_no, [state_digest(outcome.state)])
         kept = {key: value.detach().clone() for key, value in outcome.state.items()}
+        self.rule.adopted(outcome.state)
         self._adopted = {
             round_no: (kept, scores),
             **{r: each for r, each in self._adopted.items() if r == round_no - 1},
@@ -267,13 +289,8 @@ class Screened(PeerAlgorithm):
         if self.rule.guards_aggregate:  # judged by the rule itself (pFedSV's val guard)
             return outcome, None
         scores = self._scores(outcome.state, data)
-        report.update(
-            val_loss_own=float(own_scores.losses.mean()),
-            val_loss_aggregate=float(scores.losses.mean()),
-            val_errors_own=int(own_scores.errors.sum()),
-            val_errors_aggregate=int(scores.errors.sum()),
-            adopted=guard_adopts(own_scores, scores),
-        )
+        report["adopted"], figures = guard_verdict(own_scores, scores)
+        report.update(figures)
         if report["adopted"]:
             return outcome, scores
         return Aggregate(own_state, {me: 1.0}, outcome.diagnostics), own_scores
@@ -290,12 +307,12 @@ class Screened(PeerAlgorithm):
         went astray, with no peer's help to mend it, is undone rather than kept."""
         outcome, scores = scored
         scores = scores if scores is not None else self._scores(outcome.state, data)
-        report["kept_round_start"] = worse_beyond_noise(start[1].errors, scores.errors)
+        report["kept_round_start"] = more_errors_beyond_noise(start[1].errors, scores.errors)
         if report["kept_round_start"]:
             return Aggregate(start[0], {self.context.node: 1.0}, outcome.diagnostics), start[1]
         return outcome, scores
 
-    def _round_start(self, round_no: int, data: Any) -> tuple[State, ValScores] | None:
+    def _scored_round_start(self, round_no: int, data: Any) -> tuple[State, ValScores] | None:
         """The model this round started from (the last round's outcome), with its val
         scores; None in a node's first round here."""
         if round_no - 1 not in self._adopted:

@@ -26,7 +26,7 @@ from meshfl.node import config as cfgmod
 
 from .errors import UserError
 from .measures import ROUND_COSTS, TableRow, score_rows
-from .summary import failed_nodes, write_summary
+from .summary import failed_nodes, honest_accuracies, write_summary
 from .supervise import run_mesh, with_local_peers
 
 
@@ -107,20 +107,11 @@ def with_attack_grid(spec: dict[str, Any]) -> dict[str, Any]:
     return {**spec, "variants": variants}
 
 
-def honest_accuracies(run: dict[str, Any], attackers: list[str]) -> list[float]:
-    """Test accuracies of the finished nodes outside `attackers`: the same nodes in the
-    row without attackers as under attack, so that the rows compare like with like."""
-    return [
-        node["test_acc"]
-        for node in run["nodes"]
-        if node["name"] not in attackers and node["test_acc"] is not None
-    ]
-
-
 def robustness_cell(runs: list[dict[str, Any]], attackers: list[str]) -> str:
     """Honest nodes' mean / worst test accuracy and the attackers' weight, in %, over
     the seeds."""
-    honest = [honest_accuracies(run, attackers) for run in runs]
+    # The same nodes in the row without attackers as under attack: like with like.
+    honest = [honest_accuracies(run["nodes"], attackers) for run in runs]
     mean = statistics.fmean(statistics.fmean(accuracies) for accuracies in honest) * 100
     worst = statistics.fmean(min(accuracies) for accuracies in honest) * 100
     weights = [run["attacker_weight"] for run in runs if "attacker_weight" in run]

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import statistics
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,19 @@ def last_record(path: Path) -> RoundRecord | None:
 def failed_nodes(summary: dict[str, Any]) -> list[str]:
     """The names of the nodes the summary lists as not finished."""
     return [node["name"] for node in summary["nodes"] if node["status"] != FINISHED]
+
+
+def honest_accuracies(nodes: list[dict[str, Any]], attackers: Collection[str]) -> list[float]:
+    """Test accuracies of the finished nodes outside `attackers`. Failed nodes stopped
+    early: their accuracies are of another round. An attacker's own scores say nothing
+    of what the rule does for honest nodes."""
+    return [
+        node["test_acc"]
+        for node in nodes
+        if node["status"] == FINISHED
+        and node["test_acc"] is not None
+        and node["name"] not in attackers
+    ]
 
 
 def write_summary(
@@ -78,15 +92,7 @@ def write_summary(
     for node in nodes:
         if node["name"] in attackers:
             node["attacker"] = True
-    # Failed nodes stopped early: their accuracies are of another round, left out; an
-    # attacker's own scores say nothing of what the rule does for honest nodes.
-    accuracies = [
-        node["test_acc"]
-        for node in nodes
-        if node["status"] == FINISHED
-        and node["test_acc"] is not None
-        and node["name"] not in attackers
-    ]
+    accuracies = honest_accuracies(nodes, attackers)
     run = measures.RunRecords(
         history,
         coordinator,

@@ -264,17 +264,24 @@ def test_where_data_lay_and_timeouts_do_not_count_but_the_number_of_nodes_does(t
 
 def test_the_robustness_row_without_attackers_averages_the_same_nodes_as_under_attack():
     """Under attack the attackers' own scores are left out; without attackers the same
-    nodes are, or the rows would compare ten nodes against eight."""
+    nodes are, or the rows would compare ten nodes against eight. A failed node's score
+    is of an earlier round: left out of both."""
 
     def run(attacker_acc, weight=None):
         accuracies = {"node0": 0.8, "node1": 0.6, "node2": attacker_acc}
-        nodes = [{"name": name, "test_acc": acc} for name, acc in accuracies.items()]
-        return {"nodes": nodes} | ({"attacker_weight": weight} if weight is not None else {})
+        nodes = [
+            {"name": name, "test_acc": acc, "status": "finished"}
+            for name, acc in accuracies.items()
+        ]
+        failed = {"name": "node3", "test_acc": 0.1, "status": "failed"}  # of an earlier round
+        return {"nodes": [*nodes, failed]} | (
+            {"attacker_weight": weight} if weight is not None else {}
+        )
 
     spec = {
         "title": "t",
         "caps": "c",
-        "nodes": 3,
+        "nodes": 4,
         "attackers": ["node2"],
         "rules": {"Rule": []},
         "attacks": {"none": [], "flip": ["attack.kind=labelflip"]},

@@ -20,8 +20,9 @@ from meshfl.algorithms.screening import (
     ValScores,
     adopts,
     copies,
-    guard_adopts,
+    guard_verdict,
     inflated_claims,
+    more_errors_beyond_noise,
     scores_of_logits,
     state_digest,
     worse_beyond_noise,
@@ -109,6 +110,10 @@ def scores(losses, errors):
     return ValScores(torch.tensor(losses), torch.tensor(errors, dtype=torch.float64))
 
 
+def guard_adopts(own, aggregate):
+    return guard_verdict(own, aggregate)[0]
+
+
 def test_the_guard_refuses_an_aggregate_lower_in_loss_but_wrong_on_more_samples():
     """The Digit-5 case: confidently wrong on a few samples costs more loss than being
     unsure on many, so mean loss alone took an aggregate 12 points worse in accuracy."""
@@ -120,6 +125,17 @@ def test_the_guard_refuses_an_aggregate_lower_in_loss_but_wrong_on_more_samples(
     assert guard_adopts(own, swapped), "as many errors, lower loss"
     assert not guard_adopts(own, scores([9.0] * 10, [0] * 10)), "higher loss"
     assert guard_adopts(scores([], []), scores([], [])), "no val split: nothing to judge by"
+
+
+@pytest.mark.parametrize("size", [2, 40, 80, 1000])
+def test_one_extra_val_error_is_noise_two_are_not_whatever_the_split_size(size):
+    own = torch.zeros(size)
+    one, two = own.clone(), own.clone()
+    one[0] = 1
+    two[:2] = 1
+    assert not more_errors_beyond_noise(own, one)
+    assert more_errors_beyond_noise(own, two)
+    assert not more_errors_beyond_noise(two, own), "fewer errors"
 
 
 def test_val_scores_are_the_per_sample_cross_entropy_and_misclassifications():
@@ -205,6 +221,9 @@ def test_a_round_of_training_gone_astray_does_not_let_an_attacker_in(world):
     assert outcome.diagnostics["screening"]["judged_against"] == "round_start"
     assert outcome.diagnostics["screened_out"] == {"bad": "val_loss"}
     assert outcome.weights.get("bad", 0.0) == 0.0
+    # The honest peer, averaged with a ruined model, does not bring it back to where the
+    # round started: the node keeps that model (next test).
+    assert outcome.diagnostics["screening"]["kept_round_start"] is True
 
 
 def test_a_round_that_went_astray_with_no_peer_to_mend_it_is_undone(world):
@@ -216,10 +235,30 @@ def test_a_round_that_went_astray_with_no_peer_to_mend_it_is_undone(world):
     assert outcome.diagnostics["screening"]["kept_round_start"] is True
     assert all(torch.equal(outcome.state[key], start[key]) for key in start)
     assert outcome.weights == {"h0": 1.0}
-    trained_on = aggregate(rule, world, {"h1": world.honest["h1"]}, round_no=3)
-    assert trained_on.diagnostics["screening"]["kept_round_start"] is False, (
+    next_round = aggregate(rule, world, {"h1": world.honest["h1"]}, round_no=3)
+    assert next_round.diagnostics["screening"]["kept_round_start"] is False, (
         "a round that validates as well as its start is kept"
     )
+
+
+def test_a_rule_that_privatizes_its_update_measures_it_from_the_model_the_node_kept(world):
+    """pFedSV's DP clips the update against the model the round started from: where
+    screening undid a round, that is the model screening kept, not the rule's outcome."""
+    rule = screened(world, "pfedsv", k=2, k_max=2, dp_clip=1.0)
+    aggregate(rule, world, {"h2": world.honest["h2"]}, round_no=1)
+    astray = noise_like(world.honest["h0"], torch.Generator().manual_seed(2))
+    received = {"model": {"bad": PeerModel(world.attackers["labelflip"], world.n)}}
+    outcome = rule.aggregate(2, PeerModel(astray, world.n), received, world.data)
+    assert outcome.diagnostics["screening"]["kept_round_start"] is True
+    reference = rule.rule._round_start
+    assert all(torch.equal(reference[key], outcome.state[key]) for key in outcome.state)
+
+
+def test_a_nodes_first_round_has_no_round_start_to_fall_back_to(world):
+    astray = noise_like(world.honest["h0"], torch.Generator().manual_seed(2))
+    outcome = screened(world, "fedavg").aggregate(1, PeerModel(astray, world.n), {}, world.data)
+    assert "kept_round_start" not in outcome.diagnostics["screening"]
+    assert all(torch.equal(outcome.state[key], astray[key]) for key in astray)
 
 
 @pytest.mark.parametrize(
