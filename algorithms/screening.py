@@ -31,7 +31,9 @@ meshfl node has). Around the rule's `aggregate`, for the whole models received
    local training went astray (a loss spike at lr 0.05 and momentum 0.9 costs an MLP
    30 points in one round) and that no peer mended is undone rather than carried on.
    Local training alone has no such step, so a screened rule can end above Local
-   through it as well as through its peers.
+   through it as well as through its peers. The round start is held in memory only: a
+   node's first round here, and its first after a resume, have none, so they judge
+   peers against the own model and undo nothing.
 
 The rule then sees only the admitted peers, so its `layouts`, `wanted` and diagnostics
 are its own; the screening adds `screened_out` ({peer: reason}) and `screening` to the
