@@ -21,14 +21,15 @@ meshfl node has). Around the rule's `aggregate`, for the whole models received
    peer, a poisoned one too, would look like a help next to the own model.
 4. Guard: the rule's aggregate is adopted only when its val loss is finite and at most
    the own model's and its val errors are not more than the own model's beyond noise
-   (`more_errors_beyond_noise`); else the node keeps the own model. Loss alone is not enough where a model is over-confident (LeNet on Digit-5
-   overfits in loss long before accuracy): an aggregate a hair lower in loss can be 12
-   points lower in val accuracy. pFedSV's val guard is this one (`guard_verdict`),
-   judged on the logits its game computed.
+   (`more_errors_beyond_noise`); else the node keeps the own model. Loss alone is not
+   enough where a model is over-confident (LeNet on Digit-5 overfits in loss long
+   before accuracy): an aggregate a hair lower in loss can be 12 points lower in val
+   accuracy. pFedSV's val guard is this one (`guard_verdict`), judged on the logits
+   its game computed.
 5. Spikes: where the outcome makes more val errors than the model the round started
-   from beyond noise, the node keeps that model instead: a round whose
-   local training went astray (a loss spike at lr 0.05 and momentum 0.9 costs an MLP
-   30 points in one round) and that no peer mended is undone rather than carried on.
+   from beyond noise, the node keeps that model instead: a round whose local training
+   went astray (a loss spike at lr 0.05 and momentum 0.9 costs an MLP 30 points in one
+   round) and that no peer mended is undone rather than carried on.
    Local training alone has no such step, so a screened rule can end above Local
    through it as well as through its peers. The round start is held in memory only: a
    node's first round here, and its first after a resume, have none, so they judge
