@@ -131,8 +131,9 @@ def copies(digests: dict[str, bytes], seen_before: set[bytes]) -> dict[str, str]
 
 
 def worse_beyond_noise(own: torch.Tensor, other: torch.Tensor) -> bool:
-    """Whether per-sample losses (or errors) are higher than the own model's by more than
-    one standard error of the paired differences (or not finite)."""
+    """Whether per-sample losses are higher than the own model's by more than one
+    standard error of the paired differences (or not finite). For 0/1 errors see
+    `more_errors_beyond_noise`."""
     differences = (other - own).double()
     if not torch.isfinite(differences).all():
         return True

@@ -18,6 +18,7 @@ from meshfl.algorithms.base import MODEL
 from meshfl.algorithms.pfedsv import (
     PFedSV,
     PFedSVParams,
+    _guard_verdict,
     accuracy,
     batched_logits,
     cached_utility,
@@ -439,6 +440,18 @@ def test_the_val_guard_keeps_the_own_model_when_the_average_ties_on_accuracy_but
     # Only the adoption changes: the scores, and so the next downloads, are the rule's.
     for key in ("relevance", "k_next", "selected"):
         assert guarded.diagnostics[key] == plain.diagnostics[key], key
+
+
+def test_the_val_guard_keeps_the_own_model_when_the_average_is_lower_in_loss_but_wrong_more():
+    """Confidently wrong on 2 of 10 costs the own model more loss than being unsure on 5
+    costs the average: loss alone would adopt the average, its 3 extra errors do not."""
+    y = torch.zeros(10, dtype=torch.long)
+    own = torch.tensor([[0.0, 6.0]] * 2 + [[3.0, 0.0]] * 8)
+    average = torch.tensor([[0.3, 0.0]] * 5 + [[0.0, 0.3]] * 5)
+    adopt, figures = _guard_verdict(own, average, y)
+    assert figures["val_loss_aggregate"] < figures["val_loss_own"]
+    assert figures["val_errors_aggregate"] == 5 and figures["val_errors_own"] == 2
+    assert not adopt
 
 
 def test_the_val_guard_adopts_the_average_when_it_lowers_the_val_loss(world):
