@@ -8,21 +8,23 @@ blobs it chooses, wait for them until a deadline.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import queue
 import threading
 import time
-from collections import Counter, defaultdict, deque
+from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .identity import BadPublicKey, Identity, curve_public_key, node_id
-from .membership import ALIVE, LEFT, PeerEntry, PeerTable, liveness_stretch
+from .membership import ALIVE, DOWN, LEFT, PeerEntry, PeerTable, liveness_stretch
 from .offers import BlobStore, Offer, OfferBook
 from .transport import (
     Encryption,
+    LogOnce,
     Received,
     Transport,
     TransportOptions,
@@ -61,6 +63,18 @@ BEAT_ANYWAY_PERIODS = 5
 # does not list (WIRE.md 1.1). Counted beside the decoder's reasons.
 REFUSED_HANDSHAKE = "refused_handshake"
 
+# What strangers can make a node do is bounded (WIRE.md 7.1, 7.3); these flow reasons
+# count what was refused for it, beside the decoder's.
+UNSOLICITED_PEERS = "unsolicited_peers"  # a peer list that answers no hello of ours
+ADDRESS_TAKEN = "address_taken"  # another key claims the address of a reached peer
+TABLE_FULL = "table_full"  # no room for a new peer (or for one more not yet reached)
+HANDLER_ERROR = "handler_error"  # a handler raised: a bug, contained and logged
+# New addresses one peer list may make a node greet: a node asks one member for a list
+# when it joins, and a mesh bigger than this is introduced by heartbeats as well.
+MAX_INTRODUCTIONS = 256
+# Hellos of ours still waiting for their `peers` answer; the oldest are given up first.
+MAX_HELLOS_OUT = 1024
+
 
 class Refused(Exception):
     """The mesh refused this process (its key is already live elsewhere)."""
@@ -79,6 +93,13 @@ class EndpointSettings:
     allowlist: frozenset[bytes] | None = None  # closed mesh: the only keys allowed
     encrypt: bool = True  # ZeroMQ CURVE on every connection; off only for measurements
     status_per_second: int = 10  # status answers; each one to a stranger costs a connection
+    max_peers: int = 1024  # entries in the peer table, whatever their state
+    # Peers not yet reached (no handshake with a node at their address) at any one time:
+    # each costs a connection attempt, and a stranger can name any number of them.
+    max_unreached: int = 128
+    # A peer down or left this long is forgotten (a restarted node says hello again);
+    # one never reached is forgotten after the (stretched) peer timeout.
+    forget_after: float = 300.0
     # The direct kinds this node reads (`next_message`): a coordinator `upload`s, a client
     # `personal` blobs. Any other direct message is dropped and counted, unread.
     direct_kinds: frozenset[str] = frozenset({"upload", "personal"})
@@ -183,8 +204,6 @@ class Endpoint:
         self.received: Counter[str] = Counter()  # messages delivered, by kind
         self.flow_rejections: Counter[str] = Counter()  # OFFER_MISMATCH
         self.fetch_log: list[FetchRecord] = []
-        self.bytes_sent_by_kind: Counter[str] = Counter()
-        self._last_sent: dict[str, float] = {}  # address -> when we last told it anything
         self._last_beat: dict[str, float] = {}  # address -> when we last heartbeat it
         self._latest_published: list[Blob] = []  # re-announced to whoever says hello
         self._changes = 0  # counts handled messages and heartbeat ticks: see wait_change
@@ -201,7 +220,10 @@ class Endpoint:
         self._send_lock = threading.Lock()
         # Start from wall-clock nanoseconds so a restarted node's numbers keep rising.
         self._seq = time.time_ns()
-        self._logged: set[tuple[bytes, str]] = set()
+        self._log_once = LogOnce(log)
+        # Our hellos still unanswered, by address: whether each asked for a peer list.
+        # Only their answers may tell this node peers (WIRE.md 7.1).
+        self._hellos_out: OrderedDict[str, bool] = OrderedDict()
         self._joined = threading.Event()
         self._refusal = ""
         self._stopping = threading.Event()
@@ -263,7 +285,7 @@ class Endpoint:
             # A bootstrap peer we could not dial: it dialled us first (or someone named
             # its key). Our hello now gets the `peers` answer that makes us joined.
             self._greet_when_keyed.discard(address)
-            self._send(address, "hello", self._hello_body())
+            self._say_hello(address)
 
     # --- the node's side --------------------------------------------------
 
@@ -301,7 +323,7 @@ class Endpoint:
         ]
         for index, address in enumerate(greet):
             # One peer list is enough: the others were named to us already (WIRE.md 7.1).
-            self._send(address, "hello", self._hello_body(wants_peers=index == 0))
+            self._say_hello(address, wants_peers=index == 0)
         if not targets:
             self._joined.set()
 
@@ -353,7 +375,7 @@ class Endpoint:
         joiner calls this once it took the mesh's round: announces that came with its
         first hellos were too far ahead of its round 0 to be kept."""
         for entry in self.alive_peers():
-            self._send(entry.address, "hello", self._hello_body(wants_peers=False))
+            self._say_hello(entry.address, wants_peers=False)
 
     def changes(self) -> int:
         """A counter that moves whenever the endpoint handled a message or checked
@@ -473,7 +495,7 @@ class Endpoint:
     def rejections(self) -> dict[str, int]:
         """Messages dropped, by reason: the decoder's and the flows'."""
         with self._lock:
-            refused = Counter({REFUSED_HANDSHAKE: sum(self.transport.refused_keys.values())})
+            refused = Counter({REFUSED_HANDSHAKE: self.transport.refused_handshakes})
             return dict(Counter(self.decoder.rejection_counts()) + self.flow_rejections + refused)
 
     def stats(self) -> dict[str, Any]:
@@ -484,13 +506,12 @@ class Endpoint:
                 "bytes_sent_by_kind": self._bytes_sent_by_kind(),
                 "rejections": self.rejections(),
                 "received": dict(self.received),
-                "dropped": sum(self.transport.dropped.values()),
+                "dropped": self.transport.dropped,
                 "fetched": len(self.fetch_log),
             }
 
     def _bytes_sent_by_kind(self) -> dict[str, int]:
-        with self._send_lock:  # the lock that senders count under
-            return dict(self.bytes_sent_by_kind)
+        return self.transport.sent_by_kind()  # what left, not what was queued
 
     def fetches_since(self, start: int) -> list[FetchRecord]:
         """The blobs this endpoint pulled, from the `start`-th on (`stats()["fetched"]`
@@ -510,6 +531,15 @@ class Endpoint:
         self.transport.close()
 
     # --- sending ----------------------------------------------------------
+
+    def _say_hello(self, address: str, wants_peers: bool = True) -> None:
+        """Greet `address`, and take its node's answer as a peer list (WIRE.md 7.1)."""
+        with self._lock:
+            self._hellos_out.pop(address, None)
+            self._hellos_out[address] = wants_peers
+            while len(self._hellos_out) > MAX_HELLOS_OUT:
+                self._hellos_out.popitem(last=False)
+        self._send(address, "hello", self._hello_body(wants_peers))
 
     def _hello_body(self, wants_peers: bool = True) -> dict[str, Any]:
         body: dict[str, Any] = {"name": self.settings.name, "addr": self.settings.address}
@@ -543,12 +573,10 @@ class Endpoint:
                 blob=blob,
             )
             if once:
-                self.transport.send_once(address, frames, server_key)
+                self.transport.send_once(address, frames, server_key, kind=kind)
             else:
-                self.transport.send(address, frames, server_key)
-                if kind not in NO_PROOF_OF_LIFE:
-                    self._last_sent[address] = time.monotonic()
-            self.bytes_sent_by_kind[kind] += sum(memoryview(frame).nbytes for frame in frames)
+                proves_life = kind not in NO_PROOF_OF_LIFE
+                self.transport.send(address, frames, server_key, kind=kind, proves_life=proves_life)
 
     def _pick_holder(self, offer: Offer) -> PeerEntry | None:
         candidates = [self.table.get(key) for key in [offer.origin, *offer.holders]]
@@ -578,11 +606,15 @@ class Endpoint:
         every BEAT_ANYWAY_PERIODS a heartbeat goes anyway: only it (or a hello) makes us
         known to a peer that lost us, say one restarted since."""
         now = time.monotonic()
+        last_sent = self.transport.last_proof_of_life
         with self._lock:
+            self._note_reached()
+            self._forget_stale(now)
             for entry in self.table.expire():
-                log.warning(
-                    "%s: peer %s (%s) is down", self.settings.name, entry.name, entry.address
-                )
+                if entry.reached:  # one never reached is a stranger's word: forgotten soon
+                    log.warning(
+                        "%s: peer %s (%s) is down", self.settings.name, entry.name, entry.address
+                    )
             period = self.settings.heartbeat_interval * liveness_stretch(self.table.known())
             anyway = BEAT_ANYWAY_PERIODS
             targets = [
@@ -590,7 +622,7 @@ class Endpoint:
                 for entry in self.table.entries.values()
                 if entry.state != LEFT
                 and (
-                    now - self._last_sent.get(entry.address, -period) >= period
+                    now - last_sent.get(entry.address, -period) >= period
                     or now - self._last_beat.get(entry.address, -period) >= anyway * period
                 )
             ]
@@ -599,6 +631,74 @@ class Endpoint:
         for address in targets:
             self._last_beat[address] = now
             self._send(address, "heartbeat", self._hello_body())
+
+    def _note_reached(self) -> None:
+        """Mark the peers whose address answered a handshake (transport.reached)."""
+        reached = self.transport.reached
+        for entry in list(self.table.entries.values()):
+            if not entry.reached and entry.address in reached:
+                self.table.mark_reached(entry.public_key)
+                log.info("%s: %s joined from %s", self.settings.name, entry.name, entry.address)
+
+    def _forget_stale(self, now: float) -> None:
+        """Forget peers no node answered for within the (stretched) peer timeout, and
+        peers down or left for `forget_after`: what strangers can make this node hold
+        and dial is bounded in time as well as in number (WIRE.md 7.3)."""
+        settings = self.settings
+        grace = settings.peer_timeout * liveness_stretch(self.table.known())
+        stale = [
+            entry
+            for entry in self.table.entries.values()
+            if (not entry.reached and now - entry.since > grace)
+            or (entry.state in (DOWN, LEFT) and now - entry.since > settings.forget_after)
+        ]
+        for entry in stale:
+            self._forget(entry)
+        if stale:
+            log.info(
+                "%s: forgot %d peer(s) silent or never reached (latest: %s at %s)",
+                settings.name,
+                len(stale),
+                stale[-1].name,
+                stale[-1].address,
+            )
+
+    def _forget(self, entry: PeerEntry) -> None:
+        """Drop a peer and, unless another peer is there, its address: the connection,
+        the key it is dialled with, and our hello to it."""
+        self.table.forget(entry.public_key)
+        if any(other.address == entry.address for other in self.table.entries.values()):
+            return
+        self.transport.forget(entry.address)
+        self._curve_keys.pop(entry.address, None)
+        self._last_beat.pop(entry.address, None)
+        self._hellos_out.pop(entry.address, None)
+
+    def _may_enter(self, public_key: bytes, name: object, address: str) -> bool:
+        """Whether a new peer (or a peer at a new address) may enter the table: a name
+        and an address no other live key holds, and room. Counted when refused."""
+        if self._name_refused(public_key, name):
+            return False
+        holder = self.table.holder_of(address)
+        if holder is not None and holder.public_key != public_key:
+            self.flow_rejections[ADDRESS_TAKEN] += 1
+            return False
+        if self.table.get(public_key) is not None:
+            return True
+        entries = self.table.entries.values()
+        unreached = sum(not entry.reached for entry in entries)
+        if len(self.table.entries) >= self.settings.max_peers:
+            gone = [entry for entry in entries if entry.state != ALIVE or not entry.reached]
+            if gone:
+                self._forget(min(gone, key=lambda entry: entry.since))
+                return self._may_enter(public_key, name, address)
+        if (
+            len(self.table.entries) >= self.settings.max_peers
+            or unreached >= self.settings.max_unreached
+        ):
+            self.flow_rejections[TABLE_FULL] += 1
+            return False
+        return True
 
     def _handle_frames(self, received: Received) -> None:
         # Decoding hashes every byte of a blob and checks two signatures: it runs without
@@ -616,22 +716,28 @@ class Endpoint:
             if message.sender == self.identity.public_key and message.instance == self.instance:
                 return  # sent to ourselves (some hello or peer list gave out our address)
             self.received[message.kind] += 1
-            self._handlers[message.kind](message)
+            try:
+                self._handlers[message.kind](message)
+            except Exception:
+                # A bug, not the sender's doing (the decoder checked the message): the
+                # worker must outlive it, or the node goes silent for good.
+                self.flow_rejections[HANDLER_ERROR] += 1
+                if self.flow_rejections[HANDLER_ERROR] == 1:
+                    log.exception("%s: error handling a %s", self.settings.name, message.kind)
             self._changes += 1
             self._changed.notify_all()
 
     def _log_rejection(self, routing_id: bytes, rejection: Rejected) -> None:
         # Once per peer connection and reason: a flood must not flood the log too.
-        key = (routing_id, rejection.reason)
-        if key not in self._logged:
-            self._logged.add(key)
-            log.warning(
-                "%s: dropped a message (%s) from connection %s; further ones are only counted%s",
-                self.settings.name,
-                rejection,
-                routing_id.hex(),
-                _version_hint(rejection),
-            )
+        self._log_once(
+            rejection.reason,
+            routing_id,
+            "%s: dropped a message (%s) from connection %s; further ones are only counted%s",
+            self.settings.name,
+            rejection,
+            routing_id.hex(),
+            _version_hint(rejection),
+        )
 
     def _admit(self, message: Message) -> str | None:
         allowlist = self.settings.allowlist
@@ -680,14 +786,23 @@ class Endpoint:
             self.flow_rejections[refusal] += 1
         return refusal is not None
 
+    def _take_in(self, message: Message, name: object, address: str) -> bool:
+        """Add or refresh the sender as a peer at `address`, if it may enter the table;
+        from now on it is dialled there with the CURVE twin of its key."""
+        if not self._may_enter(message.sender, name, address):
+            return False
+        assert isinstance(name, str)  # any other name is refused
+        self._learn(address, message.sender)
+        came_back = self.table.upsert(message.sender, name, address, message.instance)
+        entry = self.table.heard_from(message.sender, message.round)
+        if came_back and entry is not None and entry.reached:
+            log.info("%s: %s is back at %s", self.settings.name, name, address)
+        return True
+
     def _on_hello(self, message: Message) -> None:
         name, address = message.body["name"], message.body["addr"]
-        if self._name_refused(message.sender, name):
+        if not self._take_in(message, name, address):
             return
-        self._learn(address, message.sender)
-        if self.table.upsert(message.sender, name, address, message.instance):
-            log.info("%s: %s joined from %s", self.settings.name, name, address)
-        self.table.heard_from(message.sender, message.round)
         me = {
             "name": self.settings.name,
             "addr": self.settings.address,
@@ -701,24 +816,42 @@ class Endpoint:
         for blob in self._latest_published:
             self._send(address, "announce", announce_body(blob))
 
+    def _answered_hello(self, sender: bytes) -> bool | None:
+        """Whether our hello that `sender`'s peer list answers asked for a list; None when
+        it answers no hello of ours. The answer must come from the key whose CURVE twin
+        we dialled that address with (or, unencrypted, to a bare address: any key)."""
+        curve_key = _curve_key(sender)
+        answered = next(
+            (
+                address
+                for address in self._hellos_out
+                if self._curve_keys.get(address, curve_key) == curve_key
+            ),
+            None,
+        )
+        return None if answered is None else self._hellos_out.pop(answered)
+
     def _on_peers(self, message: Message) -> None:
+        """Take a peer list only in answer to our own hello, and greet at most
+        MAX_INTRODUCTIONS of the addresses it names: nobody can aim this node at
+        addresses of their choosing (WIRE.md 7.1). Entries were checked by the decoder."""
+        wanted_list = self._answered_hello(message.sender)
+        if wanted_list is None:
+            self.flow_rejections[UNSOLICITED_PEERS] += 1
+            return
+        introduced = 0
         for item in message.body["peers"]:
-            if not (
-                isinstance(item, dict)
-                and isinstance(item.get("key"), bytes)
-                and isinstance(item.get("addr"), str)
-                and isinstance(item.get("name"), str)
-            ):
-                continue
-            key, address = item["key"], item["addr"]
-            if key == self.identity.public_key or self._name_refused(key, item["name"]):
-                continue  # ourselves, or a name this mesh already knows by another key
-            self._learn(address, key, from_its_owner=key == message.sender)
+            key, name, address = item["key"], item["name"], item["addr"]
             if key == message.sender:
-                self.table.upsert(key, item["name"], address, message.instance)
-                self.table.heard_from(key, message.round)
-            elif self.table.get(key) is None:
-                self._send(address, "hello", self._hello_body(wants_peers=False))
+                self._take_in(message, name, address)
+            elif not wanted_list or key == self.identity.public_key:
+                continue  # a list we did not ask for, or ourselves
+            elif self.table.get(key) is None and address not in self._hellos_out:
+                if introduced == MAX_INTRODUCTIONS or self._name_refused(key, name):
+                    continue
+                introduced += 1
+                self._learn(address, key, from_its_owner=False)
+                self._say_hello(address, wants_peers=False)
         self._joined.set()
 
     def _on_refuse(self, message: Message) -> None:
@@ -729,11 +862,8 @@ class Endpoint:
     def _on_heartbeat(self, message: Message) -> None:
         if self.table.heard_from(message.sender, message.round) is None:
             name, address = message.body.get("name"), message.body.get("addr")
-            if not isinstance(address, str) or self._name_refused(message.sender, name):
-                return
-            assert isinstance(name, str)  # any other name is refused
-            self._learn(address, message.sender)
-            self.table.upsert(message.sender, name, address, message.instance)
+            if isinstance(address, str):  # a valid address: the decoder checked it
+                self._take_in(message, name, address)
 
     def _on_bye(self, message: Message) -> None:
         entry = self.table.mark_left(message.sender)
@@ -863,6 +993,7 @@ class Endpoint:
             self._inboxes[message.kind].put(message)
 
 
+@functools.lru_cache(maxsize=4096)
 def _curve_key(public_key: bytes) -> bytes:
     """The CURVE key bound to an Ed25519 public key; empty for bytes that are none."""
     try:

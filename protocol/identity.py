@@ -7,6 +7,7 @@ that key made.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from pathlib import Path
@@ -22,6 +23,16 @@ PUBLIC_KEY_BYTES = 32
 SIGNATURE_BYTES = 64
 # The prime of Curve25519 and Edwards25519: both curves share the field.
 _FIELD_PRIME = 2**255 - 19
+# Edwards25519: -x^2 + y^2 = 1 + d x^2 y^2 (RFC 8032, section 5.1).
+_EDWARDS_D = -121665 * pow(121666, _FIELD_PRIME - 2, _FIELD_PRIME) % _FIELD_PRIME
+# The y of the eight points of order <= 8 ("small order"): the neutral point (y = 1), one
+# of order 2 (y = -1), two of order 4 (y = 0) and four of order 8 (y = +-c).
+_ORDER_8_Y = int.from_bytes(
+    bytes.fromhex("c7176a703d4dd84fba3c0b760d10670f2a2053fa2c39ccc64ec7fd7792ac037a"), "little"
+)
+_SMALL_ORDER_Y = frozenset({1, _FIELD_PRIME - 1, 0, _ORDER_8_Y, _FIELD_PRIME - _ORDER_8_Y})
+# The reason a message is refused when a key in it is none a node could hold (WIRE.md 2).
+WEAK_KEY = "weak_key"
 
 
 class KeyFileError(Exception):
@@ -42,6 +53,24 @@ def verify(public_key: bytes, signature: bytes, data: bytes) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=8192)
+def is_usable_public_key(public_key: bytes) -> bool:
+    """True when `public_key` is the canonical encoding (y < p) of an Edwards25519 point
+    of large order, the only kind a private key makes. A key of small order signs any
+    message at all (OpenSSL verifies such signatures) and has no CURVE twin to dial;
+    bytes that are no point on the curve verify nothing. The top bit (the sign of x) is
+    free: each y < p but those of small order has two points, both usable."""
+    if len(public_key) != PUBLIC_KEY_BYTES:
+        return False
+    y = int.from_bytes(public_key, "little") & ((1 << 255) - 1)
+    if y >= _FIELD_PRIME or y in _SMALL_ORDER_Y:
+        return False
+    # A point has this y when x^2 = (y^2 - 1) / (d y^2 + 1) has a root: when the
+    # numerator times the denominator is a square (Euler's criterion).
+    p = _FIELD_PRIME
+    return pow((y * y - 1) * (_EDWARDS_D * y * y + 1) % p, (p - 1) // 2, p) == 1
+
+
 class BadPublicKey(ValueError):
     """Bytes that are not an Ed25519 public key with a Curve25519 counterpart."""
 
@@ -53,10 +82,13 @@ def curve_public_key(public_key: bytes) -> bytes:
     """
     if len(public_key) != PUBLIC_KEY_BYTES:
         raise BadPublicKey(f"a public key has {PUBLIC_KEY_BYTES} bytes, got {len(public_key)}")
+    if not is_usable_public_key(public_key):
+        raise BadPublicKey(
+            "not the canonical encoding of an Edwards25519 point of large order: no node "
+            "can hold this key"
+        )
     # The top bit is the sign of x, which the Montgomery form does not need.
     y = int.from_bytes(public_key, "little") & ((1 << 255) - 1)
-    if y >= _FIELD_PRIME or (1 - y) % _FIELD_PRIME == 0:
-        raise BadPublicKey("not the encoding of an Edwards25519 point with a Curve25519 twin")
     u = (1 + y) * pow(1 - y, _FIELD_PRIME - 2, _FIELD_PRIME) % _FIELD_PRIME
     return u.to_bytes(PUBLIC_KEY_BYTES, "little")
 

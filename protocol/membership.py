@@ -37,6 +37,10 @@ class PeerEntry:
     last_seen: float = field(default_factory=time.monotonic)
     state: str = ALIVE
     round: int = 0
+    # Whether a handshake with the node at `address` has completed: until then it is a
+    # stranger's word, and is forgotten if no node answers there (WIRE.md 7.3).
+    reached: bool = False
+    since: float = field(default_factory=time.monotonic)  # when it took its current state
 
     @property
     def id(self) -> str:
@@ -70,7 +74,28 @@ class PeerTable:
         return max(self.most_known, self._not_left())
 
     def _not_left(self) -> int:
-        return sum(entry.state != LEFT for entry in self.entries.values())
+        # Only reached peers: strangers naming addresses where nobody answers must not
+        # stretch this node's liveness waits (they are forgotten, this maximum is not).
+        return sum(entry.reached and entry.state != LEFT for entry in self.entries.values())
+
+    def mark_reached(self, public_key: bytes) -> PeerEntry | None:
+        """Note that a handshake with this peer's node completed; the entry if it is new."""
+        entry = self.entries.get(public_key)
+        if entry is None or entry.reached:
+            return None
+        entry.reached = True
+        self.most_known = max(self.most_known, self._not_left())
+        return entry
+
+    def forget(self, public_key: bytes) -> PeerEntry | None:
+        return self.entries.pop(public_key, None)
+
+    def holder_of(self, address: str) -> PeerEntry | None:
+        """The reached, alive peer at `address`, if any: a stranger may not claim it."""
+        for entry in self.entries.values():
+            if entry.address == address and entry.reached and entry.state == ALIVE:
+                return entry
+        return None
 
     def alive(self) -> list[PeerEntry]:
         return [entry for entry in self.entries.values() if entry.state == ALIVE]
@@ -97,19 +122,23 @@ class PeerTable:
             entry.last_seen = self.clock()
             entry.round = max(entry.round, round_no)
             if entry.state == DOWN:
-                entry.state = ALIVE
+                entry.state, entry.since = ALIVE, self.clock()
         return entry
 
     def upsert(self, public_key: bytes, name: str, address: str, instance: bytes) -> bool:
         """Add or refresh a peer; True when it is new or came back."""
         entry = self.entries.get(public_key)
         if entry is None:
+            now = self.clock()
             self.entries[public_key] = PeerEntry(
-                public_key, name, address, instance, last_seen=self.clock()
+                public_key, name, address, instance, last_seen=now, since=now
             )
-            self.most_known = max(self.most_known, self._not_left())
             return True
         came_back = entry.state != ALIVE or entry.instance != instance
+        if entry.address != address:
+            entry.reached = False  # a new address must answer anew
+        if entry.state != ALIVE:
+            entry.since = self.clock()
         entry.name, entry.address, entry.instance = name, address, instance
         entry.state, entry.last_seen = ALIVE, self.clock()
         return came_back
@@ -129,8 +158,8 @@ class PeerTable:
 
     def mark_left(self, public_key: bytes) -> PeerEntry | None:
         entry = self.entries.get(public_key)
-        if entry is not None:
-            entry.state = LEFT
+        if entry is not None and entry.state != LEFT:
+            entry.state, entry.since = LEFT, self.clock()
         return entry
 
     def expire(self) -> list[PeerEntry]:
@@ -139,5 +168,5 @@ class PeerTable:
         now, timeout = self.clock(), self.timeout * liveness_stretch(self.known())
         expired = [entry for entry in self.alive() if now - entry.last_seen > timeout]
         for entry in expired:
-            entry.state = DOWN
+            entry.state, entry.since = DOWN, now
         return expired

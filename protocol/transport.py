@@ -49,6 +49,40 @@ INCOMING = "incoming"  # what the ROUTER's monitor watches: connections to us
 _DEALER_EVENTS = _HANDSHAKE_FAILURES | zmq.EVENT_HANDSHAKE_SUCCEEDED
 
 
+class LogOnce:
+    """Logs a warning once per (kind, subject), and at most `limit` such lines per
+    `period` seconds in all: a stranger who varies the subject (a fresh connection, key
+    or address each time) must not fill the log. What is not logged is still counted
+    where the caller counts it."""
+
+    def __init__(self, logger: logging.Logger, limit: int = 200, period: float = 3600.0) -> None:
+        self.logger = logger
+        self.limit = limit
+        self.period = period
+        self._seen: set[tuple[str, object]] = set()
+        self._since = time.monotonic()
+        self._quiet = False
+
+    def __call__(self, kind: str, subject: object, text: str, *args: Any) -> None:
+        if time.monotonic() - self._since > self.period:
+            self._seen.clear()
+            self._since, self._quiet = time.monotonic(), False
+        if (kind, subject) in self._seen:
+            return
+        if len(self._seen) >= self.limit:
+            if not self._quiet:
+                self._quiet = True
+                self.logger.warning(
+                    "%d distinct problems logged in the last %.0f s; further ones are only "
+                    "counted until then (see `meshfl status`)",
+                    self.limit,
+                    self.period,
+                )
+            return
+        self._seen.add((kind, subject))
+        self.logger.warning(text, *args)
+
+
 class TransportError(Exception):
     """The transport cannot start (bad address, port in use); one line for the user."""
 
@@ -145,6 +179,9 @@ class TransportOptions:
     close_linger_ms: int = 200
     # A one-off answer to a node that is not a peer (`send_once`) gets this long to leave.
     once_linger_ms: int = 2000
+    # ZeroMQ sockets in this transport's context (libzmq's default is 1023): a DEALER
+    # per peer, plus a two-socket monitor for each one not yet through its handshake.
+    max_sockets: int = 4096
 
 
 @dataclass(frozen=True)
@@ -162,6 +199,8 @@ class _Outgoing:
     frames: Sequence[Any]  # empty: close the DEALER to `address`
     server_key: bytes | None = None  # the CURVE key of the node at `address`
     once: bool = False
+    kind: str = ""  # what the message is, for the count of bytes that left by kind
+    proves_life: bool = False  # when it leaves, it stands in for a heartbeat (WIRE.md 7.3)
 
 
 class Transport:
@@ -177,18 +216,30 @@ class Transport:
         self.inbox: queue.Queue[Received] = queue.Queue(options.receive_queue)
         self.bytes_out = 0
         self.bytes_in = 0
-        self.dropped: Counter[str] = Counter()  # peer address -> messages dropped at HWM
-        # Client CURVE keys the ZAP handler turned away (closed mesh), by key.
-        self.refused_keys: Counter[bytes] = Counter()
+        # What left, counted when ZeroMQ took it (not when it was queued here): messages
+        # dropped at the high-water mark are in `dropped` instead.
+        self.bytes_out_by_kind: Counter[str] = Counter()
+        self.dropped = 0  # messages dropped unsent: high-water mark, undiallable address
+        # address -> when a message that proves life last left for it (monotonic)
+        self.last_proof_of_life: dict[str, float] = {}
+        # Addresses whose DEALER, open now, has completed its handshake: a node there
+        # answers, and holds the key it was dialled with.
+        self.reached: set[str] = set()
+        # Unexpected errors of the I/O thread, contained and counted, by where they came.
+        self.faults: Counter[str] = Counter()
+        self._counting = threading.Lock()  # other threads copy the counters under it
+        # Connections the ZAP handler turned away (closed mesh): client key not listed.
+        self.refused_handshakes = 0
         # Failed encrypted handshakes, by the address we dialled or INCOMING.
         self.failed_handshakes: Counter[str] = Counter()
-        self._logged: set[tuple[str, str]] = set()
+        self._log_once = LogOnce(log)
         self._closing = threading.Event()
         self._outbox: queue.Queue[_Outgoing | None] = queue.Queue()  # None: stop
         self._wake_read, self._wake_write = os.pipe()
         # Non-blocking: a full pipe already means "wake up", so a lost byte is harmless.
         os.set_blocking(self._wake_write, False)
         self._context = zmq.Context()
+        self._context.set(zmq.MAX_SOCKETS, options.max_sockets)
         self._poller = zmq.Poller()
         self._zap = self._serve_zap()
         self._router = self._bind(listen)
@@ -225,18 +276,32 @@ class Transport:
             raise TransportError(f"cannot listen on {listen}: {reason}") from None
         return router
 
-    def send(self, address: str, frames: Sequence[Any], server_key: bytes | None = None) -> None:
+    def send(
+        self,
+        address: str,
+        frames: Sequence[Any],
+        server_key: bytes | None = None,
+        *,
+        kind: str = "",
+        proves_life: bool = False,
+    ) -> None:
         """Queue one message for `address`; never blocks, safe from any thread.
-        `server_key`: the CURVE public key of the node there, needed when encrypting."""
-        self._queue(_Outgoing(address, frames, server_key))
+        `server_key`: the CURVE public key of the node there, needed when encrypting;
+        `kind` and `proves_life`: what is counted when the message leaves."""
+        self._queue(_Outgoing(address, frames, server_key, kind=kind, proves_life=proves_life))
 
     def send_once(
-        self, address: str, frames: Sequence[Any], server_key: bytes | None = None
+        self, address: str, frames: Sequence[Any], server_key: bytes | None = None, kind: str = ""
     ) -> None:
         """Send one message over a connection of its own, closed once it is out: for an
         answer to a node that is no peer (a status probe), which a DEALER kept open
         would go on redialling after the probe is gone."""
-        self._queue(_Outgoing(address, frames, server_key, once=True))
+        self._queue(_Outgoing(address, frames, server_key, once=True, kind=kind))
+
+    def sent_by_kind(self) -> dict[str, int]:
+        """Bytes that left, by message kind; safe from any thread."""
+        with self._counting:
+            return dict(self.bytes_out_by_kind)
 
     def _queue(self, item: _Outgoing) -> None:
         if self._closing.is_set():
@@ -279,13 +344,26 @@ class Transport:
                     if not self._drain_outbox():
                         return
                 if self._zap is not None and self._zap in events:
-                    self._answer_zap()
+                    self._contained("handshake check", self._answer_zap)
                 for monitor in [m for m in self._monitors if m in events]:
-                    self._read_monitor(monitor)
+                    self._contained("socket monitor", self._read_monitor, monitor)
                 if self._router in events:
-                    self._receive_some()
+                    self._contained("receiving", self._receive_some)
         finally:
             self._close_sockets()
+
+    def _contained(self, where: str, step: Callable[..., Any], *args: Any) -> Any:
+        """Run one step of the I/O loop; an error nobody foresaw is logged once (with its
+        traceback) and counted, and the loop goes on: whatever a peer sends or names,
+        the transport stays up. Returns the step's result, True when it failed."""
+        try:
+            return step(*args)
+        except Exception:
+            with self._counting:
+                self.faults[where] += 1
+            if self.faults[where] == 1:
+                log.exception("unexpected error while %s; the transport goes on", where)
+            return True
 
     def _close_sockets(self) -> None:
         for address in list(self._dealers):
@@ -295,7 +373,10 @@ class Transport:
         self._router.close(linger=0)
         if self._zap is not None:
             self._zap.close(linger=0)
-        self._context.term()  # returns once the DEALERs' lingering messages are out
+        # Closes any socket still open (a one-off answer's) without waiting for it, then
+        # returns once the DEALERs' lingering messages are out: a socket left open would
+        # otherwise hold the context's termination, and the thread, for good.
+        self._context.destroy(linger=0)
 
     def _receive_some(self) -> None:
         # Read what is there now, but keep turns fair with the outbox.
@@ -319,7 +400,7 @@ class Transport:
         if key and self.encryption.admit(key):
             self._zap.send_multipart([version, request_id, b"200", b"OK", b"", b""])
             return
-        self.refused_keys[key] += 1
+        self.refused_handshakes += 1
         self._log_once(
             "refused",
             key.hex(),
@@ -332,18 +413,26 @@ class Transport:
         self._zap.send_multipart([version, request_id, b"400", b"key not listed", b"", b""])
 
     def _monitor(self, sock: zmq.Socket, watched: str) -> None:
-        if self.encryption is not None:
-            monitor = sock.get_monitor_socket(
-                _HANDSHAKE_FAILURES if watched == INCOMING else _DEALER_EVENTS
-            )
-            self._monitors[monitor] = watched
-            if watched != INCOMING:  # the ROUTER's is registered when the thread starts
-                self._poller.register(monitor, zmq.POLLIN)
+        """Watch the ROUTER for failed handshakes (encrypted only: the only sign of a
+        node of another key or version), and a DEALER until its first handshake: the
+        proof that a node answers at its address (`reached`)."""
+        if watched == INCOMING and self.encryption is None:
+            return
+        monitor = sock.get_monitor_socket(
+            _HANDSHAKE_FAILURES if watched == INCOMING else _DEALER_EVENTS
+        )
+        self._monitors[monitor] = watched
+        if watched != INCOMING:  # the ROUTER's is registered when the thread starts
+            self._poller.register(monitor, zmq.POLLIN)
 
     def _read_monitor(self, monitor: zmq.Socket) -> None:
-        event = recv_monitor_message(monitor, zmq.NOBLOCK)
+        try:
+            event = recv_monitor_message(monitor, zmq.NOBLOCK)
+        except zmq.Again:
+            return  # woken with nothing whole to read yet
         watched = self._monitors[monitor]
         if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.reached.add(watched)
             self._unmonitor(watched)
             return
         if watched == INCOMING and event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
@@ -359,11 +448,6 @@ class Transport:
             why,
         )
 
-    def _log_once(self, kind: str, subject: str, text: str, *args: Any) -> None:
-        if (kind, subject) not in self._logged:
-            self._logged.add((kind, subject))
-            log.warning(text, *args)
-
     def _drain_outbox(self) -> bool:
         while True:
             try:
@@ -372,15 +456,19 @@ class Transport:
                 return True
             if item is None:
                 return False
-            if item.once:
-                self._send_once_now(item)
-            elif item.frames:
-                self._send_now(item)
-            else:
-                self._close_dealer(item.address)
+            self._contained("sending", self._carry_out, item)
+
+    def _carry_out(self, item: _Outgoing) -> None:
+        if item.once:
+            self._send_once_now(item)
+        elif item.frames:
+            self._send_now(item)
+        else:
+            self._close_dealer(item.address)
 
     def _close_dealer(self, address: str, linger: int = 0) -> None:
         dealer, _ = self._dealers.pop(address, (None, None))
+        self.reached.discard(address)
         if dealer is None:
             return
         self._unmonitor(address, dealer)
@@ -408,19 +496,19 @@ class Transport:
                 return
             self._dealers[item.address] = (dealer, item.server_key)
             self._monitor(dealer, item.address)
-        self._put(dealer, item.address, item.frames)
+        self._put(dealer, item)
 
     def _send_once_now(self, item: _Outgoing) -> None:
         dealer = self._connect(item)
         if dealer is not None:
-            self._put(dealer, item.address, item.frames)
+            self._put(dealer, item)
             # Closing does not wait: ZeroMQ sends the queued message in the background.
             dealer.close(linger=self.options.once_linger_ms)
 
     def _connect(self, item: _Outgoing) -> zmq.Socket | None:
         address = item.address
         if self.encryption is not None and item.server_key is None:
-            self.dropped[address] += 1
+            self.dropped += 1
             self._log_once(
                 "unkeyed",
                 address,
@@ -431,28 +519,37 @@ class Transport:
                 address,
             )
             return None
-        dealer = self._context.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.SNDHWM, self.options.send_hwm)
-        dealer.setsockopt(zmq.IMMEDIATE, 0)
-        if self.encryption is not None and item.server_key is not None:
-            curve_client(dealer, self.encryption, item.server_key)
+        dealer = None
         try:
+            dealer = self._context.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.SNDHWM, self.options.send_hwm)
+            dealer.setsockopt(zmq.IMMEDIATE, 0)
+            if self.encryption is not None and item.server_key is not None:
+                curve_client(dealer, self.encryption, item.server_key)
             dealer.connect(address)
         except zmq.ZMQError as err:
-            dealer.close(linger=0)
-            log.warning("cannot connect to %s: %s", address, err.strerror)
-            self.dropped[address] += 1
+            # A key or address ZeroMQ will not take, or no socket left: this message is
+            # lost, the transport is not.
+            if dealer is not None:
+                dealer.close(linger=0)
+            self.dropped += 1
+            self._log_once("connect", address, "cannot dial %s: %s", address, err.strerror)
             return None
         return dealer
 
-    def _put(self, dealer: zmq.Socket, address: str, frames: Sequence[Any]) -> None:
+    def _put(self, dealer: zmq.Socket, item: _Outgoing) -> None:
         try:
-            dealer.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            dealer.send_multipart(item.frames, zmq.NOBLOCK, copy=False)
         except zmq.Again:
-            self.dropped[address] += 1
+            self.dropped += 1
             return
-        self.bytes_out += sum(memoryview(frame).nbytes for frame in frames)
+        size = sum(memoryview(frame).nbytes for frame in item.frames)
+        with self._counting:
+            self.bytes_out += size
+            self.bytes_out_by_kind[item.kind] += size
+        if item.proves_life:
+            self.last_proof_of_life[item.address] = time.monotonic()
 
 
 def _handshake_failure(event: Mapping[str, Any], watched: str) -> str:

@@ -26,7 +26,16 @@ import msgpack
 import numpy as np
 from blake3 import blake3
 
-from .identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, node_id, verify
+from .addresses import is_tcp_endpoint
+from .identity import (
+    PUBLIC_KEY_BYTES,
+    SIGNATURE_BYTES,
+    WEAK_KEY,
+    Identity,
+    is_usable_public_key,
+    node_id,
+    verify,
+)
 
 # 2: data frames digested with BLAKE3 instead of SHA-256; 3: every connection encrypted
 # with ZeroMQ CURVE under keys derived from the nodes' Ed25519 keys (WIRE.md 1.1).
@@ -74,6 +83,8 @@ REJECTION_REASONS = (
     "too_many_frames",
     "bad_msgpack",
     "bad_header",
+    WEAK_KEY,
+    "bad_address",
     "wrong_mesh",
     "unknown_sender",
     "duplicate_key",
@@ -329,6 +340,13 @@ _BODY_FIELDS: dict[str, dict[str, tuple[type, int | None]]] = {
 }
 
 
+_PEER_ENTRY_FIELDS: dict[str, tuple[type, int | None]] = {
+    "name": (str, None),
+    "addr": (str, None),
+    "key": (bytes, PUBLIC_KEY_BYTES),
+}
+
+
 def _is_count(value: Any) -> bool:
     """An integer >= 0 on the wire; msgpack's booleans are Python ints, and refused."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
@@ -347,6 +365,32 @@ def _check_fields(where: str, values: Any, fields: Mapping[str, tuple[type, int 
             )
         if length is not None and len(value) != length:
             raise Rejected("bad_header", f"{where}.{name} must be {length} bytes")
+
+
+# The kinds whose body names the sender's own address, where its answers go (`addr`).
+_ADDRESSED_KINDS = ("hello", "heartbeat", "status")
+
+
+def _check_keys_and_addresses(message: Message) -> None:
+    """Every public key a message names can be a node's (no small-order key, which would
+    sign anything, WIRE.md 2), and every address it names can be dialled (a ZeroMQ TCP
+    endpoint): checked before any signature, so a node never dials or trusts either."""
+    if not is_usable_public_key(message.sender):
+        raise Rejected(WEAK_KEY, "sender")
+    body = message.body
+    if message.kind in _ADDRESSED_KINDS and "addr" in body and not is_tcp_endpoint(body["addr"]):
+        raise Rejected("bad_address", f"{message.kind}.body.addr")
+    if message.kind == "hello" and not isinstance(body.get("list", True), bool):
+        raise Rejected("bad_header", "hello.body.list is not a bool")
+    if message.kind == "announce" and not is_usable_public_key(body["origin"]):
+        raise Rejected(WEAK_KEY, "announce origin")
+    if message.kind == "peers":
+        for entry in body["peers"]:
+            _check_fields("peers entry", entry, _PEER_ENTRY_FIELDS)
+            if not is_usable_public_key(entry["key"]):
+                raise Rejected(WEAK_KEY, "peers entry")
+            if not is_tcp_endpoint(entry["addr"]):
+                raise Rejected("bad_address", "peers entry")
 
 
 MessageCheck = Callable[["Message"], "str | None"]
@@ -396,6 +440,7 @@ class Decoder:
         self._check_size(buffers)
         header_bytes, signature, header = self._unpack_envelope(buffers[0])
         message = self._check_header(header)
+        _check_keys_and_addresses(message)
         if not self._same_mesh(header["mesh"], message.kind):
             raise Rejected("wrong_mesh")
         if self.admit is not None and (reason := self.admit(message)):
@@ -489,6 +534,8 @@ class Decoder:
             and isinstance(meta, dict)
         ):
             raise Rejected("bad_header", "blob record fields")
+        if not is_usable_public_key(origin):
+            raise Rejected(WEAK_KEY, "blob origin")
         if record_digest != digest:
             raise Rejected("digest_mismatch", "record digest differs from the frames'")
         if not verify(origin, body["sig"], RECORD_CONTEXT + body["record"]):

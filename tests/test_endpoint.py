@@ -43,6 +43,7 @@ from meshfl.protocol.probe import ask_status
 from meshfl.protocol.transport import (
     Encryption,
     TransportError,
+    contact,
     curve_client,
     curve_server,
     free_ports,
@@ -357,6 +358,22 @@ def craft_duplicate_key(scene):
     )
 
 
+# The neutral point of Edwards25519 as a public key, and a signature that verifies under it
+# for any message (R the neutral point, S = 0): OpenSSL accepts it.
+NEUTRAL_KEY = (1).to_bytes(32, "little")
+ANY_MESSAGE_SIGNATURE = NEUTRAL_KEY + bytes(32)
+
+
+def craft_weak_key(scene):
+    header = valid_header(scene)
+    header["from"] = NEUTRAL_KEY
+    return [msgpack.packb([msgpack.packb(header), ANY_MESSAGE_SIGNATURE])]
+
+
+def craft_bad_address(scene):
+    return scene.raw.frames("hello", {"name": scene.raw.name, "addr": "garbage"})
+
+
 CRAFTS = {
     "oversize": craft_oversize,
     "too_many_frames": craft_too_many_frames,
@@ -375,6 +392,8 @@ CRAFTS = {
     "shape_mismatch": craft_shape_mismatch,
     "schema_mismatch": craft_schema_mismatch,
     "duplicate_key": craft_duplicate_key,
+    "weak_key": craft_weak_key,
+    "bad_address": craft_bad_address,
 }
 
 
@@ -565,6 +584,8 @@ def test_liveness_waits_stretch_with_the_most_peers_a_node_has_known():
     keys = [bytes([index]) * 32 for index in range(100)]
     for index, key in enumerate(keys):
         table.upsert(key, f"n{index}", f"tcp://h:{index}", b"i" * 16)
+        assert table.known() == index, "a peer counts once a handshake reached it"
+        table.mark_reached(key)
     for key in keys[5:]:
         table.mark_left(key)  # the others still beat at the pace of a 100-node mesh
     assert table.known() == 100
@@ -608,14 +629,33 @@ def test_heartbeats_give_way_to_other_messages_but_never_stop(context, make_endp
 
 
 def test_a_node_greets_a_peer_named_in_a_list_without_asking_for_its_list(context, make_endpoint):
+    endpoint = make_endpoint("joiner")
+    lister = RawPeer(context, endpoint.contact, name="lister")
+    named = RawPeer(context, endpoint.contact, name="named")
+    endpoint.start([contact(lister.address, lister.public_key)])
+    hello = lister.expect("hello")
+    assert hello.body.get("list", True) is True, "the first bootstrap is asked for its list"
+    entries = [
+        {"name": "lister", "addr": lister.address, "key": lister.public_key},
+        {"name": "named", "addr": named.address, "key": named.public_key},
+    ]
+    lister.send(lister.frames("peers", {"peers": entries}))
+    assert named.expect("hello").body.get("list") is False
+    assert endpoint.wait_joined(WAIT)
+
+
+def test_a_peer_list_nobody_asked_for_makes_the_node_dial_nothing(context, make_endpoint):
     endpoint = make_endpoint("target")
     endpoint.start()
-    lister, named = RawPeer(context, endpoint.contact, name="lister"), None
-    lister.join()
-    named = RawPeer(context, endpoint.contact, name="named")
-    entry = {"name": "named", "addr": named.address, "key": named.public_key}
-    lister.send(lister.frames("peers", {"peers": [entry]}))
-    assert named.expect("hello").body.get("list") is False
+    stranger = RawPeer(context, endpoint.contact, name="stranger")
+    stranger.join()
+    named = [RawPeer(context, endpoint.contact, name=f"aimed{i}") for i in range(20)]
+    entries = [{"name": p.name, "addr": p.address, "key": p.public_key} for p in named]
+    stranger.send(stranger.frames("peers", {"peers": entries}))
+    stranger.join()  # handled by now: the list came before this hello
+    assert endpoint.rejections()["unsolicited_peers"] == 1
+    assert all(p.collect("hello", 0.2) == [] for p in named), "nobody was greeted"
+    assert [e.name for e in endpoint.peers()] == ["stranger"]
 
 
 def test_a_hello_that_asks_for_no_list_is_answered_by_the_node_alone(context, make_endpoint):

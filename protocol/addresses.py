@@ -1,0 +1,45 @@
+"""What a node may be dialled at: a ZeroMQ TCP endpoint, and nothing else.
+
+Every address a node dials came from someone: its own configuration, a contact string,
+or a signed message of a stranger. ZeroMQ would take `ipc://`, `inproc://`, `udp://` or a
+wildcard for a connect, and fail on garbage only once it tries; a node decides first.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+
+TCP_ENDPOINT_FORM = "tcp://HOST:PORT, HOST a hostname, IPv4 or [IPv6] address, 1 <= PORT <= 65535"
+MAX_ADDRESS_CHARS = 300  # a 253-character hostname with its scheme and port fits
+
+_ENDPOINT = re.compile(r"tcp://(?P<host>\[[^\]]*\]|[^:/\[\]]+):(?P<port>[0-9]{1,5})")
+_HOSTNAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*")
+
+
+def tcp_endpoint(address: object) -> tuple[str, int] | None:
+    """(host, port) of `address` when it is a ZeroMQ TCP endpoint a node can dial (see
+    TCP_ENDPOINT_FORM), the host lowercased and `localhost` read as 127.0.0.1 so that two
+    spellings of one socket compare equal; None for anything else."""
+    if not isinstance(address, str) or len(address) > MAX_ADDRESS_CHARS:
+        return None
+    match = _ENDPOINT.fullmatch(address)
+    if not match or not 1 <= int(match["port"]) <= 65535:
+        return None
+    host = match["host"]
+    try:
+        if host.startswith("["):
+            host = f"[{ipaddress.IPv6Address(host[1:-1])}]"
+        elif host.replace(".", "").isdigit():
+            host = str(ipaddress.IPv4Address(host))
+        elif not _HOSTNAME.fullmatch(host) or len(host) > 253:
+            return None
+    except ValueError:
+        return None
+    if host.lower() == "localhost":  # the loopback's name: the same socket as 127.0.0.1
+        host = "127.0.0.1"
+    return host.lower(), int(match["port"])
+
+
+def is_tcp_endpoint(address: object) -> bool:
+    return tcp_endpoint(address) is not None
