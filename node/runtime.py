@@ -16,7 +16,7 @@ import logging
 import statistics
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +30,7 @@ from meshfl.algorithms.base import MODEL, draw_seed, weighted_average
 from meshfl.protocol.endpoint import Endpoint, EndpointSettings
 from meshfl.protocol.identity import Identity, node_id
 from meshfl.protocol.offers import Offer
-from meshfl.protocol.transport import contact
+from meshfl.protocol.transport import TransportOptions, contact
 from meshfl.protocol.wire import Blob, make_blob
 
 from . import config as cfgmod
@@ -592,7 +592,7 @@ def build_node(options: NodeOptions, role: type[Node] = Node) -> Node:
     endpoint = Endpoint(
         Identity.load_or_create(options.key_path),
         mesh_id(cfg, schema),
-        endpoint_settings(options, role.DIRECT_KINDS),
+        endpoint_settings(options, role.DIRECT_KINDS, state_to_arrays(model)),
         schema=schema,
     )
     options.out_dir.mkdir(parents=True, exist_ok=True)
@@ -672,7 +672,10 @@ def rule_context(
     )
 
 
-def endpoint_settings(options: NodeOptions, direct_kinds: frozenset[str]) -> EndpointSettings:
+def endpoint_settings(
+    options: NodeOptions, direct_kinds: frozenset[str], model: Mapping[str, Any]
+) -> EndpointSettings:
+    """The endpoint a node of `options` runs; `model`, its arrays, sizes what it takes in."""
     cfg = options.config
     allowlist = None
     if cfg.closed:
@@ -685,4 +688,12 @@ def endpoint_settings(options: NodeOptions, direct_kinds: frozenset[str]) -> End
         allowlist=allowlist,
         encrypt=cfg.encrypt,
         direct_kinds=direct_kinds,
+        transport=TransportOptions(max_frame_bytes=frame_limit(model)),
     )
+
+
+def frame_limit(model: Mapping[str, Any]) -> int:
+    """The largest data frame a node takes (ZeroMQ drops the connection of a sender that
+    starts a bigger one, before holding any of it): no tensor that travels in this mesh
+    is bigger than the whole model, and twice that leaves room for a rule's extras."""
+    return max(1 << 20, 2 * sum(array.nbytes for array in model.values()))

@@ -32,6 +32,7 @@ from .transport import (
     split_contact,
 )
 from .wire import (
+    BLOB_KINDS,
     KINDS,
     PROTOCOL_VERSION,
     Blob,
@@ -68,7 +69,7 @@ REFUSED_HANDSHAKE = "refused_handshake"
 UNSOLICITED_PEERS = "unsolicited_peers"  # a peer list that answers no hello of ours
 ADDRESS_TAKEN = "address_taken"  # another key claims the address of a reached peer
 TABLE_FULL = "table_full"  # no room for a new peer (or for one more not yet reached)
-HANDLER_ERROR = "handler_error"  # a handler raised: a bug, contained and logged
+WORKER_ERROR = "worker_error"  # the worker raised: a bug, contained and logged
 # New addresses one peer list may make a node greet: a node asks one member for a list
 # when it joins, and a mesh bigger than this is introduced by heartbeats as well.
 MAX_INTRODUCTIONS = 256
@@ -148,6 +149,10 @@ class _Fetches:
             return True
         self.waiting[holder].append(blob_id)
         return False
+
+    def asked(self, holder: bytes) -> bool:
+        """Whether a fetch to `holder` is in flight."""
+        return bool(self.in_flight.get(holder))
 
     def requested(self, blob_id: bytes) -> bool:
         return any(blob_id in slots for slots in self.in_flight.values())
@@ -249,7 +254,9 @@ class Endpoint:
         }
         missing = set(KINDS) ^ set(self._handlers)
         assert not missing, f"kinds without a handler, or handlers without a kind: {missing}"
-        self.transport = Transport(settings.listen, settings.transport, self._encryption())
+        self.transport = Transport(
+            settings.listen, settings.transport, self._encryption(), screen=self._worth_holding
+        )
         self._worker = threading.Thread(
             target=self._work, name=f"mesh {settings.name}", daemon=True
         )
@@ -589,15 +596,28 @@ class Endpoint:
         next_beat = time.monotonic()
         while not self._stopping.is_set():
             try:
-                received = self.transport.inbox.get(timeout=0.05)
-            except queue.Empty:
-                self._read_up_to = time.monotonic()
-            else:
-                self._read_up_to = received.arrived
-                self._handle_frames(received)
-            if time.monotonic() >= next_beat:
-                next_beat = time.monotonic() + self.settings.heartbeat_interval
-                self._beat()
+                next_beat = self._work_once(next_beat)
+            except Exception:
+                # A bug: logged with its traceback, and the worker goes on, for without
+                # it the node would answer nobody and beat to nobody, silently.
+                self.flow_rejections[WORKER_ERROR] += 1
+                if self.flow_rejections[WORKER_ERROR] <= 3:  # the first few, with traceback
+                    log.exception("%s: unexpected error in the mesh worker", self.settings.name)
+
+    def _work_once(self, next_beat: float) -> float:
+        """Handle what arrived (or wait a moment), and beat when it is time; returns when
+        to beat next."""
+        try:
+            received = self.transport.inbox.get(timeout=0.05)
+        except queue.Empty:
+            self._read_up_to = time.monotonic()
+        else:
+            self._read_up_to = received.arrived
+            self._handle_frames(received)
+        if time.monotonic() >= next_beat:
+            next_beat = time.monotonic() + self.settings.heartbeat_interval
+            self._beat()
+        return next_beat
 
     def _beat(self) -> None:
         """Mark silent peers down, and heartbeat each peer we told nothing for a while.
@@ -700,6 +720,33 @@ class Endpoint:
             return False
         return True
 
+    def _worth_holding(self, frames: list[Any]) -> bool:
+        """Whether a big message that just arrived may wait for the worker: authentic (its
+        header signature checks), and a blob this node asked its sender for or a direct
+        message it reads from a peer with room for it. Anything else is dropped as it
+        arrives, counted as the worker would, so nobody can queue big messages here
+        (WIRE.md 10). Runs on the transport's I/O thread."""
+        try:
+            message = self.decoder.screen(frames)
+        except Rejected:
+            return False
+        sender, kind = message.sender, message.kind
+        with self._lock:
+            if kind == "blob":
+                if self._fetches.asked(sender):
+                    return True
+                self.received["unrequested_blob"] += 1
+            elif kind not in self.settings.direct_kinds:
+                self.flow_rejections[UNREAD_DIRECT if kind in BLOB_KINDS else "bad_header"] += 1
+            elif (
+                self.table.get(sender) is None
+                or self._queued[(kind, sender)] >= MAX_QUEUED_PER_SENDER
+            ):
+                self.flow_rejections[INBOX_FULL] += 1
+            else:
+                return True
+        return False
+
     def _handle_frames(self, received: Received) -> None:
         # Decoding hashes every byte of a blob and checks two signatures: it runs without
         # the lock, so the node's thread is not held up behind a big message. Only this
@@ -716,14 +763,7 @@ class Endpoint:
             if message.sender == self.identity.public_key and message.instance == self.instance:
                 return  # sent to ourselves (some hello or peer list gave out our address)
             self.received[message.kind] += 1
-            try:
-                self._handlers[message.kind](message)
-            except Exception:
-                # A bug, not the sender's doing (the decoder checked the message): the
-                # worker must outlive it, or the node goes silent for good.
-                self.flow_rejections[HANDLER_ERROR] += 1
-                if self.flow_rejections[HANDLER_ERROR] == 1:
-                    log.exception("%s: error handling a %s", self.settings.name, message.kind)
+            self._handlers[message.kind](message)
             self._changes += 1
             self._changed.notify_all()
 

@@ -31,6 +31,8 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from .identity import is_usable_public_key
+
 log = logging.getLogger("meshfl.transport")
 
 # libzmq asks a context's ZAP handler at this fixed inproc address (ZeroMQ RFC 27).
@@ -119,6 +121,8 @@ def split_contact(contact: str) -> tuple[str, bytes | None]:
         raise BadContact(
             f"{contact!r}: the part before @ must be a node's public key, 64 hex digits"
         )
+    if not is_usable_public_key(key):
+        raise BadContact(f"{contact!r}: {key_hex} is a key of small order, which no node holds")
     return address, key
 
 
@@ -179,6 +183,9 @@ class TransportOptions:
     close_linger_ms: int = 200
     # A one-off answer to a node that is not a peer (`send_once`) gets this long to leave.
     once_linger_ms: int = 2000
+    # A message at least this big is screened as it arrives (`Transport.screen`): one
+    # its receiver would not keep is freed at once, not queued for the decoder.
+    screen_bytes: int = 1 << 20
     # ZeroMQ sockets in this transport's context (libzmq's default is 1023): a DEALER
     # per peer, plus a two-socket monitor for each one not yet through its handshake.
     max_sockets: int = 4096
@@ -209,8 +216,13 @@ class Transport:
         listen: str,
         options: TransportOptions = TransportOptions(),
         encryption: Encryption | None = None,
+        screen: Callable[[list[Any]], bool] | None = None,
     ) -> None:
+        """`screen`: called on the I/O thread with each message of `screen_bytes` or
+        more as it arrives; False frees it at once. It must be quick: it runs between
+        reads."""
         self.listen = listen
+        self.screen = screen
         self.options = options
         self.encryption = encryption
         self.inbox: queue.Queue[Received] = queue.Queue(options.receive_queue)
@@ -385,7 +397,10 @@ class Transport:
                 routing_id, *frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            self.bytes_in += sum(len(frame) for frame in frames)
+            size = sum(len(frame) for frame in frames)
+            self.bytes_in += size
+            if size >= self.options.screen_bytes and self.screen and not self.screen(frames):
+                continue  # its bytes go back now: no queue of big unverified messages
             self.inbox.put(Received(routing_id.bytes, frames))
 
     def _answer_zap(self) -> None:

@@ -425,9 +425,33 @@ class Decoder:
         try:
             return self._decode(frames)
         except Rejected as rejection:
-            with self._counting:
-                self.rejections[rejection.reason] += 1
+            self.count(rejection.reason)
             raise
+
+    def screen(self, frames: Sequence[Any]) -> Message:
+        """The checks of `decode` up to the header signature (steps 1 to 11 of WIRE.md 9,
+        the sender's admission and sequence number aside), without its side effects: for
+        judging a big message as it arrives, on another thread than the decoder's. The
+        message is decoded in full later; a rejection here is counted as there."""
+        try:
+            buffers = [memoryview(frame) for frame in frames]
+            self._check_size(buffers)
+            header_bytes, signature, header = self._unpack_envelope(buffers[0])
+            message = self._check_header(header)
+            _check_keys_and_addresses(message)
+            if not self._same_mesh(header["mesh"], message.kind):
+                raise Rejected("wrong_mesh")
+            if not verify(message.sender, signature, HEADER_CONTEXT + header_bytes):
+                raise Rejected("bad_signature")
+            return message
+        except Rejected as rejection:
+            self.count(rejection.reason)
+            raise
+
+    def count(self, reason: str) -> None:
+        """Count one message dropped for `reason`; safe from any thread."""
+        with self._counting:
+            self.rejections[reason] += 1
 
     def rejection_counts(self) -> dict[str, int]:
         """A copy of the rejection counts, safe to take from any thread."""
