@@ -467,12 +467,12 @@ class Node:
         self, chosen: dict[tuple[str, str], Offer], arrived: dict[bytes, Blob]
     ) -> list[Offer]:
         """The chosen blobs not here yet that a live peer can still send: one whose
-        origin and every other holder are marked down holds the round no longer."""
-        alive = {peer.public_key for peer in self.endpoint.alive_peers()}
+        origin and every other holder are marked down, or answered that they no longer
+        hold it, holds the round no longer."""
         return [
             offer
             for offer in chosen.values()
-            if offer.id not in arrived and alive & {offer.origin, *offer.holders}
+            if offer.id not in arrived and self.endpoint.may_come(offer)
         ]
 
     def _choose(

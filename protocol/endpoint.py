@@ -157,6 +157,18 @@ class _Fetches:
     def requested(self, blob_id: bytes) -> bool:
         return any(blob_id in slots for slots in self.in_flight.values())
 
+    def cancel(self, holder: bytes, blob_id: bytes) -> bool:
+        """Take back a fetch in flight to `holder`; False when there was none."""
+        return self.in_flight[holder].pop(blob_id, None) is not None
+
+    def release(self, holder: bytes) -> list[tuple[bytes, bytes]]:
+        """The next waiting fetch to `holder`, now that a slot is free, if any."""
+        if not self.waiting[holder] or len(self.in_flight[holder]) >= self.cap:
+            return []
+        follower = self.waiting[holder].popleft()
+        self.in_flight[holder][follower] = time.monotonic()
+        return [(holder, follower)]
+
     def done(self, blob_id: bytes) -> list[tuple[bytes, bytes]]:
         """Mark a blob answered; return the (holder, blob id) fetches now allowed out."""
         released = []
@@ -246,6 +258,7 @@ class Endpoint:
             "bye": self._on_bye,
             "announce": self._on_announce,
             "fetch": self._on_fetch,
+            "miss": self._on_miss,
             "blob": self._on_blob,
             "status": self._on_status,
             "status_reply": self._on_status_reply,
@@ -586,9 +599,15 @@ class Endpoint:
                 self.transport.send(address, frames, server_key, kind=kind, proves_life=proves_life)
 
     def _pick_holder(self, offer: Offer) -> PeerEntry | None:
-        candidates = [self.table.get(key) for key in [offer.origin, *offer.holders]]
+        candidates = [self.table.get(key) for key in offer.servers()]
         alive = [entry for entry in candidates if entry is not None and entry.state == ALIVE]
         return alive[0] if alive else None
+
+    def may_come(self, offer: Offer) -> bool:
+        """Whether a live peer may still send the blob `offer` names: its origin or a
+        holder that is alive and did not answer a fetch of it with `miss`."""
+        with self._lock:
+            return self._pick_holder(offer) is not None
 
     # --- the worker thread -----------------------------------------------------
 
@@ -665,7 +684,8 @@ class Endpoint:
         peers down or left for `forget_after`: what strangers can make this node hold
         and dial is bounded in time as well as in number (WIRE.md 7.3)."""
         settings = self.settings
-        grace = settings.peer_timeout * liveness_stretch(self.table.known())
+        # Twice the down timeout: a handshake on a starved machine can take a while.
+        grace = 2 * settings.peer_timeout * liveness_stretch(self.table.known())
         stale = [
             entry
             for entry in self.table.entries.values()
@@ -929,8 +949,24 @@ class Endpoint:
         blob = self.store.get(message.body["id"])
         if entry is None or blob is None:
             self.received["fetch_miss"] += 1
-            return
-        self._send(entry.address, "blob", {}, blob)
+        if entry is not None and blob is not None:
+            self._send(entry.address, "blob", {}, blob)
+        elif entry is not None:  # a known peer learns at once that it must look elsewhere
+            self._send(entry.address, "miss", {"id": message.body["id"]})
+
+    def _on_miss(self, message: Message) -> None:
+        """A holder we asked no longer has the blob: free its fetch slot, and ask the next
+        holder at once (or, with none left, let the round go on without it)."""
+        self.table.heard_from(message.sender, message.round)
+        blob_id = message.body["id"]
+        offer = self.offer_book.get(blob_id)
+        if offer is None or not self._fetches.cancel(message.sender, blob_id):
+            return  # we asked that sender nothing of the kind
+        offer.missed_by.add(message.sender)
+        self._send_fetches(self._fetches.release(message.sender))
+        holder = self._pick_holder(offer)
+        if holder is not None and self._fetches.request(holder.public_key, blob_id):
+            self._send(holder.address, "fetch", {"id": blob_id})
 
     def _on_blob(self, message: Message) -> None:
         entry = self.table.heard_from(message.sender, message.round)
@@ -945,7 +981,11 @@ class Endpoint:
             self._keep_fetched(blob, entry.name if entry else node_id(message.sender))
         else:
             self._reject_offer(offer, blob)
-        for holder_key, blob_id in self._fetches.done(blob.id):
+        self._send_fetches(self._fetches.done(blob.id))
+
+    def _send_fetches(self, fetches: list[tuple[bytes, bytes]]) -> None:
+        """Send the (holder, blob id) fetches that just got a slot."""
+        for holder_key, blob_id in fetches:
             target = self.table.get(holder_key)
             if target is not None:
                 self._send(target.address, "fetch", {"id": blob_id})

@@ -27,6 +27,12 @@ class Offer:
     digest: bytes
     size: int
     holders: list[bytes] = field(default_factory=list)
+    # Keys that answered a fetch of it with `miss`: they no longer hold it (WIRE.md 7.4).
+    missed_by: set[bytes] = field(default_factory=set)
+
+    def servers(self) -> list[bytes]:
+        """Who may still send it, the origin first."""
+        return [key for key in [self.origin, *self.holders] if key not in self.missed_by]
 
     @property
     def origin_id(self) -> str:

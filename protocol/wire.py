@@ -17,7 +17,7 @@ import functools
 import hashlib
 import os
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +54,7 @@ KINDS = (
     "bye",
     "announce",
     "fetch",
+    "miss",
     "blob",
     "upload",
     "personal",
@@ -75,6 +76,10 @@ DTYPES: dict[str, np.dtype[Any]] = {  # wire name -> numpy dtype; nothing else i
     "int64": np.dtype("<i8"),
     "bool": np.dtype("?"),
 }
+
+# Senders whose last sequence number a decoder keeps (WIRE.md 6): a key unheard from
+# for this many others may replay its old messages, each of which says what it said.
+MAX_SENDERS = 16384
 
 MAX_DIMENSIONS = 64  # numpy's own limit: a tensor with more could not even be built
 
@@ -336,6 +341,7 @@ _BODY_FIELDS: dict[str, dict[str, tuple[type, int | None]]] = {
         "size": (int, None),
     },
     "fetch": {"id": (bytes, DIGEST_BYTES)},
+    "miss": {"id": (bytes, DIGEST_BYTES)},
     **{kind: {"record": (bytes, None), "sig": (bytes, SIGNATURE_BYTES)} for kind in BLOB_KINDS},
 }
 
@@ -417,7 +423,9 @@ class Decoder:
         # the live holder of its key), so only authentic messages can be refused.
         self.admit = admit
         self.accept = accept
-        self.last_seq: dict[bytes, int] = {}
+        # The last sequence number of each sender, the least recently heard first: at
+        # most MAX_SENDERS of them, so fresh keys cannot grow it without end.
+        self.last_seq: OrderedDict[bytes, int] = OrderedDict()
         self.rejections: Counter[str] = Counter()
         self._counting = threading.Lock()  # a reader must not see the counter mid-insert
 
@@ -479,7 +487,7 @@ class Decoder:
         # request never moves it: a probe may borrow a live node's key, and its clock-based
         # number must not make that node's own messages look like replays.
         if message.kind != "status":
-            self.last_seq[message.sender] = message.seq
+            self._note_seq(message.sender, message.seq)
         data = buffers[1:]
         if frames_digest(data) != header["digest"]:
             raise Rejected("digest_mismatch")
@@ -488,6 +496,12 @@ class Decoder:
         elif data:
             raise Rejected("bad_header", f"{message.kind} carries no frames")
         return message
+
+    def _note_seq(self, sender: bytes, seq: int) -> None:
+        self.last_seq[sender] = seq
+        self.last_seq.move_to_end(sender)
+        if len(self.last_seq) > MAX_SENDERS:
+            self.last_seq.popitem(last=False)
 
     def _same_mesh(self, mesh: bytes, kind: str) -> bool:
         if self.mesh_id is None or mesh == self.mesh_id:

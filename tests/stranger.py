@@ -346,9 +346,10 @@ CASES: list[tuple[str, Callable[[Stranger], Any]]] = [
 ]
 
 
-def soak(minutes: float, out: Path) -> int:
-    """Attack every node of a 4-node launch for `minutes`, then stop it; 0 when every
-    node answered status throughout and all finished the same rounds, in order."""
+def soak(minutes: float, out: Path, attack: bool = True) -> int:
+    """Attack every node of a 4-node launch for `minutes` (or, without `attack`, only ask
+    their status: the baseline), then stop it; 0 when every node answered status
+    throughout and all finished the same rounds, in order."""
     launch = subprocess.Popen(
         [
             sys.executable,
@@ -380,8 +381,8 @@ def soak(minutes: float, out: Path) -> int:
         deadline = time.monotonic() + minutes * 60
         cycles = 0
         while time.monotonic() < deadline:
-            for name, case in CASES:
-                for stranger in strangers:
+            for name, case in CASES if attack else [("a minute", lambda _: time.sleep(60))]:
+                for stranger in strangers[: len(strangers) if attack else 1]:
                     case(stranger)
                 for node, address in contacts.items():
                     if _status_of(address) is None:
@@ -424,8 +425,11 @@ def main(argv: list[str] | None = None) -> int:
     soak_parser = commands.add_parser("soak", help="attack a launched 4-node mesh for a while")
     soak_parser.add_argument("--minutes", type=float, default=30.0, help="default: 30")
     soak_parser.add_argument("--out", type=Path, required=True, help="the run folder")
+    soak_parser.add_argument(
+        "--no-attack", action="store_true", help="the baseline: the same mesh, left alone"
+    )
     args = parser.parse_args(argv)
-    return soak(args.minutes, args.out)
+    return soak(args.minutes, args.out, attack=not args.no_attack)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from meshfl.protocol.probe import ask_status
 from meshfl.protocol.transport import (
     Encryption,
     TransportError,
+    TransportOptions,
     contact,
     curve_client,
     curve_server,
@@ -1069,3 +1070,74 @@ def test_a_name_is_held_by_one_live_key_and_never_by_a_stranger_as_ours(context,
         assert endpoint.rejections().get(reason, 0) >= 1, name
         assert [peer.name for peer in endpoint.peers()].count(name) <= 1
         assert squatter.public_key not in {peer.public_key for peer in endpoint.peers()}
+
+
+# --- a peer that lags behind never waits in vain; what left is what counts -----------
+
+
+def test_a_peer_behind_that_fetches_an_evicted_blob_goes_on_within_a_heartbeat(make_endpoint):
+    interval = 0.5
+    arrays = model_arrays(1)
+    size = sum(array.nbytes for array in arrays.values())
+    origin, lagging = joined_pair(
+        make_endpoint, store_bytes=int(1.5 * size), heartbeat_interval=interval
+    )
+    early = make_blob(origin.identity, 1, "model", arrays, schema=SCHEMA)
+    origin.publish(early)
+    (offer,) = lagging.wait_offers(
+        1, {"model"}, {origin.identity.public_key}, time.monotonic() + WAIT
+    )
+    origin.set_round(3)
+    origin.publish(make_blob(origin.identity, 3, "model", model_arrays(3), schema=SCHEMA))
+    assert early.id not in origin.store, "evicted: the store holds one model's bytes"
+
+    asked = time.monotonic()
+    lagging.fetch([offer])
+    assert poll_until(lambda: not lagging.may_come(offer), WAIT)
+    waited = time.monotonic() - asked
+    assert waited < interval, f"told within {waited:.2f} s, not after a deadline"
+    assert origin.received["fetch_miss"] == 1 and lagging.received["miss"] == 1
+    assert not lagging._fetches.in_flight[origin.identity.public_key], "its slot is free"
+
+
+def test_a_miss_sends_the_fetch_to_the_next_holder(make_endpoint):
+    origin, relay = joined_pair(make_endpoint)
+    third = make_endpoint("c")
+    third.start([origin.contact])
+    assert third.wait_for_peers(2, WAIT) and relay.wait_for_peers(2, WAIT)
+    blob = make_blob(origin.identity, 1, "model", model_arrays(1), schema=SCHEMA)
+    origin.publish(blob)
+    (offer,) = relay.wait_offers(
+        1, {"model"}, {origin.identity.public_key}, time.monotonic() + WAIT
+    )
+    relay.fetch([offer])
+    assert relay.wait_blobs([blob.id], time.monotonic() + WAIT)
+    relay.publish(relay.store.get(blob.id))  # the relay announces what it holds
+    assert poll_until(lambda: len(getattr(third.offer_book.get(blob.id), "holders", [])) == 2)
+    origin.store._blobs.clear()  # the origin lost it (evicted, say)
+    origin.store.bytes = 0
+
+    third.fetch([third.offer_book.get(blob.id)])
+    assert third.wait_blobs([blob.id], time.monotonic() + WAIT), "fetched from the relay"
+    assert third.fetch_log[-1].holder == "b"
+
+
+def test_messages_dropped_at_the_high_water_mark_are_not_counted_as_sent(context, make_endpoint):
+    endpoint = make_endpoint("sender", transport=TransportOptions(send_hwm=2))
+    endpoint.start()
+    peer = RawPeer(context, endpoint.contact)
+    peer.join()
+    peer.inbox.close(linger=0)  # the peer is gone: nothing it was sent leaves any more
+    peer.out.close(linger=0)
+    time.sleep(0.3)
+    queued = 40
+    for round_no in range(1, queued + 1):
+        endpoint.publish(make_blob(endpoint.identity, round_no, "model", model_arrays(0)))
+    assert poll_until(lambda: endpoint.transport.dropped >= queued - 10)
+    sent = endpoint.stats()["bytes_sent_by_kind"]["announce"]
+    one = sent / (queued - endpoint.transport.dropped)
+    assert 50 < one < 500, "bytes of the announces that left, each counted once"
+    left = endpoint.transport.last_proof_of_life[peer.address]
+    endpoint.publish(make_blob(endpoint.identity, 99, "model", model_arrays(0)))
+    time.sleep(0.2)
+    assert endpoint.transport.last_proof_of_life[peer.address] == left, "dropped: no sign of life"
