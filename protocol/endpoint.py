@@ -99,7 +99,7 @@ class EndpointSettings:
     # each costs a connection attempt, and a stranger can name any number of them.
     max_unreached: int = 128
     # A peer down or left this long is forgotten (a restarted node says hello again);
-    # one never reached is forgotten after the (stretched) peer timeout.
+    # one never reached, after twice the (stretched) peer timeout.
     forget_after: float = 300.0
     # The direct kinds this node reads (`next_message`): a coordinator `upload`s, a client
     # `personal` blobs. Any other direct message is dropped and counted, unread.
@@ -523,15 +523,12 @@ class Endpoint:
             return {
                 "bytes_in": self.transport.bytes_in,
                 "bytes_out": self.transport.bytes_out,
-                "bytes_sent_by_kind": self._bytes_sent_by_kind(),
+                "bytes_sent_by_kind": self.transport.sent_by_kind(),  # what left
                 "rejections": self.rejections(),
                 "received": dict(self.received),
                 "dropped": self.transport.dropped,
                 "fetched": len(self.fetch_log),
             }
-
-    def _bytes_sent_by_kind(self) -> dict[str, int]:
-        return self.transport.sent_by_kind()  # what left, not what was queued
 
     def fetches_since(self, start: int) -> list[FetchRecord]:
         """The blobs this endpoint pulled, from the `start`-th on (`stats()["fetched"]`
@@ -680,9 +677,9 @@ class Endpoint:
                 log.info("%s: %s joined from %s", self.settings.name, entry.name, entry.address)
 
     def _forget_stale(self, now: float) -> None:
-        """Forget peers no node answered for within the (stretched) peer timeout, and
-        peers down or left for `forget_after`: what strangers can make this node hold
-        and dial is bounded in time as well as in number (WIRE.md 7.3)."""
+        """Forget peers no node answered for within twice the (stretched) peer timeout,
+        and peers down or left for `forget_after`: what strangers can make this node hold
+        and dial is bounded in time as well as in number (WIRE.md 7.1)."""
         settings = self.settings
         # Twice the down timeout: a handshake on a starved machine can take a while.
         grace = 2 * settings.peer_timeout * liveness_stretch(self.table.known())
@@ -725,20 +722,21 @@ class Endpoint:
             return False
         if self.table.get(public_key) is not None:
             return True
-        entries = self.table.entries.values()
-        unreached = sum(not entry.reached for entry in entries)
-        if len(self.table.entries) >= self.settings.max_peers:
-            gone = [entry for entry in entries if entry.state != ALIVE or not entry.reached]
-            if gone:
-                self._forget(min(gone, key=lambda entry: entry.since))
-                return self._may_enter(public_key, name, address)
-        if (
-            len(self.table.entries) >= self.settings.max_peers
-            or unreached >= self.settings.max_unreached
-        ):
+        entries = self.table.entries
+        if len(entries) >= self.settings.max_peers:
+            self._make_room()
+        unreached = sum(not entry.reached for entry in entries.values())
+        if len(entries) >= self.settings.max_peers or unreached >= self.settings.max_unreached:
             self.flow_rejections[TABLE_FULL] += 1
             return False
         return True
+
+    def _make_room(self) -> None:
+        """Forget the peer longest down, left or unreached, if any: a reached, alive peer
+        never makes room for a newcomer."""
+        gone = [e for e in self.table.entries.values() if e.state != ALIVE or not e.reached]
+        if gone:
+            self._forget(min(gone, key=lambda entry: entry.since))
 
     def _worth_holding(self, frames: list[Any]) -> bool:
         """Whether a big message that just arrived may wait for the worker: authentic (its
