@@ -7,7 +7,13 @@ tests/test_strangers.py and for a soak against a live mesh:
 The soak launches a 4-node mesh (`meshfl launch`), cycles through every case below
 against all its nodes until the mesh has run for the given time, asks each node its
 `meshfl status` throughout, and prints the nodes' processes' memory (RSS) and open
-files at the start and the end, then whether every node finished every round.
+files at the start and the end, then whether every node finished every round
+(`--no-attack`: the same mesh left alone, the baseline to compare with).
+
+    python -m tests.stranger flood --out RUN
+
+sends 1000 hellos from fresh keys naming unreachable addresses to node0 of a 2-node
+launch and prints, every 5 s for a minute, its open files, peer table and log size.
 """
 
 from __future__ import annotations
@@ -241,6 +247,10 @@ class Stranger:
             sock.setsockopt(zmq.RECONNECT_IVL, 50)
             sock.connect(self.node_address)
             sock.send_multipart(self.hello(), zmq.NOBLOCK)
+        # And the other way round: hellos that send the node to our address with keys
+        # our ROUTER does not hold, so its own connections fail their handshake.
+        for _ in range(3):
+            self.send(self.hello(Identity.generate(), self.address))
         time.sleep(seconds)
         for sock in sockets:
             sock.close(linger=0)
@@ -320,10 +330,9 @@ def process_figures(pids: list[int]) -> dict[str, int]:
 def node_processes(run: Path) -> list[int]:
     """The pids of the processes that run the nodes, from the run's processes.json."""
     try:
-        listing = json.loads((run / "processes.json").read_text())
+        return [entry["pid"] for entry in _listing(run)]
     except (OSError, ValueError):
         return []
-    return [entry["pid"] for entry in listing.get("processes", [])]
 
 
 def node_contacts(run: Path) -> dict[str, str]:
@@ -398,6 +407,63 @@ def soak(minutes: float, out: Path, attack: bool = True) -> int:
     return _verdict(out, silent)
 
 
+def flood(out: Path, hellos: int = 1000, seconds: float = 60.0) -> int:
+    """Send `hellos` hellos from fresh keys naming unreachable addresses to node0 of a
+    2-node launch, and print every 5 s its process's open files, its peer table and the
+    size of its log; 0 when all three are back where they started by the end."""
+    launch = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "meshfl.launch.cli",
+            "launch",
+            "--nodes",
+            "2",
+            "--hosts",
+            "2",
+            "--rounds",
+            "1000000",
+            "--out",
+            str(out),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    context = zmq.Context()
+    try:
+        while "node0" not in node_contacts(out) or len(node_processes(out)) < 2:
+            time.sleep(1.0)
+        time.sleep(5.0)
+        node0 = node_contacts(out)["node0"]
+        pid = next(p["pid"] for p in _listing(out) if "node0" in p["nodes"])
+        log = out / "node0" / "node.log"
+
+        def sample() -> tuple[int, int, int]:
+            answer = _status_of(node0)
+            table = len(answer.status["peers"]) if answer else -1
+            return process_figures([pid])["open_files"], table, log.stat().st_size
+
+        before = sample()
+        print(f"{'seconds':>7} {'open files':>10} {'peer table':>10} {'log bytes':>10}")
+        print(f"{'before':>7} {before[0]:>10} {before[1]:>10} {before[2]:>10}", flush=True)
+        Stranger(node0, _status_of(node0).mesh_id, context).fresh_hellos(hellos)
+        start = time.monotonic()
+        while (elapsed := time.monotonic() - start) < seconds:
+            time.sleep(5.0)
+            now = sample()
+            print(f"{elapsed + 5:>7.0f} {now[0]:>10} {now[1]:>10} {now[2]:>10}", flush=True)
+    finally:
+        os.killpg(launch.pid, 2)
+        launch.wait(timeout=120)
+        context.destroy(linger=0)
+    return 0 if now[0] <= before[0] + 2 and now[1] <= before[1] else 1
+
+
+def _listing(run: Path) -> list[dict[str, Any]]:
+    return json.loads((run / "processes.json").read_text())["processes"]
+
+
 def _status_of(contact: str) -> Any:
     return ask_status(Identity.generate(), contact, "127.0.0.1", 10.0)
 
@@ -428,7 +494,13 @@ def main(argv: list[str] | None = None) -> int:
     soak_parser.add_argument(
         "--no-attack", action="store_true", help="the baseline: the same mesh, left alone"
     )
+    flood_parser = commands.add_parser(
+        "flood", help="1000 hellos from fresh keys at node0 of a launch; what they cost it"
+    )
+    flood_parser.add_argument("--out", type=Path, required=True, help="the run folder")
     args = parser.parse_args(argv)
+    if args.command == "flood":
+        return flood(args.out)
     return soak(args.minutes, args.out, attack=not args.no_attack)
 
 
