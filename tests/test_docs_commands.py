@@ -64,7 +64,7 @@ NOT_RUN: dict[str, str] = {
     "pytest": "runs the test suite, this test among them",
     "ray": "starts a Ray cluster",
     "sudo": "opens a firewall port",
-    "python": "runs a script that is not part of the repository",
+    "python": "runs a benchmark script or a long experiment (minutes to half an hour)",
 }
 
 # Blocks marked slow, named by a command they hold: every block that runs a mesh, except
