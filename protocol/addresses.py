@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import socket
 
 TCP_ENDPOINT_FORM = "tcp://HOST:PORT, HOST a hostname, IPv4 or [IPv6] address, 1 <= PORT <= 65535"
+WIRE_ENDPOINT_FORM = "tcp://IP:PORT, IP an IPv4 or [IPv6] address, 1 <= PORT <= 65535"
 MAX_ADDRESS_CHARS = 300  # a 253-character hostname with its scheme and port fits
 
 _ENDPOINT = re.compile(r"tcp://(?P<host>\[[^\]]*\]|[^:/\[\]]+):(?P<port>[0-9]{1,5})")
@@ -41,5 +43,32 @@ def tcp_endpoint(address: object) -> tuple[str, int] | None:
     return host.lower(), int(match["port"])
 
 
-def is_tcp_endpoint(address: object) -> bool:
-    return tcp_endpoint(address) is not None
+def is_wire_endpoint(address: object) -> bool:
+    """Whether a message may name `address` (WIRE.md 5): a TCP endpoint whose host is an
+    IP address. ZeroMQ resolves a hostname on its one I/O thread, blocking every socket
+    of the node while it waits: a stranger's hostname must never reach it."""
+    endpoint = tcp_endpoint(address)
+    return endpoint is not None and _is_ip(endpoint[0])
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
+
+
+def resolved(address: str) -> str:
+    """`address` with its hostname, if any, resolved once to an IP address: what a node
+    tells others to dial (they take IP addresses only). Unresolvable: left as it is."""
+    endpoint = tcp_endpoint(address)
+    if endpoint is None or _is_ip(endpoint[0]):
+        return address
+    host, port = endpoint
+    try:
+        family, *_, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except OSError:
+        return address
+    ip = sockaddr[0]
+    return f"tcp://[{ip}]:{port}" if family == socket.AF_INET6 else f"tcp://{ip}:{port}"

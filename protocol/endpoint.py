@@ -19,8 +19,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .addresses import resolved
 from .identity import BadPublicKey, Identity, curve_public_key, node_id
-from .membership import ALIVE, DOWN, LEFT, PeerEntry, PeerTable, liveness_stretch
+from .membership import ALIVE, LEFT, PeerEntry, PeerTable, liveness_stretch
 from .offers import BlobStore, Offer, OfferBook
 from .transport import (
     Encryption,
@@ -77,6 +78,14 @@ MAX_INTRODUCTIONS = 256
 MAX_HELLOS_OUT = 1024
 
 
+@dataclass(frozen=True)
+class _HelloOut:
+    """A hello of ours awaiting its `peers` answer: only that may tell us peers."""
+
+    wants_peers: bool
+    sent: float  # monotonic
+
+
 class Refused(Exception):
     """The mesh refused this process (its key is already live elsewhere)."""
 
@@ -98,8 +107,8 @@ class EndpointSettings:
     # Peers not yet reached (no handshake with a node at their address) at any one time:
     # each costs a connection attempt, and a stranger can name any number of them.
     max_unreached: int = 128
-    # A peer down or left this long is forgotten (a restarted node says hello again);
-    # one never reached, after twice the (stretched) peer timeout.
+    # A peer that left this long ago is forgotten (it says hello if it comes back); one
+    # never reached, after twice the (stretched) peer timeout (WIRE.md 7.1).
     forget_after: float = 300.0
     # The direct kinds this node reads (`next_message`): a coordinator `upload`s, a client
     # `personal` blobs. Any other direct message is dropped and counted, unread.
@@ -159,7 +168,7 @@ class _Fetches:
 
     def cancel(self, holder: bytes, blob_id: bytes) -> bool:
         """Take back a fetch in flight to `holder`; False when there was none."""
-        return self.in_flight[holder].pop(blob_id, None) is not None
+        return self.in_flight.get(holder, {}).pop(blob_id, None) is not None
 
     def release(self, holder: bytes) -> list[tuple[bytes, bytes]]:
         """The next waiting fetch to `holder`, now that a slot is free, if any."""
@@ -210,6 +219,8 @@ class Endpoint:
         self.mesh_id = mesh_id
         self.settings = settings
         self.instance = new_instance()
+        # Where peers dial us: an IP address, as messages may name no other (WIRE.md 5).
+        self.address = resolved(settings.address)
         self.round = 0
         # Up to when the worker has read its inbox (monotonic): the arrival time of the
         # message it handles, or now when the inbox is empty. The peer table's clock.
@@ -219,7 +230,7 @@ class Endpoint:
         self.offer_book = OfferBook()
         self.decoder = Decoder(mesh_id, settings.limits, schema, self._admit, self._accept)
         self.received: Counter[str] = Counter()  # messages delivered, by kind
-        self.flow_rejections: Counter[str] = Counter()  # OFFER_MISMATCH
+        self.flow_rejections: Counter[str] = Counter()  # refusals after decoding, by reason
         self.fetch_log: list[FetchRecord] = []
         self._last_beat: dict[str, float] = {}  # address -> when we last heartbeat it
         self._latest_published: list[Blob] = []  # re-announced to whoever says hello
@@ -240,7 +251,9 @@ class Endpoint:
         self._log_once = LogOnce(log)
         # Our hellos still unanswered, by address: whether each asked for a peer list.
         # Only their answers may tell this node peers (WIRE.md 7.1).
-        self._hellos_out: OrderedDict[str, bool] = OrderedDict()
+        self._hellos_out: OrderedDict[str, _HelloOut] = OrderedDict()
+        self._bootstrap: set[str] = set()  # the addresses we were told to dial at start
+        self._reached_seen = 0  # transport.reached_count when we last looked
         self._joined = threading.Event()
         self._refusal = ""
         self._stopping = threading.Event()
@@ -281,7 +294,7 @@ class Endpoint:
     @property
     def contact(self) -> str:
         """How another node dials this one: KEY@ADDRESS (WIRE.md 1.1)."""
-        return contact(self.settings.address, self.identity.public_key)
+        return contact(self.address, self.identity.public_key)
 
     def _encryption(self) -> Encryption | None:
         if not self.settings.encrypt:
@@ -297,7 +310,10 @@ class Endpoint:
     def _learn(self, address: str, public_key: bytes, from_its_owner: bool = True) -> None:
         """Dial `address` with the CURVE key of `public_key` from now on. A third party's
         word (a peer list) does not replace what the address's own node said."""
-        if from_its_owner or address not in self._curve_keys:
+        # Nor does anyone's word replace the key of an address we await an answer from:
+        # the answer must come from the node we dialled.
+        awaited = address in self._hellos_out and address in self._curve_keys
+        if (from_its_owner and not awaited) or address not in self._curve_keys:
             curve_key = _curve_key(public_key)
             if curve_key:
                 self._curve_keys[address] = curve_key
@@ -318,13 +334,14 @@ class Endpoint:
             )
         targets = []
         for address, key in map(split_contact, bootstrap):
-            if address != self.settings.address:
+            if address not in (self.settings.address, self.address):
                 if key is not None:
                     self._learn(address, key)
                 elif self.settings.encrypt and address not in self._curve_keys:
                     self._greet_when_keyed.add(address)
                 targets.append(address)
         self.table.most_known = len(set(targets))
+        self._bootstrap = set(targets)
         waiting = sorted(self._greet_when_keyed)
         if waiting:
             # Nodes started together learn each other's keys from the first hellos; a
@@ -358,7 +375,8 @@ class Endpoint:
         self.round = round_no
         with self._lock:
             self.offer_book.forget_before(round_no)
-            self.store.forget_others_before(round_no, self.identity.public_key)
+            own = self.identity.public_key
+            self.store.forget_before(round_no, own, self.offer_book.keep_rounds)
 
     def peers(self) -> list[PeerEntry]:
         with self._lock:
@@ -553,13 +571,32 @@ class Endpoint:
         """Greet `address`, and take its node's answer as a peer list (WIRE.md 7.1)."""
         with self._lock:
             self._hellos_out.pop(address, None)
-            self._hellos_out[address] = wants_peers
+            self._hellos_out[address] = _HelloOut(wants_peers, time.monotonic())
             while len(self._hellos_out) > MAX_HELLOS_OUT:
-                self._hellos_out.popitem(last=False)
+                self._give_up_on(next(iter(self._hellos_out)))
         self._send(address, "hello", self._hello_body(wants_peers))
 
+    def _greet_again(self, now: float, grace: float) -> list[tuple[str, bool]]:
+        """Our hellos unanswered for `grace`: a bootstrap contact is greeted again (a node
+        refused for want of room, or started before its contacts, must get in), any other
+        address given up, its connection closed (WIRE.md 7.1)."""
+        again = []
+        for address, hello in list(self._hellos_out.items()):
+            if now - hello.sent < grace:
+                continue
+            if address in self._bootstrap:
+                again.append((address, hello.wants_peers))
+            else:
+                self._give_up_on(address)
+        return again
+
+    def _give_up_on(self, address: str) -> None:
+        self._hellos_out.pop(address, None)
+        if not self.table.at(address) and address not in self._bootstrap:
+            self._release(address)
+
     def _hello_body(self, wants_peers: bool = True) -> dict[str, Any]:
-        body: dict[str, Any] = {"name": self.settings.name, "addr": self.settings.address}
+        body: dict[str, Any] = {"name": self.settings.name, "addr": self.address}
         if not wants_peers:
             body["list"] = False  # answer with yourself only: we know the mesh (WIRE.md 7.1)
         return body
@@ -630,6 +667,9 @@ class Endpoint:
         else:
             self._read_up_to = received.arrived
             self._handle_frames(received)
+        if self.transport.reached_count != self._reached_seen:
+            with self._lock:
+                self._note_reached()
         if time.monotonic() >= next_beat:
             next_beat = time.monotonic() + self.settings.heartbeat_interval
             self._beat()
@@ -645,7 +685,9 @@ class Endpoint:
         last_sent = self.transport.last_proof_of_life
         with self._lock:
             self._note_reached()
-            self._forget_stale(now)
+            grace = self._unreached_grace()
+            self._forget_stale(now, grace)
+            again = self._greet_again(now, grace)
             for entry in self.table.expire():
                 if entry.reached:  # one never reached is a stranger's word: forgotten soon
                     log.warning(
@@ -667,76 +709,98 @@ class Endpoint:
         for address in targets:
             self._last_beat[address] = now
             self._send(address, "heartbeat", self._hello_body())
+        for address, wants_peers in again:
+            self._say_hello(address, wants_peers)
 
     def _note_reached(self) -> None:
-        """Mark the peers whose address answered a handshake (transport.reached)."""
+        """Mark the peers whose address answered a handshake with their own key
+        (transport.reached: the CURVE key dialled, None unencrypted)."""
+        self._reached_seen = self.transport.reached_count
         reached = self.transport.reached
         for entry in list(self.table.entries.values()):
-            if not entry.reached and entry.address in reached:
+            if entry.reached or entry.address not in reached:
+                continue
+            dialled = reached[entry.address]
+            if dialled is None or dialled == _curve_key(entry.public_key):
                 self.table.mark_reached(entry.public_key)
                 log.info("%s: %s joined from %s", self.settings.name, entry.name, entry.address)
 
-    def _forget_stale(self, now: float) -> None:
-        """Forget peers no node answered for within twice the (stretched) peer timeout,
-        and peers down or left for `forget_after`: what strangers can make this node hold
-        and dial is bounded in time as well as in number (WIRE.md 7.1)."""
-        settings = self.settings
-        # Twice the down timeout: a handshake on a starved machine can take a while.
-        grace = 2 * settings.peer_timeout * liveness_stretch(self.table.known())
+    def _unreached_grace(self) -> float:
+        """How long an address may take to answer a handshake: twice the (stretched) down
+        timeout, for a handshake on a starved machine can take a while."""
+        return 2 * self.settings.peer_timeout * liveness_stretch(self.table.known())
+
+    def _forget_stale(self, now: float, grace: float) -> None:
+        """Forget peers no node answered for within `grace` of their coming at their
+        address, and peers left for `forget_after`: what strangers can make this node
+        hold and dial is bounded in time as well as in number (WIRE.md 7.1). A reached
+        peer that is down is kept (and greeted: a partition heals) until room is needed."""
         stale = [
             entry
             for entry in self.table.entries.values()
-            if (not entry.reached and now - entry.since > grace)
-            or (entry.state in (DOWN, LEFT) and now - entry.since > settings.forget_after)
+            if (not entry.reached and now - entry.entered > grace)
+            or (entry.state == LEFT and now - entry.since > self.settings.forget_after)
         ]
         for entry in stale:
             self._forget(entry)
         if stale:
             log.info(
-                "%s: forgot %d peer(s) silent or never reached (latest: %s at %s)",
-                settings.name,
+                "%s: forgot %d peer(s) gone or never reached (latest: %s at %s)",
+                self.settings.name,
                 len(stale),
                 stale[-1].name,
                 stale[-1].address,
             )
 
     def _forget(self, entry: PeerEntry) -> None:
-        """Drop a peer and, unless another peer is there, its address: the connection,
-        the key it is dialled with, and our hello to it."""
+        """Drop a peer and, unless another peer is there, its address."""
         self.table.forget(entry.public_key)
-        if any(other.address == entry.address for other in self.table.entries.values()):
-            return
-        self.transport.forget(entry.address)
-        self._curve_keys.pop(entry.address, None)
-        self._last_beat.pop(entry.address, None)
-        self._hellos_out.pop(entry.address, None)
+        if not self.table.at(entry.address):
+            self._release(entry.address)
+
+    def _release(self, address: str) -> None:
+        """Close what dialling `address` holds: the connection, the key it is dialled
+        with, our hello to it."""
+        self.transport.forget(address)
+        self._curve_keys.pop(address, None)
+        self._last_beat.pop(address, None)
+        self._hellos_out.pop(address, None)
 
     def _may_enter(self, public_key: bytes, name: object, address: str) -> bool:
-        """Whether a new peer (or a peer at a new address) may enter the table: a name
-        and an address no other live key holds, and room. Counted when refused."""
+        """Whether a peer may enter the table at `address`, new or moved there: a name and
+        an address no other live key holds, and room. Counted when refused."""
         if self._name_refused(public_key, name):
             return False
         holder = self.table.holder_of(address)
         if holder is not None and holder.public_key != public_key:
             self.flow_rejections[ADDRESS_TAKEN] += 1
             return False
-        if self.table.get(public_key) is not None:
+        known = self.table.get(public_key)
+        if known is not None and known.address == address:
             return True
-        entries = self.table.entries
-        if len(entries) >= self.settings.max_peers:
-            self._make_room()
-        unreached = sum(not entry.reached for entry in entries.values())
-        if len(entries) >= self.settings.max_peers or unreached >= self.settings.max_unreached:
+        # New here: it will be dialled, so it counts as unreached, whoever it is.
+        self._make_room(public_key)
+        entries = self.table.entries.values()
+        unreached = sum(not entry.reached for entry in entries if entry is not known)
+        full = len(entries) - (known is not None) >= self.settings.max_peers
+        if full or unreached >= self.settings.max_unreached:
             self.flow_rejections[TABLE_FULL] += 1
             return False
         return True
 
-    def _make_room(self) -> None:
-        """Forget the peer longest down, left or unreached, if any: a reached, alive peer
-        never makes room for a newcomer."""
-        gone = [e for e in self.table.entries.values() if e.state != ALIVE or not e.reached]
-        if gone:
-            self._forget(min(gone, key=lambda entry: entry.since))
+    def _make_room(self, newcomer: bytes) -> None:
+        """Before `newcomer` enters: with `max_unreached` unreached peers, forget the one
+        that came first (an honest peer is reached within moments, a stranger's address
+        never); with `max_peers` in all, the one unreached, left or down longest. A
+        reached, alive peer never makes room."""
+        others = [e for e in self.table.entries.values() if e.public_key != newcomer]
+        unreached = [entry for entry in others if not entry.reached]
+        if len(unreached) >= self.settings.max_unreached:
+            self._forget(min(unreached, key=lambda entry: entry.entered))
+        elif len(others) >= self.settings.max_peers:
+            gone = [entry for entry in others if entry.state != ALIVE or not entry.reached]
+            if gone:
+                self._forget(min(gone, key=lambda entry: (entry.reached, entry.since)))
 
     def _worth_holding(self, frames: list[Any]) -> bool:
         """Whether a big message that just arrived may wait for the worker: authentic (its
@@ -825,7 +889,7 @@ class Endpoint:
         address = message.body.get("addr")
         if message.kind == "hello" and isinstance(address, str):
             live = self.table.get(message.sender)
-            where = live.address if live else self.settings.address
+            where = live.address if live else self.address
             self._send(
                 address,
                 "refuse",
@@ -850,8 +914,12 @@ class Endpoint:
         if not self._may_enter(message.sender, name, address):
             return False
         assert isinstance(name, str)  # any other name is refused
+        known = self.table.get(message.sender)
+        old_address = known.address if known is not None else address
         self._learn(address, message.sender)
         came_back = self.table.upsert(message.sender, name, address, message.instance)
+        if old_address != address and not self.table.at(old_address):
+            self._release(old_address)  # moved: nothing of ours dials the old address
         entry = self.table.heard_from(message.sender, message.round)
         if came_back and entry is not None and entry.reached:
             log.info("%s: %s is back at %s", self.settings.name, name, address)
@@ -863,7 +931,7 @@ class Endpoint:
             return
         me = {
             "name": self.settings.name,
-            "addr": self.settings.address,
+            "addr": self.address,
             "key": self.identity.public_key,
         }
         wants_peers = message.body.get("list", True) is not False
@@ -874,26 +942,26 @@ class Endpoint:
         for blob in self._latest_published:
             self._send(address, "announce", announce_body(blob))
 
-    def _answered_hello(self, sender: bytes) -> bool | None:
-        """Whether our hello that `sender`'s peer list answers asked for a list; None when
-        it answers no hello of ours. The answer must come from the key whose CURVE twin
-        we dialled that address with (or, unencrypted, to a bare address: any key)."""
-        curve_key = _curve_key(sender)
+    def _answered_hello(self, message: Message) -> bool | None:
+        """Whether our hello that `message`, a peer list, answers asked for a list; None
+        when it answers no hello of ours. It must come from the key whose CURVE twin we
+        dialled that address with, or (unencrypted, a bare address) list itself there."""
+        curve_key = _curve_key(message.sender)
+        own = [e["addr"] for e in message.body["peers"] if e["key"] == message.sender]
         answered = next(
-            (
-                address
-                for address in self._hellos_out
-                if self._curve_keys.get(address, curve_key) == curve_key
+            (address for address in self._hellos_out if self._curve_keys.get(address) == curve_key),
+            next(
+                (a for a in self._hellos_out if a not in self._curve_keys and a in own),
+                None,
             ),
-            None,
         )
-        return None if answered is None else self._hellos_out.pop(answered)
+        return None if answered is None else self._hellos_out.pop(answered).wants_peers
 
     def _on_peers(self, message: Message) -> None:
         """Take a peer list only in answer to our own hello, and greet at most
         MAX_INTRODUCTIONS of the addresses it names: nobody can aim this node at
         addresses of their choosing (WIRE.md 7.1). Entries were checked by the decoder."""
-        wanted_list = self._answered_hello(message.sender)
+        wanted_list = self._answered_hello(message)
         if wanted_list is None:
             self.flow_rejections[UNSOLICITED_PEERS] += 1
             return
@@ -1042,7 +1110,7 @@ class Endpoint:
         ]
         status = {
             "name": self.settings.name,
-            "addr": self.settings.address,
+            "addr": self.address,
             "round": self.round,
             "uptime_s": round(now - self._started, 3),
             "peers": peers,

@@ -41,6 +41,7 @@ class PeerEntry:
     # stranger's word, and is forgotten if no node answers there (WIRE.md 7.3).
     reached: bool = False
     since: float = field(default_factory=time.monotonic)  # when it took its current state
+    entered: float = field(default_factory=time.monotonic)  # when it came at this address
 
     @property
     def id(self) -> str:
@@ -78,17 +79,18 @@ class PeerTable:
         # stretch this node's liveness waits (they are forgotten, this maximum is not).
         return sum(entry.reached and entry.state != LEFT for entry in self.entries.values())
 
-    def mark_reached(self, public_key: bytes) -> PeerEntry | None:
-        """Note that a handshake with this peer's node completed; the entry if it is new."""
+    def mark_reached(self, public_key: bytes) -> None:
+        """Note that a handshake with this peer's node completed."""
         entry = self.entries.get(public_key)
-        if entry is None or entry.reached:
-            return None
-        entry.reached = True
-        self.most_known = max(self.most_known, self._not_left())
-        return entry
+        if entry is not None and not entry.reached:
+            entry.reached = True
+            self.most_known = max(self.most_known, self._not_left())
 
     def forget(self, public_key: bytes) -> PeerEntry | None:
         return self.entries.pop(public_key, None)
+
+    def at(self, address: str) -> list[PeerEntry]:
+        return [entry for entry in self.entries.values() if entry.address == address]
 
     def holder_of(self, address: str) -> PeerEntry | None:
         """The reached, alive peer at `address`, if any: a stranger may not claim it."""
@@ -131,12 +133,12 @@ class PeerTable:
         if entry is None:
             now = self.clock()
             self.entries[public_key] = PeerEntry(
-                public_key, name, address, instance, last_seen=now, since=now
+                public_key, name, address, instance, last_seen=now, since=now, entered=now
             )
             return True
         came_back = entry.state != ALIVE or entry.instance != instance
-        if entry.address != address:
-            entry.reached = False  # a new address must answer anew
+        if entry.address != address:  # a new address must answer anew
+            entry.reached, entry.entered = False, self.clock()
         if entry.state != ALIVE:
             entry.since = self.clock()
         entry.name, entry.address, entry.instance = name, address, instance

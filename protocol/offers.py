@@ -72,15 +72,16 @@ class BlobStore:
             _, evicted = self._blobs.popitem(last=False)
             self.bytes -= evicted.size
 
-    def forget_others_before(self, round_no: int, own_origin: bytes) -> None:
-        """Drop the blobs of rounds before `round_no` but those of `own_origin` (the
-        node's own, which a peer that lags behind still fetches; `max_bytes` bounds
-        them). A node fetches every peer's blob every round: kept for a whole run, a
-        100-node mesh's blobs would fill each node's memory round after round."""
+    def forget_before(self, round_no: int, own_origin: bytes, own_rounds: int) -> None:
+        """Drop the blobs of rounds before `round_no`, but keep those of `own_origin` (the
+        node's own) for `own_rounds` rounds more: a peer that lags behind fetches them
+        from their origin for as long as it keeps their offers. A node fetches every
+        peer's blob every round, and publishes its own: kept for a whole run, they would
+        fill its memory round after round."""
         gone = [
             blob_id
             for blob_id, blob in self._blobs.items()
-            if blob.round < round_no and blob.origin != own_origin
+            if blob.round < round_no - (own_rounds if blob.origin == own_origin else 0)
         ]
         for blob_id in gone:
             self.bytes -= self._blobs.pop(blob_id).size

@@ -234,9 +234,10 @@ class Transport:
         self.dropped = 0  # messages dropped unsent: high-water mark, undiallable address
         # address -> when a message that proves life last left for it (monotonic)
         self.last_proof_of_life: dict[str, float] = {}
-        # Addresses whose DEALER, open now, has completed its handshake: a node there
-        # answers, and holds the key it was dialled with.
-        self.reached: set[str] = set()
+        # Addresses whose DEALER, open now, has completed its handshake, with the CURVE
+        # key it dialled (None unencrypted): a node there answers, and holds that key.
+        self.reached: dict[str, bytes | None] = {}
+        self.reached_count = 0  # moves on each new one: a cheap "anything new?" for readers
         # Unexpected errors of the I/O thread, contained and counted, by where they came.
         self.faults: Counter[str] = Counter()
         self._counting = threading.Lock()  # other threads copy the counters under it
@@ -275,6 +276,7 @@ class Transport:
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.RCVHWM, self.options.receive_hwm)
         router.setsockopt(zmq.MAXMSGSIZE, self.options.max_frame_bytes)
+        router.setsockopt(zmq.IPV6, 1)
         if self.encryption is not None:
             curve_server(router, self.encryption)
         try:
@@ -447,7 +449,8 @@ class Transport:
             return  # woken with nothing whole to read yet
         watched = self._monitors[monitor]
         if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-            self.reached.add(watched)
+            self.reached[watched] = self._dealers[watched][1]
+            self.reached_count += 1
             self._unmonitor(watched)
             return
         if watched == INCOMING and event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
@@ -483,7 +486,9 @@ class Transport:
 
     def _close_dealer(self, address: str, linger: int = 0) -> None:
         dealer, _ = self._dealers.pop(address, (None, None))
-        self.reached.discard(address)
+        self.reached.pop(address, None)
+        self.last_proof_of_life.pop(address, None)
+        self.failed_handshakes.pop(address, None)
         if dealer is None:
             return
         self._unmonitor(address, dealer)
@@ -540,6 +545,7 @@ class Transport:
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.setsockopt(zmq.SNDHWM, self.options.send_hwm)
             dealer.setsockopt(zmq.IMMEDIATE, 0)
+            dealer.setsockopt(zmq.IPV6, 1)  # a [IPv6] address is as good as an IPv4 one
             if self.encryption is not None and item.server_key is not None:
                 curve_client(dealer, self.encryption, item.server_key)
             dealer.connect(address)

@@ -26,7 +26,7 @@ import msgpack
 import numpy as np
 from blake3 import blake3
 
-from .addresses import is_tcp_endpoint
+from .addresses import is_wire_endpoint
 from .identity import (
     PUBLIC_KEY_BYTES,
     SIGNATURE_BYTES,
@@ -384,7 +384,7 @@ def _check_keys_and_addresses(message: Message) -> None:
     if not is_usable_public_key(message.sender):
         raise Rejected(WEAK_KEY, "sender")
     body = message.body
-    if message.kind in _ADDRESSED_KINDS and "addr" in body and not is_tcp_endpoint(body["addr"]):
+    if message.kind in _ADDRESSED_KINDS and "addr" in body and not is_wire_endpoint(body["addr"]):
         raise Rejected("bad_address", f"{message.kind}.body.addr")
     if message.kind == "hello" and not isinstance(body.get("list", True), bool):
         raise Rejected("bad_header", "hello.body.list is not a bool")
@@ -395,7 +395,7 @@ def _check_keys_and_addresses(message: Message) -> None:
             _check_fields("peers entry", entry, _PEER_ENTRY_FIELDS)
             if not is_usable_public_key(entry["key"]):
                 raise Rejected(WEAK_KEY, "peers entry")
-            if not is_tcp_endpoint(entry["addr"]):
+            if not is_wire_endpoint(entry["addr"]):
                 raise Rejected("bad_address", "peers entry")
 
 

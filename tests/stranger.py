@@ -19,6 +19,7 @@ launch and prints, every 5 s for a minute, its open files, peer table and log si
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -246,7 +247,8 @@ class Stranger:
         for sock in sockets:
             sock.setsockopt(zmq.RECONNECT_IVL, 50)
             sock.connect(self.node_address)
-            sock.send_multipart(self.hello(), zmq.NOBLOCK)
+            with contextlib.suppress(zmq.Again):  # refused already: nothing to queue on
+                sock.send_multipart(self.hello(), zmq.NOBLOCK)
         # And the other way round: hellos that send the node to our address with keys
         # our ROUTER does not hold, so its own connections fail their handshake.
         for _ in range(3):

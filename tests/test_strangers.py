@@ -169,7 +169,6 @@ def test_a_thousand_strangers_are_forgotten_and_cost_nothing_lasting(
         assert poll_until(lambda: open_files() <= files_before + 4, 10.0)
     lines = [r for r in caplog.records if r.name.startswith("meshfl")]
     assert len(lines) < 60, f"{len(lines)} log lines for 1000 strangers"
-    assert endpoint.rejections()["table_full"] > 0, "the bound on strangers held"
     assert answers_status(endpoint)
 
 

@@ -71,14 +71,20 @@ def decode_error(decoder, frames) -> str:
 def test_round_trip_of_a_plain_message(alice):
     instance = new_instance()
     frames = encode(
-        alice, MESH, "hello", 41, 3, {"name": "alice", "addr": "tcp://x:1"}, instance=instance
+        alice,
+        MESH,
+        "hello",
+        41,
+        3,
+        {"name": "alice", "addr": "tcp://10.0.0.1:1"},
+        instance=instance,
     )
     assert len(frames) == 1
     message = Decoder(MESH).decode(frames)
     assert message.kind == "hello"
     assert message.sender == alice.public_key and message.sender_id == alice.id
     assert (message.seq, message.round, message.instance) == (41, 3, instance)
-    assert message.body == {"name": "alice", "addr": "tcp://x:1"}
+    assert message.body == {"name": "alice", "addr": "tcp://10.0.0.1:1"}
     assert message.blob is None
 
 
@@ -247,7 +253,13 @@ def test_header_signature_is_over_the_context_and_the_exact_header_bytes(alice):
 
 def test_flipping_one_header_byte_is_a_bad_signature(alice):
     frames = encode(
-        alice, MESH, "hello", 1, 0, {"name": "alice", "addr": "tcp://h:1"}, instance=new_instance()
+        alice,
+        MESH,
+        "hello",
+        1,
+        0,
+        {"name": "alice", "addr": "tcp://10.0.0.2:1"},
+        instance=new_instance(),
     )
     header_bytes, signature = split_envelope(frames)
     at = header_bytes.index(b"alice")
