@@ -71,9 +71,6 @@ UNSOLICITED_PEERS = "unsolicited_peers"  # a peer list that answers no hello of 
 ADDRESS_TAKEN = "address_taken"  # another key claims the address of a reached peer
 TABLE_FULL = "table_full"  # no room for a new peer (or for one more not yet reached)
 WORKER_ERROR = "worker_error"  # the worker raised: a bug, contained and logged
-# New addresses one peer list may make a node greet: a node asks one member for a list
-# when it joins, and a mesh bigger than this is introduced by heartbeats as well.
-MAX_INTRODUCTIONS = 256
 # Hellos of ours still waiting for their `peers` answer; the oldest are given up first.
 MAX_HELLOS_OUT = 1024
 
@@ -959,7 +956,7 @@ class Endpoint:
 
     def _on_peers(self, message: Message) -> None:
         """Take a peer list only in answer to our own hello, and greet at most
-        MAX_INTRODUCTIONS of the addresses it names: nobody can aim this node at
+        `max_peers` of the addresses it names: nobody can aim this node at
         addresses of their choosing (WIRE.md 7.1). Entries were checked by the decoder."""
         wanted_list = self._answered_hello(message)
         if wanted_list is None:
@@ -973,7 +970,9 @@ class Endpoint:
             elif not wanted_list or key == self.identity.public_key:
                 continue  # a list we did not ask for, or ourselves
             elif self.table.get(key) is None and address not in self._hellos_out:
-                if introduced == MAX_INTRODUCTIONS or self._name_refused(key, name):
+                # No more than the table can take: a list comes only from a node we
+                # greeted, yet it must not make us dial without end.
+                if introduced == self.settings.max_peers or self._name_refused(key, name):
                     continue
                 introduced += 1
                 self._learn(address, key, from_its_owner=False)
