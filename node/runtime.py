@@ -16,11 +16,11 @@ import logging
 import statistics
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 import torch
@@ -50,6 +50,17 @@ from .trainer import (
 )
 
 log = logging.getLogger("meshfl.node")
+
+Received = TypeVar("Received")
+
+
+def in_peer_order(by_peer: Mapping[str, Received]) -> dict[str, Received]:
+    """`by_peer` ordered by peer name, the order every rule is handed its peers' input
+    in (here and on the coordinator): floating-point sums depend on their order, and
+    blobs arrive in whatever order the network and the peers' speed give, so that a
+    rerun of the same seed sums the same numbers in the same order. By name, not by
+    id: an id follows the node's key, which a fresh run folder makes anew."""
+    return dict(sorted(by_peer.items()))
 
 
 class JoinError(Exception):
@@ -509,9 +520,9 @@ class Node:
         """The round's blobs as peer models by kind and peer name; a blob that fails the
         checks of node/blobs.py is refused (logged; the round goes on without it)."""
         intake = PeerIntake()
-        for kind, by_peer in blobs.items():
+        for kind, by_peer in in_peer_order(blobs).items():  # kinds too, for a rule of several
             expected = self.algorithm.layouts(kind)
-            for name, blob in sorted(by_peer.items()):
+            for name, blob in in_peer_order(by_peer).items():
                 try:
                     model = peer_model(blob, expected)
                 except UnusableBlob as error:
