@@ -13,6 +13,7 @@ import functools
 import hashlib
 import json
 import logging
+import os
 import statistics
 import time
 from collections import Counter
@@ -61,6 +62,25 @@ def in_peer_order(by_peer: Mapping[str, Received]) -> dict[str, Received]:
     rerun of the same seed sums the same numbers in the same order. By name, not by
     id: an id follows the node's key, which a fresh run folder makes anew."""
     return dict(sorted(by_peer.items()))
+
+
+# Test-only: the fault tests make a node fail in the middle of a run with
+# MESHFL_TEST_FAIL_AT=NAME:ROUND[,NAME:ROUND...]. Never set in a real run.
+PLANTED_FAILURES = "MESHFL_TEST_FAIL_AT"
+_planted_done: set[str] = set()
+
+
+class PlantedFailure(RuntimeError):
+    """A failure a test planted ($MESHFL_TEST_FAIL_AT): unexpected on purpose."""
+
+
+def fail_if_planted(name: str, round_no: int) -> None:
+    """Raise PlantedFailure where $MESHFL_TEST_FAIL_AT lists `name`:`round_no`, once per
+    process: a node its host starts again goes on past that round."""
+    planted = f"{name}:{round_no}"
+    if planted in os.environ.get(PLANTED_FAILURES, "").split(",") and planted not in _planted_done:
+        _planted_done.add(planted)
+        raise PlantedFailure(f"{name}: failing at round {round_no}, as {PLANTED_FAILURES} says")
 
 
 class JoinError(Exception):
@@ -327,6 +347,7 @@ class Node:
         return current + 1
 
     def _round(self, round_no: int) -> None:
+        fail_if_planted(self.options.name, round_no)
         seconds: dict[str, float] = {}
         stats_before = self.endpoint.stats()
         self.endpoint.set_round(round_no)
