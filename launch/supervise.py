@@ -354,7 +354,8 @@ class SupervisedProcess:
         """Take in the restarts its host made of its nodes itself (node/host.py), which
         each node's folder counts."""
         for name in self.names:
-            self.node_restarts[name] = max(self.node_restarts[name], restarts_so_far(out / name))
+            if (recorded := restarts_so_far(out / name)) > self.node_restarts[name]:
+                self.node_restarts[name] = recorded
 
     def failed(self) -> bool:
         return self.process.poll() not in (None, 0)
