@@ -37,6 +37,7 @@ from meshfl.node.coordinator import COORDINATOR, needs_coordinator
 from meshfl.node.data import load_node_data
 from meshfl.node.host import (
     files_per_node,
+    forget_restarts,
     raise_open_files_limit,
     record_restarts,
     restarts_so_far,
@@ -142,6 +143,8 @@ def run_mesh(
     first = cfg.peers[0]
     # Made before the node that loads it starts, so that the join line can carry its key.
     joinable = own_contact(cfg, first.listen, key_path(out, first.name, first.key))
+    for peer in cfg.peers:  # a launch counts its own restarts, not an earlier one's
+        forget_restarts(out / peer.name)
     groups = host_groups(
         [peer.name for peer in cfg.peers],
         hosts if hosts is not None else default_hosts(len(cfg.peers)),

@@ -63,6 +63,11 @@ def record_restarts(node_dir: Path, count: int) -> None:
     write_atomically(node_dir / RESTARTS_FILE, f"{count}\n".encode())
 
 
+def forget_restarts(node_dir: Path) -> None:
+    """Count the restarts of the node of `node_dir` from 0 again."""
+    (node_dir / RESTARTS_FILE).unlink(missing_ok=True)
+
+
 # glibc's mallopt parameter for the number of malloc arenas.
 _M_ARENA_MAX = -8
 # How often a host gives the memory its nodes freed back to the system.
