@@ -182,6 +182,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="runs/node",
         help="folder for each <name>/metrics.jsonl, checkpoint and node.log",
     )
+    host.add_argument(
+        "--restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="start a peer that fails again at once, from its checkpoint, while the "
+        "others go on; up to N restarts each, counted in <name>/restarts (default 0)",
+    )
     _add_local_nodes(host)
     _add_launcher_fd(host)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from meshfl.node.coordinator import make_node
-from meshfl.node.host import FAILED, NodeHost, raise_open_files_limit
+from meshfl.node.host import FAILED, FINISHED, NodeEnd, NodeHost, raise_open_files_limit
 
 from .entry import named_node_options, say_finished
 from .errors import EXIT_NODE_FAILED, STOP_SIGNALS, Stopped, UserError
@@ -36,8 +36,10 @@ def run_host(args: argparse.Namespace) -> int:
         named_node_options(cfg, name, out, local_nodes=args.local_nodes)
         for name in hosted_names(args.names)
     ]
+    if args.restarts < 0:
+        raise UserError(f"--restarts: got {args.restarts}; allowed: 0 or more")
     raise_open_files_limit()
-    host = NodeHost(options, make_node)
+    host = NodeHost(options, make_node, restarts=args.restarts)
 
     def stop(signum: int, frame: Any) -> None:
         host.stop()
@@ -53,6 +55,7 @@ def run_host(args: argparse.Namespace) -> int:
         host.stop()  # Ctrl-C: every node says bye; their last rounds are checkpointed
         raise
     for each in options:
-        say_finished(each)
+        if ends.get(each.name, NodeEnd(FAILED)).status == FINISHED:  # the others said why
+            say_finished(each)
     # A host whose nodes did not all finish fails as a launch does (node.log says why).
     return EXIT_NODE_FAILED if any(end.status == FAILED for end in ends.values()) else 0

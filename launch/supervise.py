@@ -32,9 +32,16 @@ from pathlib import Path
 from typing import Any
 
 from meshfl.node import config as cfgmod
+from meshfl.node.checkpoint import StorageError
 from meshfl.node.coordinator import COORDINATOR, needs_coordinator
 from meshfl.node.data import load_node_data
-from meshfl.node.host import files_per_node, raise_open_files_limit
+from meshfl.node.host import (
+    files_per_node,
+    forget_restarts,
+    raise_open_files_limit,
+    record_restarts,
+    restarts_so_far,
+)
 from meshfl.node.metrics import read_lines
 from meshfl.node.trainer import set_torch_threads
 from meshfl.protocol.transport import free_ports
@@ -136,6 +143,8 @@ def run_mesh(
     first = cfg.peers[0]
     # Made before the node that loads it starts, so that the join line can carry its key.
     joinable = own_contact(cfg, first.listen, key_path(out, first.name, first.key))
+    for peer in cfg.peers:  # a launch counts its own restarts, not an earlier one's
+        forget_restarts(out / peer.name)
     groups = host_groups(
         [peer.name for peer in cfg.peers],
         hosts if hosts is not None else default_hosts(len(cfg.peers)),
@@ -145,7 +154,10 @@ def run_mesh(
     labels = [host_label(index, names) for index, names in enumerate(groups)]
     with (
         _stop_signals_as_interrupts(),
-        node_processes(config_path, out, groups, labels, len(groups)) as (supervised, start),
+        node_processes(config_path, out, groups, labels, len(groups), restarts=restarts) as (
+            supervised,
+            start,
+        ),
     ):
         write_processes(out, supervised)
         if not quiet:
@@ -183,15 +195,23 @@ def node_processes(
     local_nodes: int,
     restarted: Counter[str] | None = None,
     held: tuple[int, ...] = (),
+    restarts: int = 0,
 ) -> Iterator[tuple[list[SupervisedProcess], Start]]:
     """A process for each group of names (`_spawn`), each with the lifeline that stops
     it if this process dies; every one of them stopped when the block ends, however it
     ends. Yields the processes and how to start one again. Torch threads: the machine's
     cores among `local_nodes`. `restarted`: how often each node was restarted before;
-    `held`: descriptors every process holds open until it exits."""
+    `held`: descriptors every process holds open until it exits; `restarts`: how often
+    a host may start each of its nodes again itself."""
     lifeline = Lifeline()
     start = partial(
-        _spawn, config_path, out=out, local_nodes=local_nodes, lifeline=lifeline, held=held
+        _spawn,
+        config_path,
+        out=out,
+        local_nodes=local_nodes,
+        lifeline=lifeline,
+        held=held,
+        restarts=restarts,
     )
     supervised: list[SupervisedProcess] = []
     try:
@@ -270,6 +290,7 @@ def _spawn(
     local_nodes: int,
     lifeline: Lifeline,
     held: tuple[int, ...] = (),
+    restarts: int = 0,
 ) -> subprocess.Popen | ForkedProcess:
     """Start the process that runs `names`: the coordinator, one node, or a host. It is
     forked from this one where the system allows (forked.py: the processes share one
@@ -280,8 +301,8 @@ def _spawn(
         role = ["coordinator"]
     elif len(names) == 1:
         role = ["node", "--name", names[0]]
-    else:
-        role = ["host", "--names", ",".join(names)]
+    else:  # a host restarts a node that fails itself, at once
+        role = ["host", "--names", ",".join(names), "--restarts", str(restarts)]
     argv = [
         *role,
         *("--config", str(config_path), "--out", str(out)),
@@ -332,6 +353,13 @@ class SupervisedProcess:
         """How often this process was started again: its nodes that ran every time."""
         return max(self.node_restarts.values(), default=0)
 
+    def count_host_restarts(self, out: Path) -> None:
+        """Take in the restarts its host made of its nodes itself (node/host.py), which
+        each node's folder counts."""
+        for name in self.names:
+            if (recorded := restarts_so_far(out / name)) > self.node_restarts[name]:
+                self.node_restarts[name] = recorded
+
     def failed(self) -> bool:
         return self.process.poll() not in (None, 0)
 
@@ -340,6 +368,7 @@ class SupervisedProcess:
         process ended and the last error line of its log (else of its host's log). A
         node of a failed host that had finished its rounds finished."""
         code = self.process.poll()
+        self.count_host_restarts(out)
         restarts = self.node_restarts[name]
         if code == 0 or name not in self.running or node_finished(out, name, rounds):
             return {"status": FINISHED, "restarts": restarts}
@@ -390,6 +419,8 @@ def supervise(
     progress = Progress(out, rounds, quiet)
     while stopping is None or not stopping.is_set():
         for each in supervised:
+            if each.failed():
+                each.count_host_restarts(out)
             if each.failed() and each.restarts < restarts:
                 if _restart(each, start, restarts, out, rounds, quiet) and on_restart:
                     on_restart()
@@ -410,6 +441,9 @@ def _restart(
     if not unfinished:
         return False  # it failed after every node of it finished: nothing to run again
     failed.node_restarts.update(unfinished)
+    for name in unfinished:  # where its host counts on from; a full disk fails it anyway
+        with contextlib.suppress(StorageError):
+            record_restarts(out / name, failed.node_restarts[name])
     if not quiet:
         last = {name: last_record(out / name / "metrics.jsonl") for name in unfinished}
         after = ", ".join(

@@ -39,7 +39,7 @@ from meshfl.protocol.wire import Message, make_blob
 from .blobs import RULE_ERROR, UnusableBlob, peer_model
 from .containment import run_contained
 from .metrics import CoordinatorRecord, RoundRecord
-from .runtime import Node, NodeOptions, PeerIntake, build_node
+from .runtime import Node, NodeOptions, PeerIntake, build_node, in_peer_order
 from .trainer import evaluate, state_to_arrays
 
 log = logging.getLogger("meshfl.coordinator")
@@ -213,7 +213,7 @@ class CoordinatorNode(Node):
                 continue
             state, extras = _split_upload(upload.state)
             uploads[name] = Upload(state, upload.n_samples, extras)
-        return uploads, intake
+        return in_peer_order(uploads), intake  # as they arrived: not the order rules sum in
 
     def _wait_for_clients_to_leave(self) -> None:
         deadline = time.monotonic() + self.cfg.round_timeout

@@ -14,8 +14,14 @@ evaluation) through `cpu`, a lock every node of the host holds for that work; wi
 cores. A node that waits for its peers holds nothing, and its endpoint's threads
 (heartbeats, fetches) run whenever they have something to do.
 
-Failure. A node that raises is logged to its own node.log and stopped alone; the host
-and its other nodes go on, and the host's exit status says that one failed.
+Failure. A node that raises stops alone; the host and its other nodes go on. An
+expected condition (a full disk, a damaged checkpoint, a config or data error: the
+errors of node/errors.py) is one "meshfl: error:" line in its node.log and one in the
+host's own log, as a node in a process of its own says it; anything else is unexpected,
+and its node.log gets the traceback. With `restarts` the host starts the node again at
+once, from its checkpoint, up to that many times in all: each restart, the host's or
+`meshfl launch`'s, is counted in the node's folder (RESTARTS_FILE). A node that fails
+for good leaves the host's exit status saying so.
 """
 
 from __future__ import annotations
@@ -27,13 +33,39 @@ import resource
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
-from .logs import FORMAT, OneLineFormatter
+from .checkpoint import StorageError, write_atomically
+from .errors import USER_ERRORS
+from .logs import BARE, FORMAT, OneLineFormatter
 from .runtime import Node, NodeOptions
 
 log = logging.getLogger("meshfl.host")
 
 FINISHED, FAILED = "finished", "failed"
+
+# In a node's folder: how often the node was started again after it failed.
+RESTARTS_FILE = "restarts"
+
+
+def restarts_so_far(node_dir: Path) -> int:
+    """How often the node of `node_dir` was started again after it failed, by its host
+    or by `meshfl launch`; 0 when never."""
+    try:
+        return int((node_dir / RESTARTS_FILE).read_text())
+    except (OSError, ValueError):
+        return 0
+
+
+def record_restarts(node_dir: Path, count: int) -> None:
+    """Say in `node_dir` that its node has been started again `count` times in all;
+    StorageError when the disk is full."""
+    write_atomically(node_dir / RESTARTS_FILE, f"{count}\n".encode())
+
+
+def forget_restarts(node_dir: Path) -> None:
+    """Count the restarts of the node of `node_dir` from 0 again."""
+    (node_dir / RESTARTS_FILE).unlink(missing_ok=True)
 
 
 # glibc's mallopt parameter for the number of malloc arenas.
@@ -109,10 +141,16 @@ class NodeEnd:
     status: str
 
 
+# Where a node thread's record goes besides its node.log (logging's extra={ROUTE: ...}):
+# EVERYWHERE, to the host's own log too; HOST_ONLY, there alone.
+ROUTE, EVERYWHERE, HOST_ONLY = "route", "everywhere", "host only"
+
+
 class NodeLog(logging.Filter):
     """Routes a host's log records to one node's node.log: the records of the threads
     that node owns (its round loop, its endpoint's worker and its transport's I/O).
-    `outside=True`: the records of no node's threads, for the host's own log."""
+    `outside=True`: the records of no node's threads, for the host's own log. A record's
+    ROUTE changes that."""
 
     def __init__(self, options: list[NodeOptions], outside: bool = False) -> None:
         super().__init__()
@@ -124,6 +162,9 @@ class NodeLog(logging.Filter):
         self.outside = outside
 
     def filter(self, record: logging.LogRecord) -> bool:
+        route = getattr(record, ROUTE, None)
+        if route == HOST_ONLY or (route == EVERYWHERE and self.outside):
+            return self.outside
         return (record.threadName in self.threads) != self.outside
 
 
@@ -132,16 +173,23 @@ def node_thread_name(name: str) -> str:
 
 
 class NodeHost:
-    """Runs the nodes of `options` in this process until each has finished or failed."""
+    """Runs the nodes of `options` in this process until each has finished or failed,
+    starting a node that fails again from its checkpoint until it has been restarted
+    `restarts` times in all."""
 
     def __init__(
-        self, options: list[NodeOptions], make_node: Callable[[NodeOptions], Node]
+        self,
+        options: list[NodeOptions],
+        make_node: Callable[[NodeOptions], Node],
+        restarts: int = 0,
     ) -> None:
         self.options = options
         self.make_node = make_node
+        self.restarts = restarts
         self.cpu = threading.Lock()
         self.ends: dict[str, NodeEnd] = {}
         self.nodes: dict[str, Node] = {}
+        self._stopping = threading.Event()
         self._handlers: list[logging.Handler] = []
         self._host_only = NodeLog(options, outside=True)
 
@@ -171,20 +219,56 @@ class NodeHost:
 
     def stop(self) -> None:
         """Say bye for every node still running (their last rounds are checkpointed)."""
+        self._stopping.set()
         for node in list(self.nodes.values()):
             node.endpoint.close()
 
     def _run_one(self, options: NodeOptions) -> None:
-        try:
-            node = self.make_node(options)
-            node.cpu = self.cpu
-            self.nodes[options.name] = node
-            node.run()
-        except Exception:  # this node's fault, not the host's
-            log.exception("%s: stopped by an error; the host's other nodes go on", options.name)
-            self.ends[options.name] = NodeEnd(FAILED)
+        while True:
+            try:
+                self._run_node(options)
+            except Exception as error:  # this node's fault, not the host's
+                if self._stopping.is_set():
+                    return  # its endpoint was closed under it: the host is stopping
+                _say_failed(options.name, error)
+                if self._may_restart(options):
+                    continue
+                self.ends[options.name] = NodeEnd(FAILED)
+                return
+            self.ends[options.name] = NodeEnd(FINISHED)
             return
-        self.ends[options.name] = NodeEnd(FINISHED)
+
+    def _run_node(self, options: NodeOptions) -> None:
+        node = self.make_node(options)
+        node.cpu = self.cpu
+        self.nodes[options.name] = node
+        try:
+            node.run()
+        finally:
+            # One that failed before its endpoint started holds its port still; a
+            # restart binds it again.
+            node.endpoint.close()
+
+    def _may_restart(self, options: NodeOptions) -> bool:
+        """Whether node `options.name`, which just failed, is started again: while it has
+        restarts left, each counted in its folder before it starts."""
+        name, done = options.name, restarts_so_far(options.out_dir)
+        if done >= self.restarts:
+            log.info("%s: stopped; the host's other nodes go on", name, extra={ROUTE: EVERYWHERE})
+            return False
+        try:
+            record_restarts(options.out_dir, done + 1)
+        except StorageError as error:
+            _say_failed(name, error)
+            return False
+        log.info(
+            "%s: restarting from its checkpoint (restart %d of %d); the host's other nodes go on",
+            name,
+            done + 1,
+            self.restarts,
+            extra={ROUTE: EVERYWHERE},
+        )
+        return True
 
     def _open_logs(self) -> None:
         # What a node logs goes to its node.log only, not also to the host's own log.
@@ -204,3 +288,21 @@ class NodeHost:
             handler.close()
         for handler in logging.getLogger().handlers:
             handler.removeFilter(self._host_only)
+
+
+def _say_failed(name: str, error: Exception) -> None:
+    """What node `name` stopped on, in its node.log and in the host's own log: one line
+    for an expected condition, as a node alone in its process says it; the traceback,
+    in its node.log, for anything else."""
+    if isinstance(error, USER_ERRORS):
+        log.error("meshfl: error: %s", error, extra={BARE: True})
+        log.error("meshfl: error: %s: %s", name, error, extra={BARE: True, ROUTE: HOST_ONLY})
+        return
+    log.error("%s: stopped by an unexpected error", name, exc_info=error)
+    log.error(
+        "%s: stopped by an unexpected error, %s: %s (its node.log has the traceback)",
+        name,
+        type(error).__name__,
+        error,
+        extra={ROUTE: HOST_ONLY},
+    )

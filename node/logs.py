@@ -21,7 +21,18 @@ def escape_controls(text: str) -> str:
     return "".join(char if char.isprintable() else repr(char)[1:-1] for char in text)
 
 
+# A record logged with extra={BARE: True} is written as its message alone, no time or
+# logger name: a node's "meshfl: error: ..." line, as a node in a process of its own
+# prints it, so that whoever reads the log for its last error finds it either way.
+BARE = "bare"
+
+
 class OneLineFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        if getattr(record, BARE, False):
+            return escape_controls(record.getMessage())
+        return super().format(record)
+
     def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
         record.message = escape_controls(record.message)
         return super().formatMessage(record)

@@ -13,6 +13,7 @@ import functools
 import hashlib
 import json
 import logging
+import os
 import statistics
 import time
 from collections import Counter
@@ -20,7 +21,7 @@ from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 import torch
@@ -50,6 +51,36 @@ from .trainer import (
 )
 
 log = logging.getLogger("meshfl.node")
+
+Received = TypeVar("Received")
+
+
+def in_peer_order(by_peer: Mapping[str, Received]) -> dict[str, Received]:
+    """`by_peer` ordered by peer name, the order every rule is handed its peers' input
+    in (here and on the coordinator): floating-point sums depend on their order, and
+    blobs arrive in whatever order the network and the peers' speed give, so that a
+    rerun of the same seed sums the same numbers in the same order. By name, not by
+    id: an id follows the node's key, which a fresh run folder makes anew."""
+    return dict(sorted(by_peer.items()))
+
+
+# Test-only: the fault tests make a node fail in the middle of a run with
+# MESHFL_TEST_FAIL_AT=NAME:ROUND[,NAME:ROUND...]. Never set in a real run.
+PLANTED_FAILURES = "MESHFL_TEST_FAIL_AT"
+_planted_done: set[str] = set()
+
+
+class PlantedFailure(RuntimeError):
+    """A failure a test planted ($MESHFL_TEST_FAIL_AT): unexpected on purpose."""
+
+
+def fail_if_planted(name: str, round_no: int) -> None:
+    """Raise PlantedFailure where $MESHFL_TEST_FAIL_AT lists `name`:`round_no`, once per
+    process: a node its host starts again goes on past that round."""
+    planted = f"{name}:{round_no}"
+    if planted in os.environ.get(PLANTED_FAILURES, "").split(",") and planted not in _planted_done:
+        _planted_done.add(planted)
+        raise PlantedFailure(f"{name}: failing at round {round_no}, as {PLANTED_FAILURES} says")
 
 
 class JoinError(Exception):
@@ -316,6 +347,7 @@ class Node:
         return current + 1
 
     def _round(self, round_no: int) -> None:
+        fail_if_planted(self.options.name, round_no)
         seconds: dict[str, float] = {}
         stats_before = self.endpoint.stats()
         self.endpoint.set_round(round_no)
@@ -509,9 +541,9 @@ class Node:
         """The round's blobs as peer models by kind and peer name; a blob that fails the
         checks of node/blobs.py is refused (logged; the round goes on without it)."""
         intake = PeerIntake()
-        for kind, by_peer in blobs.items():
+        for kind, by_peer in in_peer_order(blobs).items():  # kinds too, for a rule of several
             expected = self.algorithm.layouts(kind)
-            for name, blob in sorted(by_peer.items()):
+            for name, blob in in_peer_order(by_peer).items():
                 try:
                     model = peer_model(blob, expected)
                 except UnusableBlob as error:

@@ -283,15 +283,29 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
-def test_a_full_disk_is_one_clear_line_and_the_previous_checkpoint_stays_whole(small_disk):
-    run = Launch(small_disk / "run", "--rounds", "5000")
+@pytest.mark.parametrize(
+    ("hosts", "ended"), [("3", "exit code 2"), ("1", "exit code 3")], ids=["alone", "in a host"]
+)
+def test_a_full_disk_is_one_clear_line_and_the_previous_checkpoint_stays_whole(
+    small_disk, hosts, ended
+):
+    run = Launch(small_disk / "run", "--rounds", "5000", "--hosts", hosts)
     try:
         assert run.wait(240) == EXIT_NODE_FAILED, run.output()
     finally:
         run.close()
+    host_logs = [log.read_text() for log in run.out.glob("*.log")]  # none for nodes alone
     for name, node in run.summary().items():
-        assert node["status"] == "failed" and node["ended"] == "exit code 2", node
-        assert "no space left on device" in node["last_error"], node
-        assert "cannot write " + str(run.out / name) in node["last_error"], node
+        assert node["status"] == "failed" and node["ended"] == ended, node
+        error = node["last_error"]
+        assert error.startswith("meshfl: error: cannot write " + str(run.out / name)), node
+        assert "no space left on device" in error, node
         assert load_checkpoint(run.out / name / "checkpoint.pt")["round"] >= 1
+        node_log = (run.out / name / "node.log").read_text().splitlines()
+        assert [line for line in node_log if "error" in line.lower()] == [error], name
+        for log in host_logs:  # one line a node, naming it
+            said = error.replace("meshfl: error: ", f"meshfl: error: {name}: ")
+            assert [line for line in log.splitlines() if f"{name}: " in line][:1] == [said]
     assert not list(run.out.rglob("*.tmp"))
+    for log in [run.log, *run.out.glob("*.log"), *run.out.glob("*/node.log")]:
+        assert "Traceback" not in log.read_text(), log

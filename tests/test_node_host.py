@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
+from meshfl.node.runtime import PLANTED_FAILURES
 from tests.nodes import meshfl, records, stop, write_config
 
 pytestmark = pytest.mark.slow  # real processes over real sockets
@@ -71,4 +73,54 @@ def test_a_node_that_fails_in_a_host_stops_alone(tmp_path):
     for name in ("node0", "node1"):
         assert [r["round"] for r in records(tmp_path, name)] == list(range(1, ROUNDS + 1))
     assert records(tmp_path, "node2") == []
-    assert "missing.npz" in (tmp_path / "node2" / "node.log").read_text()
+    log = (tmp_path / "node2" / "node.log").read_text()
+    errors = [line for line in log.splitlines() if line.startswith("meshfl: error: ")]
+    assert len(errors) == 1 and "missing.npz" in errors[0], log
+    assert "Traceback" not in log + (tmp_path / "host-node0.log").read_text()
+
+
+def test_a_node_that_fails_in_a_host_is_back_within_three_rounds_and_finishes_with_it(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv(PLANTED_FAILURES, "node1:3")  # the launch's processes inherit it
+    out = tmp_path / "run"
+    launch = meshfl(
+        *("launch", "--nodes", "4", "--hosts", "1", "--rounds", "20", "--restarts", "1"),
+        *("--set", "heartbeat_interval=0.3", "--set", "peer_timeout=1.5"),
+        *("--set", "round_timeout=10", "--quiet", "--out", str(out)),
+        log=tmp_path / "launch.log",
+    )
+    try:
+        assert launch.wait(timeout=300) == 0, (tmp_path / "launch.log").read_text()
+    finally:
+        stop([launch])
+    summary = {
+        node["name"]: node for node in json.loads((out / "summary.json").read_text())["nodes"]
+    }
+    assert {name: (node["status"], node["round"]) for name, node in summary.items()} == {
+        name: ("finished", 20) for name in ("node0", "node1", "node2", "node3")
+    }
+    assert [summary[name]["restarts"] for name in sorted(summary)] == [0, 1, 0, 0]
+    others = ("node0", "node2", "node3")
+    back = min(
+        round_no
+        for round_no in range(3, 21)
+        if all(
+            "node1" in record["received"]
+            for name in others
+            for record in records(out, name)
+            if record["round"] == round_no
+        )
+    )
+    print(f"node1, failed at round 3, is in every peer's average again from round {back}")
+    assert back <= 6
+    failed_log = (out / "node1" / "node.log").read_text()
+    assert failed_log.count("Traceback") == 1 and "PlantedFailure" in failed_log
+    assert "node1: restarting from its checkpoint (restart 1 of 1)" in failed_log
+    assert "resumed from the checkpoint of round 2" in failed_log
+    host_log = (out / "host-node0-node3.log").read_text()
+    assert "node1: restarting from its checkpoint (restart 1 of 1)" in host_log
+    for log in [host_log, (tmp_path / "launch.log").read_text()] + [
+        (out / name / "node.log").read_text() for name in others
+    ]:
+        assert "Traceback" not in log

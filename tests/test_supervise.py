@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 
 from meshfl.launch.supervise import SupervisedProcess, supervise
+from meshfl.node.host import record_restarts, restarts_so_far
 
 ROUNDS = 5
 
@@ -90,3 +91,23 @@ def test_a_stop_ends_supervision_at_once_and_restarts_nothing(tmp_path):
     stopping.set()
     supervise([host], started.append, 3, tmp_path, ROUNDS, quiet=True, stopping=stopping)
     assert started == [] and host.restarts == 0
+
+
+def test_restarts_a_host_made_itself_count_against_the_budget_and_in_the_summary(tmp_path):
+    ran_rounds(tmp_path, "a", ROUNDS)
+    ran_rounds(tmp_path, "b", 2)
+    record_restarts(tmp_path / "a", 1)  # its host restarted it once, then it finished
+    record_restarts(tmp_path / "b", 1)  # and b once, which failed again for good
+    host = SupervisedProcess("host0", ["a", "b"], Stopped(3))
+    started: list[list[str]] = []
+    supervise([host], started.append, restarts=1, out=tmp_path, rounds=ROUNDS, quiet=True)
+    assert started == [], "b had its one restart, in its host"
+    assert host.outcome("a", tmp_path, ROUNDS) == {"status": "finished", "restarts": 1}
+    assert host.outcome("b", tmp_path, ROUNDS)["restarts"] == 1
+
+
+def test_a_restart_by_launch_is_counted_where_the_host_counts_on_from(tmp_path):
+    ran_rounds(tmp_path, "b", 2)
+    host = SupervisedProcess("host0", ["b"], Stopped(-9))
+    supervise([host], lambda names: Stopped(0), restarts=2, out=tmp_path, rounds=ROUNDS, quiet=True)
+    assert restarts_so_far(tmp_path / "b") == 1
