@@ -33,9 +33,9 @@ from typing import Any
 
 from meshfl.node import config as cfgmod
 from meshfl.node.coordinator import COORDINATOR, needs_coordinator
-from meshfl.node.data import load_node_data
 from meshfl.node.host import files_per_node, raise_open_files_limit
 from meshfl.node.metrics import read_lines
+from meshfl.node.splits import load_node_data
 from meshfl.node.trainer import set_torch_threads
 from meshfl.protocol.transport import free_ports
 

@@ -484,14 +484,11 @@ def _check_model(model: ModelConfig, algorithm: str) -> None:
 
 def _check_data(data: DataConfig, prefix: str, names: Iterable[str]) -> None:
     """Check the fields `names` of `data`, reporting them under `prefix`."""
-    from meshfl.node.data import (
-        check_dataset_name,
-        check_partition,
-        check_samples_per_node,
-        check_split,
-    )
+    from meshfl.node.datasets import check_dataset_name
+    from meshfl.node.partitions import check_partition
+    from meshfl.node.splits import check_samples_per_node, check_split
 
-    # The data module owns the bounds of its fields, checked here once with the field named.
+    # The data modules own the bounds of these fields, checked here once with the field named.
     checkers: dict[str, typing.Callable[[Any], None]] = {
         "dataset": check_dataset_name,
         "partition": check_partition,
