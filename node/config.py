@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import ipaddress
 import json
 import re
@@ -91,8 +92,21 @@ def _number_from_text(value: Any) -> Any:
 
 def _checked_listen(listen: str | None) -> str | None:
     if listen is not None and _listen_identity(listen) is None:
-        raise ValueError(_LISTEN_ALLOWED)
+        raise ValueError(f"allowed: {_LISTEN_ALLOWED}")
     return listen
+
+
+def _data_rule(module: str, checker: str) -> AfterValidator:
+    """The rest of a data field's rule, which a data module owns: its check, imported
+    when first used (the data modules load torch), raises a DataError that says what is
+    allowed."""
+
+    def check(value: Any) -> Any:
+        if value is not None:
+            getattr(importlib.import_module(f"meshfl.node.{module}"), checker)(value)
+        return value
+
+    return AfterValidator(check)
 
 
 # A YAML 1.1 number such as `1e-3`, read as text, is a number; placed after the number's
@@ -149,13 +163,25 @@ class ModelConfig:
     head: Annotated[str, _rule("a head: last (the last layer) or fc (the dense block)")] = "last"
 
 
-# The data fields' own rules (dataset names, partition forms, the smallest shard, the
-# split) belong to the data modules, which `validate` asks.
-_Dataset = Annotated[str, _rule("a dataset name or npz:PATH")]
+_Dataset = Annotated[
+    str, _rule("a dataset name or npz:PATH"), _data_rule("datasets", "check_dataset_name")
+]
 _Root = Annotated[str, _rule("a folder path or null", min_length=1)]
-_Partition = Annotated[str, _rule("a partition form, e.g. iid or dirichlet:0.5")]
-_ShardSize = Annotated[int, _rule("an integer sample count, or null for the whole shard")]
-_Split = tuple[Annotated[float, _finite("a number"), _FROM_TEXT], ...]
+_Partition = Annotated[
+    str,
+    _rule("a partition form, e.g. iid or dirichlet:0.5"),
+    _data_rule("partitions", "check_partition"),
+]
+_ShardSize = Annotated[
+    int,
+    _rule("an integer sample count, or null for the whole shard"),
+    _data_rule("splits", "check_samples_per_node"),
+]
+_Split = Annotated[
+    tuple[Annotated[float, _finite("a number"), _FROM_TEXT], ...],
+    Field(description="a list of numbers: the train, validation and test shares"),
+    _data_rule("splits", "check_split"),
+]
 
 
 @dataclass(frozen=True)
@@ -195,7 +221,9 @@ class AttackConfig:
 
     __pydantic_config__ = _SECTION
 
-    nodes: list[Annotated[str, _rule("a peer name")]] = field(default_factory=list)
+    nodes: Annotated[
+        list[Annotated[str, _rule("a peer name")]], Field(description="a list of peer names")
+    ] = field(default_factory=list)
     # Empty: nobody attacks.
     kind: Annotated[str, _rule("an attack, e.g. labelflip or scale:10; empty for none")] = ""
 
@@ -284,7 +312,9 @@ class MeshConfig:
     # Fed-Influence) need one, and `meshfl launch` sets it for a local mesh.
     coordinator: _Listen | None = None
     attack: AttackConfig = field(default_factory=AttackConfig)
-    peers: list[PeerConfig] = field(default_factory=lambda: local_peers(DEFAULT_LOCAL_PEERS))
+    peers: Annotated[list[PeerConfig], Field(description="a list of peers")] = field(
+        default_factory=lambda: local_peers(DEFAULT_LOCAL_PEERS)
+    )
 
 
 # --------------------------------------------------------------------------- loading
@@ -366,10 +396,19 @@ def _first_problem(err: _ValidationError) -> ConfigError:
     if problem["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
         names = ", ".join(f.name for f in fields(_bare(_hint_at(location[:-1]))))
         return ConfigError(f"config field {path!r}: unknown key; allowed: {names}")
+    if problem["type"] == "value_error":  # a check whose message says what is allowed
+        return _checker_error(path, problem["input"], problem["ctx"]["error"])
     allowed = _describe(_hint_at(location))
     if problem["type"] in ("missing", "missing_argument"):
         return ConfigError(f"config field {path!r}: missing; allowed: {allowed}")
     return _field_error(path, problem["input"], allowed)
+
+
+def _checker_error(path: str, value: Any, error: Exception) -> ConfigError:
+    problem = str(error)
+    if not problem.startswith("got ") and repr(value) not in problem and str(value) not in problem:
+        problem = f"got {_shown(value)}; {problem}"
+    return ConfigError(f"config field {path!r}: {problem}")
 
 
 def _path(location: tuple[int | str, ...]) -> str:
@@ -417,18 +456,10 @@ def _describe(hint: Any) -> str:
             if getattr(rule, "description", None):
                 text: str = rule.description
                 return text if not optional or "null" in text else text + " or null"
-    bare = _bare(hint)
+    bare = _bare(hint)  # a section, or an algorithm's parameters
+    text = "a mapping"
     if dataclasses.is_dataclass(bare):
-        text = "a mapping with keys " + ", ".join(f.name for f in fields(bare))
-    elif typing.get_origin(bare) is list:
-        text = "a list of " + (
-            "peers" if _bare(typing.get_args(bare)[0]) is PeerConfig else "names"
-        )
-    elif typing.get_origin(bare) is tuple:
-        text = "a list of numbers"
-    else:
-        words = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
-        text = words.get(bare, "a mapping")
+        text += " with keys " + ", ".join(f.name for f in fields(bare))
     return text + " or null" if optional else text
 
 
@@ -513,7 +544,6 @@ def validate(cfg: MeshConfig) -> None:
     _checked(cfg)
     _check_algorithm(cfg.algorithm)
     _check_model(cfg.model, cfg.algorithm.name)
-    _check_data(cfg.data, "data", [f.name for f in fields(DataConfig)])
     _check_optimizer(cfg.optimizer)
     _check_rule_schedule(cfg)
     _check_timing(cfg)
@@ -574,35 +604,6 @@ def _check_model(model: ModelConfig, algorithm: str) -> None:
         heads is None or model.head in heads,
         f"{', '.join(heads or ())} with algorithm {algorithm}",
     )
-
-
-def _check_data(data: DataConfig, prefix: str, names: Iterable[str]) -> None:
-    """Check the fields `names` of `data`, reporting them under `prefix`."""
-    from meshfl.node.datasets import check_dataset_name
-    from meshfl.node.partitions import check_partition
-    from meshfl.node.splits import check_samples_per_node, check_split
-
-    # The data modules own these fields' rules, checked here once with the field named.
-    checkers: dict[str, typing.Callable[[Any], None]] = {
-        "dataset": check_dataset_name,
-        "partition": check_partition,
-        "samples_per_node": check_samples_per_node,
-        "split": check_split,
-    }
-    for name in names:
-        if name in checkers:
-            _check_with(checkers[name], f"{prefix}.{name}", getattr(data, name))
-
-
-def _check_with(checker: typing.Callable[[Any], Any], path: str, value: Any) -> None:
-    """Run a data module check, whose DataError message already says what is allowed."""
-    try:
-        checker(value)
-    except ValueError as err:
-        problem = str(err)
-        if repr(value) not in problem and str(value) not in problem:
-            problem = f"got {_shown(value)}; {problem}"
-        raise ConfigError(f"config field {path!r}: {problem}") from None
 
 
 def _check_optimizer(optimizer: str) -> None:
@@ -695,8 +696,6 @@ def _check_attack(cfg: MeshConfig) -> None:
 
 
 def _check_peers(cfg: MeshConfig) -> None:
-    for index, peer in enumerate(cfg.peers):
-        _check_peer(cfg, f"peers.{index}", peer)
     _check_unique(cfg.peers)
     if cfg.closed:
         _require("closed", cfg.closed, bool(cfg.peers), "false unless peers lists the members")
@@ -707,12 +706,6 @@ def _check_peers(cfg: MeshConfig) -> None:
                 peer.public_key is not None,
                 "64 hex characters; every peer needs one when closed is true",
             )
-
-
-def _check_peer(cfg: MeshConfig, path: str, peer: PeerConfig) -> None:
-    if peer.data is not None:
-        overridden = [f.name for f in fields(peer.data) if getattr(peer.data, f.name) is not None]
-        _check_data(data_for(cfg, peer), f"{path}.data", overridden)
 
 
 def _listen_identity(listen: str) -> tuple[str, int] | None:
