@@ -33,8 +33,14 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, TypeAdapter
-from pydantic import ValidationError as _ValidationError
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+)
 
 from meshfl.protocol.membership import PEER_NAME
 
@@ -385,11 +391,11 @@ def _checked(value: dict[str, Any] | MeshConfig) -> MeshConfig:
     first broken field rule raises ConfigError."""
     try:
         return _adapter().validate_python(value)
-    except _ValidationError as err:
+    except ValidationError as err:
         raise _first_problem(err) from None
 
 
-def _first_problem(err: _ValidationError) -> ConfigError:
+def _first_problem(err: ValidationError) -> ConfigError:
     problem = err.errors()[0]
     location = problem["loc"]
     path = _path(location)
@@ -928,6 +934,7 @@ __all__ = [
     "ModelConfig",
     "PeerConfig",
     "apply_overrides",
+    "config_schema",
     "data_for",
     "load_config",
     "local_peers",
@@ -936,4 +943,5 @@ __all__ = [
     "shared_settings",
     "to_dict",
     "validate",
+    "write_schema",
 ]
