@@ -32,8 +32,8 @@ import torch
 
 from meshfl.algorithms import Context, PeerModel
 from meshfl.algorithms.fedc2i import FedC2I, influence_batch, measure_influence
-from meshfl.node.data import NodeData, load_node_data
 from meshfl.node.models import body_keys, build_model, head_keys
+from meshfl.node.splits import NodeData, load_node_data
 from meshfl.node.trainer import train_local
 
 PEERS = 5

@@ -40,8 +40,8 @@ import torch
 
 from meshfl.algorithms import Context, Upload, parse_params
 from meshfl.algorithms.fedinfluence import FedInfluence, loss_and_accuracy
-from meshfl.node.data import NodeData, load_node_data
 from meshfl.node.models import body_keys, build_model, head_keys
+from meshfl.node.splits import NodeData, load_node_data
 from meshfl.node.trainer import state_to_arrays
 from meshfl.protocol.identity import Identity
 from meshfl.protocol.wire import make_blob

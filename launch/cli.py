@@ -296,6 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     status.add_argument("--json", action="store_true", help="print the answer as JSON")
 
+    config = commands.add_parser("config", help="write the JSON Schema of peers.yaml for editors")
+    config.add_argument("what", choices=["schema"], help="schema: the JSON Schema of peers.yaml")
+    config.add_argument("--out", metavar="FILE", help="write it to FILE (default: stdout)")
+
     bench = commands.add_parser(
         "bench", help="measure the wire protocol's throughput or an algorithm's overhead"
     )
@@ -323,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         "experiment": _experiment,
         "report": _report,
         "status": _status,
+        "config": _config,
     }
     try:
         return handlers[args.command](args)
@@ -407,6 +412,13 @@ def _status(args: argparse.Namespace) -> int:
     from .status import run_status
 
     return run_status(args)
+
+
+def _config(args: argparse.Namespace) -> int:
+    from meshfl.node.config import write_schema
+
+    write_schema(args.out)
+    return 0
 
 
 # Each benchmark: (its module, what it measures). Imported only when run: most load torch.

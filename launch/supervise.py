@@ -34,7 +34,6 @@ from typing import Any
 from meshfl.node import config as cfgmod
 from meshfl.node.checkpoint import StorageError
 from meshfl.node.coordinator import COORDINATOR, needs_coordinator
-from meshfl.node.data import load_node_data
 from meshfl.node.host import (
     files_per_node,
     forget_restarts,
@@ -43,6 +42,7 @@ from meshfl.node.host import (
     restarts_so_far,
 )
 from meshfl.node.metrics import read_lines
+from meshfl.node.splits import load_node_data
 from meshfl.node.trainer import set_torch_threads
 from meshfl.protocol.transport import free_ports
 

@@ -1,9 +1,16 @@
 """The mesh configuration: typed dataclasses loaded from peers.yaml plus `--set` overrides.
 
-Loading checks the shape of the file (known keys, value types); `validate` checks
-everything else (ranges, names against the registries of the other packages, the
-peer table). Every user mistake becomes one `ConfigError` line that names the field,
-the bad value and what is allowed, so the command can print it instead of a traceback.
+Each field states its type, default and bounds once, in its annotation; pydantic checks
+them when a file or an override is read and again in `validate`, and `config_schema`
+turns them into the JSON Schema that editors use to complete and check peers.yaml.
+`validate` adds what one field cannot say alone: names against the registries of the
+other packages, fields that depend on each other, the peer table. Every user mistake
+becomes one `ConfigError` line that names the field, the bad value and what is allowed,
+so the command can print it instead of a traceback.
+
+The dataclasses are plain (stdlib) ones, so building one in code checks nothing:
+`dataclasses.replace` stays cheap, and a config assembled in code gets its checks from
+`validate`, like one loaded from a file.
 
 This module must stay importable without torch: the registries it validates names
 against are imported inside the functions that need them.
@@ -12,17 +19,28 @@ against are imported inside the functions that need them.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
 import ipaddress
-import math
+import json
 import re
+import sys
 import types
 import typing
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+)
 
 from meshfl.protocol.membership import PEER_NAME
 
@@ -31,15 +49,15 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_BASE_PORT = 7700
 
 # Peer and mesh names become file names (keys, metrics folders), hence the narrow alphabet.
-_NAME = PEER_NAME
 _NAME_ALLOWED = "1-64 characters from A-Z a-z 0-9 _ . - starting with a letter or digit"
-_LISTEN = re.compile(r"tcp://(?P<host>\[[^\]]*\]|[^:/\[\]]+):(?P<port>[0-9]{1,5})")
+# Also a pattern of the JSON Schema, hence no named groups: editors speak ECMAScript regex.
+_LISTEN = re.compile(r"tcp://(\[[^\]]*\]|[^:/\[\]]+):([0-9]{1,5})")
 _LISTEN_ALLOWED = "tcp://HOST:PORT, HOST a hostname, IPv4 or [IPv6] address, 1 <= PORT <= 65535"
 _HOSTNAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*")
-_PUBLIC_KEY = re.compile(r"[0-9a-fA-F]{64}")
 # PyYAML follows YAML 1.1, which reads `1e-3` (no dot) as a string; numbers are meant.
 _NUMBER = re.compile(r"[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?")
 _MAX_SEED = 2**32 - 1  # numpy's seeding accepts no more
+_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
 
 class ConfigError(ValueError):
@@ -59,6 +77,74 @@ def _field_error(path: str, value: Any, allowed: str) -> ConfigError:
     return ConfigError(f"config field {path!r}: got {_shown(value)}; allowed: {allowed}")
 
 
+# --------------------------------------------------------------------------- field rules
+
+
+def _rule(allowed: str, **bounds: Any) -> Any:
+    """A field's rule: its type taken strictly (YAML's `true` is no integer and "3" no
+    number), `bounds` in pydantic's terms, and `allowed`, the rule in the user's words,
+    which an error names and the JSON Schema gives editors as the field's description."""
+    return Field(strict=True, description=allowed, **bounds)
+
+
+def _finite(allowed: str, **bounds: Any) -> Any:
+    """`_rule` for a number, which must also be finite."""
+    return _rule(allowed, allow_inf_nan=False, **bounds)
+
+
+def _number_from_text(value: Any) -> Any:
+    return float(value) if isinstance(value, str) and _NUMBER.fullmatch(value.strip()) else value
+
+
+def _checked_listen(listen: str | None) -> str | None:
+    if listen is not None and _listen_identity(listen) is None:
+        raise ValueError(f"allowed: {_LISTEN_ALLOWED}")
+    return listen
+
+
+def _data_rule(module: str, checker: str) -> AfterValidator:
+    """The rest of a data field's rule, which a data module owns: its check, imported
+    when first used (the data modules load torch), raises a DataError that says what is
+    allowed."""
+
+    def check(value: Any) -> Any:
+        if value is not None:
+            getattr(importlib.import_module(f"meshfl.node.{module}"), checker)(value)
+        return value
+
+    return AfterValidator(check)
+
+
+# A YAML 1.1 number such as `1e-3`, read as text, is a number; placed after the number's
+# rule, so that the rule's bounds reach the JSON Schema as its standard keywords.
+_FROM_TEXT = BeforeValidator(_number_from_text)
+_LISTEN_CHECK = AfterValidator(_checked_listen)  # the port range and the host's spelling
+
+# Every section refuses unknown keys and is checked again when handed over as a dataclass
+# (a config built in code).
+_SECTION = ConfigDict(extra="forbid", revalidate_instances="always")
+
+_Name = Annotated[str, _rule(_NAME_ALLOWED, pattern=f"^{PEER_NAME.pattern}$")]
+_Listen = Annotated[str, _rule(_LISTEN_ALLOWED, pattern=f"^{_LISTEN.pattern}$"), _LISTEN_CHECK]
+_Count = Annotated[int, _rule("an integer >= 1", ge=1)]
+_Seconds = Annotated[float, _finite("seconds, finite and > 0", gt=0), _FROM_TEXT]
+
+
+def _section_from_name(value: Any) -> Any:
+    """`model: lenet` names the model and keeps the section's other defaults."""
+    return {"name": value} if isinstance(value, str) else value
+
+
+def _algorithm_from_yaml(value: Any) -> Any:
+    """The algorithm section as written: its name, or its name with the algorithm's
+    parameters flat beside it."""
+    if isinstance(value, dict):
+        params = dict(value)
+        name = params.pop("name", AlgorithmConfig.name)
+        return {"name": name, "params": params}
+    return _section_from_name(value)
+
+
 # --------------------------------------------------------------------------- the dataclasses
 
 
@@ -66,23 +152,53 @@ def _field_error(path: str, value: Any, allowed: str) -> ConfigError:
 class AlgorithmConfig:
     """An aggregation rule by name; `params` are its parameters (validated by the rule)."""
 
-    name: str = "fedavg"
-    params: dict[str, Any] = field(default_factory=dict)
+    __pydantic_config__ = _SECTION
+
+    name: Annotated[str, _rule("an algorithm name")] = "fedavg"
+    params: dict[Annotated[str, _rule("a parameter name, as text")], Any] = field(
+        default_factory=dict
+    )
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    name: str = "mlp"
-    head: str = "last"  # which layers form the classifier head (`last` or `fc`)
+    __pydantic_config__ = _SECTION
+
+    name: Annotated[str, _rule("a model name")] = "mlp"
+    # Which layers form the classifier head.
+    head: Annotated[str, _rule("a head: last (the last layer) or fc (the dense block)")] = "last"
+
+
+_Dataset = Annotated[
+    str, _rule("a dataset name or npz:PATH"), _data_rule("datasets", "check_dataset_name")
+]
+_Root = Annotated[str, _rule("a folder path or null", min_length=1)]
+_Partition = Annotated[
+    str,
+    _rule("a partition form, e.g. iid or dirichlet:0.5"),
+    _data_rule("partitions", "check_partition"),
+]
+_ShardSize = Annotated[
+    int,
+    _rule("an integer sample count, or null for the whole shard"),
+    _data_rule("splits", "check_samples_per_node"),
+]
+_Split = Annotated[
+    tuple[Annotated[float, _finite("a number"), _FROM_TEXT], ...],
+    Field(description="a list of numbers: the train, validation and test shares"),
+    _data_rule("splits", "check_split"),
+]
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    dataset: str = "digits"
-    root: str | None = None  # folder of the standard layouts; its existence is the node's check
-    partition: str = "iid"
-    samples_per_node: int | None = None  # None: the whole shard
-    split: tuple[float, ...] = (0.6, 0.2, 0.2)  # train, validation, test
+    __pydantic_config__ = _SECTION
+
+    dataset: _Dataset = "digits"
+    root: _Root | None = None  # folder of the standard layouts; its existence is the node's check
+    partition: _Partition = "iid"
+    samples_per_node: _ShardSize | None = None  # None: the whole shard
+    split: _Split = (0.6, 0.2, 0.2)  # train, validation, test
 
 
 @dataclass(frozen=True)
@@ -94,11 +210,13 @@ class DataOverride:
     must still reach the fields a peer did not set.
     """
 
-    dataset: str | None = None
-    root: str | None = None
-    partition: str | None = None
-    samples_per_node: int | None = None
-    split: tuple[float, ...] | None = None
+    __pydantic_config__ = _SECTION
+
+    dataset: _Dataset | None = None
+    root: _Root | None = None
+    partition: _Partition | None = None
+    samples_per_node: _ShardSize | None = None
+    split: _Split | None = None
 
 
 @dataclass(frozen=True)
@@ -107,21 +225,37 @@ class AttackConfig:
     measure what the rules withstand. Not in the mesh id: an attacker looks like any
     member, and honest nodes need not know who attacks."""
 
-    nodes: list[str] = field(default_factory=list)  # peer names
-    kind: str = ""  # e.g. labelflip, scale:10; empty: nobody attacks
+    __pydantic_config__ = _SECTION
+
+    nodes: Annotated[
+        list[Annotated[str, _rule("a peer name")]], Field(description="a list of peer names")
+    ] = field(default_factory=list)
+    # Empty: nobody attacks.
+    kind: Annotated[str, _rule("an attack, e.g. labelflip or scale:10; empty for none")] = ""
+
+
+_PublicKey = Annotated[
+    str,
+    _rule(
+        "64 hex characters (a raw 32-byte Ed25519 public key) or null", pattern="^[0-9a-fA-F]{64}$"
+    ),
+]
+_KeyFile = Annotated[str, _rule("a private key file path or null", min_length=1)]
 
 
 @dataclass(frozen=True)
 class PeerConfig:
-    name: str
-    listen: str  # tcp://HOST:PORT, where the node binds and where the others dial it
-    public_key: str | None = None  # hex of the raw 32-byte Ed25519 key
-    key: str | None = None  # private key PEM path; None: <key_dir>/<name>.pem
+    __pydantic_config__ = _SECTION
+
+    name: _Name
+    listen: _Listen  # where the node binds and where the others dial it
+    public_key: _PublicKey | None = None
+    key: _KeyFile | None = None  # None: <key_dir>/<name>.pem
     data: DataOverride | None = None
     # To measure stragglers: seconds this peer sleeps after its local training, every
     # round. A fixed delay rather than a multiple of the measured training time, which
     # the first round's warm-up and a busy machine would blow up.
-    train_delay: float = 0.0
+    train_delay: Annotated[float, _finite("seconds, finite and >= 0", ge=0), _FROM_TEXT] = 0.0
 
 
 def local_peers(
@@ -146,33 +280,47 @@ def local_peers(
 class MeshConfig:
     """Everything one node needs to know; `MeshConfig()` is the embedded 4-node demo."""
 
-    mesh: str = "demo"
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    __pydantic_config__ = _SECTION
+
+    mesh: _Name = "demo"
+    algorithm: Annotated[
+        AlgorithmConfig,
+        BeforeValidator(_algorithm_from_yaml),
+        Field(description="an algorithm name, or a mapping of its name and parameters"),
+    ] = field(default_factory=AlgorithmConfig)
+    model: Annotated[
+        ModelConfig,
+        BeforeValidator(_section_from_name),
+        Field(description="a model name, or a mapping with keys name, head"),
+    ] = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    rounds: int = 10
-    local_epochs: int = 4
-    batch_size: int = 32
-    optimizer: str = "sgd"
-    lr: float = 0.05
-    momentum: float = 0.5
-    weight_decay: float = 0.0
-    seed: int = 0
-    round_timeout: float = 30.0
+    rounds: _Count = 10
+    local_epochs: _Count = 4
+    batch_size: _Count = 32
+    optimizer: Annotated[str, _rule("an optimizer name")] = "sgd"
+    lr: Annotated[float, _finite("a finite number > 0", gt=0), _FROM_TEXT] = 0.05
+    momentum: Annotated[float, _finite("a number >= 0 and < 1", ge=0, lt=1), _FROM_TEXT] = 0.5
+    weight_decay: Annotated[float, _finite("a finite number >= 0", ge=0), _FROM_TEXT] = 0.0
+    seed: Annotated[int, _rule(f"an integer 0 to {_MAX_SEED}", ge=0, le=_MAX_SEED)] = 0
+    round_timeout: _Seconds = 30.0
     # The share of the live peers whose models a round waits for (rounded up); 1.0 waits
     # for every one, less lets a round go on without the slowest (README: stragglers).
-    round_quorum: float = 1.0
-    heartbeat_interval: float = 1.0
-    peer_timeout: float = 5.0
-    closed: bool = False
+    round_quorum: Annotated[
+        float, _finite("a share of the live peers, > 0 and <= 1", gt=0, le=1), _FROM_TEXT
+    ] = 1.0
+    heartbeat_interval: _Seconds = 1.0
+    peer_timeout: _Seconds = 5.0
+    closed: Annotated[bool, _rule("true or false")] = False
     # ZeroMQ CURVE on every connection (WIRE.md 1.1); false only to measure without it.
     # Not part of the mesh id: a node that does not encrypt cannot connect at all.
-    encrypt: bool = True
+    encrypt: Annotated[bool, _rule("true or false")] = True
     # Listen address of the coordinator node; server-centric rules (FedReMa,
     # Fed-Influence) need one, and `meshfl launch` sets it for a local mesh.
-    coordinator: str | None = None
+    coordinator: _Listen | None = None
     attack: AttackConfig = field(default_factory=AttackConfig)
-    peers: list[PeerConfig] = field(default_factory=lambda: local_peers(DEFAULT_LOCAL_PEERS))
+    peers: Annotated[list[PeerConfig], Field(description="a list of peers")] = field(
+        default_factory=lambda: local_peers(DEFAULT_LOCAL_PEERS)
+    )
 
 
 # --------------------------------------------------------------------------- loading
@@ -210,7 +358,7 @@ def _parse_yaml(text: str, origin: str) -> Any:
 
 def load_config(path: str | Path | None) -> MeshConfig:
     """The config in the YAML file at `path` (None: the defaults); keys left out keep
-    their defaults. Checks the file's shape; call `validate` after any overrides."""
+    their defaults. Checks each field; call `validate` after any overrides."""
     if path is None:
         return MeshConfig()
     origin = f"config file '{path}'"
@@ -230,111 +378,95 @@ def config_from_text(text: str, origin: str) -> MeshConfig:
         return MeshConfig()
     if not isinstance(raw, dict):
         raise ConfigError(f"{origin}: expected a mapping of settings, got {type(raw).__name__}")
-    return _coerce(raw, MeshConfig, "")
+    return _checked(raw)
 
 
-def _join(path: str, key: Any) -> str:
-    return f"{path}.{key}" if path else str(key)
+@functools.cache
+def _adapter() -> TypeAdapter[MeshConfig]:
+    return TypeAdapter(MeshConfig)
+
+
+def _checked(value: dict[str, Any] | MeshConfig) -> MeshConfig:
+    """A MeshConfig from plain YAML values, or a MeshConfig's fields checked again; the
+    first broken field rule raises ConfigError."""
+    try:
+        return _adapter().validate_python(value)
+    except ValidationError as err:
+        raise _first_problem(err) from None
+
+
+def _first_problem(err: ValidationError) -> ConfigError:
+    problem = err.errors()[0]
+    location = problem["loc"]
+    path = _path(location)
+    if problem["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
+        names = ", ".join(f.name for f in fields(_bare(_hint_at(location[:-1]))))
+        return ConfigError(f"config field {path!r}: unknown key; allowed: {names}")
+    if problem["type"] == "value_error":  # a check whose message says what is allowed
+        return _checker_error(path, problem["input"], problem["ctx"]["error"])
+    allowed = _describe(_hint_at(location))
+    if problem["type"] in ("missing", "missing_argument"):
+        return ConfigError(f"config field {path!r}: missing; allowed: {allowed}")
+    return _field_error(path, problem["input"], allowed)
+
+
+def _checker_error(path: str, value: Any, error: Exception) -> ConfigError:
+    problem = str(error)
+    if not problem.startswith("got ") and repr(value) not in problem and str(value) not in problem:
+        problem = f"got {_shown(value)}; {problem}"
+    return ConfigError(f"config field {path!r}: {problem}")
+
+
+def _path(location: tuple[int | str, ...]) -> str:
+    """The dotted field path of pydantic's error location, as the YAML spells it: an
+    algorithm's parameters sit beside its name, not under `params`."""
+    parts = [str(part) for part in location if part != "[key]"]
+    if parts[:2] == ["algorithm", "params"]:
+        del parts[1]
+    return ".".join(parts)
+
+
+def _hint_at(location: tuple[int | str, ...]) -> Any:
+    """The annotation of the field at `location`, walked down from MeshConfig."""
+    if location and location[-1] == "[key]":  # a mapping's key: (..., mapping, key, "[key]")
+        return typing.get_args(_bare(_hint_at(location[:-2])))[0]
+    hint: Any = MeshConfig
+    for part in location:
+        inner = _bare(hint)
+        if dataclasses.is_dataclass(inner) and isinstance(part, str):
+            hint = typing.get_type_hints(inner, include_extras=True).get(part, Any)
+        elif typing.get_origin(inner) in (list, tuple, dict):
+            hint = typing.get_args(inner)[-1 if typing.get_origin(inner) is dict else 0]
+        else:
+            return Any
+    return hint
+
+
+def _bare(hint: Any) -> Any:
+    """`hint` without Annotated's rules and without a `| None`."""
+    while True:
+        if typing.get_origin(hint) is Annotated:
+            hint = typing.get_args(hint)[0]
+        elif typing.get_origin(hint) in (typing.Union, types.UnionType):
+            hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
+        else:
+            return hint
 
 
 def _describe(hint: Any) -> str:
-    """What a field of type `hint` accepts, in the user's words."""
-    optional, hint = _unwrap_optional(hint)
-    if dataclasses.is_dataclass(hint):
-        text = "a mapping with keys " + ", ".join(f.name for f in fields(hint))
-    elif typing.get_origin(hint) is list:
-        text = "a list of names" if typing.get_args(hint) == (str,) else "a list of peers"
-    elif typing.get_origin(hint) is tuple:
-        text = "a list of numbers"
-    else:
-        words = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
-        text = words.get(hint, "a mapping")
+    """What a field annotated `hint` accepts, in the user's words: its rule's own words
+    where it has a rule, else its type's."""
+    optional = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    for layer in typing.get_args(hint) if optional else (hint,):
+        for rule in getattr(layer, "__metadata__", ()):
+            if getattr(rule, "description", None):
+                text: str = rule.description
+                return text if not optional or "null" in text else text + " or null"
+    bare = _bare(hint)  # a section, or an algorithm's parameters
+    text = "a mapping"
+    if dataclasses.is_dataclass(bare):
+        text += " with keys " + ", ".join(f.name for f in fields(bare))
     return text + " or null" if optional else text
-
-
-def _unwrap_optional(hint: Any) -> tuple[bool, Any]:
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        others = [arg for arg in typing.get_args(hint) if arg is not type(None)]
-        return True, others[0]
-    return False, hint
-
-
-def _coerce(value: Any, hint: Any, path: str) -> Any:
-    """`value` as the type `hint`: raw YAML is converted, a dataclass instance is checked
-    field by field, and a wrong type raises ConfigError naming `path`."""
-    optional, hint = _unwrap_optional(hint)
-    if value is None:
-        if optional:
-            return None
-        raise _field_error(path, value, _describe(hint))
-    if hint is AlgorithmConfig:
-        return _algorithm(value, path)
-    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-        return _section(hint, value, path)
-    origin = typing.get_origin(hint)
-    if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise _field_error(path, value, _describe(hint))
-        item_hint = typing.get_args(hint)[0]
-        items = [_coerce(item, item_hint, _join(path, i)) for i, item in enumerate(value)]
-        return items if origin is list else tuple(items)
-    if origin is dict:
-        if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
-            raise _field_error(path, value, "a mapping with string keys")
-        return dict(value)
-    return _scalar(value, hint, path)
-
-
-def _scalar(value: Any, hint: type, path: str) -> Any:
-    # bool is an int to Python, but `rounds: true` or `closed: 1` is a mistake.
-    if isinstance(value, bool) == (hint is bool):
-        if hint is float and isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
-            return float(value)
-        if hint is float and isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, hint):
-            return value
-    raise _field_error(path, value, _describe(hint))
-
-
-def _section(cls: type, value: Any, path: str) -> Any:
-    names = [f.name for f in fields(cls)]
-    if isinstance(value, cls):
-        value = {name: getattr(value, name) for name in names}
-    elif isinstance(value, str) and "name" in names:
-        value = {"name": value}  # `model: lenet` names the model and keeps the defaults
-    if not isinstance(value, dict):
-        raise _field_error(path, value, _describe(cls))
-    for key in value:
-        if key not in names:
-            raise ConfigError(
-                f"config field {_join(path, key)!r}: unknown key; allowed: {', '.join(names)}"
-            )
-    for required in fields(cls):
-        no_default = required.default is dataclasses.MISSING
-        if no_default and required.default_factory is dataclasses.MISSING:
-            if required.name not in value:
-                raise ConfigError(f"config field {_join(path, required.name)!r}: missing")
-    hints = typing.get_type_hints(cls)
-    return cls(**{key: _coerce(item, hints[key], _join(path, key)) for key, item in value.items()})
-
-
-def _algorithm(value: Any, path: str) -> AlgorithmConfig:
-    """The algorithm section: its name plus, flat beside it, the algorithm's parameters."""
-    if isinstance(value, AlgorithmConfig):
-        name, params = value.name, value.params
-    elif isinstance(value, str):
-        name, params = value, {}
-    elif isinstance(value, dict):
-        params = dict(value)
-        name = params.pop("name", AlgorithmConfig.name)
-    else:
-        raise _field_error(path, value, "an algorithm name or a mapping with name and parameters")
-    name = _scalar(name, str, _join(path, "name"))
-    params = _coerce(params, dict[str, Any], path)
-    if "name" in params:  # it would collide with the algorithm's name in the YAML
-        raise _field_error(_join(path, "name"), params["name"], "the algorithm's name only")
-    return AlgorithmConfig(name=name, params=params)
 
 
 # --------------------------------------------------------------------------- overrides
@@ -352,7 +484,7 @@ def apply_overrides(cfg: MeshConfig, assignments: list[str]) -> MeshConfig:
     for assignment in assignments:
         keys, value = _parse_assignment(assignment)
         _assign(raw, keys, value)
-    return _coerce(raw, MeshConfig, "")
+    return _checked(raw)
 
 
 def _parse_assignment(assignment: str) -> tuple[list[str], Any]:
@@ -413,14 +545,12 @@ def _list_index(peers: list[Any], key: str, path: str) -> int:
 
 
 def validate(cfg: MeshConfig) -> None:
-    """Raise ConfigError for the first field that is wrong; the file's shape is checked
+    """Raise ConfigError for the first field that is wrong; the field rules are checked
     again so that configs built in code get the same guarantees as loaded ones."""
-    _coerce(cfg, MeshConfig, "")
-    _check_name("mesh", cfg.mesh)
+    _checked(cfg)
     _check_algorithm(cfg.algorithm)
     _check_model(cfg.model, cfg.algorithm.name)
-    _check_data(cfg.data, "data", [f.name for f in fields(DataConfig)])
-    _check_training(cfg)
+    _check_optimizer(cfg.optimizer)
     _check_rule_schedule(cfg)
     _check_timing(cfg)
     _check_peers(cfg)
@@ -433,15 +563,15 @@ def _require(path: str, value: Any, ok: bool, allowed: str) -> None:
         raise _field_error(path, value, allowed)
 
 
-def _check_name(path: str, name: str) -> None:
-    _require(path, name, bool(_NAME.fullmatch(name)), _NAME_ALLOWED)
-
-
 def _check_algorithm(algorithm: AlgorithmConfig) -> None:
     from meshfl.algorithms import ALGORITHM_NAMES
 
     allowed = ", ".join(ALGORITHM_NAMES)
     _require("algorithm.name", algorithm.name, algorithm.name in ALGORITHM_NAMES, allowed)
+    name_param = algorithm.params.get("name")  # it would collide with the name in the YAML
+    _require(
+        "algorithm.name", name_param, "name" not in algorithm.params, "the algorithm's name only"
+    )
     _resolved_params(algorithm)
 
 
@@ -482,59 +612,13 @@ def _check_model(model: ModelConfig, algorithm: str) -> None:
     )
 
 
-def _check_data(data: DataConfig, prefix: str, names: Iterable[str]) -> None:
-    """Check the fields `names` of `data`, reporting them under `prefix`."""
-    from meshfl.node.data import (
-        check_dataset_name,
-        check_partition,
-        check_samples_per_node,
-        check_split,
-    )
-
-    # The data module owns the bounds of its fields, checked here once with the field named.
-    checkers: dict[str, typing.Callable[[Any], None]] = {
-        "dataset": check_dataset_name,
-        "partition": check_partition,
-        "samples_per_node": check_samples_per_node,
-        "split": check_split,
-    }
-    for name in names:
-        path, value = f"{prefix}.{name}", getattr(data, name)
-        if name in checkers:
-            _check_with(checkers[name], path, value)
-        elif name == "root":
-            _require(path, value, value is None or bool(value), "a folder path or null")
-
-
-def _check_with(checker: typing.Callable[[Any], Any], path: str, value: Any) -> None:
-    """Run a data module check, whose DataError message already says what is allowed."""
-    try:
-        checker(value)
-    except ValueError as err:
-        problem = str(err)
-        if repr(value) not in problem and str(value) not in problem:
-            problem = f"got {_shown(value)}; {problem}"
-        raise ConfigError(f"config field {path!r}: {problem}") from None
-
-
-def _check_training(cfg: MeshConfig) -> None:
+def _check_optimizer(optimizer: str) -> None:
     from meshfl.node.trainer import OPTIMIZERS
 
-    _require("rounds", cfg.rounds, cfg.rounds >= 1, "an integer >= 1")
-    _require("local_epochs", cfg.local_epochs, cfg.local_epochs >= 1, "an integer >= 1")
-    _require("batch_size", cfg.batch_size, cfg.batch_size >= 1, "an integer >= 1")
-    _require("optimizer", cfg.optimizer, cfg.optimizer in OPTIMIZERS, ", ".join(OPTIMIZERS))
-    _require("lr", cfg.lr, math.isfinite(cfg.lr) and cfg.lr > 0, "a finite number > 0")
-    _require("momentum", cfg.momentum, 0 <= cfg.momentum < 1, "a number >= 0 and < 1")
-    decay_ok = math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0
-    _require("weight_decay", cfg.weight_decay, decay_ok, "a finite number >= 0")
-    _require("seed", cfg.seed, 0 <= cfg.seed <= _MAX_SEED, f"an integer 0 to {_MAX_SEED}")
+    _require("optimizer", optimizer, optimizer in OPTIMIZERS, ", ".join(OPTIMIZERS))
 
 
 def _check_timing(cfg: MeshConfig) -> None:
-    for name in ("round_timeout", "heartbeat_interval", "peer_timeout"):
-        seconds = getattr(cfg, name)
-        _require(name, seconds, math.isfinite(seconds) and seconds > 0, "seconds, finite and > 0")
     # A peer must get a chance to be heard before it is declared down.
     _require(
         "peer_timeout",
@@ -542,24 +626,12 @@ def _check_timing(cfg: MeshConfig) -> None:
         cfg.peer_timeout > cfg.heartbeat_interval,
         f"more than heartbeat_interval ({cfg.heartbeat_interval})",
     )
-    _require(
-        "round_quorum",
-        cfg.round_quorum,
-        0 < cfg.round_quorum <= 1,
-        "a share of the live peers, > 0 and <= 1",
-    )
 
 
 def _check_coordinator(cfg: MeshConfig) -> None:
     from meshfl.algorithms import is_coordinated
 
     if cfg.coordinator is not None:
-        _require(
-            "coordinator",
-            cfg.coordinator,
-            _listen_identity(cfg.coordinator) is not None,
-            _LISTEN_ALLOWED,
-        )
         clashes = [p.name for p in cfg.peers if p.listen == cfg.coordinator]
         _require(
             "coordinator",
@@ -630,8 +702,6 @@ def _check_attack(cfg: MeshConfig) -> None:
 
 
 def _check_peers(cfg: MeshConfig) -> None:
-    for index, peer in enumerate(cfg.peers):
-        _check_peer(cfg, f"peers.{index}", peer)
     _check_unique(cfg.peers)
     if cfg.closed:
         _require("closed", cfg.closed, bool(cfg.peers), "false unless peers lists the members")
@@ -644,41 +714,12 @@ def _check_peers(cfg: MeshConfig) -> None:
             )
 
 
-def _check_peer(cfg: MeshConfig, path: str, peer: PeerConfig) -> None:
-    _check_name(f"{path}.name", peer.name)
-    _require(
-        f"{path}.listen", peer.listen, _listen_identity(peer.listen) is not None, _LISTEN_ALLOWED
-    )
-    key_ok = peer.public_key is None or bool(_PUBLIC_KEY.fullmatch(peer.public_key))
-    _require(
-        f"{path}.public_key",
-        peer.public_key,
-        key_ok,
-        "64 hex characters (a raw 32-byte Ed25519 public key) or null",
-    )
-    _require(
-        f"{path}.key",
-        peer.key,
-        peer.key is None or bool(peer.key),
-        "a private key file path or null",
-    )
-    _require(
-        f"{path}.train_delay",
-        peer.train_delay,
-        math.isfinite(peer.train_delay) and peer.train_delay >= 0,
-        "seconds, finite and >= 0",
-    )
-    if peer.data is not None:
-        overridden = [f.name for f in fields(peer.data) if getattr(peer.data, f.name) is not None]
-        _check_data(data_for(cfg, peer), f"{path}.data", overridden)
-
-
 def _listen_identity(listen: str) -> tuple[str, int] | None:
     """(host, port) of a valid listen address, to spot two peers on one socket; else None."""
     match = _LISTEN.fullmatch(listen)
-    if not match or not 1 <= int(match["port"]) <= 65535:
+    if not match or not 1 <= int(match[2]) <= 65535:
         return None
-    host = match["host"]
+    host = match[1]
     try:
         if host.startswith("["):
             host = f"[{ipaddress.IPv6Address(host[1:-1])}]"
@@ -690,7 +731,7 @@ def _listen_identity(listen: str) -> tuple[str, int] | None:
         return None
     if host.lower() == "localhost":  # the loopback's name: the same socket as 127.0.0.1
         host = "127.0.0.1"
-    return host.lower(), int(match["port"])
+    return host.lower(), int(match[2])
 
 
 def _check_unique(peers: list[PeerConfig]) -> None:
@@ -712,6 +753,82 @@ def _check_unique(peers: list[PeerConfig]) -> None:
                 earlier == index,
                 f"a value no other peer has (peers.{earlier} has it)",
             )
+
+
+# --------------------------------------------------------------------------- the JSON Schema
+
+
+def config_schema() -> dict[str, Any]:
+    """The JSON Schema of peers.yaml: the field rules above, the names that the other
+    packages' registries allow (so that editors complete them), and the short forms of
+    the sections named by a string (`algorithm: local`, `model: cnn`)."""
+    from meshfl.algorithms import ALGORITHM_NAMES
+    from meshfl.node.datasets import DATASETS, NPZ_PREFIX
+    from meshfl.node.models import HEADS, MODELS
+    from meshfl.node.trainer import OPTIMIZERS
+
+    schema = _adapter().json_schema()
+    top, sections = schema["properties"], schema["$defs"]
+    # The parameters sit flat beside the name; each rule checks its own.
+    del sections["AlgorithmConfig"]
+    flat_algorithm = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "enum": list(ALGORITHM_NAMES)}},
+        "additionalProperties": True,
+    }
+    top["algorithm"] = _named_or(top["algorithm"], ALGORITHM_NAMES, flat_algorithm)
+    top["model"] = _named_or(top["model"], MODELS, {"$ref": "#/$defs/ModelConfig"})
+    model = sections["ModelConfig"]["properties"]
+    _narrow(model["name"], {"enum": list(MODELS)})
+    _narrow(model["head"], {"enum": list(HEADS)})
+    _narrow(top["optimizer"], {"enum": list(OPTIMIZERS)})
+    dataset = {"anyOf": [{"enum": list(DATASETS)}, {"pattern": f"^{NPZ_PREFIX}.+"}]}
+    for data in ("DataConfig", "DataOverride"):
+        _narrow(sections[data]["properties"]["dataset"], dataset)
+    for section in [schema, *sections.values()]:
+        section.pop("description", None)  # a docstring, written for programmers
+        for prop in section["properties"].values():
+            _describe_nullable(prop)
+    return {
+        "$schema": _SCHEMA_DIALECT,
+        **schema,
+        "title": "meshfl peers.yaml",
+        "description": "The settings and peers of a meshfl mesh (`meshfl config schema`).",
+    }
+
+
+def _named_or(generated: dict[str, Any], names: Iterable[str], mapping: Any) -> dict[str, Any]:
+    """A section's schema that also takes the section's name alone."""
+    kept: dict[str, Any] = {
+        key: generated[key] for key in ("description", "title") if key in generated
+    }
+    return {**kept, "anyOf": [{"type": "string", "enum": list(names)}, mapping]}
+
+
+def _narrow(prop: dict[str, Any], names: dict[str, Any]) -> None:
+    """Add `names` to the string branch of the property `prop`, nullable or not."""
+    branches = prop.get("anyOf", [prop])
+    next(branch for branch in branches if branch.get("type") == "string").update(names)
+
+
+def _describe_nullable(prop: dict[str, Any]) -> None:
+    """Lift the description of a nullable property's value up to the property, where
+    editors show it."""
+    described = [branch for branch in prop.get("anyOf", ()) if "description" in branch]
+    if len(described) == 1 and "description" not in prop:
+        prop["description"] = described[0].pop("description")
+
+
+def write_schema(out: str | Path | None) -> None:
+    """Write `config_schema()` as JSON to the file `out`, or to stdout when None."""
+    text = json.dumps(config_schema(), indent=2) + "\n"
+    if out is None:
+        sys.stdout.write(text)
+        return
+    try:
+        Path(out).write_text(text, encoding="utf-8")
+    except OSError as err:
+        raise ConfigError(f"schema file '{out}': cannot write: {err.strerror or err}") from None
 
 
 # --------------------------------------------------------------------------- using a config
@@ -817,6 +934,7 @@ __all__ = [
     "ModelConfig",
     "PeerConfig",
     "apply_overrides",
+    "config_schema",
     "data_for",
     "load_config",
     "local_peers",
@@ -825,4 +943,5 @@ __all__ = [
     "shared_settings",
     "to_dict",
     "validate",
+    "write_schema",
 ]

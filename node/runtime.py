@@ -39,9 +39,9 @@ from .attacks import Attack, attack_for
 from .blobs import RULE_ERROR, UnusableBlob, layout_of, peer_model
 from .checkpoint import MetricsLog, load_checkpoint, save_checkpoint, write_atomically
 from .containment import run_contained
-from .data import NodeData, load_node_data
 from .metrics import RoundRecord
 from .models import body_keys, build_model, head_keys, model_schema
+from .splits import NodeData, load_node_data
 from .trainer import (
     TrainRecipe,
     evaluate,

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,8 @@ from meshfl.node.config import (
     MeshConfig,
     PeerConfig,
     apply_overrides,
+    config_from_text,
+    config_schema,
     data_for,
     load_config,
     local_peers,
@@ -28,6 +33,7 @@ from meshfl.node.config import (
 )
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "peers.yaml"
+EXPERIMENTS = sorted((EXAMPLE.parent / "launch" / "experiments").glob("*.yaml"))
 KEY_A = "0123456789abcdef" * 4
 KEY_B = "fedcba9876543210" * 4
 
@@ -326,3 +332,57 @@ def test_shared_settings_hold_what_peers_must_agree_on(monkeypatch):
 def test_shared_settings_reject_bad_algorithm_parameters():
     cfg = apply_overrides(MeshConfig(), ["algorithm.no_such_param=1"])
     assert "'algorithm.no_such_param'" in config_error(lambda: shared_settings(cfg))
+
+
+# --------------------------------------------------------------------------- the JSON Schema
+
+
+def shipped_configs() -> dict[str, object]:
+    """The repository's peers.yaml and the `config` section of every experiment, as YAML
+    data, by file name."""
+    documents = {EXAMPLE.name: yaml.safe_load(EXAMPLE.read_text())}
+    for path in EXPERIMENTS:
+        documents[path.name] = yaml.safe_load(path.read_text())["config"]
+    return documents
+
+
+BAD_DOCUMENTS = [
+    {"rounds": 0},
+    {"lr": 0},
+    {"closed": 1},
+    {"colsed": True},
+    {"model": {"name": "mlp", "depth": 3}},
+    {"data": {"samples_per_node": "ten"}},
+    {"peers": [{"name": "a b", "listen": "tcp://127.0.0.1:7700"}]},
+    {"peers": [{"name": "a", "listen": "127.0.0.1:7700"}]},
+    {"peers": [{"name": "a"}]},
+]
+
+
+def test_the_schema_describes_every_field_and_the_configs_shipped_load():
+    schema = json.loads(json.dumps(config_schema()))  # plain JSON all through
+    assert list(schema["properties"]) == [f.name for f in dataclasses.fields(MeshConfig)]
+    assert schema["additionalProperties"] is False
+    assert len(EXPERIMENTS) > 5
+    for name, document in shipped_configs().items():
+        config_from_text(yaml.safe_dump(document), name)
+
+
+def test_the_schema_accepts_the_configs_shipped_and_refuses_what_loading_refuses():
+    jsonschema = pytest.importorskip("jsonschema")
+    validator = jsonschema.Draft202012Validator(config_schema())
+    validator.check_schema(validator.schema)
+    for name, document in shipped_configs().items():
+        assert not list(validator.iter_errors(document)), name
+    for document in BAD_DOCUMENTS:
+        assert list(validator.iter_errors(document)), document
+        config_error(lambda document=document: config_from_text(yaml.safe_dump(document), "f"))
+
+
+def test_meshfl_config_schema_prints_the_schema_as_json(tmp_path):
+    command = [sys.executable, "-m", "meshfl.launch.cli", "config", "schema"]
+    printed = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
+    assert json.loads(printed.stdout) == config_schema()
+    out = tmp_path / "peers.schema.json"
+    subprocess.run([*command, "--out", str(out)], capture_output=True, timeout=120, check=True)
+    assert json.loads(out.read_text()) == config_schema()

@@ -1,4 +1,5 @@
-"""node/data.py on the real dataset files: loaders, partitions, splits, errors."""
+"""node/datasets.py, partitions.py and splits.py on the real dataset files: loaders,
+partitions, splits, errors."""
 
 from __future__ import annotations
 
@@ -11,18 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from meshfl.node.data import (
-    DATASETS,
-    DataError,
-    NodeData,
-    Pool,
-    assign_shards,
-    check_dataset_name,
-    check_partition,
-    load_node_data,
-    load_pool,
-    stratified_split,
-)
+from meshfl.node.datasets import DATASETS, DataError, Pool, check_dataset_name, load_pool
+from meshfl.node.partitions import assign_shards, check_partition
+from meshfl.node.splits import NodeData, load_node_data, stratified_split
 
 # --------------------------------------------------------------------------- helpers
 
@@ -356,7 +348,7 @@ def test_same_seed_same_data_other_seed_other_data(data_root: Path) -> None:
 def test_another_process_builds_the_same_shard(data_root: Path) -> None:
     script = (
         "import sys, torch\n"
-        "from meshfl.node.data import load_node_data\n"
+        "from meshfl.node.splits import load_node_data\n"
         "d = load_node_data('usps', sys.argv[1], 'pathological:3', 6, 2, seed=9,"
         " samples_per_node=120)\n"
         "torch.save({'x': d.x_train, 'y': d.y_test}, sys.argv[2])\n"

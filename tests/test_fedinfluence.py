@@ -20,8 +20,8 @@ from meshfl.algorithms.fedinfluence import (
     update_client_flags,
     update_tensor_flag,
 )
-from meshfl.node.data import NodeData
 from meshfl.node.models import body_keys, build_model, head_keys
+from meshfl.node.splits import NodeData
 
 FEATURES, CLASSES = 3, 2
 CLIENTS = ["a", "b", "c", "d"]

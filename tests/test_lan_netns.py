@@ -27,8 +27,8 @@ import yaml
 from meshfl.launch import entry
 from meshfl.launch.cli import main
 from meshfl.node import config as cfgmod
-from meshfl.node.data import load_node_data
 from meshfl.node.models import build_model
+from meshfl.node.splits import load_node_data
 from meshfl.node.trainer import evaluate, train_local
 from meshfl.protocol.identity import Identity
 from tests.netns import VirtualLan, needs_netns, virtual_lan

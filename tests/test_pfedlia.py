@@ -337,8 +337,8 @@ def one_torch_thread():
 
 
 def test_on_real_digits_every_node_groups_with_exactly_its_true_cluster(one_torch_thread):
-    from meshfl.node.data import load_node_data
     from meshfl.node.models import build_model
+    from meshfl.node.splits import load_node_data
     from meshfl.node.trainer import train_local
 
     names = [f"node{i}" for i in range(6)]

@@ -129,8 +129,8 @@ def one_torch_thread():
 
 
 def digits_mesh(count: int, warmup: int):
-    from meshfl.node.data import load_node_data
     from meshfl.node.models import build_model
+    from meshfl.node.splits import load_node_data
     from meshfl.node.trainer import train_local
 
     def new_model() -> nn.Module:

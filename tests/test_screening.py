@@ -29,8 +29,8 @@ from meshfl.algorithms.screening import (
 )
 from meshfl.node.attacks import flip_labels, noise_like, scaled_update
 from meshfl.node.checkpoint import load_checkpoint, save_checkpoint
-from meshfl.node.data import load_node_data
 from meshfl.node.models import body_keys, build_model, head_keys
+from meshfl.node.splits import load_node_data
 from meshfl.node.trainer import train_local
 
 NODES = 4

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from meshfl.node import config as cfgmod
-from meshfl.node.data import DataError, load_node_data
+from meshfl.node.datasets import DataError
+from meshfl.node.splits import load_node_data
 from tests.nodes import write_config
 from tests.test_cli_errors import assert_one_line_error, run_meshfl
 
