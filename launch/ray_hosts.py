@@ -43,24 +43,24 @@ from typing import Any
 from meshfl.node import config as cfgmod
 from meshfl.node.checkpoint import write_atomically
 from meshfl.node.coordinator import COORDINATOR
-from meshfl.node.host import FINISHED, files_per_node, raise_open_files_limit
+from meshfl.node.host import FINISHED, raise_open_files_limit
 from meshfl.node.trainer import set_torch_threads
 from meshfl.protocol.identity import Identity
 from meshfl.protocol.transport import free_ports
 
 from .contacts import key_path
-from .errors import UserError
+from .errors import UserError, stop_signals_as_interrupts
+from .placement import host_groups, host_label, hosts_by_files
 from .summary import FAILED, write_summary
 from .supervise import (
     Progress,
     SupervisedProcess,
-    host_groups,
-    host_label,
     last_error_line,
     node_finished,
     node_processes,
     process_log,
     supervise,
+    write_processes,
 )
 
 log = logging.getLogger("meshfl.launch")
@@ -133,7 +133,7 @@ def plan_hosts(names: list[str], machines: list[Machine], hosts: int | None) -> 
     used = [(machine, count) for machine, count in zip(machines, counts, strict=True) if count]
     if hosts is None:
         wanted = [
-            max(1, int(machine.cpus), _hosts_by_files(count, len(names))) for machine, count in used
+            max(1, int(machine.cpus), hosts_by_files(count, len(names))) for machine, count in used
         ]
     else:
         wanted = [max(1, n) for n in _proportional(hosts, [c / len(names) for _, c in used])]
@@ -143,10 +143,6 @@ def plan_hosts(names: list[str], machines: list[Machine], hosts: int | None) -> 
         start += count
         placements.append(Placement(machine, host_groups(mine, min(hosts_here, count))))
     return placements
-
-
-def _hosts_by_files(count: int, mesh_size: int) -> int:
-    return math.ceil(count * files_per_node(mesh_size) / (0.8 * raise_open_files_limit()))
 
 
 def _proportional(total: int, weights: list[float]) -> list[int]:
@@ -241,7 +237,15 @@ def run_mesh_on_ray(
     hosts: int | None = None,
 ) -> dict[str, Any]:
     """Run every peer of `cfg` in node hosts on the Ray cluster at `address` until all
-    have ended; gather the run folder `out` here; write and return the summary."""
+    have ended; gather the run folder `out` here; write and return the summary. SIGTERM
+    and SIGHUP stop the mesh as Ctrl-C does: its hosts stop as on Ctrl-C."""
+    with stop_signals_as_interrupts():
+        return _run_on_cluster(cfg, out, address, quiet, restarts, hosts)
+
+
+def _run_on_cluster(
+    cfg: cfgmod.MeshConfig, out: Path, address: str, quiet: bool, restarts: int, hosts: int | None
+) -> dict[str, Any]:
     ray = import_ray()
     out.mkdir(parents=True, exist_ok=True)
     try:
@@ -512,27 +516,23 @@ def _pull_all(ray: Any, mirror: Mirror, machines: list[MachineRun]) -> bool:
 
 
 def _write_processes(out: Path, address: str, machines: list[MachineRun]) -> None:
-    """<out>/processes.json: which host runs which nodes, with its pid (null until
+    """processes.json (supervise.py) of a Ray run: each host with its pid (null until
     known), on which Ray node and address, under which machine's actor (`agent`: its
-    pid), and the name of the run's scratch folders there (`ray_run`)."""
-    listing = {
-        "launcher": os.getpid(),
-        "ray": address,
-        "ray_run": machines[0].run_id,
-        "processes": [
-            {
-                "label": host.label,
-                "pid": host.pid,
-                "nodes": host.nodes,
-                "ray_node": each.ray_node,
-                "ip": each.machine.ip,
-                "agent": each.pid,
-            }
-            for each in machines
-            for host in each.listing or each.planned()
-        ],
-    }
-    write_atomically(out / "processes.json", (json.dumps(listing, indent=2) + "\n").encode())
+    pid); and the cluster's address and the name of the run's scratch folders there
+    (`ray_run`)."""
+    hosts = [
+        {
+            "label": host.label,
+            "pid": host.pid,
+            "nodes": host.nodes,
+            "ray_node": each.ray_node,
+            "ip": each.machine.ip,
+            "agent": each.pid,
+        }
+        for each in machines
+        for host in each.listing or each.planned()
+    ]
+    write_processes(out, hosts, ray=address, ray_run=machines[0].run_id)
 
 
 class Mirror:
