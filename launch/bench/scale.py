@@ -238,8 +238,9 @@ def main(argv: list[str]) -> int:
 def _run_on_ray(size: int, args: argparse.Namespace, root: Path) -> ScaleResult:
     """A size on a fresh local Ray cluster, so that no run inherits another's workers;
     the nodes' checkpoints and keys, kept by a Ray launch for a resume, go with it."""
-    from ..ray_hosts import run_id_of, scratch_folder
+    from ..ray_hosts import run_id_of
     from ..ray_local import LocalRayCluster, Place
+    from ..ray_machine import scratch_folder
 
     cpus = max(1, (os.cpu_count() or 1) // args.ray_nodes)
     out = root / f"nodes{size}-ray"
