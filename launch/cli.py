@@ -1,8 +1,9 @@
 """The `meshfl` command: launch a local mesh, run one node, join a mesh, make keys.
 
-The command line parses here, and each command's flags become the typed options of its
-entry (a function of options.py's, mesh.py's, entry.py's or hosts.py's options), which
-is all that the rest of launch/ sees of them.
+The command line parses here. The flags of `launch` and of the node processes (`node`,
+`host`, `coordinator`, `join`) become typed options (mesh.py, options.py) for their
+entries (mesh.launch, entry.py, hosts.py), which `meshfl launch` calls directly in the
+processes it forks.
 """
 
 from __future__ import annotations
