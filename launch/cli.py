@@ -1,17 +1,25 @@
-"""The `meshfl` command: launch a local mesh, run one node, join a mesh, make keys."""
+"""The `meshfl` command: launch a local mesh, run one node, join a mesh, make keys.
+
+The command line parses here. The flags of `launch` and of the node processes (`node`,
+`host`, `coordinator`, `join`) become typed options (mesh.py, options.py) for their
+entries (mesh.launch, entry.py, hosts.py), which `meshfl launch` calls directly in the
+processes it forks.
+"""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from meshfl.node.logs import configure as configure_logging
 
-from .errors import EXIT_INTERRUPTED, EXIT_USAGE, UserError
+from .bench import BENCHMARKS, run_benchmark
+from .errors import UserError, command_status
+from .options import add_assignments, config_source, process_options
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -40,13 +48,8 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--rounds", type=int, help="number of rounds")
     parser.add_argument("--seed", type=int, help="seed of every random choice")
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        dest="assignments",
-        help="set any config field, e.g. --set lr=0.1 --set algorithm.gamma=2 (repeatable)",
+    add_assignments(
+        parser, "set any config field, e.g. --set lr=0.1 --set algorithm.gamma=2 (repeatable)"
     )
 
 
@@ -252,14 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     experiment.add_argument(
         "--out", metavar="DIR", help="output folder (default runs/experiments/NAME)"
     )
-    experiment.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        dest="assignments",
-        help="override any config field of every run",
-    )
+    add_assignments(experiment, "override any config field of every run")
 
     report = commands.add_parser(
         "report",
@@ -306,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "what",
         choices=list(BENCHMARKS),
-        help="; ".join(f"{name}: {what}" for name, (_, what) in BENCHMARKS.items()),
+        help="; ".join(f"{name}: {what}" for name, what in BENCHMARKS.items()),
     )
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark")
     return parser
@@ -329,21 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         "status": _status,
         "config": _config,
     }
-    try:
-        return handlers[args.command](args)
-    except KeyboardInterrupt as interrupt:
-        return getattr(interrupt, "exit_code", EXIT_INTERRUPTED)
-    except Exception as err:  # user mistakes become one line; anything else is a bug
-        if _is_user_error(err):
-            print(f"meshfl: error: {err}", file=sys.stderr)
-            return EXIT_USAGE
-        raise
-
-
-def _is_user_error(err: Exception) -> bool:
-    from meshfl.node.errors import USER_ERRORS
-
-    return isinstance(err, (UserError, *USER_ERRORS))
+    return command_status(partial(handlers[args.command], args))
 
 
 # Each command imports its module when run: most load torch, which --help, keygen and
@@ -351,33 +333,42 @@ def _is_user_error(err: Exception) -> bool:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from .supervise import launch_local
+    from .mesh import LaunchOptions, launch
 
-    return launch_local(args)
+    options = LaunchOptions(
+        config_source(args),
+        nodes=args.nodes,
+        out=Path(args.out) if args.out else None,
+        hosts=args.hosts,
+        ray=args.ray,
+        quiet=args.quiet,
+        restarts=args.restarts,
+    )
+    return launch(options)
 
 
 def _node(args: argparse.Namespace) -> int:
     from .entry import run_named_node
 
-    return run_named_node(args)
+    return run_named_node(process_options(args), args.name, args.key)
 
 
 def _host(args: argparse.Namespace) -> int:
-    from .hosts import run_host
+    from .hosts import hosted_names, run_host
 
-    return run_host(args)
+    return run_host(process_options(args), hosted_names(args.names), args.restarts)
 
 
 def _coordinator(args: argparse.Namespace) -> int:
     from .entry import run_coordinator
 
-    return run_coordinator(args)
+    return run_coordinator(process_options(args), args.key)
 
 
 def _join(args: argparse.Namespace) -> int:
     from .entry import run_joiner
 
-    return run_joiner(args)
+    return run_joiner(process_options(args), args.address, args.name, args.listen, args.key)
 
 
 def _keygen(args: argparse.Namespace) -> int:
@@ -421,21 +412,8 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
-# Each benchmark: (its module, what it measures). Imported only when run: most load torch.
-BENCHMARKS = {
-    "wire": ("bench_wire", "signed and encrypted blob MB/s against raw ZeroMQ"),
-    "scale": ("bench_scale", "wall time, memory and bytes of meshes of 16, 50 and 100 nodes"),
-    "fedc2i": ("bench_fedc2i", "influence seconds as a share of local training"),
-    "fedinfluence": (
-        "bench_fedinfluence",
-        "Fed-Influence against exact leave-one-out, cleansing and overhead",
-    ),
-}
-
-
 def _bench(args: argparse.Namespace) -> int:
-    module = importlib.import_module(f"meshfl.launch.{BENCHMARKS[args.what][0]}")
-    return module.main(args.rest)
+    return run_benchmark(args.what, args.rest)
 
 
 if __name__ == "__main__":

@@ -1,27 +1,31 @@
 """One node process: `meshfl node`, `meshfl coordinator` and `meshfl join`.
 
-Each turns its flags into the node's NodeOptions (one builder, `node_options`: which
-seat of the mesh it takes, its key, whom it dials) and runs the node until it ends,
-taking SIGTERM and SIGHUP as Ctrl-C.
+Each is a function of its typed options (options.py), called by the command line
+(cli.py) and, in a process forked by `meshfl launch`, directly (supervise.py). Each
+builds the node's NodeOptions (one builder, `node_options`: which seat of the mesh it
+takes, its key, whom it dials) and runs the node until it ends, taking SIGTERM and
+SIGHUP as Ctrl-C.
 """
 
 from __future__ import annotations
 
-import argparse
+import logging
 import signal
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 from meshfl.node import config as cfgmod
 from meshfl.node.coordinator import COORDINATOR, make_node, needs_coordinator
 from meshfl.node.host import raise_open_files_limit
+from meshfl.node.logs import configure as configure_logging
 from meshfl.node.runtime import NodeOptions
 from meshfl.protocol.transport import free_ports, host_towards, split_contact
 
 from .contacts import join_contact, key_path, listed_contacts, own_contact
-from .errors import STOP_SIGNALS, UserError, raise_stopped
+from .errors import STOP_SIGNALS, UserError, command_status, raise_stopped
 from .lifeline import watch_launcher
-from .options import resolve_config
+from .options import ProcessOptions, resolve_config
 from .summary import last_record
 
 
@@ -71,21 +75,24 @@ def named_node_options(
     )
 
 
-def run_named_node(args: argparse.Namespace) -> int:
+def run_named_node(process: ProcessOptions, name: str, key: str | None = None) -> int:
+    """`meshfl node`: run peer `name` of the config, signing with `key` (default: the
+    peer's own, else one made under the run folder)."""
     options = named_node_options(
-        resolve_config(args), args.name, Path(args.out), args.key, args.local_nodes
+        resolve_config(process.config), name, process.out, key, process.local_nodes
     )
-    return _run(options, launcher_fd=args.launcher_fd)
+    return _run(options, launcher_fd=process.launcher_fd)
 
 
-def run_coordinator(args: argparse.Namespace) -> int:
-    cfg = resolve_config(args)
+def run_coordinator(process: ProcessOptions, key: str | None = None) -> int:
+    """`meshfl coordinator`: run the coordinator of a server-centric config."""
+    cfg = resolve_config(process.config)
     if cfg.coordinator is None or not needs_coordinator(cfg.algorithm.name):
         raise UserError(
             f"algorithm {cfg.algorithm.name} runs without a coordinator; a "
             "coordinator needs a server-centric algorithm and `coordinator: ADDR`"
         )
-    out = Path(args.out)
+    out = process.out
     # The coordinator's own data is a held-out shard (node N of N+1), for the rules that
     # evaluate on the coordinator.
     options = node_options(
@@ -93,42 +100,59 @@ def run_coordinator(args: argparse.Namespace) -> int:
         COORDINATOR,
         cfg.coordinator,
         out,
-        key_path(out, COORDINATOR, args.key),
+        key_path(out, COORDINATOR, key),
         (len(cfg.peers), len(cfg.peers) + 1),
-        args.local_nodes,
+        process.local_nodes,
     )
-    return _run(options, role=COORDINATOR, launcher_fd=args.launcher_fd)
+    return _run(options, role=COORDINATOR, launcher_fd=process.launcher_fd)
 
 
-def run_joiner(args: argparse.Namespace) -> int:
-    cfg = resolve_config(args)
+def run_joiner(
+    process: ProcessOptions,
+    address: str,
+    name: str | None = None,
+    listen: str | None = None,
+    key: str | None = None,
+) -> int:
+    """`meshfl join`: join the mesh through the member at `address` as `name` (default
+    joiner-<port>), listening on `listen` (default: a free port towards `address`)."""
+    cfg = resolve_config(process.config)
     # A late member listed in peers.yaml (the only way into a closed mesh) joins with
     # its listed address, key and shard; anyone else is node N of N+1 on a free port.
-    listed = next((peer for peer in cfg.peers if peer.name == args.name), None)
-    out = Path(args.out)
-    through = join_contact(cfg, out, args.address)
+    listed = next((peer for peer in cfg.peers if peer.name == name), None)
+    out = process.out
+    through = join_contact(cfg, out, address)
     if listed is None:
         host = host_towards(split_contact(through)[0])
-        listen = args.listen or f"tcp://{host}:{free_ports(1, host)[0]}"
-        key, shard = None, (len(cfg.peers), len(cfg.peers) + 1)
+        listen = listen or f"tcp://{host}:{free_ports(1, host)[0]}"
+        listed_key, shard = None, (len(cfg.peers), len(cfg.peers) + 1)
     else:
-        listen, key = args.listen or listed.listen, listed.key
+        listen, listed_key = listen or listed.listen, listed.key
         shard = (cfg.peers.index(listed), len(cfg.peers))
-    name = args.name or f"joiner-{listen.rsplit(':', 1)[1]}"
-    own_key = key_path(out, name, args.key or key)
+    name = name or f"joiner-{listen.rsplit(':', 1)[1]}"
+    own_key = key_path(out, name, key or listed_key)
     # It dials the coordinator, if any, and the member it joins through; the mesh's
     # peer lists name the rest.
     coordinator = listed_contacts(replace(cfg, peers=[]), out, but=name)
     options = node_options(
-        cfg, name, listen, out, own_key, shard, args.local_nodes, dial=[*coordinator, through]
+        cfg, name, listen, out, own_key, shard, process.local_nodes, dial=[*coordinator, through]
     )
+    config = process.config.path
     hint = (
         f"meshfl join {own_contact(cfg, listen, own_key)}"
-        + (f" --config {args.config}" if args.config else "")
+        + (f" --config {config}" if config else "")
         + " --name NAME"
     )
-    print(f"meshfl: {name} joining through {args.address}", flush=True)
+    print(f"meshfl: {name} joining through {address}", flush=True)
     return _run(replace(options, joining=True, join_hint=hint))
+
+
+def run_forked(entry: Callable[[], int]) -> int:
+    """In a process forked by `meshfl launch`: run a node process's `entry` as its
+    `meshfl` command runs it, logging at INFO; a mistake the user can fix as one line
+    and its exit status."""
+    configure_logging(logging.INFO)
+    return command_status(entry)
 
 
 def _run(options: NodeOptions, role: str = "peer", launcher_fd: int | None = None) -> int:

@@ -1,12 +1,16 @@
 """How a `meshfl` command ends: the errors a user can fix, stop signals, exit codes.
 
-Every launch module raises these and `meshfl`'s main (cli.py) turns them into its exit
-status; they live apart from cli.py so that no module has to import the command back.
+Every launch module raises these and `command_status` turns them into the exit status,
+both for `meshfl`'s main (cli.py) and for a node process forked by `meshfl launch`;
+they live apart from cli.py so that no module has to import the command back.
 """
 
 from __future__ import annotations
 
 import signal
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 EXIT_USAGE = 2
@@ -31,3 +35,38 @@ class Stopped(KeyboardInterrupt):
 def raise_stopped(signum: int, frame: Any) -> None:
     """A signal handler for STOP_SIGNALS: the stop unwinds as a Ctrl-C would."""
     raise Stopped(signum)
+
+
+@contextmanager
+def stop_signals_as_interrupts() -> Iterator[None]:
+    """SIGTERM (timeout, CI runners, systemd, container stops) and SIGHUP (a closed
+    terminal) raise `Stopped`, a KeyboardInterrupt, while the block runs: a launcher's
+    mesh stops as on Ctrl-C."""
+    previous = {signum: signal.signal(signum, raise_stopped) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def command_status(command: Callable[[], int]) -> int:
+    """Run `command` as `meshfl` runs every command: its exit status; a stop as Ctrl-C's
+    status (or 128 + the signal's number); a mistake the user can fix as one line and
+    EXIT_USAGE. Anything else is a bug and raises."""
+    try:
+        return command()
+    except KeyboardInterrupt as interrupt:
+        return getattr(interrupt, "exit_code", EXIT_INTERRUPTED)
+    except Exception as err:
+        if _is_user_error(err):
+            print(f"meshfl: error: {err}", file=sys.stderr)
+            return EXIT_USAGE
+        raise
+
+
+def _is_user_error(err: Exception) -> bool:
+    # Imported here: the node's errors load torch, which --help, keygen and status do without.
+    from meshfl.node.errors import USER_ERRORS
+
+    return isinstance(err, (UserError, *USER_ERRORS))

@@ -26,8 +26,8 @@ from meshfl.node import config as cfgmod
 
 from .errors import UserError
 from .measures import ROUND_COSTS, TableRow, score_rows
+from .mesh import run_mesh, with_local_peers
 from .summary import failed_nodes, honest_accuracies, write_summary
-from .supervise import run_mesh, with_local_peers
 
 
 def available() -> dict[str, Path]:

@@ -4,8 +4,9 @@ Importing torch costs a process about 300 MB of memory of its own (relocated lib
 data, module objects), and a mesh of hosts pays it once per process. A forked child
 shares the launcher's copy of those pages until it writes to them, so every process
 of a run holds one torch between them: the proportional set size of a 100-node run
-falls by about that much per host. The child then runs the same `meshfl` command line
-it would have been started with, in its own session, writing to its log.
+falls by about that much per host. The child then calls the entry of the command it
+would have been started with (entry.py, hosts.py) directly, in its own session, writing
+to its log.
 
 Linux only: on macOS, forking a process that loaded system frameworks is unsafe, and
 there (and wherever `can_fork` says no) launch starts a fresh interpreter instead.
@@ -56,11 +57,13 @@ class ForkedProcess:
         return self.returncode
 
 
-def fork_command(
-    main: Callable[[list[str]], int], argv: list[str], log_path: Path, close_fds: list[int]
+def fork_call(
+    run: Callable[[], int], argv: list[str], log_path: Path, close_fds: list[int]
 ) -> ForkedProcess:
-    """Run `main(argv)` in a forked child, in a session of its own, its output appended
-    to `log_path`, the descriptors `close_fds` (the launcher's own ends) closed."""
+    """Call `run` in a forked child, in a session of its own, its output appended to
+    `log_path`, the descriptors `close_fds` (the launcher's own ends) closed; its return
+    value is the child's exit status. `argv`: the command line it stands for, as
+    `subprocess.Popen.args` would be."""
     sys.stdout.flush()  # or the child would write what the launcher had buffered again
     sys.stderr.flush()
     # Stop signals wait until each side has its own handlers: the launcher's would
@@ -75,7 +78,7 @@ def fork_command(
             try:
                 _become_child(log_file.fileno(), close_fds)
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
-                _run_and_exit(main, argv)
+                _run_and_exit(run)
             finally:
                 os._exit(1)  # reached only if becoming the child itself failed
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
@@ -97,10 +100,10 @@ def _become_child(log_fd: int, close_fds: list[int]) -> None:
         signal.signal(signum, signal.SIG_DFL)
 
 
-def _run_and_exit(main: Callable[[list[str]], int], argv: list[str]) -> None:
+def _run_and_exit(run: Callable[[], int]) -> None:
     code = 1
     try:
-        code = main(argv)
+        code = run()
     except SystemExit as exit_:
         code = 0 if exit_.code is None else exit_.code if isinstance(exit_.code, int) else 1
     except BaseException:  # noqa: BLE001 - a child must never return into the launcher

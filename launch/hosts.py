@@ -6,9 +6,7 @@ a host can also be started by hand, like `meshfl node`, for the peers it names.
 
 from __future__ import annotations
 
-import argparse
 import signal
-from pathlib import Path
 from typing import Any
 
 from meshfl.node.coordinator import make_node
@@ -17,10 +15,11 @@ from meshfl.node.host import FAILED, FINISHED, NodeEnd, NodeHost, raise_open_fil
 from .entry import named_node_options, say_finished
 from .errors import EXIT_NODE_FAILED, STOP_SIGNALS, Stopped, UserError
 from .lifeline import watch_launcher
-from .options import resolve_config
+from .options import ProcessOptions, resolve_config
 
 
 def hosted_names(text: str) -> list[str]:
+    """--names: the peer names it lists, comma-separated, each once."""
     names = [name.strip() for name in text.split(",") if name.strip()]
     if not names or len(set(names)) != len(names):
         raise UserError(
@@ -29,17 +28,19 @@ def hosted_names(text: str) -> list[str]:
     return names
 
 
-def run_host(args: argparse.Namespace) -> int:
-    cfg = resolve_config(args)
-    out = Path(args.out)
+def run_host(process: ProcessOptions, names: list[str], restarts: int = 0) -> int:
+    """`meshfl host`: run the peers `names` of the config in this process until each has
+    ended, starting one that fails again at once, up to `restarts` times (node/host.py);
+    EXIT_NODE_FAILED when one failed for good."""
+    cfg = resolve_config(process.config)
     options = [
-        named_node_options(cfg, name, out, local_nodes=args.local_nodes)
-        for name in hosted_names(args.names)
+        named_node_options(cfg, name, process.out, local_nodes=process.local_nodes)
+        for name in names
     ]
-    if args.restarts < 0:
-        raise UserError(f"--restarts: got {args.restarts}; allowed: 0 or more")
+    if restarts < 0:
+        raise UserError(f"--restarts: got {restarts}; allowed: 0 or more")
     raise_open_files_limit()
-    host = NodeHost(options, make_node, restarts=args.restarts)
+    host = NodeHost(options, make_node, restarts=restarts)
 
     def stop(signum: int, frame: Any) -> None:
         host.stop()
@@ -47,8 +48,8 @@ def run_host(args: argparse.Namespace) -> int:
 
     for signum in STOP_SIGNALS:
         signal.signal(signum, stop)
-    if args.launcher_fd is not None:
-        watch_launcher(args.launcher_fd, f"host of {args.names}")
+    if process.launcher_fd is not None:
+        watch_launcher(process.launcher_fd, f"host of {','.join(names)}")
     try:
         ends = host.run()
     except KeyboardInterrupt:

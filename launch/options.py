@@ -1,14 +1,18 @@
-"""From a command's config flags (--config, --algorithm, --set ...) to its MeshConfig."""
+"""What a node process is told: where its MeshConfig comes from, and where it runs.
+
+The command line (cli.py) turns a command's config flags (--config, --algorithm, --set
+...) into a `ConfigSource`, and a node process's other flags into `ProcessOptions`;
+`meshfl launch` builds the same options for the processes it forks, and
+`ProcessOptions.argv` gives them back as flags for a fresh interpreter.
+"""
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
-from typing import TypeVar
+from dataclasses import dataclass
+from pathlib import Path
 
 from meshfl.node import config as cfgmod
-
-Number = TypeVar("Number", int, float)
 
 # The config fields that have a flag of their own (cli.py), by the flag's dest.
 _FLAG_FIELDS = {
@@ -22,48 +26,71 @@ _FLAG_FIELDS = {
 }
 
 
-def positive(kind: type[Number]) -> Callable[[str], Number]:
-    """An argparse type: a number of `kind` above zero."""
+@dataclass(frozen=True)
+class ConfigSource:
+    """A MeshConfig as the flags give it: the peers.yaml at `path` (None: the built-in
+    demo settings) with `overrides` (KEY=VALUE, as --set takes them) applied in order."""
 
-    def parse(text: str) -> Number:
-        try:
-            value = kind(text)
-        except ValueError:
-            value = kind(0)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"got {text!r}; expected a positive number")
-        return value
+    path: str | None = None
+    overrides: tuple[str, ...] = ()
 
-    return parse
+    def argv(self) -> list[str]:
+        config = ["--config", self.path] if self.path is not None else []
+        return config + [flag for each in self.overrides for flag in ("--set", each)]
 
 
-def positive_list(kind: type[Number]) -> Callable[[str], list[Number]]:
-    """An argparse type: comma-separated numbers of `kind` above zero, e.g. 1,10,100."""
-    one = positive(kind)
+@dataclass(frozen=True)
+class ProcessOptions:
+    """What every node process takes (`meshfl node`, `host`, `coordinator`, `join`): its
+    config, the run folder it writes under, how many nodes share this machine's cores
+    (for their torch threads), and the lifeline of the launcher that started it, if one
+    did (lifeline.py)."""
 
-    def parse(text: str) -> list[Number]:
-        items = [item for item in text.split(",") if item.strip()]
-        if not items:
-            raise argparse.ArgumentTypeError(f"got {text!r}; expected numbers like 1,10,100")
-        return [one(item) for item in items]
+    config: ConfigSource
+    out: Path
+    local_nodes: int = 1
+    launcher_fd: int | None = None
 
-    return parse
+    def argv(self) -> list[str]:
+        """These options as the flags of a `meshfl` command line."""
+        lifeline = ["--launcher-fd", str(self.launcher_fd)] if self.launcher_fd is not None else []
+        return [
+            *self.config.argv(),
+            *("--out", str(self.out), "--local-nodes", str(self.local_nodes)),
+            *lifeline,
+        ]
 
 
-def named_overrides(args: argparse.Namespace) -> list[str]:
-    """The named flags given, as KEY=VALUE assignments like those of --set."""
-    return [
+def add_assignments(parser: argparse.ArgumentParser, help: str) -> None:
+    """--set KEY=VALUE, repeatable: config changes, read as `args.assignments`."""
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", dest="assignments", help=help
+    )
+
+
+def config_source(args: argparse.Namespace) -> ConfigSource:
+    """A command's config flags: --config, then the named flags given and --set, as
+    overrides in that order."""
+    named = [
         f"{key}={getattr(args, flag)}"
         for flag, key in _FLAG_FIELDS.items()
         if getattr(args, flag, None) is not None
     ]
+    return ConfigSource(args.config, (*named, *args.assignments))
 
 
-def resolve_config(args: argparse.Namespace, check: bool = True) -> cfgmod.MeshConfig:
-    """--config (or the built-in demo settings) with the named flags, then --set, applied;
-    checked unless `check` is False."""
-    cfg = cfgmod.load_config(args.config)
-    cfg = cfgmod.apply_overrides(cfg, named_overrides(args) + list(args.assignments))
+def process_options(args: argparse.Namespace) -> ProcessOptions:
+    """A node process's flags: its config flags, --out, --local-nodes, --launcher-fd."""
+    return ProcessOptions(
+        config_source(args), Path(args.out), args.local_nodes, getattr(args, "launcher_fd", None)
+    )
+
+
+def resolve_config(source: ConfigSource, check: bool = True) -> cfgmod.MeshConfig:
+    """The config `source` names with its overrides applied; checked unless `check` is
+    False."""
+    cfg = cfgmod.load_config(source.path)
+    cfg = cfgmod.apply_overrides(cfg, list(source.overrides))
     if check:
         cfgmod.validate(cfg)
         # The node runs the rule parameters the check fitted to `rounds` (a warm-up).

@@ -2,7 +2,7 @@
 
 Ray only places and supervises. On each machine that gets nodes one actor, pinned
 there and holding the machine's CPUs, forks the node hosts as a plain launch forks them
-(launch/supervise.py): the hosts share the actor's torch, so a machine pays for one
+(ray_machine.py): the hosts share the actor's torch, so a machine pays for one
 interpreter and one torch, not one per host, and the actor restarts a host that fails.
 The nodes bind on their machine's address and talk to every other node over meshfl's
 own signed, encrypted wire, exactly as the processes of a local launch do. What
@@ -19,49 +19,31 @@ public key, each machine's hosts, and the nodes' text files on their way back.
 - Data: a node loads its shard where it runs, from the same `--data-root` path on every
   machine (or the embedded digits).
 
-This is the only module of meshfl that imports Ray, and only when `--ray` is given.
+This module and its actor's (ray_machine.py) are the only ones of meshfl that import
+Ray, and only when `--ray` is given.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import math
-import os
-import tempfile
-import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from meshfl.node import config as cfgmod
-from meshfl.node.checkpoint import write_atomically
 from meshfl.node.coordinator import COORDINATOR
-from meshfl.node.host import FINISHED, files_per_node, raise_open_files_limit
-from meshfl.node.trainer import set_torch_threads
-from meshfl.protocol.identity import Identity
-from meshfl.protocol.transport import free_ports
+from meshfl.node.host import FINISHED
 
-from .contacts import key_path
-from .errors import UserError
+from .errors import UserError, stop_signals_as_interrupts
+from .placement import host_groups, host_label, hosts_by_files
+from .ray_machine import CPU_GRAINS, HostListing, RayMachine
 from .summary import FAILED, write_summary
-from .supervise import (
-    Progress,
-    SupervisedProcess,
-    host_groups,
-    host_label,
-    last_error_line,
-    node_finished,
-    node_processes,
-    process_log,
-    supervise,
-)
+from .supervise import Progress, last_error_line, node_finished, process_log, write_processes
 
 log = logging.getLogger("meshfl.launch")
 
@@ -70,14 +52,12 @@ PLACE_LIMIT_S = 120.0  # actors not placed by then wait for CPUs the cluster lac
 MIRROR_EVERY_S = 1.0  # how often the launcher copies the nodes' files back
 MIRROR_WAIT_S = 30.0  # how long the last copy of a run waits for the hosts' answers
 STOP_WAIT_S = 15.0  # how long a machine's hosts may take to stop before its actor ends
-HOSTS_GONE_LIMIT_S = 60.0  # an earlier actor's hosts stop within seconds (lifeline.py)
 SEAT_TRIES = 5  # Ray nodes sharing an address may draw the same free port: draw again
 # The files of a node that come back to the run folder; its checkpoint and key stay.
 MIRRORED = ("metrics.jsonl", "node.log", "info.json")
 # How much of a copied file's end must still match the original for its tail alone to
 # be sent: a file written anew (a resumed node's metrics) comes back whole.
 MATCHED_TAIL = 256
-CPU_GRAINS = 10_000  # Ray counts resources in ten-thousandths
 
 
 def import_ray() -> Any:
@@ -133,7 +113,7 @@ def plan_hosts(names: list[str], machines: list[Machine], hosts: int | None) -> 
     used = [(machine, count) for machine, count in zip(machines, counts, strict=True) if count]
     if hosts is None:
         wanted = [
-            max(1, int(machine.cpus), _hosts_by_files(count, len(names))) for machine, count in used
+            max(1, int(machine.cpus), hosts_by_files(count, len(names))) for machine, count in used
         ]
     else:
         wanted = [max(1, n) for n in _proportional(hosts, [c / len(names) for _, c in used])]
@@ -143,10 +123,6 @@ def plan_hosts(names: list[str], machines: list[Machine], hosts: int | None) -> 
         start += count
         placements.append(Placement(machine, host_groups(mine, min(hosts_here, count))))
     return placements
-
-
-def _hosts_by_files(count: int, mesh_size: int) -> int:
-    return math.ceil(count * files_per_node(mesh_size) / (0.8 * raise_open_files_limit()))
 
 
 def _proportional(total: int, weights: list[float]) -> list[int]:
@@ -219,16 +195,6 @@ class MachineRun:
         )
 
 
-@dataclass
-class HostListing:
-    """One forked host as its machine's actor reports it, for processes.json."""
-
-    label: str
-    pid: int | None  # None until its actor has forked it
-    nodes: list[str]
-    restarts: dict[str, int]
-
-
 # --- the launcher's side: the run ---------------------------------------------------
 
 
@@ -241,7 +207,15 @@ def run_mesh_on_ray(
     hosts: int | None = None,
 ) -> dict[str, Any]:
     """Run every peer of `cfg` in node hosts on the Ray cluster at `address` until all
-    have ended; gather the run folder `out` here; write and return the summary."""
+    have ended; gather the run folder `out` here; write and return the summary. SIGTERM
+    and SIGHUP stop the mesh as Ctrl-C does: its hosts stop as on Ctrl-C."""
+    with stop_signals_as_interrupts():
+        return _run_on_cluster(cfg, out, address, quiet, restarts, hosts)
+
+
+def _run_on_cluster(
+    cfg: cfgmod.MeshConfig, out: Path, address: str, quiet: bool, restarts: int, hosts: int | None
+) -> dict[str, Any]:
     ray = import_ray()
     out.mkdir(parents=True, exist_ok=True)
     try:
@@ -309,12 +283,6 @@ def _start_machines(
             )
         )
     return machines
-
-
-def scratch_folder(run_id: str) -> Path:
-    """Where the hosts of the run `run_id` keep their nodes' keys and checkpoints, on
-    each machine: kept after the run, for a resume."""
-    return Path(tempfile.gettempdir()) / "meshfl-ray" / run_id
 
 
 def run_id_of(out: Path) -> str | None:
@@ -512,27 +480,23 @@ def _pull_all(ray: Any, mirror: Mirror, machines: list[MachineRun]) -> bool:
 
 
 def _write_processes(out: Path, address: str, machines: list[MachineRun]) -> None:
-    """<out>/processes.json: which host runs which nodes, with its pid (null until
+    """processes.json (supervise.py) of a Ray run: each host with its pid (null until
     known), on which Ray node and address, under which machine's actor (`agent`: its
-    pid), and the name of the run's scratch folders there (`ray_run`)."""
-    listing = {
-        "launcher": os.getpid(),
-        "ray": address,
-        "ray_run": machines[0].run_id,
-        "processes": [
-            {
-                "label": host.label,
-                "pid": host.pid,
-                "nodes": host.nodes,
-                "ray_node": each.ray_node,
-                "ip": each.machine.ip,
-                "agent": each.pid,
-            }
-            for each in machines
-            for host in each.listing or each.planned()
-        ],
-    }
-    write_atomically(out / "processes.json", (json.dumps(listing, indent=2) + "\n").encode())
+    pid); and the cluster's address and the name of the run's scratch folders there
+    (`ray_run`)."""
+    hosts = [
+        {
+            "label": host.label,
+            "pid": host.pid,
+            "nodes": host.nodes,
+            "ray_node": each.ray_node,
+            "ip": each.machine.ip,
+            "agent": each.pid,
+        }
+        for each in machines
+        for host in each.listing or each.planned()
+    ]
+    write_processes(out, hosts, ray=address, ray_run=machines[0].run_id)
 
 
 class Mirror:
@@ -599,162 +563,3 @@ def host_files(groups: list[list[str]]) -> list[str]:
     files = [f"{name}/{each}" for names in groups for name in names for each in MIRRORED]
     logs = {str(process_log(Path(), names)) for names in groups}
     return files + sorted(logs - set(files))
-
-
-# --- the machine's side: a Ray actor that forks the node hosts there ----------------
-
-
-class RayMachine:
-    """The node hosts of one machine of the cluster, forked by one Ray actor as a
-    plain launch forks them (launch/supervise.py): they share the actor's torch, and
-    the actor restarts a host that fails. The hosts' folders, keys and checkpoints live
-    under a scratch folder of the machine that outlives the actor: when Ray restarts the
-    actor (its hosts stop with it: the lifeline), the new one finds them again."""
-
-    def __init__(self, run_id: str, label: str, hosts: list[tuple[str, list[str]]]) -> None:
-        # Shared by the run's actors on this machine: node folders are named by node, and
-        # each actor's own files by its label.
-        self.root = scratch_folder(run_id)
-        self.label = label
-        self.hosts = hosts
-        self.names = [name for _, names in hosts for name in names]
-        self.stopping = threading.Event()
-        self._lock = threading.Lock()
-        self._run_done: threading.Event | None = None  # set while a run is under way
-        self._ends: dict[str, str] = {}
-        self._supervised: list[SupervisedProcess] = []
-        raise_open_files_limit()  # the hosts inherit it
-
-    def where(self) -> tuple[int, str]:
-        """This process's pid and the Ray node it runs on."""
-        import ray
-
-        return os.getpid(), ray.get_runtime_context().get_node_id()
-
-    def seats(self) -> tuple[tuple[int, str], dict[str, tuple[str, str]]]:
-        """Where this actor runs, and for each node the address it will listen on (a free
-        port of this machine) and its public key (hex), made here on the first call."""
-        import ray
-
-        ip = ray.util.get_node_ip_address()
-        ports = free_ports(len(self.names), ip)
-        seats = {}
-        for name, port in zip(self.names, ports, strict=True):
-            identity = Identity.load_or_create(key_path(self.root, name))
-            seats[name] = (f"tcp://{ip}:{port}", identity.public_key.hex())
-        return self.where(), seats
-
-    def run(
-        self,
-        config_text: str,
-        names: list[str],
-        cpus: float,
-        restarts: int,
-        restarted: dict[str, int],
-    ) -> dict[str, str]:
-        """Run `names` in their hosts (resuming from their checkpoints, if any), starting
-        a failed host's unfinished nodes again until one of them has been restarted
-        `restarts` times (`restarted`: the counts so far), until each has ended; how
-        each ended. A call while a run is under way (the launcher lost sight of this
-        actor for a while) waits for that one."""
-        with self._lock:
-            under_way = self._run_done
-            if under_way is None:
-                self._run_done = threading.Event()
-        if under_way is not None:
-            under_way.wait()
-            return self._ends
-        try:
-            self._ends = self._run(config_text, names, cpus, restarts, Counter(restarted))
-        finally:
-            with self._lock:
-                done, self._run_done = self._run_done, None
-            assert done is not None
-            done.set()
-        return self._ends
-
-    def stop(self) -> None:
-        """End the run: its hosts are stopped (their nodes say bye)."""
-        self.stopping.set()
-
-    def news(self, copies: dict[str, tuple[int, bytes]]) -> tuple[list[HostListing], dict]:
-        """The hosts of the run under way (or of the last one), and what the launcher's
-        copies lack (`files`)."""
-        listing = [
-            HostListing(each.label, each.process.pid, each.running, dict(each.node_restarts))
-            for each in self._supervised
-        ]
-        return listing, self.files(copies)
-
-    def files(self, copies: dict[str, tuple[int, bytes]]) -> dict[str, tuple[int, bytes]]:
-        """What the launcher's copies lack, as (where it starts, the bytes): the tail past
-        a copy's size where the copy's last bytes still match, else the whole file (it
-        was written anew)."""
-        found = {}
-        for relative, (size, last) in copies.items():
-            try:
-                with open(self.root / relative, "rb") as file:
-                    length = file.seek(0, 2)
-                    file.seek(max(0, size - len(last)))
-                    matches = length >= size and file.read(len(last)) == last
-                    start = size if matches else 0
-                    file.seek(start)
-                    data = file.read()
-            except OSError:
-                continue  # not written yet
-            if data or not matches:
-                found[relative] = (start, data)
-        return found
-
-    def _run(
-        self, config_text: str, names: list[str], cpus: float, restarts: int, restarted: Counter
-    ) -> dict[str, str]:
-        self._supervised = []  # the hosts of an earlier run are not this one's
-        if self.stopping.is_set():
-            return {}
-        self.root.mkdir(parents=True, exist_ok=True)
-        rounds = cfgmod.config_from_text(config_text, "the launcher's config").rounds
-        config_path = self.root / f"config-{self.label}.yaml"
-        write_atomically(config_path, config_text.encode())
-        wanted = set(names)
-        hosts = [(label, [n for n in group if n in wanted]) for label, group in self.hosts]
-        hosts = [(label, group) for label, group in hosts if group]
-        # One torch thread here: an OpenMP pool would not survive the forks; each host
-        # then takes its share of the CPUs Ray granted (set_torch_threads).
-        cores = os.cpu_count() or 1
-        set_torch_threads(cores)
-        local_nodes = max(1, round(cores * len(hosts) / max(cpus, 1 / CPU_GRAINS)))
-        groups = [group for _, group in hosts]
-        labels = [label for label, _ in hosts]
-        with (
-            self._machine_lock() as lock,
-            node_processes(
-                config_path, self.root, groups, labels, local_nodes, restarted, (lock,)
-            ) as (supervised, start),
-        ):
-            self._supervised = supervised
-            supervise(supervised, start, restarts, self.root, rounds, True, self.stopping)
-        return {
-            name: FINISHED if node_finished(self.root, name, rounds) else FAILED for name in names
-        }
-
-    @contextmanager
-    def _machine_lock(self) -> Iterator[int]:
-        """A lock on this machine's hosts, taken before they are forked and held by each
-        of them (the descriptor is inherited) until it exits: an actor that Ray restarted
-        waits here until the hosts of the one that died have let go of their ports and
-        checkpoints (they stop on their own: the lifeline)."""
-        with open(self.root / f"{self.label}.lock", "a") as file:
-            deadline = time.monotonic() + HOSTS_GONE_LIMIT_S
-            while True:
-                try:
-                    fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(
-                            f"the hosts of an earlier actor on this machine still run after "
-                            f"{HOSTS_GONE_LIMIT_S:.0f} s"
-                        ) from None
-                    time.sleep(0.2)
-            yield file.fileno()

@@ -62,8 +62,9 @@ def write_summary(
     cfg: cfgmod.MeshConfig, out: Path, outcomes: dict[str, dict[str, Any]] | None = None
 ) -> dict[str, Any]:
     """Summarize the run in `out` and write summary.json. `outcomes` says how each node
-    ended (supervise.py: SupervisedNode.outcome); without it (a summary made again later) it is what
-    the previous summary.json said, else judged by the rounds each node finished."""
+    ended (supervise.py: SupervisedProcess.outcome); without it (a summary made again
+    later) it is what the previous summary.json said, else judged by the rounds each
+    node finished."""
     outcomes = outcomes or _recorded_outcomes(out)
     history = {peer.name: records(out / peer.name / "metrics.jsonl") for peer in cfg.peers}
     coordinator = metrics.read_records(out / COORDINATOR / "metrics.jsonl", CoordinatorRecord)

@@ -1,20 +1,18 @@
-"""`meshfl launch`: a mesh of local nodes in a few processes, supervised until all exit.
+"""Supervision: start a mesh's processes, watch them, restart their unfinished nodes.
 
-The peers run in node hosts (`meshfl host`, node/host.py), about one per core, each
-host a process holding a share of the peers; `--hosts N` gives every peer a process of
-its own (`meshfl node`). A coordinator runs alone (`meshfl coordinator`). Every
-process has its own session and writes under the run folder; launch shows their
-progress, restarts a failed process's unfinished nodes from their checkpoints when
-asked to, stops them all on Ctrl-C or a stop signal, and ends with the run's summary
-(summary.py).
+A mesh runner (mesh.py on this machine, ray_hosts.py on each machine of a Ray cluster)
+decides which nodes each process runs; here each process is started with its entry
+(entry.py, hosts.py: the coordinator, one node, or a node host), forked from this
+process where the system allows (forked.py), each in a session of its own and writing
+under the run folder. `supervise` shows their progress and restarts a failed process's
+unfinished nodes from their checkpoints when asked to; `node_processes` stops them all
+however its block ends; `SupervisedProcess.outcome` says how each node ended.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
-import math
 import os
 import re
 import signal
@@ -25,165 +23,22 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
-from datetime import datetime
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from meshfl.node import config as cfgmod
-from meshfl.node.checkpoint import StorageError
-from meshfl.node.coordinator import COORDINATOR, needs_coordinator
-from meshfl.node.host import (
-    files_per_node,
-    forget_restarts,
-    raise_open_files_limit,
-    record_restarts,
-    restarts_so_far,
-)
+from meshfl.node.checkpoint import StorageError, write_atomically
+from meshfl.node.coordinator import COORDINATOR
+from meshfl.node.host import record_restarts, restarts_so_far
 from meshfl.node.metrics import read_lines
-from meshfl.node.splits import load_node_data
-from meshfl.node.trainer import set_torch_threads
-from meshfl.protocol.transport import free_ports
 
-from .contacts import key_path, own_contact
-from .errors import EXIT_NODE_FAILED, STOP_SIGNALS, UserError, raise_stopped
-from .forked import ForkedProcess, can_fork, fork_command
+from .entry import run_coordinator, run_forked, run_named_node
+from .forked import ForkedProcess, can_fork, fork_call
+from .hosts import run_host
 from .lifeline import Lifeline
-from .options import resolve_config
-from .summary import (
-    FAILED,
-    FINISHED,
-    failed_nodes,
-    last_record,
-    print_table,
-    ran_every_round,
-    write_summary,
-)
-
-
-def launch_local(args: argparse.Namespace) -> int:
-    """`meshfl launch`: run the mesh, print its table; EXIT_NODE_FAILED when a node failed."""
-    cfg = resolve_config(args, check=False)  # run_mesh checks it with its local addresses
-    if args.nodes is not None or args.config is None:
-        count = args.nodes if args.nodes is not None else len(cfg.peers)
-        cfg = with_local_peers(cfg, count)
-    if args.restarts < 0:
-        raise UserError(f"--restarts: got {args.restarts}; allowed: 0 or more")
-    if args.hosts is not None and not 1 <= args.hosts <= len(cfg.peers):
-        raise UserError(
-            f"--hosts: got {args.hosts}; allowed: 1 to the number of nodes "
-            f"({len(cfg.peers)}), which gives every node a process of its own"
-        )
-    out = Path(args.out or _default_run_dir(cfg))
-    if args.ray is not None:
-        from .ray_hosts import run_mesh_on_ray  # the only module that imports Ray
-
-        with _stop_signals_as_interrupts():  # its hosts stop as on Ctrl-C
-            summary = run_mesh_on_ray(
-                cfg, out, args.ray, quiet=args.quiet, restarts=args.restarts, hosts=args.hosts
-            )
-    else:
-        summary = run_mesh(cfg, out, quiet=args.quiet, restarts=args.restarts, hosts=args.hosts)
-    print_table(summary)
-    failed = failed_nodes(summary)
-    if failed:
-        print(
-            f"meshfl: {len(failed)} of {len(summary['nodes'])} nodes failed: "
-            f"{', '.join(failed)} (see {out / 'summary.json'})",
-            file=sys.stderr,
-        )
-        return EXIT_NODE_FAILED
-    return 0
-
-
-def with_local_peers(cfg: cfgmod.MeshConfig, count: int) -> cfgmod.MeshConfig:
-    """`cfg` with `count` peers (and a coordinator) on free loopback ports."""
-    if count < 1:
-        raise UserError(f"--nodes: got {count}; allowed: 1 or more")
-    *ports, coordinator_port = free_ports(count + 1)
-    peers = [
-        replace(peer, listen=f"tcp://127.0.0.1:{port}")
-        for peer, port in zip(cfgmod.local_peers(count), ports, strict=True)
-    ]
-    coordinator = f"tcp://127.0.0.1:{coordinator_port}"
-    return replace(
-        cfg, peers=peers, coordinator=coordinator if needs_coordinator(cfg.algorithm.name) else None
-    )
-
-
-def default_hosts(peers: int) -> int:
-    """About one node host per core, so each host's torch has a core of its own; more
-    where the nodes' connections would not fit one process's open-files limit (a node
-    of a full mesh holds a few per peer), with a fifth of the limit to spare."""
-    per_core = min(peers, os.cpu_count() or 1)
-    by_files = math.ceil(peers * files_per_node(peers) / (0.8 * raise_open_files_limit()))
-    return max(1, per_core, min(peers, by_files))
-
-
-def run_mesh(
-    cfg: cfgmod.MeshConfig,
-    out: Path,
-    quiet: bool = False,
-    restarts: int = 0,
-    hosts: int | None = None,
-) -> dict[str, Any]:
-    """Run every peer of `cfg` on this machine in `hosts` processes (default: about one
-    per core; as many as peers: one each) until all have exited; write and return the
-    summary. A process that fails does not stop the others: its unfinished nodes are
-    restarted up to `restarts` times, then listed as failed. SIGTERM and SIGHUP stop
-    the mesh as Ctrl-C does (KeyboardInterrupt), and the nodes stop on their own if this
-    process dies (launch/lifeline.py)."""
-    cfgmod.validate(cfg)
-    _check_data(cfg)
-    out.mkdir(parents=True, exist_ok=True)
-    config_path = out / "config.yaml"
-    # Fitted rule parameters written out: a joiner with other `rounds` still agrees.
-    cfgmod.save_config(cfgmod.with_explicit_params(cfg), config_path)
-    first = cfg.peers[0]
-    # Made before the node that loads it starts, so that the join line can carry its key.
-    joinable = own_contact(cfg, first.listen, key_path(out, first.name, first.key))
-    for peer in cfg.peers:  # a launch counts its own restarts, not an earlier one's
-        forget_restarts(out / peer.name)
-    groups = host_groups(
-        [peer.name for peer in cfg.peers],
-        hosts if hosts is not None else default_hosts(len(cfg.peers)),
-    )
-    if cfg.coordinator is not None:
-        groups.append([COORDINATOR])
-    labels = [host_label(index, names) for index, names in enumerate(groups)]
-    with (
-        _stop_signals_as_interrupts(),
-        node_processes(config_path, out, groups, labels, len(groups), restarts=restarts) as (
-            supervised,
-            start,
-        ),
-    ):
-        write_processes(out, supervised)
-        if not quiet:
-            print(
-                f"meshfl: {len(cfg.peers)} nodes in {len(groups)} processes, "
-                f"{cfg.algorithm.name} on {cfg.data.dataset} ({cfg.data.partition}), "
-                f"{cfg.rounds} rounds -> {out}"
-            )
-            print(f"meshfl: join this mesh with: meshfl join {joinable} --config {config_path}")
-        supervise(
-            supervised,
-            start,
-            restarts,
-            out,
-            cfg.rounds,
-            quiet=quiet,
-            on_restart=partial(write_processes, out, supervised),
-        )
-    outcomes = {
-        name: each.outcome(name, out, cfg.rounds) for each in supervised for name in each.names
-    }
-    return write_summary(cfg, out, outcomes)
-
-
-def host_label(index: int, names: list[str]) -> str:
-    return names[0] if len(names) == 1 else f"host{index}"
+from .options import ConfigSource, ProcessOptions
+from .summary import FAILED, FINISHED, last_record, ran_every_round
 
 
 @contextmanager
@@ -224,65 +79,6 @@ def node_processes(
         lifeline.close()
 
 
-def write_processes(out: Path, supervised: list[SupervisedProcess]) -> None:
-    """<out>/processes.json: which process runs which nodes, for whoever looks at a live
-    run (a forked process keeps the launcher's command line, so `ps` cannot tell)."""
-    listing = {
-        "launcher": os.getpid(),
-        "processes": [
-            {"label": each.label, "pid": each.process.pid, "nodes": each.running}
-            for each in supervised
-        ],
-    }
-    (out / "processes.json").write_text(json.dumps(listing, indent=2) + "\n")
-
-
-def host_groups(names: list[str], hosts: int) -> list[list[str]]:
-    """`names` in `hosts` runs of consecutive names, as even in size as can be."""
-    size, extra = divmod(len(names), hosts)
-    groups, start = [], 0
-    for index in range(hosts):
-        end = start + size + (index < extra)
-        groups.append(names[start:end])
-        start = end
-    return groups
-
-
-@contextmanager
-def _stop_signals_as_interrupts() -> Iterator[None]:
-    """SIGTERM (timeout, CI runners, systemd, container stops) and SIGHUP (a closed
-    terminal) raise `Stopped`, a KeyboardInterrupt: the mesh stops as on Ctrl-C."""
-    previous = {signum: signal.signal(signum, raise_stopped) for signum in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-
-
-def _default_run_dir(cfg: cfgmod.MeshConfig) -> str:
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    return os.path.join("runs", f"{stamp}-{cfg.algorithm.name}-{cfg.data.dataset}")
-
-
-def _check_data(cfg: cfgmod.MeshConfig) -> None:
-    """Load the first node's data here, so a wrong path fails once, before any process.
-    On one torch thread: an OpenMP thread pool made here would not survive the forks
-    of the processes (forked.py), and a child that found it half there could hang."""
-    set_torch_threads(os.cpu_count() or 1)  # one thread: all cores among that many
-    data = cfgmod.data_for(cfg, cfg.peers[0])
-    load_node_data(
-        data.dataset,
-        data.root,
-        data.partition,
-        len(cfg.peers),
-        0,
-        cfg.seed,
-        data.samples_per_node,
-        tuple(data.split),
-    )
-
-
 def _spawn(
     config_path: Path,
     names: list[str],
@@ -294,28 +90,21 @@ def _spawn(
 ) -> subprocess.Popen | ForkedProcess:
     """Start the process that runs `names`: the coordinator, one node, or a host. It is
     forked from this one where the system allows (forked.py: the processes share one
-    torch), else a fresh interpreter."""
+    torch) and calls its entry directly, else it is a fresh interpreter given the same
+    options as flags."""
     for name in names:
         (out / name).mkdir(parents=True, exist_ok=True)
-    if names == [COORDINATOR]:
-        role = ["coordinator"]
-    elif len(names) == 1:
-        role = ["node", "--name", names[0]]
-    else:  # a host restarts a node that fails itself, at once
-        role = ["host", "--names", ",".join(names), "--restarts", str(restarts)]
-    argv = [
-        *role,
-        *("--config", str(config_path), "--out", str(out)),
-        *("--local-nodes", str(local_nodes), "--launcher-fd", str(lifeline.node_fd)),
-    ]
+    options = ProcessOptions(ConfigSource(str(config_path)), out, local_nodes, lifeline.node_fd)
+    entry, role = _entry(names, options, restarts)
+    argv = [*role, *options.argv()]
     # Its own session, so that a Ctrl-C in the terminal reaches launch alone, which then
     # stops every process in order; the lifeline covers a launcher that cannot. A host
     # writes each node's log itself; what it prints goes to the host's own log.
     log_path = process_log(out, names)
     if can_fork():
-        from .cli import main  # the command line's own entry: cli imports this module
-
-        return fork_command(main, argv, log_path, close_fds=[lifeline.launcher_end])
+        return fork_call(
+            partial(run_forked, entry), argv, log_path, close_fds=[lifeline.launcher_end]
+        )
     with open(log_path, "ab") as log_file:
         return subprocess.Popen(
             [sys.executable, "-m", "meshfl.launch.cli", *argv],
@@ -324,6 +113,19 @@ def _spawn(
             start_new_session=True,
             pass_fds=(lifeline.node_fd, *held),
         )
+
+
+def _entry(
+    names: list[str], options: ProcessOptions, restarts: int
+) -> tuple[Callable[[], int], list[str]]:
+    """The entry of the process that runs `names`, and its command on a command line. A
+    host restarts a node that fails itself, at once, up to `restarts` times."""
+    if names == [COORDINATOR]:
+        return partial(run_coordinator, options), ["coordinator"]
+    if len(names) == 1:
+        return partial(run_named_node, options, names[0]), ["node", "--name", names[0]]
+    command = ["host", "--names", ",".join(names), "--restarts", str(restarts)]
+    return partial(run_host, options, names, restarts), command
 
 
 def process_log(out: Path, names: list[str]) -> Path:
@@ -363,6 +165,10 @@ class SupervisedProcess:
     def failed(self) -> bool:
         return self.process.poll() not in (None, 0)
 
+    def listed(self) -> dict[str, Any]:
+        """Its row of processes.json."""
+        return {"label": self.label, "pid": self.process.pid, "nodes": self.running}
+
     def outcome(self, name: str, out: Path, rounds: int) -> dict[str, Any]:
         """How node `name` ended, for the summary: finished, or failed with how its
         process ended and the last error line of its log (else of its host's log). A
@@ -381,6 +187,15 @@ class SupervisedProcess:
             "ended": how_it_ended(code),
             "last_error": error,
         }
+
+
+def write_processes(out: Path, processes: list[dict[str, Any]], **about: Any) -> None:
+    """<out>/processes.json: which process runs which nodes (each a row: its label, pid
+    and nodes, and where a Ray launch put it), for whoever looks at a live run: a
+    forked process keeps the launcher's command line, so `ps` cannot tell. `about`: what
+    the launcher adds of the run (a Ray launch: its cluster and scratch folders)."""
+    listing = {"launcher": os.getpid(), **about, "processes": processes}
+    write_atomically(out / "processes.json", (json.dumps(listing, indent=2) + "\n").encode())
 
 
 def node_finished(out: Path, name: str, rounds: int) -> bool:

@@ -30,8 +30,9 @@ import pytest
 import yaml
 
 from meshfl.launch.cli import main
-from meshfl.launch.ray_hosts import run_id_of, scratch_folder
+from meshfl.launch.ray_hosts import run_id_of
 from meshfl.launch.ray_local import LocalRayCluster, Place
+from meshfl.launch.ray_machine import scratch_folder
 from tests.netns import can_build_namespaces, virtual_lan
 from tests.nodes import records
 

@@ -7,14 +7,8 @@ import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
-from meshfl.launch.ray_hosts import (
-    HostListing,
-    Machine,
-    MachineRun,
-    Mirror,
-    RayMachine,
-    plan_hosts,
-)
+from meshfl.launch.ray_hosts import Machine, MachineRun, Mirror, plan_hosts
+from meshfl.launch.ray_machine import HostListing, RayMachine
 
 NAMES = [f"node{i}" for i in range(10)]
 

@@ -53,7 +53,6 @@ connection; the encrypted path adds the hashing of the signed one on the main th
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import multiprocessing
 import os
@@ -72,7 +71,7 @@ from meshfl.protocol import wire
 from meshfl.protocol.identity import Identity
 from meshfl.protocol.transport import Encryption, curve_client, curve_server
 
-from .options import positive, positive_list
+from .flags import add_repeats, add_sizes, bench_parser, positive
 
 MIB = 1 << 20
 WARMUP_MESSAGES = 2  # connection set-up, first-touch page faults, TCP window growth
@@ -397,24 +396,14 @@ def _detail(row: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="meshfl bench wire",
-        description="Throughput of signed blobs (sign, send, verify), plain and over "
+    parser = bench_parser(
+        "wire",
+        "Throughput of signed blobs (sign, send, verify), plain and over "
         "ZeroMQ CURVE, against raw ZeroMQ PUSH/PULL of the same bytes, between "
         "two processes over loopback TCP.",
     )
-    parser.add_argument(
-        "--sizes",
-        type=positive_list(float),
-        default=[1.0, 10.0, 100.0],
-        help="blob sizes in MB (2**20 bytes), comma-separated (default: 1,10,100)",
-    )
-    parser.add_argument(
-        "--repeats",
-        type=positive(int),
-        default=3,
-        help="repetitions per size; the median is reported (default: 3)",
-    )
+    add_sizes(parser, float, [1.0, 10.0, 100.0], "blob sizes in MB (2**20 bytes)")
+    add_repeats(parser, 3, "repetitions per size; the median is reported (default: 3)")
     parser.add_argument(
         "--seconds",
         type=positive(float),

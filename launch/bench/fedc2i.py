@@ -36,6 +36,8 @@ from meshfl.node.models import body_keys, build_model, head_keys
 from meshfl.node.splits import NodeData, load_node_data
 from meshfl.node.trainer import train_local
 
+from .flags import add_data_root, add_repeats, add_threads, bench_parser
+
 PEERS = 5
 SAMPLES = 1000
 SPLIT = (0.6, 0.2, 0.2)
@@ -48,17 +50,11 @@ GOAL = 0.1  # influence seconds per round / training seconds per round
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="meshfl bench fedc2i",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--data-root", metavar="DIR", help="digit5 data (default: random)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed repetitions")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser = bench_parser("fedc2i", __doc__, preformatted=True)
+    add_data_root(parser, "digit5 data (default: random)")
+    add_repeats(parser, 5, "timed repetitions")
+    add_threads(parser)
     args = parser.parse_args(argv)
-    if args.repeats < 1 or args.threads < 1:
-        parser.error("--repeats and --threads must be at least 1")
     torch.set_num_threads(args.threads)
     data = _node_data(args.data_root)
     timers = _timers(data)

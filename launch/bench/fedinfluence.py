@@ -24,7 +24,6 @@ shard instead.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import statistics
@@ -45,6 +44,8 @@ from meshfl.node.splits import NodeData, load_node_data
 from meshfl.node.trainer import state_to_arrays
 from meshfl.protocol.identity import Identity
 from meshfl.protocol.wire import make_blob
+
+from .flags import add_data_root, add_rounds, add_threads, bench_parser
 
 
 @dataclass(frozen=True)
@@ -431,16 +432,12 @@ def _progress(text: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="meshfl bench fedinfluence",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = bench_parser("fedinfluence", __doc__, preformatted=True)
     parser.add_argument("what", choices=["convex", "femnist", "cleanse", "overhead"])
-    parser.add_argument("--data-root", metavar="DIR", help="dataset folder (femnist)")
+    add_data_root(parser, "dataset folder (femnist)")
     parser.add_argument("--out", metavar="FILE", help="also write the table here")
-    parser.add_argument("--rounds", type=int, help="override the setting's rounds")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    add_rounds(parser, None, "override the setting's rounds")
+    add_threads(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     lines = run_check(args.what, args.data_root, args.rounds)

@@ -29,12 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import STOP_SIGNALS, raise_stopped
-from .options import positive, positive_list
-from .summary import last_record
+from ..errors import STOP_SIGNALS, raise_stopped
+from ..options import add_assignments
+from ..summary import last_record
+from .flags import add_rounds, add_sizes, bench_parser, positive
 
 if TYPE_CHECKING:
-    from .ray_local import LocalRayCluster
+    from ..ray_local import LocalRayCluster
 
 BLOB_KINDS = ("blob",)  # what carries model bytes; everything else is control traffic
 
@@ -184,35 +185,21 @@ def down_marks(out: Path) -> int:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="meshfl bench scale",
-        description="Wall time, total PSS and bytes per node and round of `meshfl launch "
+    parser = bench_parser(
+        "scale",
+        "Wall time, total PSS and bytes per node and round of `meshfl launch "
         "--nodes N` on the embedded digits (FedAvg unless --set says otherwise), "
         "one line per size.",
     )
-    parser.add_argument(
-        "--sizes",
-        type=positive_list(int),
-        default=[16, 50, 100],
-        help="node counts, comma-separated (default: 16,50,100)",
-    )
-    parser.add_argument(
-        "--rounds", type=positive(int), default=5, help="rounds per run (default: 5)"
-    )
+    add_sizes(parser, int, [16, 50, 100], "node counts")
+    add_rounds(parser, 5, "rounds per run (default: 5)")
     parser.add_argument(
         "--hosts",
         type=positive(int),
         default=None,
         help="node host processes per run (default: what launch picks)",
     )
-    parser.add_argument(
-        "--set",
-        dest="settings",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a config change for every run, repeatable",
-    )
+    add_assignments(parser, "a config change for every run, repeatable")
     parser.add_argument(
         "--ray-nodes",
         type=positive(int),
@@ -235,7 +222,7 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="meshfl-scale-") as scratch:
         root = Path(args.keep or scratch)
         for size in args.sizes:
-            alone = run_size(size, args.hosts, args.rounds, root / f"nodes{size}", args.settings)
+            alone = run_size(size, args.hosts, args.rounds, root / f"nodes{size}", args.assignments)
             print(alone.line(), flush=True)
             if args.ray_nodes:
                 on_ray = _run_on_ray(size, args, root)
@@ -251,14 +238,15 @@ def main(argv: list[str]) -> int:
 def _run_on_ray(size: int, args: argparse.Namespace, root: Path) -> ScaleResult:
     """A size on a fresh local Ray cluster, so that no run inherits another's workers;
     the nodes' checkpoints and keys, kept by a Ray launch for a resume, go with it."""
-    from .ray_hosts import run_id_of, scratch_folder
-    from .ray_local import LocalRayCluster, Place
+    from ..ray_hosts import run_id_of
+    from ..ray_local import LocalRayCluster, Place
+    from ..ray_machine import scratch_folder
 
     cpus = max(1, (os.cpu_count() or 1) // args.ray_nodes)
     out = root / f"nodes{size}-ray"
     try:
         with LocalRayCluster([Place()] * args.ray_nodes, cpus, logs=out / "cluster") as ray:
-            return run_size(size, args.hosts, args.rounds, out, args.settings, ray)
+            return run_size(size, args.hosts, args.rounds, out, args.assignments, ray)
     finally:
         if (run_id := run_id_of(out)) is not None:
             shutil.rmtree(scratch_folder(run_id), ignore_errors=True)
