@@ -55,7 +55,6 @@ SKIPPED: dict[str, str] = {
     "meshfl launch --nodes 500 --ray 192.168.1.10:6379 --dataset mnist --data-root /data": (
         NEEDS_RAY + " and a data root"
     ),
-    "meshfl config schema > peers.schema.json": "added by the config change",
 }
 
 # Programs other than meshfl that code blocks show, and why the test leaves them alone.
