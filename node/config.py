@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-import ipaddress
 import json
 import re
 import sys
@@ -42,6 +41,8 @@ from pydantic import (
     ValidationError,
 )
 
+from meshfl.protocol.addresses import TCP_ENDPOINT_FORM, TCP_ENDPOINT_PATTERN, tcp_endpoint
+from meshfl.protocol.identity import is_usable_public_key
 from meshfl.protocol.membership import PEER_NAME
 
 DEFAULT_LOCAL_PEERS = 4
@@ -51,9 +52,7 @@ DEFAULT_BASE_PORT = 7700
 # Peer and mesh names become file names (keys, metrics folders), hence the narrow alphabet.
 _NAME_ALLOWED = "1-64 characters from A-Z a-z 0-9 _ . - starting with a letter or digit"
 # Also a pattern of the JSON Schema, hence no named groups: editors speak ECMAScript regex.
-_LISTEN = re.compile(r"tcp://(\[[^\]]*\]|[^:/\[\]]+):([0-9]{1,5})")
-_LISTEN_ALLOWED = "tcp://HOST:PORT, HOST a hostname, IPv4 or [IPv6] address, 1 <= PORT <= 65535"
-_HOSTNAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*")
+_LISTEN_ALLOWED = TCP_ENDPOINT_FORM
 # PyYAML follows YAML 1.1, which reads `1e-3` (no dot) as a string; numbers are meant.
 _NUMBER = re.compile(r"[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?")
 _MAX_SEED = 2**32 - 1  # numpy's seeding accepts no more
@@ -97,7 +96,7 @@ def _number_from_text(value: Any) -> Any:
 
 
 def _checked_listen(listen: str | None) -> str | None:
-    if listen is not None and _listen_identity(listen) is None:
+    if listen is not None and tcp_endpoint(listen) is None:
         raise ValueError(f"allowed: {_LISTEN_ALLOWED}")
     return listen
 
@@ -125,7 +124,7 @@ _LISTEN_CHECK = AfterValidator(_checked_listen)  # the port range and the host's
 _SECTION = ConfigDict(extra="forbid", revalidate_instances="always")
 
 _Name = Annotated[str, _rule(_NAME_ALLOWED, pattern=f"^{PEER_NAME.pattern}$")]
-_Listen = Annotated[str, _rule(_LISTEN_ALLOWED, pattern=f"^{_LISTEN.pattern}$"), _LISTEN_CHECK]
+_Listen = Annotated[str, _rule(_LISTEN_ALLOWED, pattern=f"^{TCP_ENDPOINT_PATTERN}$"), _LISTEN_CHECK]
 _Count = Annotated[int, _rule("an integer >= 1", ge=1)]
 _Seconds = Annotated[float, _finite("seconds, finite and > 0", gt=0), _FROM_TEXT]
 
@@ -234,11 +233,18 @@ class AttackConfig:
     kind: Annotated[str, _rule("an attack, e.g. labelflip or scale:10; empty for none")] = ""
 
 
+def _usable_key(public_key: str) -> str:
+    if not is_usable_public_key(bytes.fromhex(public_key)):
+        raise ValueError("allowed: a key a node can hold; this one is of small order (WIRE.md 2)")
+    return public_key
+
+
 _PublicKey = Annotated[
     str,
     _rule(
         "64 hex characters (a raw 32-byte Ed25519 public key) or null", pattern="^[0-9a-fA-F]{64}$"
     ),
+    AfterValidator(_usable_key),
 ]
 _KeyFile = Annotated[str, _rule("a private key file path or null", min_length=1)]
 
@@ -714,33 +720,13 @@ def _check_peers(cfg: MeshConfig) -> None:
             )
 
 
-def _listen_identity(listen: str) -> tuple[str, int] | None:
-    """(host, port) of a valid listen address, to spot two peers on one socket; else None."""
-    match = _LISTEN.fullmatch(listen)
-    if not match or not 1 <= int(match[2]) <= 65535:
-        return None
-    host = match[1]
-    try:
-        if host.startswith("["):
-            host = f"[{ipaddress.IPv6Address(host[1:-1])}]"
-        elif host.replace(".", "").isdigit():
-            host = str(ipaddress.IPv4Address(host))
-        elif not _HOSTNAME.fullmatch(host):
-            return None
-    except ValueError:
-        return None
-    if host.lower() == "localhost":  # the loopback's name: the same socket as 127.0.0.1
-        host = "127.0.0.1"
-    return host.lower(), int(match[2])
-
-
 def _check_unique(peers: list[PeerConfig]) -> None:
     """Names, sockets and keys each identify one peer, so none may repeat."""
     first_index: dict[tuple[str, Any], int] = {}
     for index, peer in enumerate(peers):
         identities = {
             "name": peer.name,
-            "listen": _listen_identity(peer.listen),
+            "listen": tcp_endpoint(peer.listen),
             "public_key": peer.public_key.lower() if peer.public_key else None,
         }
         for name, identity in identities.items():

@@ -15,7 +15,9 @@ TCP_ENDPOINT_FORM = "tcp://HOST:PORT, HOST a hostname, IPv4 or [IPv6] address, 1
 WIRE_ENDPOINT_FORM = "tcp://IP:PORT, IP an IPv4 or [IPv6] address, 1 <= PORT <= 65535"
 MAX_ADDRESS_CHARS = 300  # a 253-character hostname with its scheme and port fits
 
-_ENDPOINT = re.compile(r"tcp://(?P<host>\[[^\]]*\]|[^:/\[\]]+):(?P<port>[0-9]{1,5})")
+# No named groups: it is also a pattern of the config's JSON Schema (ECMAScript regex).
+TCP_ENDPOINT_PATTERN = r"tcp://(\[[^\]]*\]|[^:/\[\]]+):([0-9]{1,5})"
+_ENDPOINT = re.compile(TCP_ENDPOINT_PATTERN)
 _HOSTNAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*")
 
 
@@ -26,9 +28,9 @@ def tcp_endpoint(address: object) -> tuple[str, int] | None:
     if not isinstance(address, str) or len(address) > MAX_ADDRESS_CHARS:
         return None
     match = _ENDPOINT.fullmatch(address)
-    if not match or not 1 <= int(match["port"]) <= 65535:
+    if not match or not 1 <= int(match[2]) <= 65535:
         return None
-    host = match["host"]
+    host = match[1]
     try:
         if host.startswith("["):
             host = f"[{ipaddress.IPv6Address(host[1:-1])}]"
@@ -40,7 +42,7 @@ def tcp_endpoint(address: object) -> tuple[str, int] | None:
         return None
     if host.lower() == "localhost":  # the loopback's name: the same socket as 127.0.0.1
         host = "127.0.0.1"
-    return host.lower(), int(match["port"])
+    return host.lower(), int(match[2])
 
 
 def is_wire_endpoint(address: object) -> bool:
