@@ -399,6 +399,11 @@ def _check_keys_and_addresses(message: Message) -> None:
                 raise Rejected("bad_address", "peers entry")
 
 
+def _check_signature(message: Message, header_bytes: bytes, signature: bytes) -> None:
+    if not verify(message.sender, signature, HEADER_CONTEXT + header_bytes):
+        raise Rejected("bad_signature")
+
+
 MessageCheck = Callable[["Message"], "str | None"]
 
 
@@ -442,15 +447,8 @@ class Decoder:
         judging a big message as it arrives, on another thread than the decoder's. The
         message is decoded in full later; a rejection here is counted as there."""
         try:
-            buffers = [memoryview(frame) for frame in frames]
-            self._check_size(buffers)
-            header_bytes, signature, header = self._unpack_envelope(buffers[0])
-            message = self._check_header(header)
-            _check_keys_and_addresses(message)
-            if not self._same_mesh(header["mesh"], message.kind):
-                raise Rejected("wrong_mesh")
-            if not verify(message.sender, signature, HEADER_CONTEXT + header_bytes):
-                raise Rejected("bad_signature")
+            message, _, signed, signature = self._read_header([memoryview(f) for f in frames])
+            _check_signature(message, signed, signature)
             return message
         except Rejected as rejection:
             self.count(rejection.reason)
@@ -469,18 +467,12 @@ class Decoder:
     def _decode(self, frames: Sequence[Any]) -> Message:
         # Read-only: a zmq.Frame is writable, yet a verified blob must not change in place.
         buffers = [memoryview(frame).toreadonly() for frame in frames]
-        self._check_size(buffers)
-        header_bytes, signature, header = self._unpack_envelope(buffers[0])
-        message = self._check_header(header)
-        _check_keys_and_addresses(message)
-        if not self._same_mesh(header["mesh"], message.kind):
-            raise Rejected("wrong_mesh")
+        message, header, signed, signature = self._read_header(buffers)
         if self.admit is not None and (reason := self.admit(message)):
             raise Rejected(reason)
         if message.seq <= self.last_seq.get(message.sender, -1):
             raise Rejected("replay", f"seq {message.seq}")
-        if not verify(message.sender, signature, HEADER_CONTEXT + header_bytes):
-            raise Rejected("bad_signature")
+        _check_signature(message, signed, signature)
         if self.accept is not None and (reason := self.accept(message)):
             raise Rejected(reason, message=message)
         # Only now, with the signature checked, may the sender's counter move. A status
@@ -496,6 +488,19 @@ class Decoder:
         elif data:
             raise Rejected("bad_header", f"{message.kind} carries no frames")
         return message
+
+    def _read_header(
+        self, buffers: list[memoryview]
+    ) -> tuple[Message, dict[str, Any], bytes, bytes]:
+        """Steps 1 to 8 of WIRE.md 9: sizes, envelope, header, keys and addresses, mesh.
+        Returns the message, its header, the signed header bytes and their signature."""
+        self._check_size(buffers)
+        header_bytes, signature, header = self._unpack_envelope(buffers[0])
+        message = self._check_header(header)
+        _check_keys_and_addresses(message)
+        if not self._same_mesh(header["mesh"], message.kind):
+            raise Rejected("wrong_mesh")
+        return message, header, header_bytes, signature
 
     def _note_seq(self, sender: bytes, seq: int) -> None:
         self.last_seq[sender] = seq

@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import zmq
 
 
 def _shared_dir() -> Path:
@@ -32,3 +34,11 @@ def data_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if done.returncode != 0:
         pytest.fail(f"{script} failed: {done.stderr.strip() or done.stdout.strip()}")
     return root
+
+
+@pytest.fixture
+def context() -> Iterator[zmq.Context]:
+    """A ZeroMQ context for a test's own sockets, destroyed after it."""
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)

@@ -361,23 +361,7 @@ def soak(minutes: float, out: Path, attack: bool = True) -> int:
     """Attack every node of a 4-node launch for `minutes` (or, without `attack`, only ask
     their status: the baseline), then stop it; 0 when every node answered status
     throughout and all finished the same rounds, in order."""
-    launch = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "meshfl.launch.cli",
-            "launch",
-            "--nodes",
-            "4",
-            "--rounds",
-            "1000000",
-            "--out",
-            str(out),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    launch = _launch(out, 4)
     context = zmq.Context()
     silent: list[str] = []
     try:
@@ -413,25 +397,7 @@ def flood(out: Path, hellos: int = 1000, seconds: float = 60.0) -> int:
     """Send `hellos` hellos from fresh keys naming unreachable addresses to node0 of a
     2-node launch, and print every 5 s its process's open files, its peer table and the
     size of its log; 0 when all three are back where they started by the end."""
-    launch = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "meshfl.launch.cli",
-            "launch",
-            "--nodes",
-            "2",
-            "--hosts",
-            "2",
-            "--rounds",
-            "1000000",
-            "--out",
-            str(out),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    launch = _launch(out, 2, "--hosts", "2")
     context = zmq.Context()
     try:
         while "node0" not in node_contacts(out) or len(node_processes(out)) < 2:
@@ -464,6 +430,18 @@ def flood(out: Path, hellos: int = 1000, seconds: float = 60.0) -> int:
 
 def _listing(run: Path) -> list[dict[str, Any]]:
     return json.loads((run / "processes.json").read_text())["processes"]
+
+
+def _launch(out: Path, nodes: int, *flags: str) -> subprocess.Popen:
+    """`meshfl launch` of `nodes` digits nodes, for more rounds than it will run: the
+    caller stops it (Ctrl-C) when it has seen enough."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "meshfl.launch.cli", "launch", "--nodes", str(nodes), *flags]
+        + ["--rounds", "1000000", "--out", str(out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def _status_of(contact: str) -> Any:

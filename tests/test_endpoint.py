@@ -82,13 +82,6 @@ def poll_until(condition: Callable[[], bool], timeout: float = WAIT, step: float
 
 
 @pytest.fixture
-def context():
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
-@pytest.fixture
 def make_endpoint():
     """Endpoints on free loopback ports, closed after the test."""
     made: list[Endpoint] = []

@@ -36,25 +36,10 @@ from tests.stranger import (
     small_order_keys,
     unreachable_addresses,
 )
+from tests.test_endpoint import poll_until
 
 MESH = hashlib.sha256(b"stranger test mesh").digest()[:16]
 WAIT = 5.0
-
-
-def poll_until(condition, timeout: float = WAIT) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
-@pytest.fixture
-def context():
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 @pytest.fixture
