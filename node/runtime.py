@@ -720,12 +720,15 @@ def endpoint_settings(
         allowlist=allowlist,
         encrypt=cfg.encrypt,
         direct_kinds=direct_kinds,
-        transport=TransportOptions(max_frame_bytes=frame_limit(model)),
+        transport=TransportOptions(max_frame_bytes=frame_limit(model, direct_kinds)),
     )
 
 
-def frame_limit(model: Mapping[str, Any]) -> int:
+def frame_limit(model: Mapping[str, Any], direct_kinds: frozenset[str]) -> int:
     """The largest data frame a node takes (ZeroMQ drops the connection of a sender that
-    starts a bigger one, before holding any of it): no tensor that travels in this mesh
-    is bigger than the whole model, and twice that leaves room for a rule's extras."""
+    starts a bigger one, before holding any of it). A gossip peer takes models, heads and
+    bodies, none bigger than the whole model: twice that, at least 1 MiB. A coordinator
+    and its clients keep the transport's limit: a rule's extras may stack many models."""
+    if direct_kinds:
+        return TransportOptions().max_frame_bytes
     return max(1 << 20, 2 * sum(array.nbytes for array in model.values()))
