@@ -42,6 +42,7 @@ from .wire import (
     Message,
     Rejected,
     announce_body,
+    blob_id,
     encode,
     new_instance,
 )
@@ -834,9 +835,13 @@ class Endpoint:
             message = self.decoder.decode(received.frames)
         except Rejected as rejection:
             self._log_rejection(received.routing_id, rejection)
-            if rejection.reason == "duplicate_key" and rejection.message is not None:
+            refused = rejection.message
+            if rejection.reason == "duplicate_key" and refused is not None:
                 with self._lock:
-                    self._refuse(rejection.message)
+                    self._refuse(refused)
+            elif refused is not None and refused.kind == "blob":
+                with self._lock:  # the holder will not send that blob: look elsewhere now
+                    self._holder_failed(refused.sender, blob_id(refused.body["record"]))
             return
         with self._lock:
             if message.sender == self.identity.public_key and message.instance == self.instance:
@@ -1020,15 +1025,18 @@ class Endpoint:
             self._send(entry.address, "miss", {"id": message.body["id"]})
 
     def _on_miss(self, message: Message) -> None:
-        """A holder we asked no longer has the blob: free its fetch slot, and ask the next
-        holder at once (or, with none left, let the round go on without it)."""
         self.table.heard_from(message.sender, message.round)
-        blob_id = message.body["id"]
+        self._holder_failed(message.sender, message.body["id"])
+
+    def _holder_failed(self, holder_key: bytes, blob_id: bytes) -> None:
+        """A holder we asked will not send the blob (it answered `miss`, or sent one that
+        failed decoding): free its fetch slot, and ask the next holder at once (or, with
+        none left, let the round go on without it)."""
         offer = self.offer_book.get(blob_id)
-        if offer is None or not self._fetches.cancel(message.sender, blob_id):
-            return  # we asked that sender nothing of the kind
-        offer.missed_by.add(message.sender)
-        self._send_fetches(self._fetches.release(message.sender))
+        if offer is None or not self._fetches.cancel(holder_key, blob_id):
+            return  # we asked that holder nothing of the kind
+        offer.missed_by.add(holder_key)
+        self._send_fetches(self._fetches.release(holder_key))
         holder = self._pick_holder(offer)
         if holder is not None and self._fetches.request(holder.public_key, blob_id):
             self._send(holder.address, "fetch", {"id": blob_id})

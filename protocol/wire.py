@@ -480,14 +480,22 @@ class Decoder:
         # number must not make that node's own messages look like replays.
         if message.kind != "status":
             self._note_seq(message.sender, message.seq)
-        data = buffers[1:]
-        if frames_digest(data) != header["digest"]:
+        try:
+            message.blob = self._check_frames(message, header["digest"], buffers[1:])
+        except Rejected as rejection:
+            rejection.message = message  # authentic: its sender is to blame for the frames
+            raise
+        return message
+
+    def _check_frames(self, message: Message, digest: bytes, data: list[memoryview]) -> Blob | None:
+        """The blob the frames of an authentic message carry (None for a kind without)."""
+        if frames_digest(data) != digest:
             raise Rejected("digest_mismatch")
         if message.kind in BLOB_KINDS:
-            message.blob = self._check_blob(message.body, header["digest"], data)
-        elif data:
+            return self._check_blob(message.body, digest, data)
+        if data:
             raise Rejected("bad_header", f"{message.kind} carries no frames")
-        return message
+        return None
 
     def _read_header(
         self, buffers: list[memoryview]

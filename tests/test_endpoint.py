@@ -1115,6 +1115,29 @@ def test_a_miss_sends_the_fetch_to_the_next_holder(make_endpoint):
     assert third.fetch_log[-1].holder == "b"
 
 
+def test_a_broken_blob_answer_counts_as_a_miss_and_the_round_stops_waiting(context, make_endpoint):
+    # A holder whose answer fails decoding after its header signature (here the index
+    # lies about a tensor's size) would otherwise hold the fetch until fetch_timeout.
+    endpoint = make_endpoint("puller", fetch_timeout=60.0)
+    endpoint.start()
+    holder = RawPeer(context, endpoint.contact, name="holder")
+    holder.join()
+    broken = hand_made_blob(holder.identity, [bytes(20)], [["w", "float32", [4], 16]])
+    holder.send(holder.frames("announce", announce_body(broken), round_no=1))
+    holder.join()
+    (offer,) = endpoint.offers(1, "model")
+
+    endpoint.fetch([offer])
+    assert holder.expect("fetch").body == {"id": broken.id}
+    asked = time.monotonic()
+    holder.send(holder.frames("blob", {}, round_no=1, blob=broken))
+    assert poll_until(lambda: not endpoint.may_come(offer), WAIT)
+    assert time.monotonic() - asked < 2.0, "told by the answer, not after a deadline"
+    assert endpoint.rejections()["shape_mismatch"] == 1
+    with endpoint._lock:
+        assert not endpoint._fetches.requested(broken.id), "its fetch slot is free again"
+
+
 def test_messages_dropped_at_the_high_water_mark_are_not_counted_as_sent(context, make_endpoint):
     endpoint = make_endpoint("sender", transport=TransportOptions(send_hwm=2))
     endpoint.start()
