@@ -42,9 +42,11 @@ from .wire import (
     Message,
     Rejected,
     announce_body,
-    blob_id,
     encode,
     new_instance,
+)
+from .wire import (
+    blob_id as id_of_record,
 )
 
 log = logging.getLogger("meshfl.endpoint")
@@ -841,7 +843,7 @@ class Endpoint:
                     self._refuse(refused)
             elif refused is not None and refused.kind == "blob":
                 with self._lock:  # the holder will not send that blob: look elsewhere now
-                    self._holder_failed(refused.sender, blob_id(refused.body["record"]))
+                    self._holder_failed(refused.sender, id_of_record(refused.body["record"]))
             return
         with self._lock:
             if message.sender == self.identity.public_key and message.instance == self.instance:
