@@ -45,9 +45,7 @@ from .wire import (
     encode,
     new_instance,
 )
-from .wire import (
-    blob_id as id_of_record,
-)
+from .wire import blob_id as id_of_record
 
 log = logging.getLogger("meshfl.endpoint")
 
