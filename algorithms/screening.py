@@ -12,10 +12,12 @@ meshfl node has). Around the rule's `aggregate`, for the whole models received
    received or adopted in the last `MEMORY_ROUNDS` rounds ("replay"), is nobody's work
    of this round: colluders publishing one model, a replayed model, a free rider
    handing back an aggregate unchanged.
-3. Validation: peer j's model is averaged half and half with the pivot; with d the
-   per-sample differences of the val loss of that pair minus the pivot's, the peer is
-   screened out ("val_loss") when mean(d) exceeds one standard error of d: it makes the
-   node's model worse beyond the noise of the val split. The pivot is the own model of
+3. Validation: peer j's model is averaged half and half with the pivot; d, the
+   per-sample differences of the val loss of that pair minus the pivot's, is one
+   round's evidence about j, added to j's record across rounds (evidence.py). The peer
+   is screened out ("val_loss") while its record shows harm beyond the noise of the val
+   split: at once for clear harm, after repeated rounds for a slight one, never for one
+   unlucky round. The pivot is the own model of
    the round, or the model the round started from (the last round's outcome) where that
    one validates better: after a round of local training that went astray, every
    peer, a poisoned one too, would look like a help next to the own model.
@@ -64,6 +66,7 @@ from .base import (
     State,
     weighted_average,
 )
+from .evidence import PeerRecords
 
 N_CLAIM_FACTOR = 4
 MEMORY_ROUNDS = 3
@@ -71,6 +74,7 @@ SCREEN_KEY = "screen"
 # The digests screening remembers, in the node's checkpoint beside the rule's own state:
 # a node that resumes still knows the models of its last rounds, and a replay of one.
 MEMORY_KEY = "screening_memory"
+RECORDS_KEY = "peer_records"  # the evidence about each peer, kept for the same reason
 
 
 # --------------------------------------------------------------------------- pure checks
@@ -128,19 +132,6 @@ def copies(digests: dict[str, bytes], seen_before: set[bytes]) -> dict[str, str]
         }
     )
     return found
-
-
-def worse_beyond_noise(own: torch.Tensor, other: torch.Tensor) -> bool:
-    """Whether per-sample losses are higher than the own model's by more than one
-    standard error of the paired differences (or not finite). For 0/1 errors see
-    `more_errors_beyond_noise`."""
-    differences = (other - own).double()
-    if not torch.isfinite(differences).all():
-        return True
-    if len(differences) < 2:
-        return bool(differences.sum() > 0)
-    noise = float(differences.std()) / math.sqrt(len(differences))
-    return float(differences.mean()) > noise
 
 
 def more_errors_beyond_noise(own: torch.Tensor, other: torch.Tensor) -> bool:
@@ -206,6 +197,7 @@ class Screened(PeerAlgorithm):
         self._seen: dict[int, set[bytes]] = {}  # round -> digests received or adopted
         # The outcomes of this round and the last, with their val scores where known.
         self._adopted: dict[int, tuple[State, ValScores | None]] = {}
+        self.records = PeerRecords()  # what each peer's models did to this node, so far
 
     def scratch_model(self) -> torch.nn.Module:
         """The wrapped rule's: one spare model per node; every user loads a state first."""
@@ -227,12 +219,18 @@ class Screened(PeerAlgorithm):
 
     def state_dict(self) -> dict[str, Any]:
         memory = {round_no: sorted(d.hex() for d in seen) for round_no, seen in self._seen.items()}
-        return {**self.rule.state_dict(), MEMORY_KEY: memory}
+        return {
+            **self.rule.state_dict(),
+            MEMORY_KEY: memory,
+            RECORDS_KEY: self.records.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         memory = state.get(MEMORY_KEY, {})  # absent in a checkpoint of an older version
         self._seen = {int(r): {bytes.fromhex(d) for d in seen} for r, seen in memory.items()}
-        self.rule.load_state_dict({key: value for key, value in state.items() if key != MEMORY_KEY})
+        self.records.load_state_dict(state.get(RECORDS_KEY, {}))
+        ours = (MEMORY_KEY, RECORDS_KEY)
+        self.rule.load_state_dict({key: value for key, value in state.items() if key not in ours})
 
     def aggregate(
         self, round_no: int, own: PeerModel, received: ReceivedModels, data: Any
@@ -271,6 +269,7 @@ class Screened(PeerAlgorithm):
             **outcome.diagnostics,
             "screened_out": dict(sorted(reasons.items())),
             "screening": report,
+            "evidence": {peer: round(self.records.score(peer), 3) for peer in sorted(models)},
         }
         return outcome
 
@@ -354,7 +353,9 @@ class Screened(PeerAlgorithm):
             pair = weighted_average(
                 {"pivot": pivot_state, peer: models[peer].state}, {"pivot": 0.5, peer: 0.5}
             )
-            if worse_beyond_noise(pivot_scores.losses, self._scores(pair, data).losses):
+            differences = self._scores(pair, data).losses - pivot_scores.losses
+            self.records.observe(peer, round_no, differences)
+            if self.records.harmful(peer):
                 reasons[peer] = "val_loss"
         return reasons
 

@@ -25,7 +25,6 @@ from meshfl.algorithms.screening import (
     more_errors_beyond_noise,
     scores_of_logits,
     state_digest,
-    worse_beyond_noise,
 )
 from meshfl.node.attacks import flip_labels, noise_like, scaled_update
 from meshfl.node.checkpoint import load_checkpoint, save_checkpoint
@@ -161,13 +160,6 @@ def test_copies_within_a_round_and_replays_of_earlier_rounds_are_found():
     }
 
 
-def test_worse_beyond_noise_tolerates_the_noise_of_the_val_split():
-    own = torch.tensor([1.0, 2.0, 3.0, 4.0])
-    assert not worse_beyond_noise(own, own + torch.tensor([0.1, -0.1, 0.1, -0.05]))
-    assert worse_beyond_noise(own, own + 1.0)
-    assert worse_beyond_noise(own, own * float("inf"))
-
-
 @pytest.mark.parametrize("kind", ["labelflip", "scale", "signflip", "noise"])
 def test_fedavg_screening_gives_each_attackers_model_no_weight(world, kind):
     peers = {"h1": world.honest["h1"], "h2": world.honest["h2"], "bad": world.attackers[kind]}
@@ -207,6 +199,18 @@ def test_a_resumed_node_still_knows_the_models_of_its_last_rounds(world, tmp_pat
     resumed.load_state_dict(load_checkpoint(path)["algorithm"])
     outcome = aggregate(resumed, world, {"replayer": world.honest["h1"]}, round_no=2)
     assert outcome.diagnostics["screened_out"] == {"replayer": "replay"}
+
+
+def test_a_resumed_node_does_not_admit_a_peer_it_had_kept_out(world, tmp_path):
+    before = screened(world, "fedavg")
+    first = aggregate(before, world, {"h1": world.honest["h1"], "bad": world.attackers["noise"]})
+    assert first.diagnostics["screened_out"] == {"bad": "val_loss"}
+    path = tmp_path / "checkpoint.pt"
+    save_checkpoint(path, {"algorithm": before.state_dict()})
+    resumed = screened(world, "fedavg")
+    resumed.load_state_dict(load_checkpoint(path)["algorithm"])
+    assert resumed.records.score("bad") == before.records.score("bad") > 2.0
+    assert resumed.records.harmful("bad") and not resumed.records.harmful("h1")
 
 
 def test_a_round_of_training_gone_astray_does_not_let_an_attacker_in(world):

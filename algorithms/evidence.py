@@ -1,0 +1,95 @@
+"""What a node has learned about each peer's models, added up across rounds.
+
+Screening measures, each round and for each peer, whether mixing the peer's model into
+the node's own one hurts the node's validation loss (screening.py, step 3): the
+per-sample differences d of val loss, mixed minus own. On a small val split one round's
+mean of d is noise as often as signal (30 val samples: one sample moves it by 3 points),
+so a verdict on one round either admits harm or shuts out help. A peer's *record*
+carries the evidence from round to round instead:
+
+    z   = mean(d) / standard error of mean(d), clipped to [-BENEFIT_CLIP, HARM_CLIP]
+    s  <- DECAY * s + z                         (s = 0 for a peer never measured)
+
+and the peer is kept out while s > HARM_BOUND. What that gives:
+
+- An attacker that shows itself (a sign flip, noise, a scaled model: z far above the
+  clip) is out in the round it first shows, as before: HARM_CLIP > HARM_BOUND.
+- A useful peer with one unlucky round (z up to HARM_BOUND) stays in; only harm that
+  repeats shuts it out. With DECAY 0.5 a steady z settles at 2z, so a peer that hurts
+  by more than one standard error round after round (the old single-round test) is out
+  within a few rounds.
+- Good behaviour cannot be banked to cover an attack: benefit is clipped at
+  BENEFIT_CLIP, so the best record, -2 * BENEFIT_CLIP, is outweighed by one round of
+  clear harm.
+- The past fades: a peer whose data or training changes (or that mended its ways) is
+  judged mostly by its last few rounds.
+
+The record is part of the node's checkpoint (`state_dict`), so a resumed node does not
+admit a peer it had kept out. It is also the node's knowledge of who helps it: the
+ranking a node will choose neighbours by (`ranked`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+DECAY = 0.5
+HARM_BOUND = 2.0
+HARM_CLIP = 4.0
+BENEFIT_CLIP = 1.0
+
+
+def harm_z(differences: torch.Tensor) -> float:
+    """One round's evidence from the per-sample loss differences (mixed minus own): their
+    mean in standard errors, clipped; anything not finite is the worst harm."""
+    d = differences.double()
+    if len(d) == 0:
+        return 0.0
+    if not torch.isfinite(d).all():
+        return HARM_CLIP
+    mean = float(d.mean())
+    noise = float(d.std()) / math.sqrt(len(d)) if len(d) > 1 else 0.0
+    if noise == 0.0:
+        z = math.copysign(HARM_CLIP, mean) if mean != 0.0 else 0.0
+    else:
+        z = mean / noise
+    return min(max(z, -BENEFIT_CLIP), HARM_CLIP)
+
+
+class PeerRecords:
+    """Each peer's decayed sum of evidence of harm (positive) or help (negative)."""
+
+    def __init__(self) -> None:
+        # peer -> (round of its last measurement, score before it, score after it): a
+        # round measured again (a step the node re-runs) replaces that round's evidence.
+        self._records: dict[str, tuple[int, float, float]] = {}
+
+    def observe(self, peer: str, round_no: int, differences: torch.Tensor) -> None:
+        """Add round `round_no`'s measurement of `peer` (per-sample val loss differences,
+        its model mixed in minus the own model alone)."""
+        last_round, before, after = self._records.get(peer, (0, 0.0, 0.0))
+        base = before if last_round == round_no else after
+        self._records[peer] = (round_no, base, DECAY * base + harm_z(differences))
+
+    def score(self, peer: str) -> float:
+        """The evidence so far: above HARM_BOUND the peer is kept out; 0 when unmeasured."""
+        return self._records[peer][2] if peer in self._records else 0.0
+
+    def harmful(self, peer: str) -> bool:
+        return self.score(peer) > HARM_BOUND
+
+    def ranked(self) -> list[str]:
+        """The peers measured so far, most helpful first (ties by name)."""
+        return sorted(self._records, key=lambda peer: (self.score(peer), peer))
+
+    def state_dict(self) -> dict[str, list[float]]:
+        return {peer: list(self._records[peer]) for peer in sorted(self._records)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._records = {
+            str(peer): (int(last_round), float(before), float(after))
+            for peer, (last_round, before, after) in state.items()
+        }

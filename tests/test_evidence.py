@@ -1,0 +1,79 @@
+"""A peer's record: evidence of harm or help that adds up across rounds."""
+
+from __future__ import annotations
+
+import torch
+
+from meshfl.algorithms.evidence import BENEFIT_CLIP, HARM_BOUND, HARM_CLIP, PeerRecords, harm_z
+
+VAL = 30  # a small val split: one sample is 3.3 points
+
+
+def differences(mean: float, spread: float = 1.0, seed: int = 0) -> torch.Tensor:
+    """Per-sample loss differences of a mean of exactly `mean` standard errors."""
+    noise = torch.randn(VAL, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    noise = (noise - noise.mean()) / noise.std() * spread
+    return noise + mean * spread / VAL**0.5
+
+
+def test_one_rounds_evidence_is_the_mean_in_standard_errors_clipped():
+    assert abs(harm_z(differences(1.5)) - 1.5) < 1e-9
+    assert harm_z(differences(40.0)) == HARM_CLIP
+    assert harm_z(differences(-40.0)) == -BENEFIT_CLIP
+    assert harm_z(torch.tensor([0.1, float("nan")])) == HARM_CLIP
+    assert harm_z(torch.zeros(VAL)) == 0.0
+    assert harm_z(torch.empty(0)) == 0.0
+
+
+def test_clear_harm_is_kept_out_in_the_round_it_shows():
+    records = PeerRecords()
+    records.observe("attacker", 1, differences(25.0))
+    assert records.harmful("attacker")
+
+
+def test_one_unlucky_round_does_not_shut_out_a_useful_peer():
+    records = PeerRecords()
+    for round_no in range(1, 6):
+        records.observe("useful", round_no, differences(-0.5, seed=round_no))
+    records.observe("useful", 6, differences(HARM_BOUND, seed=6))  # the old test: out
+    assert not records.harmful("useful")
+
+
+def test_slight_harm_that_repeats_is_kept_out_within_a_few_rounds():
+    records = PeerRecords()
+    rounds_to_exclusion = None
+    for round_no in range(1, 8):
+        records.observe("slight", round_no, differences(1.2, seed=round_no))
+        if records.harmful("slight"):
+            rounds_to_exclusion = round_no
+            break
+    assert rounds_to_exclusion == 3
+
+
+def test_good_behaviour_cannot_be_banked_to_cover_an_attack():
+    records = PeerRecords()
+    for round_no in range(1, 20):
+        records.observe("patient", round_no, differences(-30.0, seed=round_no))
+    records.observe("patient", 20, differences(30.0, seed=20))
+    assert records.harmful("patient")
+
+
+def test_a_round_measured_again_replaces_its_evidence_rather_than_adding_to_it():
+    records = PeerRecords()
+    records.observe("peer", 1, differences(1.5))
+    records.observe("peer", 2, differences(1.5))
+    once = records.score("peer")
+    records.observe("peer", 2, differences(1.5))  # the node re-ran round 2's step
+    assert records.score("peer") == once
+
+
+def test_the_record_survives_its_state_dict_and_ranks_the_helpful_first():
+    records = PeerRecords()
+    records.observe("helps", 1, differences(-3.0))
+    records.observe("hurts", 1, differences(3.0))
+    records.observe("neutral", 1, differences(0.0))
+    copy = PeerRecords()
+    copy.load_state_dict(records.state_dict())
+    assert copy.state_dict() == records.state_dict()
+    assert copy.ranked() == ["helps", "neutral", "hurts"]
+    assert copy.score("stranger") == 0.0 and not copy.harmful("stranger")
