@@ -24,6 +24,11 @@ and the peer is kept out while s > HARM_BOUND. What that gives:
 - The past fades: a peer whose data or training changes (or that mended its ways) is
   judged mostly by its last few rounds.
 
+A peer kept out is not even downloaded (screening.py): a round passed over is a round
+of no evidence, so its record fades, and a few rounds on it is fetched and measured
+again. An attacker is back out the round it is measured; a peer misjudged by a run of
+bad luck gets in. That keeps what screening costs near the paper rule's bytes.
+
 The record is part of the node's checkpoint (`state_dict`), so a resumed node does not
 admit a peer it had kept out. It is also the node's knowledge of who helps it: the
 ranking a node will choose neighbours by (`ranked`).
@@ -70,9 +75,18 @@ class PeerRecords:
     def observe(self, peer: str, round_no: int, differences: torch.Tensor) -> None:
         """Add round `round_no`'s measurement of `peer` (per-sample val loss differences,
         its model mixed in minus the own model alone)."""
+        self._add(peer, round_no, harm_z(differences))
+
+    def pass_over(self, peer: str, round_no: int) -> None:
+        """`peer` was kept out unmeasured in round `round_no` (its model not even
+        fetched): its record fades as after a round of no evidence, so that it is
+        measured again a few rounds on, and stays out only if it still does harm."""
+        self._add(peer, round_no, 0.0)
+
+    def _add(self, peer: str, round_no: int, z: float) -> None:
         last_round, before, after = self._records.get(peer, (0, 0.0, 0.0))
         base = before if last_round == round_no else after
-        self._records[peer] = (round_no, base, DECAY * base + harm_z(differences))
+        self._records[peer] = (round_no, base, DECAY * base + z)
 
     def score(self, peer: str) -> float:
         """The evidence so far: above HARM_BOUND the peer is kept out; 0 when unmeasured."""

@@ -37,8 +37,10 @@ meshfl node has). Around the rule's `aggregate`, for the whole models received
    node's first round here, and its first after a resume, have none, so they judge
    peers against the own model and undo nothing.
 
-The rule then sees only the admitted peers, so its `layouts`, `wanted` and diagnostics
-are its own; the screening adds `screened_out` ({peer: reason}) and `screening` to the
+A peer whose record keeps it out is not fetched at all ("record"): the rule's `wanted`
+is offered the other peers only. The rule then sees only the admitted peers, so its
+`layouts`, `wanted` and diagnostics are its own; the screening adds `screened_out`
+({peer: reason}), `screening` and `evidence` (each received peer's record) to the
 diagnostics. Screening is on by default (`algorithm.screen`); false gives the paper's
 rule unchanged. Cost: one val pass per received model and one for the aggregate (and
 one for the model the round started from where the guard did not judge it); each pass
@@ -198,6 +200,8 @@ class Screened(PeerAlgorithm):
         # The outcomes of this round and the last, with their val scores where known.
         self._adopted: dict[int, tuple[State, ValScores | None]] = {}
         self.records = PeerRecords()  # what each peer's models did to this node, so far
+        # The peers a round's `wanted` kept out by their record, and that round.
+        self._passed_over: tuple[int, list[str]] = (0, [])
 
     def scratch_model(self) -> torch.nn.Module:
         """The wrapped rule's: one spare model per node; every user loads a state first."""
@@ -212,7 +216,16 @@ class Screened(PeerAlgorithm):
         return self.rule.publish(round_no, state, data)
 
     def wanted(self, round_no: int, offered: dict[str, list[str]]) -> dict[str, list[str]]:
-        return self.rule.wanted(round_no, offered)
+        """The rule's choice among the offers, less the models of peers whose record
+        keeps them out: those are not even fetched (evidence.py, `pass_over`)."""
+        kept_out = [peer for peer in offered.get(MODEL, []) if self.records.harmful(peer)]
+        self._passed_over = (round_no, kept_out)
+        for peer in kept_out:
+            self.records.pass_over(peer, round_no)
+        if not kept_out:
+            return self.rule.wanted(round_no, offered)
+        models = [peer for peer in offered[MODEL] if peer not in kept_out]
+        return self.rule.wanted(round_no, {**offered, MODEL: models})
 
     def layouts(self, kind: str) -> tuple[Any, ...]:
         return self.rule.layouts(kind)
@@ -248,6 +261,9 @@ class Screened(PeerAlgorithm):
         ):
             pivot = start
         reasons = self._screen(round_no, own, models, data, pivot)
+        passed_round, passed_over = self._passed_over
+        if passed_round == round_no:
+            reasons.update({peer: "record" for peer in passed_over if peer not in models})
         admitted = {**received, MODEL: {p: m for p, m in models.items() if p not in reasons}}
         if MODEL not in received:
             admitted.pop(MODEL)

@@ -77,3 +77,15 @@ def test_the_record_survives_its_state_dict_and_ranks_the_helpful_first():
     assert copy.state_dict() == records.state_dict()
     assert copy.ranked() == ["helps", "neutral", "hurts"]
     assert copy.score("stranger") == 0.0 and not copy.harmful("stranger")
+
+
+def test_a_peer_passed_over_fades_back_below_the_bound_to_be_measured_again():
+    records = PeerRecords()
+    records.observe("attacker", 1, differences(25.0))
+    rounds = 1
+    while records.harmful("attacker"):
+        rounds += 1
+        records.pass_over("attacker", rounds)
+    assert 2 <= rounds <= 4, "passed over, then measured again a few rounds on"
+    records.observe("attacker", rounds + 1, differences(25.0))
+    assert records.harmful("attacker"), "and back out the round it is measured"

@@ -213,6 +213,24 @@ def test_a_resumed_node_does_not_admit_a_peer_it_had_kept_out(world, tmp_path):
     assert resumed.records.harmful("bad") and not resumed.records.harmful("h1")
 
 
+def test_a_peer_kept_out_is_not_fetched_until_its_record_fades_then_measured_again(world):
+    rule = screened(world, "fedavg")
+    offered = {"model": ["bad", "h1"]}
+    fetched_rounds = []
+    for round_no in range(1, 8):
+        peers = {  # new models every round, or the second would be a replay
+            "h1": {key: value + 1e-6 * round_no for key, value in world.honest["h1"].items()},
+            "bad": noise_like(world.honest["h1"], torch.Generator().manual_seed(round_no)),
+        }
+        wanted = rule.wanted(round_no, offered)["model"]
+        if "bad" in wanted:
+            fetched_rounds.append(round_no)
+        outcome = aggregate(rule, world, {p: peers[p] for p in wanted}, round_no=round_no)
+        assert outcome.diagnostics["screened_out"]["bad"] in ("val_loss", "record")
+        assert outcome.weights.get("bad", 0.0) == 0.0 and "h1" in wanted
+    assert fetched_rounds[0] == 1 and 2 <= len(fetched_rounds) <= 3, fetched_rounds
+
+
 def test_a_round_of_training_gone_astray_does_not_let_an_attacker_in(world):
     """Peers are judged against the model the round started from where the own model
     of the round validates worse: next to a ruined model, even poison looks like help."""
