@@ -96,7 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument(
         "--nodes", type=int, help="number of local nodes (default 4, or the peers of --config)"
     )
-    launch.add_argument("--out", metavar="DIR", help="run folder (default runs/<time>-<rule>)")
+    launch.add_argument(
+        "--out",
+        metavar="DIR",
+        help="run folder (default runs/<time>-<rule>-<dataset>). A folder of an earlier run "
+        "(it holds config.yaml) without --config resumes that run with its config: its "
+        "nodes go on from their checkpoints, the flags given change it (--rounds 40 "
+        "extends it), and --nodes may only repeat its number of nodes",
+    )
     launch.add_argument(
         "--hosts",
         type=int,

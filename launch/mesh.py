@@ -6,18 +6,21 @@ peer a process of its own (`meshfl node`). A coordinator runs alone (`meshfl
 coordinator`). `run_mesh` (local_mesh.py) runs them on this machine and
 `run_mesh_on_ray` (ray_hosts.py) on the machines of a Ray cluster; both write under the
 run folder and leave starting, watching and restarting the processes to supervise.py.
-Launch shows their progress, stops them all on Ctrl-C or a stop signal, and ends with
-the run's summary (summary.py).
+Launch shows their progress, stops them all on Ctrl-C or a stop signal (and says how
+to resume), and ends with the run's summary (summary.py).
 
-The config and the flags are read and checked here before either runner's module is
-imported, so that a mistake in them answers before torch loads.
+A run folder that holds a config.yaml is resumed with that config: its nodes go on
+from their checkpoints. The config and the flags are read and checked here before
+either runner's module is imported, so that a mistake in them answers before torch
+loads.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from functools import partial
 from pathlib import Path
@@ -26,6 +29,8 @@ from meshfl.node import config as cfgmod
 
 from .errors import EXIT_NODE_FAILED, UserError
 from .options import ConfigSource, resolve_config
+
+RUN_CONFIG = "config.yaml"  # a run folder's config, as its runner wrote it
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,7 @@ class LaunchOptions:
 
 def launch(options: LaunchOptions) -> int:
     """`meshfl launch`: run the mesh, print its table; EXIT_NODE_FAILED when a node failed."""
+    options = _resumed(options)
     cfg = resolve_config(options.config, check=False)  # the runner checks it with its addresses
     _check_flags(options, cfg)
     # Imported once the flags and the config are known to be good: the runners load torch.
@@ -60,7 +66,11 @@ def launch(options: LaunchOptions) -> int:
         from .ray_hosts import run_mesh_on_ray  # the only module that imports Ray
 
         run = partial(run_mesh_on_ray, address=options.ray)
-    summary = run(cfg, out, quiet=options.quiet, restarts=options.restarts, hosts=options.hosts)
+    try:
+        summary = run(cfg, out, quiet=options.quiet, restarts=options.restarts, hosts=options.hosts)
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM, SIGHUP: the nodes are stopped by now
+        print(f"meshfl: stopped; resume with: {resume_command(options, out)}", file=sys.stderr)
+        raise
     print_table(summary)
     failed = failed_nodes(summary)
     if failed:
@@ -71,6 +81,26 @@ def launch(options: LaunchOptions) -> int:
         )
         return EXIT_NODE_FAILED
     return 0
+
+
+def _resumed(options: LaunchOptions) -> LaunchOptions:
+    """A launch into a run folder that holds its config, without --config, resumes that
+    run: its config.yaml is the base and the flags given change it (--rounds 40 extends
+    it); its peers stay, so --nodes may only repeat their number. An explicit --config
+    is the user's choice and is taken as given."""
+    if options.out is None or options.config.path is not None:
+        return options
+    run_config = options.out / RUN_CONFIG
+    if not run_config.is_file():
+        return options
+    peers = len(cfgmod.load_config(run_config).peers)
+    if options.nodes is not None and options.nodes != peers:
+        raise UserError(
+            f"--nodes: got {options.nodes}; the run in {options.out} has {peers} nodes, "
+            "which it resumes with: leave --nodes out, or start afresh with another --out"
+        )
+    print(f"meshfl: resuming {options.out} with its {RUN_CONFIG}", flush=True)
+    return replace(options, config=replace(options.config, path=str(run_config)), nodes=None)
 
 
 def _check_flags(options: LaunchOptions, cfg: cfgmod.MeshConfig) -> None:
@@ -86,6 +116,18 @@ def _check_flags(options: LaunchOptions, cfg: cfgmod.MeshConfig) -> None:
             f"--hosts: got {options.hosts}; allowed: 1 to the number of nodes "
             f"({nodes}), which gives every node a process of its own"
         )
+
+
+def resume_command(options: LaunchOptions, out: Path) -> str:
+    """The command that resumes the run in `out`: its folder (and cluster) alone once it
+    holds the run's config; until then, the config flags too."""
+    flags = ["--out", str(out)]
+    if options.ray is not None:
+        flags += ["--ray", options.ray]
+    if not (out / RUN_CONFIG).is_file():
+        nodes = ["--nodes", str(options.nodes)] if options.nodes is not None else []
+        flags += [*options.config.argv(), *nodes]
+    return shlex.join(["meshfl", "launch", *flags])
 
 
 def _default_run_dir(cfg: cfgmod.MeshConfig) -> str:
