@@ -23,6 +23,7 @@ from .options import (
     ProcessOptions,
     add_assignments,
     config_source,
+    joiner_out,
     process_options,
     resolve_config,
 )
@@ -233,8 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument(
         "--out",
         metavar="DIR",
-        default="runs/node",
-        help="output folder, as for `meshfl node` (default runs/node)",
+        help="output folder, as for `meshfl node` (default runs/join-NAME with --name, "
+        "which a rejoin under that name resumes; else a new runs/join-<time>-<pid>): "
+        "two joiners on one machine never share keys or checkpoints",
     )
     join.add_argument(
         "--key",
@@ -390,6 +392,8 @@ def _coordinator(args: argparse.Namespace) -> int:
 
 
 def _join(args: argparse.Namespace) -> int:
+    if args.out is None:
+        args.out = str(joiner_out(args.name))
     options = _read_process_options(args)
     from .entry import run_joiner
 
