@@ -19,7 +19,14 @@ from meshfl.node.logs import configure as configure_logging
 
 from .bench import BENCHMARKS, run_benchmark
 from .errors import UserError, command_status
-from .options import add_assignments, config_source, process_options
+from .options import (
+    ProcessOptions,
+    add_assignments,
+    config_source,
+    joiner_out,
+    process_options,
+    resolve_config,
+)
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -90,7 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument(
         "--nodes", type=int, help="number of local nodes (default 4, or the peers of --config)"
     )
-    launch.add_argument("--out", metavar="DIR", help="run folder (default runs/<time>-<rule>)")
+    launch.add_argument(
+        "--out",
+        metavar="DIR",
+        help="run folder (default runs/<time>-<rule>-<dataset>). A folder of an earlier run "
+        "(it holds config.yaml) without --config resumes that run with its config: its "
+        "nodes go on from their checkpoints, the flags given change it (--rounds 40 "
+        "extends it), and --nodes may only repeat its number of nodes",
+    )
     launch.add_argument(
         "--hosts",
         type=int,
@@ -220,8 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument(
         "--out",
         metavar="DIR",
-        default="runs/node",
-        help="output folder, as for `meshfl node` (default runs/node)",
+        help="output folder, as for `meshfl node` (default runs/join-NAME with --name, "
+        "which a rejoin under that name resumes; else a new runs/join-<time>-<pid>): "
+        "two joiners on one machine never share keys or checkpoints",
     )
     join.add_argument(
         "--key",
@@ -329,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # Each command imports its module when run: most load torch, which --help, keygen and
-# status do without.
+# status do without, and which a node process loads only once its config reads well.
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -347,28 +362,42 @@ def _launch(args: argparse.Namespace) -> int:
     return launch(options)
 
 
+def _read_process_options(args: argparse.Namespace) -> ProcessOptions:
+    """A node process's options, its config read and its fields checked here (the
+    entry checks it whole again): a mistake in it answers before torch loads."""
+    options = process_options(args)
+    resolve_config(options.config, check=False)
+    return options
+
+
 def _node(args: argparse.Namespace) -> int:
+    options = _read_process_options(args)
     from .entry import run_named_node
 
-    return run_named_node(process_options(args), args.name, args.key)
+    return run_named_node(options, args.name, args.key)
 
 
 def _host(args: argparse.Namespace) -> int:
+    options = _read_process_options(args)
     from .hosts import hosted_names, run_host
 
-    return run_host(process_options(args), hosted_names(args.names), args.restarts)
+    return run_host(options, hosted_names(args.names), args.restarts)
 
 
 def _coordinator(args: argparse.Namespace) -> int:
+    options = _read_process_options(args)
     from .entry import run_coordinator
 
-    return run_coordinator(process_options(args), args.key)
+    return run_coordinator(options, args.key)
 
 
 def _join(args: argparse.Namespace) -> int:
+    if args.out is None:
+        args.out = str(joiner_out(args.name))
+    options = _read_process_options(args)
     from .entry import run_joiner
 
-    return run_joiner(process_options(args), args.address, args.name, args.listen, args.key)
+    return run_joiner(options, args.address, args.name, args.listen, args.key)
 
 
 def _keygen(args: argparse.Namespace) -> int:

@@ -143,7 +143,7 @@ def run_joiner(
         + (f" --config {config}" if config else "")
         + " --name NAME"
     )
-    print(f"meshfl: {name} joining through {address}", flush=True)
+    print(f"meshfl: {name} joining through {address}, writing to {out / name}", flush=True)
     return _run(replace(options, joining=True, join_hint=hint))
 
 

@@ -66,7 +66,13 @@ def command_status(command: Callable[[], int]) -> int:
 
 
 def _is_user_error(err: Exception) -> bool:
-    # Imported here: the node's errors load torch, which --help, keygen and status do without.
+    # A config's mistakes first: the node's other errors load torch, which a command whose
+    # config is wrong, --help, keygen and status do without.
+    from meshfl.node.config import ConfigError
+    from meshfl.node.data_rules import DataError
+
+    if isinstance(err, (UserError, ConfigError, DataError)):
+        return True
     from meshfl.node.errors import USER_ERRORS
 
-    return isinstance(err, (UserError, *USER_ERRORS))
+    return isinstance(err, USER_ERRORS)

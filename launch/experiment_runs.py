@@ -25,8 +25,8 @@ import yaml
 from meshfl.node import config as cfgmod
 
 from .errors import UserError
+from .local_mesh import run_mesh, with_local_peers
 from .measures import ROUND_COSTS, TableRow, score_rows
-from .mesh import run_mesh, with_local_peers
 from .summary import failed_nodes, honest_accuracies, write_summary
 
 

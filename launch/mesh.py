@@ -3,36 +3,34 @@
 The peers run in node hosts (`meshfl host`, node/host.py), about one per core, each
 host a process holding a share of the peers (placement.py); `--hosts N` gives every
 peer a process of its own (`meshfl node`). A coordinator runs alone (`meshfl
-coordinator`). `run_mesh` runs them on this machine and `run_mesh_on_ray`
-(ray_hosts.py) on the machines of a Ray cluster; both write under the run folder and
-leave starting, watching and restarting the processes to supervise.py. Launch shows
-their progress, stops them all on Ctrl-C or a stop signal, and ends with the run's
-summary (summary.py).
+coordinator`). `run_mesh` (local_mesh.py) runs them on this machine and
+`run_mesh_on_ray` (ray_hosts.py) on the machines of a Ray cluster; both write under the
+run folder and leave starting, watching and restarting the processes to supervise.py.
+Launch shows their progress, stops them all on Ctrl-C or a stop signal (and says how
+to resume), and ends with the run's summary (summary.py).
+
+A run folder that holds a config.yaml is resumed with that config: its nodes go on
+from their checkpoints. The config and the flags are read and checked here before
+either runner's module is imported, so that a mistake in them answers before torch
+loads.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from dataclasses import dataclass, replace
 from datetime import datetime
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 from meshfl.node import config as cfgmod
-from meshfl.node.coordinator import COORDINATOR, needs_coordinator
-from meshfl.node.host import forget_restarts
-from meshfl.node.splits import load_node_data
-from meshfl.node.trainer import set_torch_threads
-from meshfl.protocol.transport import free_ports
 
-from .contacts import key_path, own_contact
-from .errors import EXIT_NODE_FAILED, UserError, stop_signals_as_interrupts
+from .errors import EXIT_NODE_FAILED, UserError
 from .options import ConfigSource, resolve_config
-from .placement import default_hosts, host_groups, host_label
-from .summary import failed_nodes, print_table, write_summary
-from .supervise import SupervisedProcess, node_processes, supervise, write_processes
+
+RUN_CONFIG = "config.yaml"  # a run folder's config, as its runner wrote it
 
 
 @dataclass(frozen=True)
@@ -53,23 +51,26 @@ class LaunchOptions:
 
 def launch(options: LaunchOptions) -> int:
     """`meshfl launch`: run the mesh, print its table; EXIT_NODE_FAILED when a node failed."""
+    options = _resumed(options)
     cfg = resolve_config(options.config, check=False)  # the runner checks it with its addresses
+    _check_flags(options, cfg)
+    # Imported once the flags and the config are known to be good: the runners load torch.
+    from .local_mesh import run_mesh, with_local_peers
+    from .summary import failed_nodes, print_table
+
     if options.nodes is not None or options.config.path is None:
         cfg = with_local_peers(cfg, options.nodes if options.nodes is not None else len(cfg.peers))
-    if options.restarts < 0:
-        raise UserError(f"--restarts: got {options.restarts}; allowed: 0 or more")
-    if options.hosts is not None and not 1 <= options.hosts <= len(cfg.peers):
-        raise UserError(
-            f"--hosts: got {options.hosts}; allowed: 1 to the number of nodes "
-            f"({len(cfg.peers)}), which gives every node a process of its own"
-        )
     out = options.out or Path(_default_run_dir(cfg))
     run = run_mesh
     if options.ray is not None:
         from .ray_hosts import run_mesh_on_ray  # the only module that imports Ray
 
         run = partial(run_mesh_on_ray, address=options.ray)
-    summary = run(cfg, out, quiet=options.quiet, restarts=options.restarts, hosts=options.hosts)
+    try:
+        summary = run(cfg, out, quiet=options.quiet, restarts=options.restarts, hosts=options.hosts)
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM, SIGHUP: the nodes are stopped by now
+        print(f"meshfl: stopped; resume with: {resume_command(options, out)}", file=sys.stderr)
+        raise
     print_table(summary)
     failed = failed_nodes(summary)
     if failed:
@@ -82,99 +83,53 @@ def launch(options: LaunchOptions) -> int:
     return 0
 
 
-def with_local_peers(cfg: cfgmod.MeshConfig, count: int) -> cfgmod.MeshConfig:
-    """`cfg` with `count` peers (and a coordinator) on free loopback ports."""
-    if count < 1:
-        raise UserError(f"--nodes: got {count}; allowed: 1 or more")
-    *ports, coordinator_port = free_ports(count + 1)
-    peers = [
-        replace(peer, listen=f"tcp://127.0.0.1:{port}")
-        for peer, port in zip(cfgmod.local_peers(count), ports, strict=True)
-    ]
-    coordinator = f"tcp://127.0.0.1:{coordinator_port}"
-    return replace(
-        cfg, peers=peers, coordinator=coordinator if needs_coordinator(cfg.algorithm.name) else None
-    )
-
-
-def run_mesh(
-    cfg: cfgmod.MeshConfig,
-    out: Path,
-    quiet: bool = False,
-    restarts: int = 0,
-    hosts: int | None = None,
-) -> dict[str, Any]:
-    """Run every peer of `cfg` on this machine in `hosts` processes (default: about one
-    per core; as many as peers: one each) until all have exited; write and return the
-    summary. A process that fails does not stop the others: its unfinished nodes are
-    restarted up to `restarts` times, then listed as failed. SIGTERM and SIGHUP stop
-    the mesh as Ctrl-C does (KeyboardInterrupt), and the nodes stop on their own if this
-    process dies (launch/lifeline.py)."""
-    cfgmod.validate(cfg)
-    _check_data(cfg)
-    out.mkdir(parents=True, exist_ok=True)
-    config_path = out / "config.yaml"
-    # Fitted rule parameters written out: a joiner with other `rounds` still agrees.
-    cfgmod.save_config(cfgmod.with_explicit_params(cfg), config_path)
-    first = cfg.peers[0]
-    # Made before the node that loads it starts, so that the join line can carry its key.
-    joinable = own_contact(cfg, first.listen, key_path(out, first.name, first.key))
-    for peer in cfg.peers:  # a launch counts its own restarts, not an earlier one's
-        forget_restarts(out / peer.name)
-    groups = host_groups(
-        [peer.name for peer in cfg.peers],
-        hosts if hosts is not None else default_hosts(len(cfg.peers)),
-    )
-    if cfg.coordinator is not None:
-        groups.append([COORDINATOR])
-    labels = [host_label(index, names) for index, names in enumerate(groups)]
-    with (
-        stop_signals_as_interrupts(),
-        node_processes(config_path, out, groups, labels, len(groups), restarts=restarts) as (
-            supervised,
-            start,
-        ),
-    ):
-        list_processes = partial(_list_processes, out, supervised)
-        list_processes()
-        if not quiet:
-            print(
-                f"meshfl: {len(cfg.peers)} nodes in {len(groups)} processes, "
-                f"{cfg.algorithm.name} on {cfg.data.dataset} ({cfg.data.partition}), "
-                f"{cfg.rounds} rounds -> {out}"
-            )
-            print(f"meshfl: join this mesh with: meshfl join {joinable} --config {config_path}")
-        supervise(
-            supervised, start, restarts, out, cfg.rounds, quiet=quiet, on_restart=list_processes
+def _resumed(options: LaunchOptions) -> LaunchOptions:
+    """A launch into a run folder that holds its config, without --config, resumes that
+    run: its config.yaml is the base and the flags given change it (--rounds 40 extends
+    it); its peers stay, so --nodes may only repeat their number. An explicit --config
+    is the user's choice and is taken as given."""
+    if options.out is None or options.config.path is not None:
+        return options
+    run_config = options.out / RUN_CONFIG
+    if not run_config.is_file():
+        return options
+    peers = len(cfgmod.load_config(run_config).peers)
+    if options.nodes is not None and options.nodes != peers:
+        raise UserError(
+            f"--nodes: got {options.nodes}; the run in {options.out} has {peers} nodes, "
+            "which it resumes with: leave --nodes out, or start afresh with another --out"
         )
-    outcomes = {
-        name: each.outcome(name, out, cfg.rounds) for each in supervised for name in each.names
-    }
-    return write_summary(cfg, out, outcomes)
+    print(f"meshfl: resuming {options.out} with its {RUN_CONFIG}", flush=True)
+    return replace(options, config=replace(options.config, path=str(run_config)), nodes=None)
 
 
-def _list_processes(out: Path, supervised: list[SupervisedProcess]) -> None:
-    write_processes(out, [each.listed() for each in supervised])
+def _check_flags(options: LaunchOptions, cfg: cfgmod.MeshConfig) -> None:
+    """UserError for the first flag out of its range (--nodes counts the config's peers
+    when not given)."""
+    nodes = options.nodes if options.nodes is not None else len(cfg.peers)
+    if nodes < 1:
+        raise UserError(f"--nodes: got {nodes}; allowed: 1 or more")
+    if options.restarts < 0:
+        raise UserError(f"--restarts: got {options.restarts}; allowed: 0 or more")
+    if options.hosts is not None and not 1 <= options.hosts <= nodes:
+        raise UserError(
+            f"--hosts: got {options.hosts}; allowed: 1 to the number of nodes "
+            f"({nodes}), which gives every node a process of its own"
+        )
+
+
+def resume_command(options: LaunchOptions, out: Path) -> str:
+    """The command that resumes the run in `out`: its folder (and cluster) alone once it
+    holds the run's config; until then, the config flags too."""
+    flags = ["--out", str(out)]
+    if options.ray is not None:
+        flags += ["--ray", options.ray]
+    if not (out / RUN_CONFIG).is_file():
+        nodes = ["--nodes", str(options.nodes)] if options.nodes is not None else []
+        flags += [*options.config.argv(), *nodes]
+    return shlex.join(["meshfl", "launch", *flags])
 
 
 def _default_run_dir(cfg: cfgmod.MeshConfig) -> str:
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     return os.path.join("runs", f"{stamp}-{cfg.algorithm.name}-{cfg.data.dataset}")
-
-
-def _check_data(cfg: cfgmod.MeshConfig) -> None:
-    """Load the first node's data here, so a wrong path fails once, before any process.
-    On one torch thread: an OpenMP thread pool made here would not survive the forks
-    of the processes (forked.py), and a child that found it half there could hang."""
-    set_torch_threads(os.cpu_count() or 1)  # one thread: all cores among that many
-    data = cfgmod.data_for(cfg, cfg.peers[0])
-    load_node_data(
-        data.dataset,
-        data.root,
-        data.partition,
-        len(cfg.peers),
-        0,
-        cfg.seed,
-        data.samples_per_node,
-        tuple(data.split),
-    )

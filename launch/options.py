@@ -9,7 +9,9 @@ The command line (cli.py) turns a command's config flags (--config, --algorithm,
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 from meshfl.node import config as cfgmod
@@ -84,6 +86,17 @@ def process_options(args: argparse.Namespace) -> ProcessOptions:
     return ProcessOptions(
         config_source(args), Path(args.out), args.local_nodes, getattr(args, "launcher_fd", None)
     )
+
+
+def joiner_out(name: str | None) -> Path:
+    """`meshfl join`'s folder without --out: runs/join-NAME for the name it joins as (a
+    rejoin under that name finds its key and checkpoint again), else a new
+    runs/join-<time>-<pid>. Either way two joiners on one machine never share a folder:
+    its key and checkpoint are the joiner's own."""
+    if name is not None:
+        return Path("runs", f"join-{name}")
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("runs", f"join-{stamp}-{os.getpid()}")
 
 
 def resolve_config(source: ConfigSource, check: bool = True) -> cfgmod.MeshConfig:

@@ -1,6 +1,6 @@
 """How many processes a mesh's nodes share, and which nodes each runs.
 
-Both mesh runners use it: a local launch (mesh.py) for this machine, a Ray launch
+Both mesh runners use it: a local launch (local_mesh.py) for this machine, a Ray launch
 (ray_hosts.py) for each machine of the cluster.
 """
 

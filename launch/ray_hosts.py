@@ -12,7 +12,9 @@ public key, each machine's hosts, and the nodes' text files on their way back.
 - Keys and checkpoints stay on the machine that runs the node, under a scratch folder of
   its own (`<tmp>/meshfl-ray/<run>/`). When an actor dies its hosts stop
   with it (the lifeline); with `--restarts N` Ray brings the actor back on the same
-  machine and its unfinished nodes resume from their checkpoints.
+  machine and its unfinished nodes resume from their checkpoints. The scratch folders
+  stay while the run can be resumed (stopped, or a node failed) and are removed once
+  every node has finished.
 - The run folder on the launching machine is filled as for a local run: config.yaml,
   each node's metrics.jsonl, node.log and info.json (mirrored while the run goes on),
   the hosts' logs, processes.json and summary.json.
@@ -242,7 +244,7 @@ def _run_on_cluster(
             )
         _supervise(ray, machines, config_text, out, address, cfg.rounds, restarts, quiet)
     finally:
-        _stop_machines(ray, out, address, machines)
+        _stop_machines(ray, out, address, machines, cfg.rounds)
         ray.shutdown()
     outcomes = {
         name: _outcome(each, name, out, cfg.rounds) for each in machines for name in each.names
@@ -457,9 +459,12 @@ def _outcome(each: MachineRun, name: str, out: Path, rounds: int) -> dict[str, A
     }
 
 
-def _stop_machines(ray: Any, out: Path, address: str, machines: list[MachineRun]) -> None:
+def _stop_machines(
+    ray: Any, out: Path, address: str, machines: list[MachineRun], rounds: int
+) -> None:
     """Stop every machine's hosts still running (their nodes say bye; their last rounds
-    are checkpointed), copy the files back one last time, and end the actors."""
+    are checkpointed), copy the files back one last time, remove the scratch folders if
+    every node finished (else a resume needs their checkpoints), and end the actors."""
     running = [each for each in machines if each.run_ref is not None]
     if running:
         stops = [each.actor.stop.remote() for each in running]
@@ -468,6 +473,9 @@ def _stop_machines(ray: Any, out: Path, address: str, machines: list[MachineRun]
         ray.wait(refs, num_returns=len(refs), timeout=STOP_WAIT_S)
     if _pull_all(ray, Mirror(out), machines):
         _write_processes(out, address, machines)
+    if all(node_finished(out, name, rounds) for each in machines for name in each.names):
+        removals = [each.actor.remove_scratch.remote() for each in machines]
+        ray.wait(removals, num_returns=len(removals), timeout=STOP_WAIT_S)
     for each in machines:
         ray.kill(each.actor)
 

@@ -4,14 +4,16 @@ that forks the node hosts there and supervises them.
 The actor forks its hosts as a plain launch forks them (supervise.py): they share the
 actor's torch, so a machine pays for one interpreter and one torch, not one per host,
 and the actor restarts a host that fails. Keys and checkpoints stay on the machine,
-under a scratch folder of the run (`<tmp>/meshfl-ray/<run>/`) that outlives the actor;
-the launcher copies the nodes' text files back through `RayMachine.news`.
+under a scratch folder of the run (`<tmp>/meshfl-ray/<run>/`) that outlives the actor
+and is removed once the run has finished; the launcher copies the nodes' text files
+back through `RayMachine.news`.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -48,7 +50,7 @@ class HostListing:
 
 def scratch_folder(run_id: str) -> Path:
     """Where the hosts of the run `run_id` keep their nodes' keys and checkpoints, on
-    each machine: kept after the run, for a resume."""
+    each machine: kept while the run can be resumed, removed once it finished."""
     return Path(tempfile.gettempdir()) / "meshfl-ray" / run_id
 
 
@@ -124,6 +126,11 @@ class RayMachine:
     def stop(self) -> None:
         """End the run: its hosts are stopped (their nodes say bye)."""
         self.stopping.set()
+
+    def remove_scratch(self) -> None:
+        """Remove the run's scratch folder on this machine (its run has finished: nothing
+        there is needed again)."""
+        shutil.rmtree(self.root, ignore_errors=True)
 
     def news(self, copies: dict[str, tuple[int, bytes]]) -> tuple[list[HostListing], dict]:
         """The hosts of the run under way (or of the last one), and what the launcher's

@@ -1,6 +1,6 @@
 """Supervision: start a mesh's processes, watch them, restart their unfinished nodes.
 
-A mesh runner (mesh.py on this machine, ray_hosts.py on each machine of a Ray cluster)
+A mesh runner (local_mesh.py on this machine, ray_hosts.py on each machine of a Ray cluster)
 decides which nodes each process runs; here each process is started with its entry
 (entry.py, hosts.py: the coordinator, one node, or a node host), forked from this
 process where the system allows (forked.py), each in a session of its own and writing

@@ -101,14 +101,14 @@ def _checked_listen(listen: str | None) -> str | None:
     return listen
 
 
-def _data_rule(module: str, checker: str) -> AfterValidator:
-    """The rest of a data field's rule, which a data module owns: its check, imported
-    when first used (the data modules load torch), raises a DataError that says what is
-    allowed."""
+def _data_rule(checker: str) -> AfterValidator:
+    """The rest of a data field's rule, which node/data_rules.py owns: its check, imported
+    when first used, raises a DataError that says what is allowed. That module loads no
+    torch, so a command answers a wrong config before it loads anything heavy."""
 
     def check(value: Any) -> Any:
         if value is not None:
-            getattr(importlib.import_module(f"meshfl.node.{module}"), checker)(value)
+            getattr(importlib.import_module("meshfl.node.data_rules"), checker)(value)
         return value
 
     return AfterValidator(check)
@@ -168,24 +168,22 @@ class ModelConfig:
     head: Annotated[str, _rule("a head: last (the last layer) or fc (the dense block)")] = "last"
 
 
-_Dataset = Annotated[
-    str, _rule("a dataset name or npz:PATH"), _data_rule("datasets", "check_dataset_name")
-]
+_Dataset = Annotated[str, _rule("a dataset name or npz:PATH"), _data_rule("check_dataset_name")]
 _Root = Annotated[str, _rule("a folder path or null", min_length=1)]
 _Partition = Annotated[
     str,
     _rule("a partition form, e.g. iid or dirichlet:0.5"),
-    _data_rule("partitions", "check_partition"),
+    _data_rule("check_partition"),
 ]
 _ShardSize = Annotated[
     int,
     _rule("an integer sample count, or null for the whole shard"),
-    _data_rule("splits", "check_samples_per_node"),
+    _data_rule("check_samples_per_node"),
 ]
 _Split = Annotated[
     tuple[Annotated[float, _finite("a number"), _FROM_TEXT], ...],
     Field(description="a list of numbers: the train, validation and test shares"),
-    _data_rule("splits", "check_split"),
+    _data_rule("check_split"),
 ]
 
 
@@ -749,7 +747,7 @@ def config_schema() -> dict[str, Any]:
     packages' registries allow (so that editors complete them), and the short forms of
     the sections named by a string (`algorithm: local`, `model: cnn`)."""
     from meshfl.algorithms import ALGORITHM_NAMES
-    from meshfl.node.datasets import DATASETS, NPZ_PREFIX
+    from meshfl.node.data_rules import DATASETS, NPZ_PREFIX
     from meshfl.node.models import HEADS, MODELS
     from meshfl.node.trainer import OPTIMIZERS
 

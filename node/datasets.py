@@ -22,6 +22,8 @@ from typing import TypeVar
 import numpy as np
 import torch
 
+from .data_rules import DATASETS, NPZ_PREFIX, DataError, check_dataset_name
+
 __all__ = [
     "DATASETS",
     "NPZ_PREFIX",
@@ -33,24 +35,6 @@ __all__ = [
 ]
 
 
-class DataError(ValueError):
-    """A user mistake about data: message is one clear line naming what is wrong and what is
-    allowed."""
-
-
-DATASETS: tuple[str, ...] = (
-    "digits",
-    "mnist",
-    "fmnist",
-    "usps",
-    "cifar10",
-    "mnistm",
-    "femnist",
-    "office",
-    "synthetic",
-    "digit5",
-)
-NPZ_PREFIX = "npz:"
 DIGIT5_DOMAINS = ("mnist", "usps", "mnistm", "mnist_inv", "usps_color")
 OFFICE_DOMAINS = {  # domain -> SURF file; the DeCAF6 files exist only for dslr and webcam
     "amazon": "amazon_SURF_L10.mat",
@@ -68,15 +52,6 @@ PARTITION_STREAM, CAP_STREAM, SPLIT_STREAM, SYNTHETIC_STREAM = 1, 2, 3, 4
 # Digit-5's derived domains are part of the dataset's definition, not of a run: every run
 # sees the same inverted and coloured images, whatever its seed.
 _DIGIT5_BUILD_SEED = 20_240_501
-
-
-def check_dataset_name(name: str) -> None:
-    """Raise DataError unless `name` is a known dataset or `npz:PATH`."""
-    if name in DATASETS:
-        return
-    if name.startswith(NPZ_PREFIX) and name[len(NPZ_PREFIX) :].strip():
-        return
-    raise DataError(f"unknown dataset {name!r}; allowed: {', '.join(DATASETS)} or npz:PATH")
 
 
 # --------------------------------------------------------------------------- pools

@@ -7,7 +7,7 @@ from meshfl.protocol.transport import TransportError
 from .checkpoint import CheckpointError, StorageError
 from .config import ConfigError
 from .coordinator import CoordinatorGone
-from .datasets import DataError
+from .data_rules import DataError
 from .models import ModelError
 from .runtime import JoinError
 

@@ -9,13 +9,13 @@ PARTITION_FORMS.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .datasets import CAP_STREAM, PARTITION_STREAM, DataError, Pool
+from .data_rules import PARTITION_FORMS, DataError, Partition, check_partition, parse_partition
+from .datasets import CAP_STREAM, PARTITION_STREAM, Pool
 
 __all__ = [
     "PARTITION_FORMS",
@@ -26,75 +26,10 @@ __all__ = [
     "parse_partition",
 ]
 
-PARTITION_FORMS = (
-    "iid, dirichlet:<alpha > 0>, pathological:<labels per node >= 1>, "
-    "groups:<iid share s in [0, 1]>, clusters:<k >= 1>, clusters:<k>:noisy, domains"
-)
 FEDREMA_GROUPS = 5
 FEDREMA_LABELS_PER_GROUP = 3
 DIRICHLET_MIN_SAMPLES = 10
 DIRICHLET_TRIES = 100
-
-
-@dataclass(frozen=True)
-class Partition:
-    """A parsed partition spec; `param` is alpha, labels per node, iid share or k."""
-
-    kind: str
-    param: float | int | None = None
-    noisy: bool = False
-
-
-def check_partition(spec: str) -> None:
-    """Raise DataError unless `spec` is one of PARTITION_FORMS."""
-    parse_partition(spec)
-
-
-def parse_partition(spec: str) -> Partition:
-    kind, _, rest = spec.strip().partition(":")
-    args = rest.split(":") if rest else []
-
-    def bad(why: str) -> DataError:
-        return DataError(f"partition {spec!r} is not valid ({why}); allowed: {PARTITION_FORMS}")
-
-    if kind in ("iid", "domains"):
-        if args:
-            raise bad(f"'{kind}' takes no parameter")
-        return Partition(kind)
-    if kind == "dirichlet" and len(args) == 1:
-        alpha = _parse_number(args[0], float, bad)
-        if not alpha > 0:
-            raise bad("alpha must be > 0")
-        return Partition(kind, alpha)
-    if kind == "pathological" and len(args) == 1:
-        labels = _parse_number(args[0], int, bad)
-        if labels < 1:
-            raise bad("labels per node must be >= 1")
-        return Partition(kind, labels)
-    if kind == "groups" and len(args) == 1:
-        share = _parse_number(args[0], float, bad)
-        if not 0 <= share <= 1:
-            raise bad("the iid share s must be in [0, 1]")
-        return Partition(kind, share)
-    if kind == "clusters" and len(args) in (1, 2):
-        if len(args) == 2 and args[1] != "noisy":
-            raise bad("the only option after k is 'noisy'")
-        clusters = _parse_number(args[0], int, bad)
-        if clusters < 1:
-            raise bad("k must be >= 1")
-        return Partition(kind, clusters, noisy=len(args) == 2)
-    known = ("iid", "domains", "dirichlet", "pathological", "groups", "clusters")
-    raise bad("wrong number of parameters" if kind in known else f"unknown form {kind!r}")
-
-
-def _parse_number(text: str, kind: type, bad: Callable[[str], DataError]) -> float | int:
-    try:
-        value = kind(text)
-    except ValueError:
-        raise bad(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
-    if not math.isfinite(value):
-        raise bad(f"{text!r} is not finite")
-    return value
 
 
 # --------------------------------------------------------------------------- dealing shards

@@ -8,7 +8,6 @@ names its own files (`npz:PATH`, one node, `iid`).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -16,15 +15,14 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from .datasets import (
-    SPLIT_STREAM,
-    SYNTHETIC_CLASSES,
-    SYNTHETIC_FEATURES,
+from .data_rules import (
+    MIN_SAMPLES_PER_NODE,
     DataError,
     check_dataset_name,
-    load_pool,
-    synthetic_node,
+    check_samples_per_node,
+    check_split,
 )
+from .datasets import SPLIT_STREAM, SYNTHETIC_CLASSES, SYNTHETIC_FEATURES, load_pool, synthetic_node
 from .partitions import assign_shards, parse_partition
 
 __all__ = [
@@ -35,33 +33,6 @@ __all__ = [
     "load_node_data",
     "stratified_split",
 ]
-
-
-# One sample each for train, validation and test at least; every rule scores on the
-# validation split and every report on the test split, so neither may be empty.
-MIN_SAMPLES_PER_NODE = 3
-SPLIT_TOLERANCE = 1e-6
-
-
-def check_samples_per_node(value: int | None) -> None:
-    """Raise DataError unless `value` is unset or an integer >= MIN_SAMPLES_PER_NODE."""
-    if value is not None and (
-        isinstance(value, bool) or not isinstance(value, int) or value < MIN_SAMPLES_PER_NODE
-    ):
-        raise DataError(f"got {value!r}; allowed: an integer >= {MIN_SAMPLES_PER_NODE} or null")
-
-
-def check_split(split: tuple[float, ...]) -> None:
-    """Raise DataError unless `split` is three fractions > 0 (train, validation, test)
-    that sum to 1."""
-    parts_ok = len(split) == 3 and all(
-        isinstance(part, (int, float)) and math.isfinite(part) and part > 0 for part in split
-    )
-    if not parts_ok or abs(sum(split) - 1) > SPLIT_TOLERANCE:
-        raise DataError(
-            f"got {list(split)!r}; allowed: three numbers > 0 (train, "
-            "validation, test) that sum to 1"
-        )
 
 
 @dataclass

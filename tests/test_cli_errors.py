@@ -97,3 +97,41 @@ def test_keygen_refuses_to_overwrite(tmp_path):
     assert first.returncode == 0 and "public key:" in first.stdout
     assert key.stat().st_mode & 0o777 == 0o600
     assert_one_line_error(run_meshfl("keygen", str(key)), "refusing to overwrite")
+
+
+# Runs a command as `meshfl` does and prints, last on stdout, whether it loaded torch.
+TORCH_PROBE = (
+    "import sys\n"
+    "from meshfl.launch.cli import main\n"
+    "code = main(sys.argv[1:])\n"
+    "print('torch loaded' if 'torch' in sys.modules else 'no torch')\n"
+    "sys.exit(code)\n"
+)
+
+
+@pytest.mark.parametrize(
+    "command, fragments",
+    [
+        (["launch", "--config", "/nonexistent/peers.yaml"], ["/nonexistent/peers.yaml"]),
+        (["launch", "--set", "rounds=-1"], ["rounds", "-1", ">= 1"]),
+        (["launch", "--nodes", "0"], ["--nodes", "0"]),
+        (["launch", "--partition", "dirichlet:x"], ["data.partition", "dirichlet:x"]),
+        (["node", "--name", "node0", "--config", "/nonexistent/peers.yaml"], ["/nonexistent"]),
+        (["node", "--name", "node0", "--set", "rounds=-1"], ["rounds", "-1"]),
+        (["host", "--names", "node0,node1", "--set", "rounds=-1"], ["rounds", "-1"]),
+        (["coordinator", "--set", "rounds=-1"], ["rounds", "-1"]),
+        (["join", "tcp://127.0.0.1:9", "--set", "rounds=-1"], ["rounds", "-1"]),
+        (["join", "tcp://127.0.0.1:9", "--config", "/nonexistent/peers.yaml"], ["/nonexistent"]),
+    ],
+)
+def test_a_config_mistake_answers_before_torch_loads(tmp_path, command, fragments):
+    result = subprocess.run(
+        [sys.executable, "-c", TORCH_PROBE, *command, "--out", str(tmp_path / "run")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert_one_line_error(result, *fragments)
+    assert result.stdout.splitlines()[-1] == "no torch"
+    assert not (tmp_path / "run").exists()

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+import yaml
 
 from tests.nodes import (
     meshfl,
@@ -188,3 +189,50 @@ def test_meshfl_launch_with_the_same_seed_gives_the_same_accuracies(tmp_path):
         return [node["test_acc"] for node in summary["nodes"]], summary["mean_test_acc"]
 
     assert launch(tmp_path / "first") == launch(tmp_path / "second")
+
+
+def launch_quietly(*flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "meshfl.launch.cli", "launch", "--quiet", *flags],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+def test_launch_with_only_the_run_folder_resumes_the_run_with_its_own_config(tmp_path):
+    run = tmp_path / "run"
+    first = launch_quietly(
+        *("--nodes", "2", "--rounds", "2", "--samples-per-node", "150", "--seed", "3"),
+        *("--set", "lr=0.1", "--out", str(run)),
+    )
+    assert first.returncode == 0, first.stderr
+    before = yaml.safe_load((run / "config.yaml").read_text())
+
+    more = launch_quietly("--out", str(run), "--rounds", "3")
+    assert more.returncode == 0, more.stderr
+    assert f"meshfl: resuming {run} with its config.yaml" in more.stdout
+    after = yaml.safe_load((run / "config.yaml").read_text())
+    assert after == {**before, "rounds": 3}  # same peers, ports, seed, lr: only rounds changed
+    for name in ("node0", "node1"):
+        assert [record["round"] for record in records(run, name)] == [1, 2, 3]
+        assert "resumed from the checkpoint of round 2" in log_of(run, name)
+
+    other_count = launch_quietly("--out", str(run), "--nodes", "3")
+    assert other_count.returncode == 2
+    assert "--nodes: got 3; the run in" in other_count.stderr
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_stopped_launch_says_how_to_resume_it(tmp_path, signum, code):
+    run = tmp_path / "run"
+    log = tmp_path / "launch.log"
+    launch = meshfl("launch", "--nodes", "2", "--rounds", "500", "--out", str(run), log=log)
+    try:
+        wait_round(run, "node0", 1, timeout=120)
+        os.killpg(launch.pid, signum)  # the nodes have sessions of their own: launch alone
+        assert launch.wait(timeout=60) == code
+    finally:
+        stop([launch])
+    last = log.read_text().strip().splitlines()[-1]
+    assert last == f"meshfl: stopped; resume with: meshfl launch --out {run}"

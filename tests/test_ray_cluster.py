@@ -172,6 +172,8 @@ def test_a_coordinated_rule_runs_its_coordinator_in_a_host_of_its_own(ray_cluste
     assert [node["status"] for node in summary["nodes"]] == ["finished"] * 6
     assert ["coordinator"] in [host["nodes"] for host in processes(out)]
     assert len(records(out, "coordinator")) == 3, "the coordinator's metrics came back"
+    run_id = run_id_of(out)
+    assert run_id is not None and not scratch_folder(run_id).exists(), "a finished run leaves none"
 
 
 def test_without_ray_installed_launch_says_how_to_install_it(monkeypatch, capsys, tmp_path):
