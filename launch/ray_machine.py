@@ -184,7 +184,7 @@ class RayMachine:
         with (
             self._machine_lock() as lock,
             node_processes(
-                config_path, self.root, groups, labels, local_nodes, restarted, (lock,)
+                config_path, self.root, groups, labels, local_nodes, restarted, (lock,), restarts
             ) as (supervised, start),
         ):
             self._supervised = supervised
