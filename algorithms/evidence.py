@@ -7,7 +7,8 @@ mean of d is noise as often as signal (30 val samples: one sample moves it by 3 
 so a verdict on one round either admits harm or shuts out help. A peer's *record*
 carries the evidence from round to round instead:
 
-    z   = mean(d) / standard error of mean(d), clipped to [-BENEFIT_CLIP, HARM_CLIP]
+    z   = mean(d) / max(standard error of mean(d), NEGLIGIBLE_LOSS),
+          clipped to [-BENEFIT_CLIP, HARM_CLIP]
     s  <- DECAY * s + z                         (s = 0 for a peer never measured)
 
 and the peer is kept out while s > HARM_BOUND. What that gives:
@@ -21,6 +22,11 @@ and the peer is kept out while s > HARM_BOUND. What that gives:
 - Good behaviour cannot be banked to cover an attack: benefit is clipped at
   BENEFIT_CLIP, so the best record, -2 * BENEFIT_CLIP, is outweighed by one round of
   clear harm.
+- A change too small to matter is no evidence, however consistent: where a node's
+  model is already near certain on its val split (one label per node, say), mixing in
+  a peer trained on the same label moves every sample's loss by 1e-4 nats in the same
+  direction, a hundred standard errors and no harm at all. NEGLIGIBLE_LOSS puts a floor
+  under the noise.
 - The past fades: a peer whose data or training changes (or that mended its ways) is
   judged mostly by its last few rounds.
 
@@ -45,11 +51,13 @@ DECAY = 0.5
 HARM_BOUND = 2.0
 HARM_CLIP = 4.0
 BENEFIT_CLIP = 1.0
+NEGLIGIBLE_LOSS = 0.01  # nats per val sample: a mean change below it is not evidence
 
 
 def harm_z(differences: torch.Tensor) -> float:
     """One round's evidence from the per-sample loss differences (mixed minus own): their
-    mean in standard errors, clipped; anything not finite is the worst harm."""
+    mean in standard errors (at least NEGLIGIBLE_LOSS each), clipped; anything not
+    finite is the worst harm."""
     d = differences.double()
     if len(d) == 0:
         return 0.0
@@ -57,11 +65,7 @@ def harm_z(differences: torch.Tensor) -> float:
         return HARM_CLIP
     mean = float(d.mean())
     noise = float(d.std()) / math.sqrt(len(d)) if len(d) > 1 else 0.0
-    if noise == 0.0:
-        z = math.copysign(HARM_CLIP, mean) if mean != 0.0 else 0.0
-    else:
-        z = mean / noise
-    return min(max(z, -BENEFIT_CLIP), HARM_CLIP)
+    return min(max(mean / max(noise, NEGLIGIBLE_LOSS), -BENEFIT_CLIP), HARM_CLIP)
 
 
 class PeerRecords:

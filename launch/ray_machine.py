@@ -135,6 +135,8 @@ class RayMachine:
     def news(self, copies: dict[str, tuple[int, bytes]]) -> tuple[list[HostListing], dict]:
         """The hosts of the run under way (or of the last one), and what the launcher's
         copies lack (`files`)."""
+        for each in self._supervised:  # the restarts its host made of its nodes itself
+            each.count_host_restarts(self.root)
         listing = [
             HostListing(each.label, each.process.pid, each.running, dict(each.node_restarts))
             for each in self._supervised

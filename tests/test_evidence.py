@@ -22,6 +22,7 @@ def test_one_rounds_evidence_is_the_mean_in_standard_errors_clipped():
     assert harm_z(differences(-40.0)) == -BENEFIT_CLIP
     assert harm_z(torch.tensor([0.1, float("nan")])) == HARM_CLIP
     assert harm_z(torch.zeros(VAL)) == 0.0
+    assert harm_z(torch.full((VAL,), 1e-4)) < 0.1, "consistent, and far too small to matter"
     assert harm_z(torch.empty(0)) == 0.0
 
 
