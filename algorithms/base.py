@@ -139,6 +139,11 @@ class PeerAlgorithm:
     ) -> Aggregate:
         raise NotImplementedError
 
+    def kept_out(self, peers: set[str]) -> None:
+        """The peers whose models the node's screening keeps out of this round
+        (screening.py), told just before `aggregate`. A rule with memberships of its own
+        reports them less these peers: whom it learns from, not whom it would."""
+
     def adopted(self, state: State) -> None:
         """The model the node ends the round with, where a wrapper (screening) may have
         chosen another than this rule's outcome; a rule that keeps a reference to the

@@ -40,6 +40,10 @@ cluster, and `oracle: true` replaces the lazy phase by the true clusters: from r
 a node's group is the peers that reported its own true cluster. The warm-up is kept so
 that the Oracle differs from pFedLIA only in how the groups are found.
 
+Behind screening (algorithms/screening.py) a node averages only the group's peers that
+screening admits; the group it reports (`diagnostics.group`, with its precision and
+recall) is those: whom it learns from. Its split itself is kept as fitted.
+
 Equal tensors. Two nodes of the same true cluster publish the same "truth", all anchors
 are bit-identical after a full-mesh warm-up, and a lazy model republished next round is
 the same bytes. They stay distinct blobs all the same: the mesh names a blob by its
@@ -355,6 +359,7 @@ class PFedLIA(PeerAlgorithm):
         self.group: set[str] | None = None  # None until this node has clustered
         self._fedavg = FedAvg(NoParams(), context)
         self._newly_scored: list[str] = []
+        self._kept_out: set[str] = set()  # this round's, by screening: not learned from
 
     @property
     def node(self) -> str:
@@ -417,6 +422,9 @@ class PFedLIA(PeerAlgorithm):
         outcome = self._fedavg.aggregate(round_no, own, {MODEL: models}, data)
         outcome.diagnostics = self._diagnostics(phase)
         return outcome
+
+    def kept_out(self, peers: set[str]) -> None:
+        self._kept_out = peers
 
     def _update_group(self, received: ReceivedModels, data: Any) -> str:
         """Refresh the group from what arrived this round; return the phase it is in."""
@@ -506,10 +514,11 @@ class PFedLIA(PeerAlgorithm):
             diagnostics["newly_scored"] = self._newly_scored
             self._newly_scored = []
         if self.group is not None:
-            diagnostics["group"] = sorted(self.group)
+            learns_from = self.group - self._kept_out
+            diagnostics["group"] = sorted(learns_from)
             if self.truths[self.node] != UNKNOWN_CLUSTER:
                 known = {peer: c for peer, c in self.truths.items() if c != UNKNOWN_CLUSTER}
-                diagnostics.update(precision_recall(self.node, self.group, known))
+                diagnostics.update(precision_recall(self.node, learns_from, known))
         return diagnostics
 
     # --- checkpoint ---------------------------------------------------------

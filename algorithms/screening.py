@@ -264,6 +264,7 @@ class Screened(PeerAlgorithm):
         passed_round, passed_over = self._passed_over
         if passed_round == round_no:
             reasons.update({peer: "record" for peer in passed_over if peer not in models})
+        self.rule.kept_out(set(reasons))
         admitted = {**received, MODEL: {p: m for p, m in models.items() if p not in reasons}}
         if MODEL not in received:
             admitted.pop(MODEL)

@@ -235,6 +235,18 @@ def test_after_the_warmup_each_node_groups_with_its_cluster_and_pulls_only_its_m
     assert after["a"].diagnostics["phase"] == "grouped"
 
 
+def test_a_group_member_screening_keeps_out_is_not_reported_as_learned_from():
+    mesh = two_cluster_mesh(warmup=0)
+    mesh.round(1)
+    rule = mesh.nodes["a"][0]
+    rule.group |= {"c"}  # as a 2-means split that lumped another cluster in would
+    rule.kept_out({"c"})  # ...whose models screening keeps out this round
+    outcome = mesh.round(2)["a"]
+    assert outcome.diagnostics["group"] == ["a", "b"]
+    assert outcome.diagnostics["precision"] == 1.0
+    assert "c" in rule.group, "the rule's own split is unchanged"
+
+
 def test_a_node_is_in_its_own_group_even_when_its_own_lazy_model_scores_harmful():
     mesh = two_cluster_mesh(warmup=0)
     mesh.add("odd", make_node("odd", cluster=0, lazy_fits=1, warmup=0), dict(ANCHOR_STATE))

@@ -231,6 +231,14 @@ def test_a_peer_kept_out_is_not_fetched_until_its_record_fades_then_measured_aga
     assert fetched_rounds[0] == 1 and 2 <= len(fetched_rounds) <= 3, fetched_rounds
 
 
+def test_the_rule_is_told_whom_screening_keeps_out_before_it_aggregates(world):
+    rule = screened(world, "fedavg")
+    told = []
+    rule.rule.kept_out = told.append
+    aggregate(rule, world, {"h1": world.honest["h1"], "bad": world.attackers["noise"]})
+    assert told == [{"bad"}]
+
+
 def test_a_round_of_training_gone_astray_does_not_let_an_attacker_in(world):
     """Peers are judged against the model the round started from where the own model
     of the round validates worse: next to a ruined model, even poison looks like help."""
