@@ -178,13 +178,8 @@ class _Fetches:
 
     def done(self, blob_id: bytes) -> list[tuple[bytes, bytes]]:
         """Mark a blob answered; return the (holder, blob id) fetches now allowed out."""
-        released = []
-        for holder, slots in self.in_flight.items():
-            if slots.pop(blob_id, None) is not None and self.waiting[holder]:
-                follower = self.waiting[holder].popleft()
-                slots[follower] = time.monotonic()
-                released.append((holder, follower))
-        return released
+        answered = [holder for holder in list(self.in_flight) if self.cancel(holder, blob_id)]
+        return [fetch for holder in answered for fetch in self.release(holder)]
 
 
 class _RateLimit:
@@ -1017,12 +1012,14 @@ class Endpoint:
     def _on_fetch(self, message: Message) -> None:
         entry = self.table.heard_from(message.sender, message.round)
         blob = self.store.get(message.body["id"])
-        if entry is None or blob is None:
+        if blob is None or entry is None:
             self.received["fetch_miss"] += 1
-        if entry is not None and blob is not None:
-            self._send(entry.address, "blob", {}, blob)
-        elif entry is not None:  # a known peer learns at once that it must look elsewhere
+        if entry is None:
+            return  # a stranger gets nothing
+        if blob is None:  # a known peer learns at once that it must look elsewhere
             self._send(entry.address, "miss", {"id": message.body["id"]})
+        else:
+            self._send(entry.address, "blob", {}, blob)
 
     def _on_miss(self, message: Message) -> None:
         self.table.heard_from(message.sender, message.round)

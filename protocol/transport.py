@@ -366,18 +366,17 @@ class Transport:
         finally:
             self._close_sockets()
 
-    def _contained(self, where: str, step: Callable[..., Any], *args: Any) -> Any:
+    def _contained(self, where: str, step: Callable[..., None], *args: Any) -> None:
         """Run one step of the I/O loop; an error nobody foresaw is logged once (with its
         traceback) and counted, and the loop goes on: whatever a peer sends or names,
-        the transport stays up. Returns the step's result, True when it failed."""
+        the transport stays up."""
         try:
-            return step(*args)
+            step(*args)
         except Exception:
             with self._counting:
                 self.faults[where] += 1
             if self.faults[where] == 1:
                 log.exception("unexpected error while %s; the transport goes on", where)
-            return True
 
     def _close_sockets(self) -> None:
         for address in list(self._dealers):
