@@ -13,12 +13,14 @@ carries the evidence from round to round instead:
 
 and the peer is kept out while s > HARM_BOUND. What that gives:
 
-- An attacker that shows itself (a sign flip, noise, a scaled model: z far above the
-  clip) is out in the round it first shows, as before: HARM_CLIP > HARM_BOUND.
-- A useful peer with one unlucky round (z up to HARM_BOUND) stays in; only harm that
-  repeats shuts it out. With DECAY 0.5 a steady z settles at 2z, so a peer that hurts
-  by more than one standard error round after round (the old single-round test) is out
-  within a few rounds.
+- A peer met for the first time is judged as one round allows: out when its model
+  hurts by more than one standard error (HARM_BOUND). An attacker that shows itself (a
+  sign flip, noise, a scaled model: z far above the clip) is out the round it shows.
+- A peer that has been helping keeps its place through an unlucky round: its record
+  stands near -2 * BENEFIT_CLIP, so only a round of z above 2 (or harm that repeats)
+  puts it out, where a one-round test would shut it out at z above 1.
+- Slight harm that repeats adds up: a steady z settles at 2z, so a peer that hurts by
+  more than half a standard error round after round is out within a few rounds.
 - Good behaviour cannot be banked to cover an attack: benefit is clipped at
   BENEFIT_CLIP, so the best record, -2 * BENEFIT_CLIP, is outweighed by one round of
   clear harm.
@@ -48,7 +50,7 @@ from typing import Any
 import torch
 
 DECAY = 0.5
-HARM_BOUND = 2.0
+HARM_BOUND = 1.0  # one round's z above it puts a peer with no record out
 HARM_CLIP = 4.0
 BENEFIT_CLIP = 1.0
 NEGLIGIBLE_LOSS = 0.01  # nats per val sample: a mean change below it is not evidence

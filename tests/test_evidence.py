@@ -32,11 +32,18 @@ def test_clear_harm_is_kept_out_in_the_round_it_shows():
     assert records.harmful("attacker")
 
 
-def test_one_unlucky_round_does_not_shut_out_a_useful_peer():
+def test_a_new_peer_is_out_when_one_round_shows_harm_beyond_the_noise():
+    records = PeerRecords()
+    records.observe("harmful", 1, differences(HARM_BOUND + 0.2))
+    records.observe("noisy", 1, differences(HARM_BOUND - 0.2))
+    assert records.harmful("harmful") and not records.harmful("noisy")
+
+
+def test_one_unlucky_round_does_not_shut_out_a_peer_that_has_been_helping():
     records = PeerRecords()
     for round_no in range(1, 6):
-        records.observe("useful", round_no, differences(-0.5, seed=round_no))
-    records.observe("useful", 6, differences(HARM_BOUND, seed=6))  # the old test: out
+        records.observe("useful", round_no, differences(-2.0, seed=round_no))
+    records.observe("useful", 6, differences(1.8, seed=6))  # a one-round test: out
     assert not records.harmful("useful")
 
 
@@ -44,11 +51,11 @@ def test_slight_harm_that_repeats_is_kept_out_within_a_few_rounds():
     records = PeerRecords()
     rounds_to_exclusion = None
     for round_no in range(1, 8):
-        records.observe("slight", round_no, differences(1.2, seed=round_no))
+        records.observe("slight", round_no, differences(0.7, seed=round_no))
         if records.harmful("slight"):
             rounds_to_exclusion = round_no
             break
-    assert rounds_to_exclusion == 3
+    assert rounds_to_exclusion == 2
 
 
 def test_good_behaviour_cannot_be_banked_to_cover_an_attack():
