@@ -221,7 +221,14 @@ class Endpoint:
         self.table = PeerTable(settings.peer_timeout, clock=lambda: self._read_up_to)
         self.store = BlobStore(settings.store_bytes)
         self.offer_book = OfferBook()
-        self.decoder = Decoder(mesh_id, settings.limits, schema, self._admit, self._accept)
+        self.decoder = Decoder(
+            mesh_id,
+            settings.limits,
+            schema,
+            self._admit,
+            self._accept,
+            kept=lambda key: self.table.get(key) is not None,
+        )
         self.received: Counter[str] = Counter()  # messages delivered, by kind
         self.flow_rejections: Counter[str] = Counter()  # refusals after decoding, by reason
         self.fetch_log: list[FetchRecord] = []

@@ -419,6 +419,7 @@ class Decoder:
         schema: bytes | None = None,
         admit: MessageCheck | None = None,
         accept: MessageCheck | None = None,
+        kept: Callable[[bytes], bool] | None = None,
     ) -> None:
         self.mesh_id = mesh_id  # None: a probe outside any mesh, which takes every mesh id
         self.limits = limits
@@ -431,6 +432,9 @@ class Decoder:
         # The last sequence number of each sender, the least recently heard first: at
         # most MAX_SENDERS of them, so fresh keys cannot grow it without end.
         self.last_seq: OrderedDict[bytes, int] = OrderedDict()
+        # Senders whose numbers are never forgotten to make room (the receiver's peers):
+        # else a flood of fresh keys would let a peer's old messages replay.
+        self.kept = kept
         self.rejections: Counter[str] = Counter()
         self._counting = threading.Lock()  # a reader must not see the counter mid-insert
 
@@ -514,7 +518,9 @@ class Decoder:
         self.last_seq[sender] = seq
         self.last_seq.move_to_end(sender)
         if len(self.last_seq) > MAX_SENDERS:
-            self.last_seq.popitem(last=False)
+            forgettable = (key for key in self.last_seq if not (self.kept and self.kept(key)))
+            if (oldest := next(forgettable, None)) is not None:
+                del self.last_seq[oldest]
 
     def _same_mesh(self, mesh: bytes, kind: str) -> bool:
         if self.mesh_id is None or mesh == self.mesh_id:

@@ -353,6 +353,23 @@ def test_a_forged_message_does_not_move_the_senders_counter(alice):
     decoder.decode(encode(alice, MESH, "heartbeat", 6, 0, {}, instance=instance))
 
 
+def test_fresh_keys_push_out_strangers_numbers_never_a_peers(alice, monkeypatch):
+    monkeypatch.setattr(wire, "MAX_SENDERS", 4)
+    stranger = Identity.generate()
+    decoder = Decoder(MESH, kept=lambda key: key == alice.public_key)
+
+    def beat(identity, seq):
+        return encode(identity, MESH, "heartbeat", seq, 0, {}, instance=new_instance())
+
+    decoder.decode(beat(alice, 10))  # the peer, heard first: the oldest in the memory
+    decoder.decode(beat(stranger, 10))
+    for _ in range(8):  # a flood of fresh keys
+        decoder.decode(beat(Identity.generate(), 1))
+    assert len(decoder.last_seq) == 4
+    assert decode_error(decoder, beat(alice, 10)) == "replay", "the peer's number is kept"
+    decoder.decode(beat(stranger, 10))  # a stranger's is forgotten: its old seq passes
+
+
 def test_counters_are_per_sender(alice):
     bob = Identity.generate()
     decoder = Decoder(MESH)
