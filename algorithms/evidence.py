@@ -32,10 +32,12 @@ and the peer is kept out while s > HARM_BOUND. What that gives:
 - The past fades: a peer whose data or training changes (or that mended its ways) is
   judged mostly by its last few rounds.
 
-A peer kept out is not even downloaded (screening.py): a round passed over is a round
-of no evidence, so its record fades, and a few rounds on it is fetched and measured
-again. An attacker is back out the round it is measured; a peer misjudged by a run of
-bad luck gets in. That keeps what screening costs near the paper rule's bytes.
+A peer whose record shows clear harm (above PASS_OVER_BOUND) is not even downloaded
+(screening.py): a round passed over is a round of no evidence, so its record fades,
+and a few rounds on it is fetched and measured again. An attacker is back out the round
+it is measured; a peer whose data has become useful gets in. That keeps what screening
+costs near the paper rule's bytes where most peers do harm (pFedSV on a pathological
+split).
 
 The record is part of the node's checkpoint (`state_dict`), so a resumed node does not
 admit a peer it had kept out. It is also the node's knowledge of who helps it: the
@@ -51,6 +53,11 @@ import torch
 
 DECAY = 0.5
 HARM_BOUND = 1.0  # one round's z above it puts a peer with no record out
+# Above this a peer is not even fetched: only clear harm (an attacker, or data of
+# another kind altogether) saves the download; a peer near the bound is measured every
+# round, for its next model may help (not fetching those cost the small-shard table
+# 0.6 to 1 point).
+PASS_OVER_BOUND = 3.0
 HARM_CLIP = 4.0
 BENEFIT_CLIP = 1.0
 NEGLIGIBLE_LOSS = 0.01  # nats per val sample: a mean change below it is not evidence
@@ -100,6 +107,11 @@ class PeerRecords:
 
     def harmful(self, peer: str) -> bool:
         return self.score(peer) > HARM_BOUND
+
+    def not_worth_fetching(self, peer: str) -> bool:
+        """Whether the record shows harm so clear that the peer's next model is not
+        even fetched (see `pass_over`)."""
+        return self.score(peer) > PASS_OVER_BOUND
 
     def ranked(self) -> list[str]:
         """The peers measured so far, most helpful first (ties by name)."""

@@ -37,8 +37,8 @@ meshfl node has). Around the rule's `aggregate`, for the whole models received
    node's first round here, and its first after a resume, have none, so they judge
    peers against the own model and undo nothing.
 
-A peer whose record keeps it out is not fetched at all ("record"): the rule's `wanted`
-is offered the other peers only. The rule then sees only the admitted peers, so its
+A peer whose record shows clear harm is not fetched at all ("record"): the rule's
+`wanted` is offered the other peers only. The rule then sees only the admitted peers, so its
 `layouts`, `wanted` and diagnostics are its own; the screening adds `screened_out`
 ({peer: reason}), `screening` and `evidence` (each received peer's record) to the
 diagnostics. Screening is on by default (`algorithm.screen`); false gives the paper's
@@ -217,8 +217,8 @@ class Screened(PeerAlgorithm):
 
     def wanted(self, round_no: int, offered: dict[str, list[str]]) -> dict[str, list[str]]:
         """The rule's choice among the offers, less the models of peers whose record
-        keeps them out: those are not even fetched (evidence.py, `pass_over`)."""
-        kept_out = [peer for peer in offered.get(MODEL, []) if self.records.harmful(peer)]
+        shows clear harm: those are not even fetched (evidence.py, `pass_over`)."""
+        kept_out = [p for p in offered.get(MODEL, []) if self.records.not_worth_fetching(p)]
         self._passed_over = (round_no, kept_out)
         for peer in kept_out:
             self.records.pass_over(peer, round_no)
