@@ -16,11 +16,12 @@ meshfl node has). Around the rule's `aggregate`, for the whole models received
    per-sample differences of the val loss of that pair minus the pivot's, is one
    round's evidence about j, added to j's record across rounds (evidence.py). The peer
    is screened out ("val_loss") while its record shows harm beyond the noise of the val
-   split: at once for clear harm, after repeated rounds for a slight one, never for one
-   unlucky round. The pivot is the own model of
-   the round, or the model the round started from (the last round's outcome) where that
-   one validates better: after a round of local training that went astray, every
-   peer, a poisoned one too, would look like a help next to the own model.
+   split: a new peer as one round's test allows, a slight harm once it repeats, while a
+   peer that has been helping keeps its place through an unlucky round. The pivot is
+   the own model of the round, or the model the round started from (the last round's
+   outcome) where that one validates better: after a round of local training that
+   went astray, every peer, a poisoned one too, would look like a help next to the own
+   model.
 4. Guard: the rule's aggregate is adopted only when its val loss is finite and at most
    the own model's and its val errors are not more than the own model's beyond noise
    (`more_errors_beyond_noise`); else the node keeps the own model. Loss alone is not
@@ -38,8 +39,9 @@ meshfl node has). Around the rule's `aggregate`, for the whole models received
    peers against the own model and undo nothing.
 
 A peer whose record shows clear harm is not fetched at all ("record"): the rule's
-`wanted` is offered the other peers only. The rule then sees only the admitted peers, so its
-`layouts`, `wanted` and diagnostics are its own; the screening adds `screened_out`
+`wanted` is offered the other peers only. The rule then sees only the admitted peers
+(and is told who was kept out, `kept_out`), so its `layouts`, `wanted` and diagnostics
+are its own; the screening adds `screened_out`
 ({peer: reason}), `screening` and `evidence` (each received peer's record) to the
 diagnostics. Screening is on by default (`algorithm.screen`); false gives the paper's
 rule unchanged. Cost: one val pass per received model and one for the aggregate (and
