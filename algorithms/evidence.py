@@ -40,8 +40,8 @@ costs near the paper rule's bytes where most peers do harm (pFedSV on a patholog
 split).
 
 The record is part of the node's checkpoint (`state_dict`), so a resumed node does not
-admit a peer it had kept out. It is also the node's knowledge of who helps it: the
-ranking a node will choose neighbours by (`ranked`).
+admit a peer it had kept out. It is also the node's knowledge of who helps it, which
+choosing neighbours by measured benefit will read.
 """
 
 from __future__ import annotations
@@ -112,10 +112,6 @@ class PeerRecords:
         """Whether the record shows harm so clear that the peer's next model is not
         even fetched (see `pass_over`)."""
         return self.score(peer) > PASS_OVER_BOUND
-
-    def ranked(self) -> list[str]:
-        """The peers measured so far, most helpful first (ties by name)."""
-        return sorted(self._records, key=lambda peer: (self.score(peer), peer))
 
     def state_dict(self) -> dict[str, list[float]]:
         return {peer: list(self._records[peer]) for peer in sorted(self._records)}
