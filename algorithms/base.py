@@ -144,6 +144,19 @@ class PeerAlgorithm:
         (screening.py), told just before `aggregate`. A rule with memberships of its own
         reports them less these peers: whom it learns from, not whom it would."""
 
+    def benefits(self, peers: Iterable[str], weights: Mapping[str, float]) -> dict[str, float]:
+        """How much each of `peers` did for this node in the round just aggregated, the
+        higher the better: a node of a bounded mesh drops the neighbour that did least.
+        Here, the rule's own weight (`weights`, 0 for a peer it left out); screening
+        answers from its evidence records, which add up over rounds."""
+        return {peer: float(weights.get(peer, 0.0)) for peer in peers}
+
+    def shuns(self, peer: str) -> bool:
+        """Whether this node wants `peer` neither as a neighbour nor its models: by
+        default never; screening shuns a peer its record keeps out. Called
+        from the mesh's worker thread, so it only reads."""
+        return False
+
     def adopted(self, state: State) -> None:
         """The model the node ends the round with, where a wrapper (screening) may have
         chosen another than this rule's outcome; a rule that keeps a reference to the

@@ -55,7 +55,7 @@ import hashlib
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -231,6 +231,18 @@ class Screened(PeerAlgorithm):
 
     def layouts(self, kind: str) -> tuple[Any, ...]:
         return self.rule.layouts(kind)
+
+    def benefits(self, peers: Iterable[str], weights: Mapping[str, float]) -> dict[str, float]:
+        """The evidence of help so far, less that of harm (evidence.py): what one
+        round's rule weight cannot tell apart, a peer's record does."""
+        return {peer: -self.records.score(peer) for peer in peers}
+
+    def shuns(self, peer: str) -> bool:
+        """A peer whose record shows clear harm (evidence.py, `not_worth_fetching`): in
+        a bounded mesh its record only changes while it is a neighbour, so it stays
+        shunned here, and its place goes to peers not yet judged. Mere harm (one
+        unlucky round on a small val split) only makes a neighbour the first dropped."""
+        return self.records.not_worth_fetching(peer)
 
     def state_dict(self) -> dict[str, Any]:
         memory = {round_no: sorted(d.hex() for d in seen) for round_no, seen in self._seen.items()}

@@ -29,7 +29,7 @@ import typing
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -231,6 +231,52 @@ class AttackConfig:
     kind: Annotated[str, _rule("an attack, e.g. labelflip or scale:10; empty for none")] = ""
 
 
+# Up to this many nodes a mesh is a full mesh unless asked otherwise; past it, each node
+# keeps DEFAULT_NEIGHBOURS neighbours (WIRE.md 7.7), so its work per round stops growing
+# with the mesh.
+FULL_MESH_UP_TO = 32
+DEFAULT_NEIGHBOURS = 8
+_NEIGHBOURS_ALLOWED = "an integer >= 1, 'all' (a full mesh) or 'auto'"
+
+
+def _neighbours_rule(value: Any) -> Any:
+    if value in ("all", "auto") or (
+        isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    ):
+        return value
+    if isinstance(value, str) and value.strip().isdigit() and int(value) >= 1:
+        return int(value)  # `--set topology.neighbours=8` arrives as text
+    raise ValueError(f"allowed: {_NEIGHBOURS_ALLOWED}")
+
+
+@dataclass(frozen=True)
+class TopologyConfig:
+    """Whom each node exchanges models with. Not in the mesh id: nodes with other view
+    sizes still read each other's blobs.
+
+    `neighbours`: how many neighbours each node keeps (its active view, WIRE.md 7.7);
+    `all`, every other node (a full mesh); `auto`, a full mesh up to 32 nodes and 8
+    neighbours past that. `select`: how a node of a bounded mesh changes its
+    neighbours after each round: `benefit` drops the one that did least for its own
+    validation split, `random` a random one (gossip learning); either way a candidate
+    from the passive view takes its place, so exploring never stops."""
+
+    __pydantic_config__ = _SECTION
+
+    neighbours: Annotated[
+        int | str, BeforeValidator(_neighbours_rule), Field(description=_NEIGHBOURS_ALLOWED)
+    ] = "auto"
+    select: Annotated[Literal["benefit", "random"], Field(description="benefit or random")] = (
+        "benefit"
+    )
+
+    def view_size(self, mesh_size: int) -> int | None:
+        """The neighbours each node of a `mesh_size`-node mesh keeps; None: all of them."""
+        if self.neighbours == "all" or (self.neighbours == "auto" and mesh_size <= FULL_MESH_UP_TO):
+            return None
+        return DEFAULT_NEIGHBOURS if self.neighbours == "auto" else int(self.neighbours)
+
+
 def _usable_key(public_key: str) -> str:
     if not is_usable_public_key(bytes.fromhex(public_key)):
         raise ValueError("allowed: a key a node can hold; this one is of small order (WIRE.md 2)")
@@ -322,6 +368,7 @@ class MeshConfig:
     # Fed-Influence) need one, and `meshfl launch` sets it for a local mesh.
     coordinator: _Listen | None = None
     attack: AttackConfig = field(default_factory=AttackConfig)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
     peers: Annotated[list[PeerConfig], Field(description="a list of peers")] = field(
         default_factory=lambda: local_peers(DEFAULT_LOCAL_PEERS)
     )

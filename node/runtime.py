@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import random
 import statistics
 import time
 from collections import Counter
@@ -32,6 +33,7 @@ from meshfl.protocol.endpoint import Endpoint, EndpointSettings
 from meshfl.protocol.identity import Identity, node_id
 from meshfl.protocol.offers import Offer
 from meshfl.protocol.transport import TransportOptions, contact
+from meshfl.protocol.views import ViewSettings
 from meshfl.protocol.wire import Blob, make_blob
 
 from . import config as cfgmod
@@ -41,6 +43,7 @@ from .checkpoint import MetricsLog, load_checkpoint, save_checkpoint, write_atom
 from .containment import run_contained
 from .metrics import RoundRecord
 from .models import body_keys, build_model, head_keys, model_schema
+from .neighbours import neighbours_to_drop
 from .splits import NodeData, load_node_data
 from .trainer import (
     TrainRecipe,
@@ -187,6 +190,7 @@ class Node:
         # among its nodes (node/host.py); a node alone in its process needs none.
         self.cpu: AbstractContextManager[Any] = contextlib.nullcontext()
         self._suspects: set[str] = set()  # peers whose input made the rule raise last round
+        endpoint.shuns = algorithm.shuns  # a bounded view turns away whom the rule shuns
 
     @property
     def identity(self) -> Identity:
@@ -271,7 +275,8 @@ class Node:
         elif first_round == 1 and self.endpoint.alive_peers():
             # A fresh mesh starts together: otherwise a peer still starting up would miss
             # round 1, and the same seed would not give the same run twice.
-            self.endpoint.wait_for_peers(len(self.cfg.peers) - 1, self.cfg.round_timeout)
+            expected = self.endpoint.expected_peers(len(self.cfg.peers))
+            self.endpoint.wait_for_peers(expected, self.cfg.round_timeout)
         elif first_round > 1:
             # Resumed: the announces that came with our first hellos were too far ahead of
             # round 0 to be kept; take the round first, then ask for them again.
@@ -371,6 +376,10 @@ class Node:
         seconds["train"] = time.perf_counter() - clock
 
         clock = time.perf_counter()
+        if self.endpoint.views is not None:
+            # Neighbours dropped after the last round: their places are being filled.
+            expected = self.endpoint.expected_peers(len(self.cfg.peers))
+            self.endpoint.wait_for_peers(expected, 3 * self.cfg.heartbeat_interval)
         publications, claimed = self.attack.tamper(round_no, publications, len(self.data.y_train))
         for kind, state in publications.items():
             self.endpoint.publish(
@@ -384,7 +393,8 @@ class Node:
                 )
             )
         deadline = time.monotonic() + self.cfg.round_timeout
-        alive = {peer.public_key for peer in self.endpoint.alive_peers()}
+        neighbours = {peer.public_key: peer.name for peer in self.endpoint.alive_peers()}
+        alive = set(neighbours)
         blobs = self.collect(
             round_no, set(publications), alive, deadline, quorum=self.cfg.round_quorum
         )
@@ -403,6 +413,7 @@ class Node:
             val = evaluate(self.model, self.data.x_val, self.data.y_val, self.data.num_classes)
             test = evaluate(self.model, self.data.x_test, self.data.y_test, self.data.num_classes)
             seconds["evaluate"] = time.perf_counter() - clock
+            dropped = self._drop_neighbours(round_no, outcome.weights)
 
         after = self.endpoint.stats()
         self.metrics.append(
@@ -429,9 +440,30 @@ class Node:
                 seconds=seconds,
                 n_train=len(self.data.y_train),
                 attacker=self.attack.active,
+                neighbours=sorted(neighbours.values()) if self.endpoint.views else None,
+                dropped=dropped if self.endpoint.views else None,
+                connections=after["connections"],
             ).to_json()
         )
         self._save(round_no)
+
+    def _drop_neighbours(self, round_no: int, weights: Mapping[str, float]) -> list[str]:
+        """In a bounded mesh, drop the neighbours the node shuns, and when its view is
+        full the one the round showed least useful (`topology.select`,
+        node/neighbours.py); the endpoint greets candidates in their place. Without a
+        candidate to try instead, only shunned ones are dropped."""
+        views = self.endpoint.views
+        if views is None:
+            return []
+        rated = {peer.name: peer.public_key for peer in self.endpoint.alive_peers()}
+        shunned = {name for name in rated if self.algorithm.shuns(name)}
+        explore = len(rated) >= views.neighbours and self.endpoint.passive_size() > 0
+        rng = random.Random(draw_seed(self.cfg.seed, self.options.name, round_no, "neighbours"))
+        benefit = self.algorithm.benefits(rated, weights)
+        dropped = neighbours_to_drop(benefit, shunned, self.cfg.topology.select, rng, explore)
+        for name in dropped:
+            self.endpoint.unlink(rated[name])
+        return dropped
 
     def _straggle(self) -> None:
         """A peer given a `train_delay` (to measure what stragglers cost a mesh) sleeps it
@@ -719,8 +751,22 @@ def endpoint_settings(
         peer_timeout=cfg.peer_timeout,
         allowlist=allowlist,
         encrypt=cfg.encrypt,
+        views=view_settings(cfg.topology.view_size(len(cfg.peers))),
         direct_kinds=direct_kinds,
         transport=TransportOptions(max_frame_bytes=frame_limit(model, direct_kinds)),
+    )
+
+
+def view_settings(neighbours: int | None) -> ViewSettings | None:
+    """The views of a node keeping `neighbours` neighbours (None: a full mesh): it takes
+    in half as many again before turning greeters away, and keeps four times as many
+    candidates (at least 32)."""
+    if neighbours is None:
+        return None
+    return ViewSettings(
+        neighbours=neighbours,
+        most=neighbours + max(2, neighbours // 2),
+        passive=max(32, 4 * neighbours),
     )
 
 

@@ -12,6 +12,7 @@ import functools
 import logging
 import math
 import queue
+import random
 import threading
 import time
 from collections import Counter, OrderedDict, defaultdict, deque
@@ -31,6 +32,16 @@ from .transport import (
     TransportOptions,
     contact,
     split_contact,
+)
+from .views import (
+    BAD_CARD,
+    Candidate,
+    Card,
+    PassiveView,
+    ViewSettings,
+    cards_to_send,
+    checked_card,
+    make_card,
 )
 from .wire import (
     BLOB_KINDS,
@@ -72,6 +83,9 @@ UNSOLICITED_PEERS = "unsolicited_peers"  # a peer list that answers no hello of 
 ADDRESS_TAKEN = "address_taken"  # another key claims the address of a reached peer
 TABLE_FULL = "table_full"  # no room for a new peer (or for one more not yet reached)
 WORKER_ERROR = "worker_error"  # the worker raised: a bug, contained and logged
+# Bounded views (WIRE.md 7.7): a greeting while the node has all the neighbours it takes,
+# a shuffle from a node that is not a neighbour, a shuffle answer nobody asked for.
+VIEW_FULL, NOT_LINKED, UNSOLICITED_CARDS = "view_full", "not_linked", "unsolicited_cards"
 # Hellos of ours still waiting for their `peers` answer; the oldest are given up first.
 MAX_HELLOS_OUT = 1024
 
@@ -113,6 +127,8 @@ class EndpointSettings:
     direct_kinds: frozenset[str] = frozenset({"upload", "personal"})
     limits: Limits = Limits()
     transport: TransportOptions = TransportOptions()
+    # None: a full mesh, every node a peer of every other; else bounded views (WIRE.md 7.7).
+    views: ViewSettings | None = None
 
     @property
     def address(self) -> str:
@@ -262,6 +278,18 @@ class Endpoint:
         self._curve_keys: dict[str, bytes] = {}
         # Bootstrap addresses given without a key: greeted once some message names it.
         self._greet_when_keyed: set[str] = set()
+        # Bounded views (views.py): the peer table is the active view, these the rest.
+        self.views = settings.views
+        self._rng = random.Random(self.instance)
+        self.passive = PassiveView(self.views.passive if self.views else 0, self._rng)
+        self._card = make_card(identity, mesh_id, settings.name, self.address)
+        self._cards: dict[bytes, Card] = {}  # neighbours' own cards
+        # Shuffles of ours awaiting an answer: partner -> the keys of the cards we sent.
+        self._shuffles_out: OrderedDict[bytes, tuple[bytes, ...]] = OrderedDict()
+        self._next_shuffle = 0.0
+        # Whether the node wants no link with the peer of this name (its record shows
+        # clear harm): called on the worker thread, so it must only read.
+        self.shuns: Callable[[str], bool] = lambda name: False
         # One handler per kind of WIRE.md section 4; the decoder lets no other kind through.
         self._handlers: dict[str, Callable[[Message], None]] = {
             "hello": self._on_hello,
@@ -277,6 +305,9 @@ class Endpoint:
             "status_reply": self._on_status_reply,
             "upload": self._on_direct,
             "personal": self._on_direct,
+            "shuffle": self._on_shuffle,
+            "shuffle_reply": self._on_shuffle_reply,
+            "unlink": self._on_unlink,
         }
         missing = set(KINDS) ^ set(self._handlers)
         assert not missing, f"kinds without a handler, or handlers without a kind: {missing}"
@@ -340,6 +371,8 @@ class Endpoint:
                 elif self.settings.encrypt and address not in self._curve_keys:
                     self._greet_when_keyed.add(address)
                 targets.append(address)
+        if self.views is not None:
+            targets = self._first_neighbours(bootstrap, targets)
         self.table.most_known = len(set(targets))
         self._bootstrap = set(targets)
         waiting = sorted(self._greet_when_keyed)
@@ -364,6 +397,20 @@ class Endpoint:
         if not targets:
             self._joined.set()
 
+    def _first_neighbours(self, bootstrap: Iterable[str], targets: list[str]) -> list[str]:
+        """Of the contacts a node of a bounded mesh starts with, the ones it greets (as
+        many as it wants neighbours); the others, with their keys, become candidates."""
+        keys = dict(map(split_contact, bootstrap))
+        contacts = list(dict.fromkeys(targets))
+        self._rng.shuffle(contacts)
+        assert self.views is not None
+        first, rest = contacts[: self.views.neighbours], contacts[self.views.neighbours :]
+        for address in rest:
+            key = keys.get(address)
+            if key is not None:
+                self.passive.add(Candidate(key, address))
+        return first
+
     def wait_joined(self, timeout: float) -> bool:
         """True once a peer answered our hello; raises Refused if the mesh refused us."""
         self._joined.wait(timeout)
@@ -383,7 +430,28 @@ class Endpoint:
             return [PeerEntry(**vars(entry)) for entry in self.table.entries.values()]
 
     def alive_peers(self) -> list[PeerEntry]:
+        """The live peers: every member of a full mesh, the neighbours of a bounded one."""
         return [entry for entry in self.peers() if entry.state == ALIVE]
+
+    def expected_peers(self, mesh_size: int) -> int:
+        """How many live peers a node of a `mesh_size`-node mesh can expect to have."""
+        others = max(mesh_size - 1, 0)
+        return others if self.views is None else min(others, self.views.neighbours)
+
+    def unlink(self, public_key: bytes) -> None:
+        """Drop a neighbour of a bounded mesh: it is told (`unlink`), and another
+        candidate is greeted in its place at the next heartbeat tick."""
+        with self._lock:
+            entry = self.table.get(public_key)
+            if self.views is None or entry is None:
+                return
+            self._send(entry.address, "unlink", {})
+            self._cards.pop(public_key, None)
+            self._forget(entry, drain=True)
+
+    def passive_size(self) -> int:
+        with self._lock:
+            return len(self.passive)
 
     def wait_for_peers(self, count: int, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -546,6 +614,7 @@ class Endpoint:
                 "received": dict(self.received),
                 "dropped": self.transport.dropped,
                 "fetched": len(self.fetch_log),
+                "connections": self.transport.connections(),
             }
 
     def fetches_since(self, start: int) -> list[FetchRecord]:
@@ -574,7 +643,10 @@ class Endpoint:
             self._hellos_out[address] = _HelloOut(wants_peers, time.monotonic())
             while len(self._hellos_out) > MAX_HELLOS_OUT:
                 self._give_up_on(next(iter(self._hellos_out)))
-        self._send(address, "hello", self._hello_body(wants_peers))
+        body = self._hello_body(wants_peers)
+        if self.views is not None:
+            body["card"] = self._card.packed()
+        self._send(address, "hello", body)
 
     def _greet_again(self, now: float, grace: float) -> list[tuple[str, bool]]:
         """Our hellos unanswered for `grace`: a bootstrap contact is greeted again (a node
@@ -683,6 +755,7 @@ class Endpoint:
         known to a peer that lost us, say one restarted since."""
         now = time.monotonic()
         last_sent = self.transport.last_proof_of_life
+        shuffle = None
         with self._lock:
             self._note_reached()
             grace = self._unreached_grace()
@@ -693,6 +766,12 @@ class Endpoint:
                     log.warning(
                         "%s: peer %s (%s) is down", self.settings.name, entry.name, entry.address
                     )
+                if self.views is not None:  # a neighbour: replaced from the passive view
+                    self._cards.pop(entry.public_key, None)
+                    self._forget(entry)
+            if self.views is not None:
+                again += self._greet_candidates()
+                shuffle = self._shuffle_due(now)
             period = self.settings.heartbeat_interval * liveness_stretch(self.table.known())
             anyway = BEAT_ANYWAY_PERIODS
             targets = [
@@ -711,6 +790,45 @@ class Endpoint:
             self._send(address, "heartbeat", self._hello_body())
         for address, wants_peers in again:
             self._say_hello(address, wants_peers)
+        if self.views is not None and shuffle is not None:
+            self._send(*shuffle)
+
+    def _greet_candidates(self) -> list[tuple[str, bool]]:
+        """Candidates to greet now: as many as the view lacks neighbours, less the ones
+        greeted already and not answered yet."""
+        assert self.views is not None
+        links = sum(entry.state != LEFT for entry in self.table.entries.values())
+        greeting = sum(not self.table.at(address) for address in self._hellos_out)
+        short = self.views.neighbours - links - greeting
+        if short <= 0:
+            return []
+        for candidate in list(self.passive.entries.values()):
+            if candidate.name and self.shuns(candidate.name):
+                self.passive.discard(candidate.key)  # the node wants no link with it
+        exclude = set(self.table.entries) | {self.identity.public_key}
+        chosen = self.passive.take(short, exclude)
+        for candidate in chosen:
+            self._learn(candidate.addr, candidate.key, from_its_owner=False)
+        return [(candidate.addr, False) for candidate in chosen]
+
+    def _shuffle_due(self, now: float) -> tuple[str, str, dict[str, Any]] | None:
+        """The shuffle to send, when one is due: to a random reached neighbour, with our
+        card and some of our neighbours' and candidates' (WIRE.md 7.7)."""
+        assert self.views is not None
+        partners = [e for e in self.table.alive() if e.reached]
+        if now < self._next_shuffle or not partners:
+            return None
+        self._next_shuffle = now + self.views.shuffle_interval
+        partner = self._rng.choice(partners)
+        members = [card for key, card in self._cards.items() if key != partner.public_key]
+        cards = cards_to_send(
+            self._card, members, self.passive, self.views.shuffle_length, self._rng
+        )
+        self._shuffles_out.pop(partner.public_key, None)
+        self._shuffles_out[partner.public_key] = tuple(card.key for card in cards)
+        while len(self._shuffles_out) > self.views.most:
+            self._shuffles_out.popitem(last=False)
+        return partner.address, "shuffle", {"cards": [card.packed() for card in cards]}
 
     def _note_reached(self) -> None:
         """Mark the peers whose address answered a handshake with their own key
@@ -752,16 +870,16 @@ class Endpoint:
                 stale[-1].address,
             )
 
-    def _forget(self, entry: PeerEntry) -> None:
+    def _forget(self, entry: PeerEntry, drain: bool = False) -> None:
         """Drop a peer and, unless another peer is there, its address."""
         self.table.forget(entry.public_key)
         if not self.table.at(entry.address):
-            self._release(entry.address)
+            self._release(entry.address, drain)
 
-    def _release(self, address: str) -> None:
-        """Close what dialling `address` holds: the connection, the key it is dialled
-        with, our hello to it."""
-        self.transport.forget(address)
+    def _release(self, address: str, drain: bool = False) -> None:
+        """Close what dialling `address` holds: the connection (after what is queued for
+        it, with `drain`), the key it is dialled with, our hello to it."""
+        self.transport.forget(address, drain)
         self._curve_keys.pop(address, None)
         self._last_beat.pop(address, None)
         self._hellos_out.pop(address, None)
@@ -778,6 +896,9 @@ class Endpoint:
         known = self.table.get(public_key)
         if known is not None and known.address == address:
             return True
+        if known is None and self._view_is_full():
+            self.flow_rejections[VIEW_FULL] += 1
+            return False
         # New here: it will be dialled, so it counts as unreached, whoever it is.
         self._make_room(public_key)
         entries = self.table.entries.values()
@@ -922,6 +1043,7 @@ class Endpoint:
         old_address = known.address if known is not None else address
         self._learn(address, message.sender)
         came_back = self.table.upsert(message.sender, name, address, message.instance)
+        self.passive.discard(message.sender)  # a neighbour now, no longer a candidate
         if old_address != address and not self.table.at(old_address):
             self._release(old_address)  # moved: nothing of ours dials the old address
         entry = self.table.heard_from(message.sender, message.round)
@@ -931,20 +1053,70 @@ class Endpoint:
 
     def _on_hello(self, message: Message) -> None:
         name, address = message.body["name"], message.body["addr"]
+        wants_peers = message.body.get("list", True) is not False
+        if self.table.get(message.sender) is None and (
+            self._view_is_full() or (self.views is not None and self.shuns(name))
+        ):
+            self._turn_away(message.sender, address)
+            return
         if not self._take_in(message, name, address):
             return
-        me = {
-            "name": self.settings.name,
-            "addr": self.address,
-            "key": self.identity.public_key,
-        }
-        wants_peers = message.body.get("list", True) is not False
-        listed = [entry.describe() for entry in self.table.alive()] if wants_peers else []
-        self._send(address, "peers", {"peers": [me, *listed]})
+        self._keep_card(message.sender, message.body.get("card"), address)
+        listed = self._listed(message.sender) if wants_peers else []
+        self._send(address, "peers", self._peers_body(listed))
         # Whoever says hello may have missed our announces: a late joiner, or a node
         # asking again once it took the mesh's round (refresh_offers).
         for blob in self._latest_published:
             self._send(address, "announce", announce_body(blob))
+
+    def _me(self) -> dict[str, Any]:
+        return {"name": self.settings.name, "addr": self.address, "key": self.identity.public_key}
+
+    def _peers_body(self, listed: list[dict[str, Any]], linked: bool = True) -> dict[str, Any]:
+        body: dict[str, Any] = {"peers": [self._me(), *listed]}
+        if self.views is not None:
+            body["card"] = self._card.packed()
+            body["linked"] = linked
+        return body
+
+    def _listed(self, greeter: bytes) -> list[dict[str, Any]]:
+        """The peers a `peers` answer names: every live one in a full mesh; in a bounded
+        one, at most a shuffle's worth of neighbours, the greeter included."""
+        alive = self.table.alive()
+        if self.views is not None:
+            others = [entry for entry in alive if entry.public_key != greeter]
+            picked = self._rng.sample(others, min(len(others), self.views.shuffle_length - 1))
+            alive = [entry for entry in alive if entry.public_key == greeter] + picked
+        return [entry.describe() for entry in alive]
+
+    def _view_is_full(self) -> bool:
+        """Whether a bounded view has as many neighbours as it takes (never, in a full
+        mesh): peers not yet reached count, left ones do not."""
+        if self.views is None:
+            return False
+        links = sum(entry.state != LEFT for entry in self.table.entries.values())
+        return links >= self.views.most
+
+    def _turn_away(self, key: bytes, address: str) -> None:
+        """Answer the hello of a node this full view cannot take: with some neighbours
+        to try instead, and `linked: false` (WIRE.md 7.7). The answer goes over a
+        connection of its own, so nothing stays open to the greeter."""
+        self.flow_rejections[VIEW_FULL] += 1
+        body = self._peers_body(self._listed(key), linked=False)
+        self._send(address, "peers", body, once=True, key=key)
+
+    def _keep_card(self, key: bytes, value: object, address: str) -> None:
+        """Keep a neighbour's own card, to pass on in shuffles, if it is its own, for the
+        address it is linked at, and signed (else it is only not kept, and counted)."""
+        if self.views is None or not isinstance(value, dict):
+            return
+        card = checked_card(value, self.mesh_id)
+        if card is None or card.key != key or card.addr != address:
+            self.flow_rejections[BAD_CARD] += 1
+            return
+        known = self._cards.get(key)
+        if known is None or card.issued >= known.issued:
+            self._cards[key] = card
 
     def _answered_hello(self, message: Message) -> bool | None:
         """Whether our hello that `message`, a peer list, answers asked for a list; None
@@ -969,6 +1141,9 @@ class Endpoint:
         if wanted_list is None:
             self.flow_rejections[UNSOLICITED_PEERS] += 1
             return
+        if self.views is not None:
+            self._on_view_answer(message)
+            return
         introduced = 0
         for item in message.body["peers"]:
             key, name, address = item["key"], item["name"], item["addr"]
@@ -986,6 +1161,34 @@ class Endpoint:
                 self._say_hello(address, wants_peers=False)
         self._joined.set()
 
+    def _on_view_answer(self, message: Message) -> None:
+        """A bounded mesh's answer to our hello: the sender becomes our neighbour if it
+        took us (`linked`); every peer it names becomes a candidate (WIRE.md 7.7)."""
+        own = self.identity.public_key
+        for item in message.body["peers"]:
+            key, name, address = item["key"], item["name"], item["addr"]
+            if key != message.sender:
+                if key != own and self.table.get(key) is None:
+                    self.passive.add(Candidate(key, address, name=name))
+            elif message.body.get("linked", True):
+                if self._take_in(message, name, address):
+                    self._keep_card(key, message.body.get("card"), address)
+                elif self._view_is_full():
+                    # Others took its place while our hello was on its way: it linked
+                    # us, so it must hear that we did not link it (or it waits for us).
+                    self._send(address, "unlink", {}, once=True, key=key)
+                    self.passive.add(Candidate(key, address, name=name))
+            elif self.table.get(key) is None:
+                card = message.body.get("card")
+                checked = checked_card(card, self.mesh_id) if isinstance(card, dict) else None
+                self.passive.add(
+                    Candidate(
+                        key, address, checked if checked and checked.key == key else None, name
+                    )
+                )
+                self._release(address)
+        self._joined.set()
+
     def _on_refuse(self, message: Message) -> None:
         if not self._joined.is_set():
             self._refusal = str(message.body["reason"])
@@ -995,13 +1198,65 @@ class Endpoint:
         if self.table.heard_from(message.sender, message.round) is None:
             name, address = message.body.get("name"), message.body.get("addr")
             if isinstance(address, str):  # a valid address: the decoder checked it
-                self._take_in(message, name, address)
+                if not self._take_in(message, name, address) and self._view_is_full():
+                    # A node that takes us for its neighbour (our unlink was lost, or we
+                    # took it for dead): say once more that it is not.
+                    self._send(address, "unlink", {}, once=True, key=message.sender)
 
     def _on_bye(self, message: Message) -> None:
         entry = self.table.mark_left(message.sender)
         if entry is not None:
             log.info("%s: %s left", self.settings.name, entry.name)
             self.transport.forget(entry.address)
+
+    def _on_unlink(self, message: Message) -> None:
+        """A neighbour dropped us: forgotten, and not kept as a candidate (it did not want
+        us; greeting it back would undo its choice). Its place is filled from the passive
+        view (WIRE.md 7.7)."""
+        entry = self.table.get(message.sender)
+        if self.views is None or entry is None:
+            return
+        self._cards.pop(entry.public_key, None)
+        self._forget(entry)
+
+    def _on_shuffle(self, message: Message) -> None:
+        """A neighbour's shuffle: answer with as many of our candidates' cards, then keep
+        its cards as candidates. Only neighbours shuffle with us (`not_linked`)."""
+        entry = self.table.get(message.sender)
+        if self.views is None or entry is None:
+            self.flow_rejections[NOT_LINKED] += 1
+            return
+        cards = self._checked_cards(message)
+        if cards is None:
+            return
+        exclude = {card.key for card in cards} | {message.sender}
+        answer = self.passive.cards(len(cards), exclude)
+        self._send(entry.address, "shuffle_reply", {"cards": [card.packed() for card in answer]})
+        self._take_cards(cards, sent_away=[card.key for card in answer])
+
+    def _on_shuffle_reply(self, message: Message) -> None:
+        sent = self._shuffles_out.pop(message.sender, None)
+        if self.views is None or sent is None:
+            self.flow_rejections[UNSOLICITED_CARDS] += 1
+            return
+        cards = self._checked_cards(message)
+        if cards is not None:
+            self._take_cards(cards, sent_away=sent)
+
+    def _checked_cards(self, message: Message) -> list[Card] | None:
+        """The message's cards if every one is signed by its owner; else None (counted):
+        one forged card, and nothing the message says is believed."""
+        cards = [checked_card(value, self.mesh_id) for value in message.body["cards"]]
+        if any(card is None for card in cards):
+            self.flow_rejections[BAD_CARD] += 1
+            return None
+        return [card for card in cards if card is not None]
+
+    def _take_cards(self, cards: list[Card], sent_away: Sequence[bytes]) -> None:
+        own = self.identity.public_key
+        for card in cards:
+            if card.key != own and self.table.get(card.key) is None:
+                self.passive.add(Candidate(card.key, card.addr, card, card.name), sent_away)
 
     def _on_announce(self, message: Message) -> None:
         # Offers are kept from known peers and for a window of rounds only, so an

@@ -312,6 +312,11 @@ class Transport:
         would go on redialling after the probe is gone."""
         self._queue(_Outgoing(address, frames, server_key, once=True, kind=kind))
 
+    def connections(self) -> int:
+        """The connections this node dialled that are open now (one per peer it sends
+        to); safe from any thread."""
+        return len(self._dealers)
+
     def sent_by_kind(self) -> dict[str, int]:
         """Bytes that left, by message kind; safe from any thread."""
         with self._counting:
@@ -329,9 +334,10 @@ class Transport:
         except BlockingIOError:
             pass
 
-    def forget(self, address: str) -> None:
-        """Close the DEALER to a peer that left (done on the I/O thread)."""
-        self._queue(_Outgoing(address, ()))
+    def forget(self, address: str, drain: bool = False) -> None:
+        """Close the DEALER to a peer that left (done on the I/O thread). `drain`: let
+        what was queued for it leave first, as `send_once` does (a last word)."""
+        self._queue(_Outgoing(address, (), once=drain))
 
     def close(self) -> None:
         """Send what is queued, then close every socket without lingering."""
@@ -476,12 +482,12 @@ class Transport:
             self._contained("sending", self._carry_out, item)
 
     def _carry_out(self, item: _Outgoing) -> None:
-        if item.once:
+        if not item.frames:
+            self._close_dealer(item.address, self.options.once_linger_ms if item.once else 0)
+        elif item.once:
             self._send_once_now(item)
-        elif item.frames:
-            self._send_now(item)
         else:
-            self._close_dealer(item.address)
+            self._send_now(item)
 
     def _close_dealer(self, address: str, linger: int = 0) -> None:
         dealer, _ = self._dealers.pop(address, (None, None))

@@ -36,6 +36,7 @@ from .identity import (
     node_id,
     verify,
 )
+from .views import MAX_CARDS, card_shape_fault
 
 # 2: data frames digested with BLAKE3 instead of SHA-256; 3: every connection encrypted
 # with ZeroMQ CURVE under keys derived from the nodes' Ed25519 keys (WIRE.md 1.1).
@@ -60,6 +61,9 @@ KINDS = (
     "personal",
     "status",
     "status_reply",
+    "shuffle",
+    "shuffle_reply",
+    "unlink",
 )
 BLOB_KINDS = ("blob", "upload", "personal")  # kinds whose frames are a signed blob
 # The mesh id of a `status` request from a probe that belongs to no mesh (WIRE.md 7.6).
@@ -81,6 +85,8 @@ DTYPES: dict[str, np.dtype[Any]] = {  # wire name -> numpy dtype; nothing else i
 # for this many others may replay its old messages, each of which says what it said.
 MAX_SENDERS = 16384
 
+TOO_MANY_CARDS = "too_many_cards"
+
 MAX_DIMENSIONS = 64  # numpy's own limit: a tensor with more could not even be built
 
 REJECTION_REASONS = (
@@ -90,6 +96,7 @@ REJECTION_REASONS = (
     "bad_header",
     WEAK_KEY,
     "bad_address",
+    "too_many_cards",
     "wrong_mesh",
     "unknown_sender",
     "duplicate_key",
@@ -342,6 +349,9 @@ _BODY_FIELDS: dict[str, dict[str, tuple[type, int | None]]] = {
     },
     "fetch": {"id": (bytes, DIGEST_BYTES)},
     "miss": {"id": (bytes, DIGEST_BYTES)},
+    "shuffle": {"cards": (list, None)},
+    "shuffle_reply": {"cards": (list, None)},
+    "unlink": {},
     **{kind: {"record": (bytes, None), "sig": (bytes, SIGNATURE_BYTES)} for kind in BLOB_KINDS},
 }
 
@@ -390,6 +400,9 @@ def _check_keys_and_addresses(message: Message) -> None:
         raise Rejected("bad_header", "hello.body.list is not a bool")
     if message.kind == "announce" and not is_usable_public_key(body["origin"]):
         raise Rejected(WEAK_KEY, "announce origin")
+    if message.kind == "peers" and not isinstance(body.get("linked", True), bool):
+        raise Rejected("bad_header", "peers.body.linked is not a bool")
+    _check_cards(message)
     if message.kind == "peers":
         for entry in body["peers"]:
             _check_fields("peers entry", entry, _PEER_ENTRY_FIELDS)
@@ -397,6 +410,21 @@ def _check_keys_and_addresses(message: Message) -> None:
                 raise Rejected(WEAK_KEY, "peers entry")
             if not is_wire_endpoint(entry["addr"]):
                 raise Rejected("bad_address", "peers entry")
+
+
+def _check_cards(message: Message) -> None:
+    """The cards a shuffle (or its answer) carries, and the one a hello or peers may carry, are
+    well formed and few (WIRE.md 7.7); their owners' signatures are checked on use."""
+    body = message.body
+    cards = body.get("cards", []) if message.kind in ("shuffle", "shuffle_reply") else []
+    if message.kind in ("hello", "peers") and "card" in body:
+        cards = [body["card"]]
+    if len(cards) > MAX_CARDS:
+        raise Rejected(TOO_MANY_CARDS, f"{len(cards)} cards, at most {MAX_CARDS}")
+    for card in cards:
+        fault = card_shape_fault(card)
+        if fault is not None:
+            raise Rejected(WEAK_KEY if fault.endswith("weak") else "bad_header", fault)
 
 
 def _check_signature(message: Message, header_bytes: bytes, signature: bytes) -> None:

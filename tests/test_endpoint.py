@@ -50,6 +50,7 @@ from meshfl.protocol.transport import (
     free_ports,
     split_contact,
 )
+from meshfl.protocol.views import MAX_CARDS
 from meshfl.protocol.wire import (
     HEADER_CONTEXT,
     RECORD_CONTEXT,
@@ -368,6 +369,10 @@ def craft_bad_address(scene):
     return scene.raw.frames("hello", {"name": scene.raw.name, "addr": "garbage"})
 
 
+def craft_too_many_cards(scene):
+    return scene.raw.frames("shuffle", {"cards": [{}] * (MAX_CARDS + 1)})
+
+
 CRAFTS = {
     "oversize": craft_oversize,
     "too_many_frames": craft_too_many_frames,
@@ -388,6 +393,7 @@ CRAFTS = {
     "duplicate_key": craft_duplicate_key,
     "weak_key": craft_weak_key,
     "bad_address": craft_bad_address,
+    "too_many_cards": craft_too_many_cards,
 }
 
 

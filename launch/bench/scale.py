@@ -4,9 +4,13 @@ Each size runs the real thing, `meshfl launch --nodes N`, in a child process and
 samples the proportional set size (PSS) of every process of its tree once a second:
 PSS splits a shared page among the processes that map it, so the total is what the
 run costs the machine (RSS would count torch's shared pages once per process). After
-the run it reads what the nodes wrote: bytes each node sent by message kind, and the
-"is down" lines of the node logs (a live peer marked down because it was not heard
-from in time).
+the run it reads what the nodes wrote: bytes each node sent by message kind, the
+connections each node had open after its last round, and the "is down" lines of the
+node logs (a live peer marked down because it was not heard from in time).
+
+Each size runs with the topology its config gives (bounded views past 32 nodes:
+`topology.neighbours`); `--full-mesh SIZES` runs those sizes a second time as a full
+mesh, beside it, so that the two compare in one sitting.
 
 With `--ray-nodes K` each size runs a second time on a Ray cluster of K Ray nodes
 started on this machine for that run (launch/ray_local.py), the Ray processes' PSS
@@ -50,6 +54,8 @@ class ScaleResult:
     bytes_by_kind: Counter[str]  # bytes sent by all nodes together, by message kind
     down_marks: int
     failed: bool
+    topology: str = "auto"
+    connections: tuple[float, int] = (0.0, 0)  # per node after its last round: mean, most
 
     def line(self) -> str:
         per_node_round = sum(self.bytes_by_kind.values()) / (self.nodes * self.rounds)
@@ -60,11 +66,14 @@ class ScaleResult:
             for kind, count in sorted(self.bytes_by_kind.items())
         )
         return (
-            f"nodes={self.nodes} hosts={self.hosts} rounds={self.rounds} "
+            f"nodes={self.nodes} topology={self.topology} hosts={self.hosts} "
+            f"rounds={self.rounds} "
             f"wall_s={self.wall_s:.1f} pss_mb={self.pss_mb:.0f} "
             f"pss_per_node_mb={self.pss_mb / self.nodes:.1f} "
             f"bytes_per_node_round={per_node_round:.0f} "
             f"control_share={control / blob if blob else float('nan'):.3f} "
+            f"connections_per_node={self.connections[0]:.1f} "
+            f"connections_most={self.connections[1]} "
             f"down_marks={self.down_marks}{' FAILED' if self.failed else ''}\n"
             f"  per node and round: {kinds}"
         )
@@ -167,7 +176,26 @@ def run_size(
         sent_bytes(out),
         down_marks(out),
         process.returncode != 0,
+        topology=topology_of(settings),
+        connections=open_connections(out),
     )
+
+
+def topology_of(settings: list[str]) -> str:
+    """The topology.neighbours a run's --set gave (the last one counts), or auto."""
+    given = [s.split("=", 1)[1] for s in settings if s.startswith("topology.neighbours=")]
+    return given[-1] if given else "auto"
+
+
+def open_connections(out: Path) -> tuple[float, int]:
+    """The connections each node had dialled and open after its last round: the mean
+    over nodes and the most any node had."""
+    counts = [
+        record.connections
+        for metrics in out.glob("*/metrics.jsonl")
+        if (record := last_record(metrics)) is not None and record.connections is not None
+    ]
+    return (sum(counts) / len(counts), max(counts)) if counts else (0.0, 0)
 
 
 def sent_bytes(out: Path) -> Counter[str]:
@@ -201,6 +229,14 @@ def main(argv: list[str]) -> int:
     )
     add_assignments(parser, "a config change for every run, repeatable")
     parser.add_argument(
+        "--full-mesh",
+        type=lambda text: {int(size) for size in text.split(",")},
+        default=set(),
+        metavar="SIZES",
+        help="also run these sizes (comma-separated) as a full mesh "
+        "(topology.neighbours=all), each right after its bounded run",
+    )
+    parser.add_argument(
         "--ray-nodes",
         type=positive(int),
         default=None,
@@ -224,6 +260,15 @@ def main(argv: list[str]) -> int:
         for size in args.sizes:
             alone = run_size(size, args.hosts, args.rounds, root / f"nodes{size}", args.assignments)
             print(alone.line(), flush=True)
+            if size in args.full_mesh:
+                full = [*args.assignments, "topology.neighbours=all"]
+                whole = run_size(size, args.hosts, args.rounds, root / f"nodes{size}-full", full)
+                print(whole.line(), flush=True)
+                print(
+                    f"  full/bounded: wall={whole.wall_s / alone.wall_s:.2f}x "
+                    f"pss={whole.pss_mb / alone.pss_mb:.2f}x",
+                    flush=True,
+                )
             if args.ray_nodes:
                 on_ray = _run_on_ray(size, args, root)
                 print(on_ray.line(), flush=True)

@@ -1,0 +1,180 @@
+"""Bounded views: whom a node of a big mesh talks to, and whom it could (WIRE.md 7.7).
+
+In a full mesh every node's peer table holds every other node. In a bounded mesh the
+peer table holds only the node's *neighbours*, its active view: the peers it exchanges
+announces, blobs and heartbeats with, so everything the table drives (liveness,
+announces, the peers a round waits for) costs O(view), not O(N). Beside it the node
+keeps a *passive view* of candidates, refreshed by shuffles with a random neighbour,
+from which it replaces a neighbour that died, left or was dropped (HyParView, Leitão,
+Pereira and Rodrigues 2007).
+
+A candidate learned from a shuffle comes with its owner's signed *card* (name,
+address, key), so a node can pass on only what each owner said about itself: a
+stranger cannot fill other nodes' views with addresses it invented (an eclipse).
+Candidates the node was configured with, or named in a peer list answering its own
+hello, carry no card: the node dials them (only a node holding the key answers the
+encrypted handshake) but never passes them on.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from .addresses import is_wire_endpoint
+from .identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, is_usable_public_key, verify
+from .membership import PEER_NAME
+
+CARD_CONTEXT = b"meshfl/3 card\n"
+# The most cards one shuffle (or its answer) may carry; more is refused whole.
+MAX_CARDS = 32
+BAD_CARD = "bad_card"
+
+
+@dataclass(frozen=True)
+class ViewSettings:
+    """The sizes of a bounded mesh's views. A node greets candidates while it has fewer
+    than `neighbours` neighbours, and takes in peers that greet it up to `most`: the
+    slack lets newcomers in and keeps views symmetric without forcing anyone out."""
+
+    neighbours: int = 8
+    most: int = 12
+    passive: int = 32
+    shuffle_interval: float = 2.0  # seconds between two shuffles a node starts
+    shuffle_length: int = 8  # cards a shuffle carries, the sender's own included
+
+
+@dataclass(frozen=True)
+class Card:
+    """What a node says about itself, signed by its key: how to reach it."""
+
+    key: bytes
+    name: str
+    addr: str
+    issued: int  # wall-clock nanoseconds when signed: of two cards the later one counts
+    sig: bytes
+
+    def packed(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "name": self.name,
+            "addr": self.addr,
+            "issued": self.issued,
+            "sig": self.sig,
+        }
+
+
+def _signed_part(mesh_id: bytes, key: bytes, name: str, addr: str, issued: int) -> bytes:
+    # The mesh id is signed too: a card stays in the mesh it was made for.
+    return CARD_CONTEXT + msgpack.packb([mesh_id, key, name, addr, issued])
+
+
+def make_card(identity: Identity, mesh_id: bytes, name: str, addr: str) -> Card:
+    issued = time.time_ns()
+    key = identity.public_key
+    return Card(
+        key, name, addr, issued, identity.sign(_signed_part(mesh_id, key, name, addr, issued))
+    )
+
+
+def card_shape_fault(value: Any) -> str | None:
+    """What is wrong with a card's fields as they arrived, or None: checked at decoding,
+    before any signature (WIRE.md 9). The signature is checked by `checked_card`."""
+    if not isinstance(value, dict):
+        return "a card is not a map"
+    key, name, addr, issued, sig = (value.get(f) for f in ("key", "name", "addr", "issued", "sig"))
+    if not (isinstance(key, bytes) and len(key) == PUBLIC_KEY_BYTES):
+        return "card key"
+    if not (isinstance(sig, bytes) and len(sig) == SIGNATURE_BYTES):
+        return "card sig"
+    if not (isinstance(issued, int) and not isinstance(issued, bool) and issued >= 0):
+        return "card issued"
+    if not (isinstance(name, str) and PEER_NAME.fullmatch(name)):
+        return "card name"
+    if not is_wire_endpoint(addr):
+        return "card addr"
+    if not is_usable_public_key(key):
+        return "card key is weak"
+    return None
+
+
+def checked_card(value: dict[str, Any], mesh_id: bytes) -> Card | None:
+    """The card, if its owner signed it for this mesh; None otherwise. `value` passed
+    `card_shape_fault` when its message was decoded."""
+    card = Card(value["key"], value["name"], value["addr"], value["issued"], value["sig"])
+    signed = _signed_part(mesh_id, card.key, card.name, card.addr, card.issued)
+    return card if verify(card.key, card.sig, signed) else None
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A node this one could greet: its key, where it listens, its card if it has one,
+    and its name where something named it (a contact given at start is nameless)."""
+
+    key: bytes
+    addr: str
+    card: Card | None = None
+    name: str = ""
+
+
+class PassiveView:
+    """At most `size` candidates, one per key. When full, a newcomer takes the place of
+    an entry this node just sent away in a shuffle (it lives on at the partner's), else
+    of a random one, so the view keeps turning over (HyParView)."""
+
+    def __init__(self, size: int, rng: random.Random) -> None:
+        self.size = size
+        self.rng = rng
+        self.entries: dict[bytes, Candidate] = {}
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.entries
+
+    def add(self, candidate: Candidate, sent_away: Collection[bytes] = ()) -> bool:
+        """Keep `candidate` (a card replaces an older or missing one); False when refused."""
+        known = self.entries.get(candidate.key)
+        if known is not None:
+            if candidate.card is not None and (
+                known.card is None or candidate.card.issued > known.card.issued
+            ):
+                self.entries[candidate.key] = candidate
+            return True
+        if self.size <= 0:
+            return False
+        if len(self.entries) >= self.size:
+            leaving = [key for key in sent_away if key in self.entries]
+            del self.entries[leaving[0] if leaving else self.rng.choice(list(self.entries))]
+        self.entries[candidate.key] = candidate
+        return True
+
+    def discard(self, key: bytes) -> Candidate | None:
+        return self.entries.pop(key, None)
+
+    def take(self, count: int, exclude: Collection[bytes]) -> list[Candidate]:
+        """Up to `count` random candidates not in `exclude`, removed from the view."""
+        free = [key for key in self.entries if key not in exclude]
+        chosen = self.rng.sample(free, min(count, len(free)))
+        return [self.entries.pop(key) for key in chosen]
+
+    def cards(self, count: int, exclude: Collection[bytes] = ()) -> list[Card]:
+        """Up to `count` random cards of candidates not in `exclude`."""
+        carded = [e.card for e in self.entries.values() if e.card and e.key not in exclude]
+        return self.rng.sample(carded, min(count, len(carded)))
+
+
+def cards_to_send(
+    own: Card, members: Iterable[Card], passive: PassiveView, length: int, rng: random.Random
+) -> list[Card]:
+    """A shuffle's cards: the sender's own, then neighbours' and candidates' at random."""
+    members = list(members)
+    from_members = rng.sample(members, min(len(members), (length - 1) // 2))
+    rest = length - 1 - len(from_members)
+    return [own, *from_members, *passive.cards(rest, exclude={c.key for c in from_members})]

@@ -1,0 +1,70 @@
+"""A bounded mesh of real node processes: every node learns from a few neighbours, and
+changes them by what they do for it (WIRE.md 7.7, node/neighbours.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.nodes import meshfl, records, write_config
+
+pytestmark = pytest.mark.slow  # real processes over real sockets
+
+NODES, NEIGHBOURS, MOST = 10, 3, 5  # most: 3 + max(2, 3 // 2)
+
+
+def run_launch(tmp_path, timeout: float, **settings) -> None:
+    config = tmp_path / "peers.yaml"
+    write_config(config, NODES, topology={"neighbours": NEIGHBOURS}, **settings)
+    process = meshfl(
+        "launch",
+        "--config",
+        str(config),
+        "--out",
+        str(tmp_path / "run"),
+        "--hosts",
+        "2",
+        log=tmp_path / "launch.log",
+    )
+    try:
+        assert process.wait(timeout=timeout) == 0, (tmp_path / "launch.log").read_text()[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def test_each_node_learns_from_a_bounded_changing_set_of_neighbours(tmp_path):
+    run_launch(tmp_path, 240, rounds=4, algorithm="fedavg")
+    for i in range(NODES):
+        history = records(tmp_path / "run", f"node{i}")
+        assert [record["round"] for record in history] == [1, 2, 3, 4]
+        for record in history:
+            assert 1 <= len(record["neighbours"]) <= MOST
+            assert len(record["received"]) <= MOST
+            assert record["connections"] <= MOST + 2  # a link in the making, one going
+        # Exploring never stops: a neighbour is dropped after each round where the view
+        # is full, and another tried in its place.
+        assert sum(len(record["dropped"]) >= 1 for record in history) >= 2
+        tried = set().union(*(record["neighbours"] for record in history[1:]))
+        assert tried - set(history[0]["neighbours"]), "no new neighbour was ever tried"
+
+
+def test_honest_nodes_drop_an_attacker_and_keep_it_out(tmp_path):
+    run_launch(
+        tmp_path,
+        300,
+        rounds=6,
+        local_epochs=4,
+        lr=0.1,
+        algorithm="fedavg",
+        attack={"nodes": ["node9"], "kind": "noise"},
+    )
+    honest = [f"node{i}" for i in range(NODES - 1)]
+    histories = {name: records(tmp_path / "run", name) for name in honest}
+    for name, history in histories.items():
+        met = [record["round"] for record in history if "node9" in record["neighbours"]]
+        # Gone after the round it was met in, never taken back: its record keeps it out.
+        assert len(met) <= 1, f"{name} had the attacker as a neighbour in rounds {met}"
+        assert all("node9" not in record["weights"] for record in history)
+    assert any(
+        "node9" in record["neighbours"] for history in histories.values() for record in history
+    ), "the attacker never got a neighbour: the test tested nothing"

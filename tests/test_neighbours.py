@@ -1,0 +1,40 @@
+"""Whom a node of a bounded mesh drops after a round (node/neighbours.py)."""
+
+from __future__ import annotations
+
+import random
+
+from meshfl.node.neighbours import neighbours_to_drop
+
+
+def test_benefit_drops_the_neighbour_that_did_least():
+    benefit = {"a": 0.5, "b": -0.2, "c": 1.0}
+    assert neighbours_to_drop(benefit, set(), "benefit", random.Random(0)) == ["b"]
+
+
+def test_every_shunned_neighbour_is_dropped_and_none_besides():
+    benefit = {"a": 0.5, "b": -3.5, "c": -5.0, "d": -4.0}
+    dropped = neighbours_to_drop(benefit, {"b", "c", "d"}, "benefit", random.Random(0))
+    assert dropped == ["b", "c", "d"]
+
+
+def test_a_view_not_full_drops_only_shunned_neighbours():
+    benefit = {"a": 0.5, "b": -0.2, "c": -4.0}
+    assert neighbours_to_drop(benefit, set(), "benefit", random.Random(0), explore=False) == []
+    assert neighbours_to_drop(benefit, {"c"}, "random", random.Random(0), explore=False) == ["c"]
+
+
+def test_ties_are_broken_at_random_not_by_name():
+    benefit = {name: 0.0 for name in "abcdef"}
+    drawn = {neighbours_to_drop(benefit, set(), "benefit", random.Random(s))[0] for s in range(40)}
+    assert len(drawn) > 3
+
+
+def test_random_drops_one_whatever_the_benefit():
+    benefit = {"a": 9.0, "b": -9.0, "c": 0.0}
+    drawn = {neighbours_to_drop(benefit, set(), "random", random.Random(s))[0] for s in range(40)}
+    assert drawn == {"a", "b", "c"}
+
+
+def test_nobody_rated_nobody_dropped():
+    assert neighbours_to_drop({}, set(), "benefit", random.Random(0)) == []

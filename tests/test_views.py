@@ -1,0 +1,288 @@
+"""Bounded views on real sockets: joins, shuffles, replacement and hostile cards.
+
+Each test runs a small mesh of live Endpoints on loopback with views far smaller than
+the mesh, so that every path of WIRE.md 7.7 is taken: greetings turned away, candidates
+learned from answers and shuffles, neighbours replaced after deaths and unlinks.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from collections.abc import Callable
+
+import msgpack
+import pytest
+import zmq
+
+from meshfl.protocol.endpoint import Endpoint, EndpointSettings
+from meshfl.protocol.identity import Identity
+from meshfl.protocol.transport import TransportError, free_ports
+from meshfl.protocol.views import (
+    MAX_CARDS,
+    Candidate,
+    PassiveView,
+    ViewSettings,
+    checked_card,
+    make_card,
+)
+
+from .test_endpoint import MESH, RawPeer
+
+SMALL_VIEWS = ViewSettings(neighbours=3, most=5, passive=12, shuffle_interval=0.3, shuffle_length=4)
+FAST = {"heartbeat_interval": 0.2, "peer_timeout": 1.0}
+WAIT = 20.0
+
+
+def poll_until(condition: Callable[[], bool], timeout: float = WAIT) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@pytest.fixture
+def mesh():
+    """Start bounded-view endpoints on loopback; every one is closed after the test."""
+    made: list[Endpoint] = []
+
+    def start(
+        count: int, contacts: Callable[[list[Endpoint]], list[str]], **extra
+    ) -> list[Endpoint]:
+        for _ in range(count):
+            made.append(_endpoint(f"n{len(made)}", **{**FAST, **extra}))
+            made[-1].start(contacts(made[:-1]))
+        return made
+
+    yield start
+    for endpoint in reversed(made):
+        endpoint.close()
+
+
+def _endpoint(name: str, identity: Identity | None = None, **settings) -> Endpoint:
+    settings.setdefault("views", SMALL_VIEWS)
+    for _ in range(5):  # a port found free can be taken before we bind it
+        listen = f"tcp://127.0.0.1:{free_ports(1)[0]}"
+        try:
+            return Endpoint(
+                identity or Identity.generate(), MESH, EndpointSettings(name, listen, **settings)
+            )
+        except TransportError:
+            continue
+    raise RuntimeError("no free port")
+
+
+def through_first(started: list[Endpoint]) -> list[str]:
+    """Every node joins through the first one, as `meshfl join` does."""
+    return [started[0].contact] if started else []
+
+
+def neighbours(endpoint: Endpoint) -> set[bytes]:
+    return {entry.public_key for entry in endpoint.alive_peers() if entry.reached}
+
+
+def connected(endpoints: list[Endpoint]) -> bool:
+    """Whether the neighbour graph over `endpoints` links every one to every other."""
+    keys = {endpoint.identity.public_key: endpoint for endpoint in endpoints}
+    seen, todo = set(), deque([endpoints[0].identity.public_key])
+    while todo:
+        key = todo.popleft()
+        if key in seen:
+            continue
+        seen.add(key)
+        todo.extend(k for k in neighbours(keys[key]) if k in keys)
+    return len(seen) == len(endpoints)
+
+
+def views_settled(endpoints: list[Endpoint]) -> bool:
+    wanted = SMALL_VIEWS.neighbours
+    return all(wanted <= len(neighbours(e)) <= SMALL_VIEWS.most for e in endpoints) and connected(
+        endpoints
+    )
+
+
+def test_nodes_joining_through_one_contact_get_bounded_connected_views(mesh):
+    endpoints = mesh(12, through_first)
+    assert poll_until(lambda: views_settled(endpoints)), [len(neighbours(e)) for e in endpoints]
+    # The first node took newcomers only while it had room: the others were sent on.
+    assert len(endpoints[0].table.entries) <= SMALL_VIEWS.most
+    assert endpoints[0].flow_rejections["view_full"] > 0
+    # Links are symmetric once settled: a neighbour of mine has me as its neighbour.
+    time.sleep(1.0)
+    by_key = {e.identity.public_key: e for e in endpoints}
+    for endpoint in endpoints:
+        for key in neighbours(endpoint):
+            assert endpoint.identity.public_key in by_key[key].table.entries
+
+
+def test_shuffles_fill_passive_views_with_signed_cards_of_live_nodes(mesh):
+    endpoints = mesh(12, through_first)
+    assert poll_until(lambda: views_settled(endpoints))
+    assert poll_until(lambda: all(len(e.passive) >= 5 for e in endpoints))
+    live = {e.identity.public_key: e.address for e in endpoints}
+    for endpoint in endpoints:
+        for candidate in endpoint.passive.entries.values():
+            assert live.get(candidate.key) == candidate.addr
+            assert candidate.key != endpoint.identity.public_key
+            assert candidate.key not in endpoint.table.entries  # a neighbour is no candidate
+            if candidate.card is not None:
+                assert checked_card(candidate.card.packed(), MESH) == candidate.card
+
+
+def test_a_dead_neighbour_is_replaced_and_views_survive_a_fifth_dying_at_once(mesh):
+    endpoints = mesh(15, through_first)
+    assert poll_until(lambda: views_settled(endpoints))
+    assert poll_until(lambda: all(len(e.passive) >= 4 for e in endpoints))
+    dying = random.Random(3).sample(endpoints[1:], 3)
+    for endpoint in dying:
+        endpoint.transport.close()  # dies without a word: no bye
+        endpoint._stopping.set()
+    dead = {endpoint.identity.public_key for endpoint in dying}
+    survivors = [endpoint for endpoint in endpoints if endpoint not in dying]
+    started = time.monotonic()
+    assert poll_until(
+        lambda: views_settled(survivors) and not any(neighbours(e) & dead for e in survivors)
+    ), [len(neighbours(e)) for e in survivors]
+    # Marked down after peer_timeout (1 s), replaced at the next ticks.
+    assert time.monotonic() - started < 10 * FAST["peer_timeout"]
+
+
+def test_an_unlinked_neighbour_is_replaced_and_told(mesh):
+    endpoints = mesh(8, through_first)
+    assert poll_until(lambda: views_settled(endpoints))
+    node = endpoints[3]
+    dropped = next(iter(neighbours(node)))
+    other = next(e for e in endpoints if e.identity.public_key == dropped)
+    node.unlink(dropped)
+    assert dropped not in node.table.entries
+    assert poll_until(lambda: node.identity.public_key not in other.table.entries, 5)
+    assert poll_until(lambda: len(neighbours(node)) >= SMALL_VIEWS.neighbours, 10)
+
+
+# --- hostile cards and shuffles ---------------------------------------------------
+
+
+def shuffle_from(peer: RawPeer, cards: list[dict], kind: str = "shuffle") -> None:
+    peer.send(peer.frames(kind, {"cards": cards}))
+
+
+def linked_raw_peer(context: zmq.Context, endpoint: Endpoint) -> RawPeer:
+    """A hand-driven node that greets `endpoint` and is taken as its neighbour."""
+    peer = RawPeer(context, endpoint.contact)
+    peer.send(peer.frames("hello", {"name": peer.name, "addr": peer.address, "list": False}))
+    assert poll_until(lambda: peer.identity.public_key in endpoint.table.entries, 5)
+    return peer
+
+
+@pytest.fixture
+def context():
+    ctx = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+def test_a_forged_card_spoils_its_whole_shuffle(context):
+    node = _endpoint("node")
+    node.start()
+    try:
+        peer = linked_raw_peer(context, node)
+        victim = Identity.generate()
+        honest = make_card(Identity.generate(), MESH, "honest", "tcp://127.0.0.1:5")
+        forged = {**make_card(victim, MESH, "victim", "tcp://127.0.0.1:6").packed()}
+        forged["addr"] = "tcp://10.9.9.9:6"  # the victim never said it listens there
+        shuffle_from(peer, [honest.packed(), forged])
+        assert poll_until(lambda: node.flow_rejections["bad_card"] == 1, 5)
+        assert honest.key not in node.passive and victim.public_key not in node.passive
+    finally:
+        node.close()
+
+
+def test_a_card_made_for_another_mesh_is_refused(context):
+    node = _endpoint("node")
+    node.start()
+    try:
+        peer = linked_raw_peer(context, node)
+        elsewhere = make_card(Identity.generate(), b"\x01" * 16, "far", "tcp://127.0.0.1:7")
+        shuffle_from(peer, [elsewhere.packed()])
+        assert poll_until(lambda: node.flow_rejections["bad_card"] == 1, 5)
+        assert len(node.passive) == 0
+    finally:
+        node.close()
+
+
+def test_shuffles_from_strangers_and_answers_nobody_asked_for_are_dropped(context):
+    node = _endpoint("node")
+    node.start()
+    try:
+        stranger = RawPeer(context, node.contact)
+        card = make_card(Identity.generate(), MESH, "x", "tcp://127.0.0.1:8").packed()
+        shuffle_from(stranger, [card])
+        shuffle_from(stranger, [card], kind="shuffle_reply")
+        assert poll_until(
+            lambda: (
+                node.flow_rejections["not_linked"] == 1
+                and node.flow_rejections["unsolicited_cards"] == 1
+            ),
+            5,
+        )
+        assert len(node.passive) == 0
+    finally:
+        node.close()
+
+
+def test_an_oversized_shuffle_is_refused_at_decoding(context):
+    node = _endpoint("node")
+    node.start()
+    try:
+        peer = linked_raw_peer(context, node)
+        cards = [
+            make_card(Identity.generate(), MESH, f"c{i}", f"tcp://127.0.0.1:{100 + i}").packed()
+            for i in range(MAX_CARDS + 1)
+        ]
+        shuffle_from(peer, cards)
+        assert poll_until(lambda: node.rejections().get("too_many_cards") == 1, 5)
+        assert len(node.passive) == 0
+    finally:
+        node.close()
+
+
+def test_a_neighbour_answering_every_shuffle_with_itself_holds_one_place(context):
+    node = _endpoint("node")
+    node.start()
+    try:
+        peer = linked_raw_peer(context, node)
+        own = make_card(peer.identity, MESH, peer.name, peer.address).packed()
+        for _ in range(5):
+            shuffle_from(peer, [own, own, own])
+        assert poll_until(lambda: node.received["shuffle"] == 5, 5)
+        # It is a neighbour already, so it is no candidate; and never more than one place.
+        assert len(node.passive) <= 1
+    finally:
+        node.close()
+
+
+def test_a_replayed_older_card_does_not_undo_a_newer_one():
+    view = PassiveView(4, random.Random(0))
+    owner = Identity.generate()
+    old = make_card(owner, MESH, "n", "tcp://127.0.0.1:9")
+    new = make_card(owner, MESH, "n", "tcp://127.0.0.1:10")
+    view.add(Candidate(owner.public_key, new.addr, new))
+    view.add(Candidate(owner.public_key, old.addr, old))
+    assert view.entries[owner.public_key].card == new
+
+
+def test_a_full_passive_view_makes_room_with_what_it_sent_away_first():
+    view = PassiveView(3, random.Random(0))
+    keys = [Identity.generate().public_key for _ in range(4)]
+    for key in keys[:3]:
+        view.add(Candidate(key, "tcp://127.0.0.1:1"))
+    view.add(Candidate(keys[3], "tcp://127.0.0.1:2"), sent_away=[keys[1]])
+    assert set(view.entries) == {keys[0], keys[2], keys[3]}
+
+
+def test_cards_pack_to_plain_msgpack():
+    card = make_card(Identity.generate(), MESH, "n", "tcp://127.0.0.1:9")
+    assert checked_card(msgpack.unpackb(msgpack.packb(card.packed())), MESH) == card
