@@ -426,6 +426,11 @@ class PFedLIA(PeerAlgorithm):
     def kept_out(self, peers: set[str]) -> None:
         self._kept_out = peers
 
+    def shuns(self, peer: str) -> bool:
+        """A peer scored and placed outside the group: its lazy influence says it is of
+        another cluster, so a bounded mesh's node makes room for peers not yet scored."""
+        return self.split is not None and peer in self.scores and peer not in (self.group or ())
+
     def _update_group(self, received: ReceivedModels, data: Any) -> str:
         """Refresh the group from what arrived this round; return the phase it is in."""
         if self.params.oracle:

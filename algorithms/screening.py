@@ -241,8 +241,9 @@ class Screened(PeerAlgorithm):
         """A peer whose record shows clear harm (evidence.py, `not_worth_fetching`): in
         a bounded mesh its record only changes while it is a neighbour, so it stays
         shunned here, and its place goes to peers not yet judged. Mere harm (one
-        unlucky round on a small val split) only makes a neighbour the first dropped."""
-        return self.records.not_worth_fetching(peer)
+        unlucky round on a small val split) only makes a neighbour the first dropped.
+        And whom the rule itself shuns."""
+        return self.records.not_worth_fetching(peer) or self.rule.shuns(peer)
 
     def state_dict(self) -> dict[str, Any]:
         memory = {round_no: sorted(d.hex() for d in seen) for round_no, seen in self._seen.items()}

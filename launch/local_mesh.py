@@ -66,7 +66,9 @@ def run_mesh(
         forget_restarts(out / peer.name)
     groups = host_groups(
         [peer.name for peer in cfg.peers],
-        hosts if hosts is not None else default_hosts(len(cfg.peers)),
+        hosts
+        if hosts is not None
+        else default_hosts(len(cfg.peers), cfg.topology.connections(len(cfg.peers))),
     )
     if cfg.coordinator is not None:
         groups.append([COORDINATOR])

@@ -126,7 +126,41 @@ def round_costs(run: RunRecords) -> dict[str, float]:
     )
 
 
-EVERY_RULE = (Scores(attacker_weight),)  # the robustness table shows it, no score row
+def neighbours_in_own_cluster(run: RunRecords) -> dict[str, float]:
+    """A bounded mesh with true clusters: the share of a node's neighbours from its own
+    cluster in its first and its last round, averaged over nodes (chance: the cluster's
+    share of the mesh). How far choosing neighbours by benefit made the graph follow
+    the data."""
+    truth = run.fact("true_cluster")
+    first: list[float] = []
+    last: list[float] = []
+    for name, rounds in run.history.items():
+        with_views = [r for r in rounds if r.neighbours and name in truth]
+        for record, shares in ((with_views[:1], first), (with_views[-1:], last)):
+            for r in record:
+                same = sum(truth.get(peer) == truth[name] for peer in r.neighbours or [])
+                shares.append(same / len(r.neighbours or [1]))
+    return _pooled(
+        statistics.fmean,
+        neighbours_own_cluster_first=first,
+        neighbours_own_cluster_last=last,
+    )
+
+
+EVERY_RULE = (
+    Scores(attacker_weight),  # the robustness table shows it, no score row
+    Scores(
+        neighbours_in_own_cluster,
+        {
+            "neighbours_own_cluster_first": _mean_row(
+                "share of neighbours from the own cluster, first round"
+            ),
+            "neighbours_own_cluster_last": _mean_row(
+                "share of neighbours from the own cluster, last round"
+            ),
+        },
+    ),
+)
 # What a round cost: summary.json's "cost", each a median over the seeds in a table.
 ROUND_COSTS = Scores(
     round_costs,

@@ -12,18 +12,18 @@ import os
 from meshfl.node.host import files_per_node, raise_open_files_limit
 
 
-def default_hosts(peers: int) -> int:
+def default_hosts(peers: int, links: int) -> int:
     """About one node host per core, so each host's torch has a core of its own; more
-    where the nodes' connections would not fit one process's open-files limit."""
+    where the connections of nodes with `links` peers each would not fit one process's
+    open-files limit."""
     per_core = min(peers, os.cpu_count() or 1)
-    return max(1, per_core, min(peers, hosts_by_files(peers, peers)))
+    return max(1, per_core, min(peers, hosts_by_files(peers, links)))
 
 
-def hosts_by_files(count: int, mesh_size: int) -> int:
-    """The hosts `count` nodes of a mesh of `mesh_size` need so that each host's
-    connections (a node of a full mesh holds a few per peer) fit the open-files limit,
-    with a fifth of it to spare."""
-    return math.ceil(count * files_per_node(mesh_size) / (0.8 * raise_open_files_limit()))
+def hosts_by_files(count: int, links: int) -> int:
+    """The hosts `count` nodes connected to `links` peers each need so that each host's
+    connections fit the open-files limit, with a fifth of it to spare."""
+    return math.ceil(count * files_per_node(links) / (0.8 * raise_open_files_limit()))
 
 
 def host_groups(names: list[str], hosts: int) -> list[list[str]]:

@@ -106,16 +106,20 @@ class Placement:
         return math.floor(self.machine.cpus * CPU_GRAINS) / CPU_GRAINS
 
 
-def plan_hosts(names: list[str], machines: list[Machine], hosts: int | None) -> list[Placement]:
+def plan_hosts(
+    names: list[str], machines: list[Machine], hosts: int | None, links: int | None = None
+) -> list[Placement]:
     """Spread `names` over `machines` in proportion to their CPUs, consecutive names
-    sharing a host: about one host per CPU, more where a host's connections would not
-    fit a process's open-files limit; or `hosts` in all (at least one per machine used)."""
+    sharing a host: about one host per CPU, more where a host's connections (`links`
+    peers a node, by default all the others) would not fit a process's open-files
+    limit; or `hosts` in all (at least one per machine used)."""
+    links = len(names) - 1 if links is None else links
     total_cpus = sum(machine.cpus for machine in machines)
     counts = _proportional(len(names), [machine.cpus / total_cpus for machine in machines])
     used = [(machine, count) for machine, count in zip(machines, counts, strict=True) if count]
     if hosts is None:
         wanted = [
-            max(1, int(machine.cpus), hosts_by_files(count, len(names))) for machine, count in used
+            max(1, int(machine.cpus), hosts_by_files(count, links)) for machine, count in used
         ]
     else:
         wanted = [max(1, n) for n in _proportional(hosts, [c / len(names) for _, c in used])]
@@ -258,7 +262,9 @@ def _start_machines(
     """An actor on each machine that gets nodes, holding all of that machine's CPUs."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    placements = plan_hosts([peer.name for peer in cfg.peers], cluster_machines(ray), hosts)
+    names = [peer.name for peer in cfg.peers]
+    links = cfg.topology.connections(len(names))
+    placements = plan_hosts(names, cluster_machines(ray), hosts, links)
     if cfg.coordinator is not None:  # a host of its own, beside the first machine's
         placements[0].groups.append([COORDINATOR])
     run_id = _run_id(out)

@@ -207,6 +207,12 @@ MATRIX_MEASURES = {
         node_rows(diagnostic("group")),
         averaged=False,
     ),
+    "neighbours": MatrixMeasure(
+        "neighbours",
+        "Neighbours (a bounded mesh's active views)",
+        IN_SET.format("neighbours when its round began") + " (mean: the share of rounds it is)",
+        node_rows(lambda record: record.neighbours),
+    ),
     "relevant_sets": MatrixMeasure(
         "relevant_sets",
         "FedReMa relevant sets",
@@ -220,6 +226,8 @@ def matrix_measures_for(run: Run) -> list[tuple[MatrixMeasure, dict[int, Rows]]]
     """The rule's matrix measures that the run recorded, with their rows; any found where
     no config names the rule (`meshfl node` writes none)."""
     keys = measures_of(run.algorithm).matrices if run.config else list(MATRIX_MEASURES)
+    if "neighbours" not in keys:
+        keys = [*keys, "neighbours"]  # any rule's, where the mesh was bounded
     found = []
     for key in keys:
         measure = MATRIX_MEASURES[key]

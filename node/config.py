@@ -44,6 +44,7 @@ from pydantic import (
 from meshfl.protocol.addresses import TCP_ENDPOINT_FORM, TCP_ENDPOINT_PATTERN, tcp_endpoint
 from meshfl.protocol.identity import is_usable_public_key
 from meshfl.protocol.membership import PEER_NAME
+from meshfl.protocol.views import ViewSettings
 
 DEFAULT_LOCAL_PEERS = 4
 DEFAULT_HOST = "127.0.0.1"
@@ -270,11 +271,17 @@ class TopologyConfig:
         "benefit"
     )
 
-    def view_size(self, mesh_size: int) -> int | None:
-        """The neighbours each node of a `mesh_size`-node mesh keeps; None: all of them."""
+    def views(self, mesh_size: int) -> ViewSettings | None:
+        """The views of each node of a `mesh_size`-node mesh; None: a full mesh."""
         if self.neighbours == "all" or (self.neighbours == "auto" and mesh_size <= FULL_MESH_UP_TO):
             return None
-        return DEFAULT_NEIGHBOURS if self.neighbours == "auto" else int(self.neighbours)
+        size = DEFAULT_NEIGHBOURS if self.neighbours == "auto" else int(self.neighbours)
+        return ViewSettings.keeping(size)
+
+    def connections(self, mesh_size: int) -> int:
+        """The most peers each node of a `mesh_size`-node mesh holds connections to."""
+        views = self.views(mesh_size)
+        return mesh_size - 1 if views is None else min(mesh_size - 1, views.connections())
 
 
 def _usable_key(public_key: str) -> str:

@@ -107,12 +107,13 @@ class MemoryReturn:
             trim(0)
 
 
-def files_per_node(mesh_size: int) -> int:
-    """Open files a node of a full mesh of `mesh_size` nodes may hold at once: per peer
-    a DEALER socket, the connection out and the one in, and, until that DEALER's first
-    handshake is done, its monitor's two sockets; plus its ROUTER, ZeroMQ context and
-    wake pipe. A host of k such nodes needs k times this under one open-files limit."""
-    return 5 * (mesh_size - 1) + 16
+def files_per_node(links: int) -> int:
+    """Open files a node connected to `links` peers (all others in a full mesh) may hold
+    at once: per peer a DEALER socket, the connection out and the one in, and, until
+    that DEALER's first handshake is done, its monitor's two sockets; plus its ROUTER,
+    ZeroMQ context and wake pipe. A host of k such nodes needs k times this under one
+    open-files limit."""
+    return 5 * links + 16
 
 
 UNLIMITED_FILES = 1 << 20  # what "no limit" is taken to mean

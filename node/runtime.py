@@ -18,7 +18,7 @@ import random
 import statistics
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +33,6 @@ from meshfl.protocol.endpoint import Endpoint, EndpointSettings
 from meshfl.protocol.identity import Identity, node_id
 from meshfl.protocol.offers import Offer
 from meshfl.protocol.transport import TransportOptions, contact
-from meshfl.protocol.views import ViewSettings
 from meshfl.protocol.wire import Blob, make_blob
 
 from . import config as cfgmod
@@ -43,7 +42,7 @@ from .checkpoint import MetricsLog, load_checkpoint, save_checkpoint, write_atom
 from .containment import run_contained
 from .metrics import RoundRecord
 from .models import body_keys, build_model, head_keys, model_schema
-from .neighbours import neighbours_to_drop
+from .neighbours import neighbours_to_drop, rated
 from .splits import NodeData, load_node_data
 from .trainer import (
     TrainRecipe,
@@ -413,7 +412,7 @@ class Node:
             val = evaluate(self.model, self.data.x_val, self.data.y_val, self.data.num_classes)
             test = evaluate(self.model, self.data.x_test, self.data.y_test, self.data.num_classes)
             seconds["evaluate"] = time.perf_counter() - clock
-            dropped = self._drop_neighbours(round_no, outcome.weights)
+            dropped = self._drop_neighbours(round_no, neighbours.values(), outcome.weights)
 
         after = self.endpoint.stats()
         self.metrics.append(
@@ -447,22 +446,25 @@ class Node:
         )
         self._save(round_no)
 
-    def _drop_neighbours(self, round_no: int, weights: Mapping[str, float]) -> list[str]:
+    def _drop_neighbours(
+        self, round_no: int, began_with: Collection[str], weights: Mapping[str, float]
+    ) -> list[str]:
         """In a bounded mesh, drop the neighbours the node shuns, and when its view is
-        full the one the round showed least useful (`topology.select`,
-        node/neighbours.py); the endpoint greets candidates in their place. Without a
-        candidate to try instead, only shunned ones are dropped."""
+        full the neighbour it began the round with that did least for it
+        (`topology.select`, node/neighbours.py); the endpoint greets candidates in their
+        place. Without a candidate to try instead, only shunned ones are dropped."""
         views = self.endpoint.views
         if views is None:
             return []
-        rated = {peer.name: peer.public_key for peer in self.endpoint.alive_peers()}
-        shunned = {name for name in rated if self.algorithm.shuns(name)}
-        explore = len(rated) >= views.neighbours and self.endpoint.passive_size() > 0
+        current = {peer.name: peer.public_key for peer in self.endpoint.alive_peers()}
+        shunned = {name for name in current if self.algorithm.shuns(name)}
+        still = [name for name in began_with if name in current]
+        benefit = rated(self.algorithm.benefits(still, weights), taken_in=weights)
+        explore = len(current) >= views.neighbours and self.endpoint.passive_size() > 0
         rng = random.Random(draw_seed(self.cfg.seed, self.options.name, round_no, "neighbours"))
-        benefit = self.algorithm.benefits(rated, weights)
         dropped = neighbours_to_drop(benefit, shunned, self.cfg.topology.select, rng, explore)
         for name in dropped:
-            self.endpoint.unlink(rated[name])
+            self.endpoint.unlink(current[name])
         return dropped
 
     def _straggle(self) -> None:
@@ -751,22 +753,9 @@ def endpoint_settings(
         peer_timeout=cfg.peer_timeout,
         allowlist=allowlist,
         encrypt=cfg.encrypt,
-        views=view_settings(cfg.topology.view_size(len(cfg.peers))),
+        views=cfg.topology.views(len(cfg.peers)),
         direct_kinds=direct_kinds,
         transport=TransportOptions(max_frame_bytes=frame_limit(model, direct_kinds)),
-    )
-
-
-def view_settings(neighbours: int | None) -> ViewSettings | None:
-    """The views of a node keeping `neighbours` neighbours (None: a full mesh): it takes
-    in half as many again before turning greeters away, and keeps four times as many
-    candidates (at least 32)."""
-    if neighbours is None:
-        return None
-    return ViewSettings(
-        neighbours=neighbours,
-        most=neighbours + max(2, neighbours // 2),
-        passive=max(32, 4 * neighbours),
     )
 
 

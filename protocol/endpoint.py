@@ -16,7 +16,7 @@ import random
 import threading
 import time
 from collections import Counter, OrderedDict, defaultdict, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -806,7 +806,7 @@ class Endpoint:
             if candidate.name and self.shuns(candidate.name):
                 self.passive.discard(candidate.key)  # the node wants no link with it
         exclude = set(self.table.entries) | {self.identity.public_key}
-        chosen = self.passive.take(short, exclude)
+        chosen = self.passive.take(short, exclude, friends=self.table.entries.keys())
         for candidate in chosen:
             self._learn(candidate.addr, candidate.key, from_its_owner=False)
         return [(candidate.addr, False) for candidate in chosen]
@@ -821,14 +821,15 @@ class Endpoint:
         self._next_shuffle = now + self.views.shuffle_interval
         partner = self._rng.choice(partners)
         members = [card for key, card in self._cards.items() if key != partner.public_key]
-        cards = cards_to_send(
+        cards, linked = cards_to_send(
             self._card, members, self.passive, self.views.shuffle_length, self._rng
         )
         self._shuffles_out.pop(partner.public_key, None)
         self._shuffles_out[partner.public_key] = tuple(card.key for card in cards)
         while len(self._shuffles_out) > self.views.most:
             self._shuffles_out.popitem(last=False)
-        return partner.address, "shuffle", {"cards": [card.packed() for card in cards]}
+        body = {"cards": [card.packed() for card in cards], "neighbours": linked}
+        return partner.address, "shuffle", body
 
     def _note_reached(self) -> None:
         """Mark the peers whose address answered a handshake with their own key
@@ -1169,7 +1170,8 @@ class Endpoint:
             key, name, address = item["key"], item["name"], item["addr"]
             if key != message.sender:
                 if key != own and self.table.get(key) is None:
-                    self.passive.add(Candidate(key, address, name=name))
+                    # The answering node's neighbours, as it named them.
+                    self.passive.add(Candidate(key, address, name=name, via=message.sender))
             elif message.body.get("linked", True):
                 if self._take_in(message, name, address):
                     self._keep_card(key, message.body.get("card"), address)
@@ -1232,7 +1234,9 @@ class Endpoint:
         exclude = {card.key for card in cards} | {message.sender}
         answer = self.passive.cards(len(cards), exclude)
         self._send(entry.address, "shuffle_reply", {"cards": [card.packed() for card in answer]})
-        self._take_cards(cards, sent_away=[card.key for card in answer])
+        linked = min(message.body.get("neighbours", 0), len(cards) - 1)
+        vouched = {card.key for card in cards[1 : 1 + linked]}
+        self._take_cards(cards, [card.key for card in answer], message.sender, vouched)
 
     def _on_shuffle_reply(self, message: Message) -> None:
         sent = self._shuffles_out.pop(message.sender, None)
@@ -1252,11 +1256,21 @@ class Endpoint:
             return None
         return [card for card in cards if card is not None]
 
-    def _take_cards(self, cards: list[Card], sent_away: Sequence[bytes]) -> None:
+    def _take_cards(
+        self,
+        cards: list[Card],
+        sent_away: Sequence[bytes],
+        sender: bytes = b"",
+        vouched: Collection[bytes] = (),
+    ) -> None:
+        """Keep cards as candidates; those of the `sender`'s own neighbours (`vouched`)
+        as named by it."""
         own = self.identity.public_key
         for card in cards:
             if card.key != own and self.table.get(card.key) is None:
-                self.passive.add(Candidate(card.key, card.addr, card, card.name), sent_away)
+                via = sender if card.key in vouched else b""
+                candidate = Candidate(card.key, card.addr, card, card.name, via)
+                self.passive.add(candidate, sent_away)
 
     def _on_announce(self, message: Message) -> None:
         # Offers are kept from known peers and for a window of rounds only, so an

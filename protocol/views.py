@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgpack
@@ -43,10 +43,23 @@ class ViewSettings:
     slack lets newcomers in and keeps views symmetric without forcing anyone out."""
 
     neighbours: int = 8
-    most: int = 12
+    most: int = 10
     passive: int = 32
     shuffle_interval: float = 2.0  # seconds between two shuffles a node starts
     shuffle_length: int = 8  # cards a shuffle carries, the sender's own included
+
+    @classmethod
+    def keeping(cls, neighbours: int) -> ViewSettings:
+        """The views of a node keeping `neighbours` neighbours: it takes in two more
+        before turning greeters away (room for newcomers; each greeter past its own
+        choice is one more stranger in its view), and keeps four times as many
+        candidates (at least 32)."""
+        return cls(neighbours, neighbours + 2, max(32, 4 * neighbours))
+
+    def connections(self) -> int:
+        """The most peers a node holds connections to at once: its fullest view, plus
+        a greeting and an unlink on their way."""
+        return self.most + 2
 
 
 @dataclass(frozen=True)
@@ -114,12 +127,14 @@ def checked_card(value: dict[str, Any], mesh_id: bytes) -> Card | None:
 @dataclass(frozen=True)
 class Candidate:
     """A node this one could greet: its key, where it listens, its card if it has one,
-    and its name where something named it (a contact given at start is nameless)."""
+    its name where something named it (a contact given at start is nameless), and the
+    neighbour that named it as one of its own neighbours (`via`), if one did."""
 
     key: bytes
     addr: str
     card: Card | None = None
     name: str = ""
+    via: bytes = b""
 
 
 class PassiveView:
@@ -142,10 +157,12 @@ class PassiveView:
         """Keep `candidate` (a card replaces an older or missing one); False when refused."""
         known = self.entries.get(candidate.key)
         if known is not None:
-            if candidate.card is not None and (
+            newer = candidate.card is not None and (
                 known.card is None or candidate.card.issued > known.card.issued
-            ):
-                self.entries[candidate.key] = candidate
+            )
+            card = candidate.card if newer else known.card
+            via = candidate.via or known.via  # the latest word of a neighbour counts
+            self.entries[candidate.key] = replace(candidate if newer else known, card=card, via=via)
             return True
         if self.size <= 0:
             return False
@@ -158,10 +175,17 @@ class PassiveView:
     def discard(self, key: bytes) -> Candidate | None:
         return self.entries.pop(key, None)
 
-    def take(self, count: int, exclude: Collection[bytes]) -> list[Candidate]:
-        """Up to `count` random candidates not in `exclude`, removed from the view."""
+    def take(
+        self, count: int, exclude: Collection[bytes], friends: Collection[bytes] = ()
+    ) -> list[Candidate]:
+        """Up to `count` random candidates not in `exclude`, removed from the view: first
+        those a neighbour in `friends` named as its own neighbours (whom a node's chosen
+        neighbours chose are likelier to help it too), then any."""
         free = [key for key in self.entries if key not in exclude]
-        chosen = self.rng.sample(free, min(count, len(free)))
+        vouched = [key for key in free if self.entries[key].via in friends]
+        rest = [key for key in free if self.entries[key].via not in friends]
+        chosen = self.rng.sample(vouched, min(count, len(vouched)))
+        chosen += self.rng.sample(rest, min(count - len(chosen), len(rest)))
         return [self.entries.pop(key) for key in chosen]
 
     def cards(self, count: int, exclude: Collection[bytes] = ()) -> list[Card]:
@@ -172,9 +196,11 @@ class PassiveView:
 
 def cards_to_send(
     own: Card, members: Iterable[Card], passive: PassiveView, length: int, rng: random.Random
-) -> list[Card]:
-    """A shuffle's cards: the sender's own, then neighbours' and candidates' at random."""
+) -> tuple[list[Card], int]:
+    """A shuffle's cards: the sender's own, then neighbours' and candidates' at random;
+    and how many neighbours' follow the sender's own."""
     members = list(members)
     from_members = rng.sample(members, min(len(members), (length - 1) // 2))
     rest = length - 1 - len(from_members)
-    return [own, *from_members, *passive.cards(rest, exclude={c.key for c in from_members})]
+    others = passive.cards(rest, exclude={c.key for c in from_members})
+    return [own, *from_members, *others], len(from_members)

@@ -4,18 +4,26 @@ from __future__ import annotations
 
 import random
 
-from meshfl.node.neighbours import neighbours_to_drop
+from meshfl.node.neighbours import EXPLORE_EVERY, NOTHING, neighbours_to_drop, rated
 
 
-def test_benefit_drops_the_neighbour_that_did_least():
+def test_benefit_now_and_then_drops_the_neighbour_that_did_least():
     benefit = {"a": 0.5, "b": -0.2, "c": 1.0}
-    assert neighbours_to_drop(benefit, set(), "benefit", random.Random(0)) == ["b"]
+    drops = [neighbours_to_drop(benefit, set(), "benefit", random.Random(s)) for s in range(300)]
+    assert {tuple(dropped) for dropped in drops} == {(), ("b",)}
+    assert abs(sum(bool(dropped) for dropped in drops) / 300 - 1 / EXPLORE_EVERY) < 0.1
 
 
 def test_every_shunned_neighbour_is_dropped_and_none_besides():
-    benefit = {"a": 0.5, "b": -3.5, "c": -5.0, "d": -4.0}
-    dropped = neighbours_to_drop(benefit, {"b", "c", "d"}, "benefit", random.Random(0))
-    assert dropped == ["b", "c", "d"]
+    benefit = {"a": 0.5, "b": -3.5, "c": -5.0}
+    dropped = neighbours_to_drop(benefit, {"b", "c", "x"}, "benefit", random.Random(0))
+    assert dropped == ["b", "c", "x"]  # x: linked during the round, shunned already
+
+
+def test_neighbours_that_did_nothing_go_first_two_at_a_time():
+    benefit = rated({"a": 0.5, "b": 0.0, "c": 0.0, "d": 0.0}, taken_in={"a", "b"})
+    assert benefit["c"] == benefit["d"] == NOTHING
+    assert sorted(neighbours_to_drop(benefit, set(), "benefit", random.Random(0))) == ["c", "d"]
 
 
 def test_a_view_not_full_drops_only_shunned_neighbours():
@@ -25,7 +33,7 @@ def test_a_view_not_full_drops_only_shunned_neighbours():
 
 
 def test_ties_are_broken_at_random_not_by_name():
-    benefit = {name: 0.0 for name in "abcdef"}
+    benefit = rated({name: 0.0 for name in "abcdef"}, taken_in=())
     drawn = {neighbours_to_drop(benefit, set(), "benefit", random.Random(s))[0] for s in range(40)}
     assert len(drawn) > 3
 

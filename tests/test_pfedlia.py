@@ -235,6 +235,16 @@ def test_after_the_warmup_each_node_groups_with_its_cluster_and_pulls_only_its_m
     assert after["a"].diagnostics["phase"] == "grouped"
 
 
+def test_a_peer_scored_outside_the_group_is_shunned_one_not_yet_scored_is_not():
+    mesh = two_cluster_mesh(warmup=1)
+    mesh.round(1)
+    rule, _ = mesh.nodes["a"]
+    assert not rule.shuns("c"), "nothing is shunned before the lazy round"
+    mesh.round(2)
+    assert rule.shuns("c") and rule.shuns("d")
+    assert not rule.shuns("b") and not rule.shuns("newcomer")
+
+
 def test_a_group_member_screening_keeps_out_is_not_reported_as_learned_from():
     mesh = two_cluster_mesh(warmup=0)
     mesh.round(1)

@@ -283,6 +283,19 @@ def test_a_full_passive_view_makes_room_with_what_it_sent_away_first():
     assert set(view.entries) == {keys[0], keys[2], keys[3]}
 
 
+def test_candidates_named_by_a_neighbour_are_greeted_first():
+    view = PassiveView(8, random.Random(0))
+    friend, stranger = b"F" * 32, b"S" * 32
+    keys = [Identity.generate().public_key for _ in range(6)]
+    for index, key in enumerate(keys):
+        view.add(
+            Candidate(key, f"tcp://127.0.0.1:{index + 1}", via=friend if index < 2 else stranger)
+        )
+    taken = view.take(2, exclude=(), friends={friend})
+    assert {candidate.key for candidate in taken} == set(keys[:2])
+    assert len(view.take(10, exclude=(), friends={friend})) == 4  # then any
+
+
 def test_cards_pack_to_plain_msgpack():
     card = make_card(Identity.generate(), MESH, "n", "tcp://127.0.0.1:9")
     assert checked_card(msgpack.unpackb(msgpack.packb(card.packed())), MESH) == card
