@@ -150,6 +150,7 @@ def render_robustness(
             for rule in rules
         }
     )
+    lines += _attackers_in_views(summaries)
     command = f"meshfl experiment {args.name}" + (" --data-root DIR" if args.data_root else "")
     lines += [
         "",
@@ -158,6 +159,22 @@ def render_robustness(
         "",
     ]
     return "\n".join(lines)
+
+
+def _attackers_in_views(summaries: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Bounded meshes under attack: when honest nodes had dropped every attacker from
+    their neighbours, per variant (launch/measures.py, `attackers_in_views`)."""
+    lines = []
+    for variant, runs in summaries.items():
+        if not runs or not all("attacker_neighbour_last_round" in run for run in runs):
+            continue
+        last = max(run["attacker_neighbour_last_round"] for run in runs)
+        at_end = statistics.fmean(run["honest_with_attacker_neighbour_at_end"] for run in runs)
+        lines.append(
+            f"- {variant}: last round an honest node began with an attacker for a "
+            f"neighbour {last:.0f}; honest nodes with one in their last round {at_end:.0%}"
+        )
+    return ["", "Attackers in the honest nodes' views:", *lines] if lines else []
 
 
 def _slug(name: str) -> str:

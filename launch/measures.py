@@ -147,8 +147,30 @@ def neighbours_in_own_cluster(run: RunRecords) -> dict[str, float]:
     )
 
 
+def attackers_in_views(run: RunRecords) -> dict[str, float]:
+    """A bounded mesh with attackers: the last round in which an honest node began with
+    an attacker among its neighbours (0: never), and the share of honest nodes that
+    still had one in their last round."""
+    if not run.attackers:
+        return {}
+    last_round, at_the_end = 0, []
+    for name, rounds in run.history.items():
+        if name in run.attackers or not any(r.neighbours is not None for r in rounds):
+            continue
+        with_attacker = [r.round for r in rounds if run.attackers & set(r.neighbours or [])]
+        last_round = max([last_round, *with_attacker])
+        at_the_end.append(bool(rounds and rounds[-1].round in with_attacker))
+    if not at_the_end:
+        return {}
+    return {
+        "attacker_neighbour_last_round": float(last_round),
+        "honest_with_attacker_neighbour_at_end": statistics.fmean(at_the_end),
+    }
+
+
 EVERY_RULE = (
     Scores(attacker_weight),  # the robustness table shows it, no score row
+    Scores(attackers_in_views),  # the robustness table's lines under it
     Scores(
         neighbours_in_own_cluster,
         {

@@ -797,9 +797,8 @@ class Endpoint:
         """Candidates to greet now: as many as the view lacks neighbours, less the ones
         greeted already and not answered yet."""
         assert self.views is not None
-        links = sum(entry.state != LEFT for entry in self.table.entries.values())
         greeting = sum(not self.table.at(address) for address in self._hellos_out)
-        short = self.views.neighbours - links - greeting
+        short = self.views.neighbours - self._links() - greeting
         if short <= 0:
             return []
         for candidate in list(self.passive.entries.values()):
@@ -1090,13 +1089,14 @@ class Endpoint:
             alive = [entry for entry in alive if entry.public_key == greeter] + picked
         return [entry.describe() for entry in alive]
 
+    def _links(self) -> int:
+        """A bounded view's neighbours: peers not yet reached count, left ones do not."""
+        return sum(entry.state != LEFT for entry in self.table.entries.values())
+
     def _view_is_full(self) -> bool:
         """Whether a bounded view has as many neighbours as it takes (never, in a full
-        mesh): peers not yet reached count, left ones do not."""
-        if self.views is None:
-            return False
-        links = sum(entry.state != LEFT for entry in self.table.entries.values())
-        return links >= self.views.most
+        mesh)."""
+        return self.views is not None and self._links() >= self.views.most
 
     def _turn_away(self, key: bytes, address: str) -> None:
         """Answer the hello of a node this full view cannot take: with some neighbours
@@ -1106,14 +1106,21 @@ class Endpoint:
         body = self._peers_body(self._listed(key), linked=False)
         self._send(address, "peers", body, once=True, key=key)
 
-    def _keep_card(self, key: bytes, value: object, address: str) -> None:
-        """Keep a neighbour's own card, to pass on in shuffles, if it is its own, for the
-        address it is linked at, and signed (else it is only not kept, and counted)."""
-        if self.views is None or not isinstance(value, dict):
-            return
+    def _own_card(self, key: bytes, value: object, address: str) -> Card | None:
+        """`value`, a card that came with a message of `key`, if it is that node's own
+        for `address` and signed by it; None otherwise (counted, where there was one)."""
+        if not isinstance(value, dict):
+            return None
         card = checked_card(value, self.mesh_id)
         if card is None or card.key != key or card.addr != address:
             self.flow_rejections[BAD_CARD] += 1
+            return None
+        return card
+
+    def _keep_card(self, key: bytes, value: object, address: str) -> None:
+        """Keep a neighbour's own card, to pass on in shuffles."""
+        card = self._own_card(key, value, address) if self.views is not None else None
+        if card is None:
             return
         known = self._cards.get(key)
         if known is None or card.issued >= known.issued:
@@ -1181,13 +1188,8 @@ class Endpoint:
                     self._send(address, "unlink", {}, once=True, key=key)
                     self.passive.add(Candidate(key, address, name=name))
             elif self.table.get(key) is None:
-                card = message.body.get("card")
-                checked = checked_card(card, self.mesh_id) if isinstance(card, dict) else None
-                self.passive.add(
-                    Candidate(
-                        key, address, checked if checked and checked.key == key else None, name
-                    )
-                )
+                card = self._own_card(key, message.body.get("card"), address)
+                self.passive.add(Candidate(key, address, card, name))
                 self._release(address)
         self._joined.set()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -386,3 +387,30 @@ def test_meshfl_config_schema_prints_the_schema_as_json(tmp_path):
     out = tmp_path / "peers.schema.json"
     subprocess.run([*command, "--out", str(out)], capture_output=True, timeout=120, check=True)
     assert json.loads(out.read_text()) == config_schema()
+
+
+def test_a_mesh_past_32_nodes_keeps_8_neighbours_unless_told_otherwise():
+    topology = MeshConfig().topology
+    assert topology.views(32) is None, "a full mesh up to 32 nodes"
+    views = topology.views(33)
+    assert views is not None and (views.neighbours, views.most) == (8, 10)
+    assert topology.connections(1000) == views.connections() < 999
+    assert topology.connections(10) == 9
+    all_of_them = apply_overrides(MeshConfig(), ["topology.neighbours=all"]).topology
+    assert all_of_them.views(1000) is None and all_of_them.connections(1000) == 999
+    five = apply_overrides(MeshConfig(), ["topology.neighbours=5"]).topology
+    assert five.views(4) is not None and five.views(4).neighbours == 5
+
+
+@pytest.mark.parametrize(
+    "text, error",
+    [
+        ("topology: {neighbours: 0}", "topology.neighbours': got 0; allowed: an integer >= 1"),
+        ("topology: {neighbours: many}", "got 'many'; allowed: an integer >= 1, 'all'"),
+        ("topology: {neighbours: true}", "got True; allowed"),
+        ("topology: {select: best}", "topology.select': got 'best'; allowed: benefit or random"),
+    ],
+)
+def test_a_bad_topology_names_the_field_and_what_is_allowed(text, error):
+    with pytest.raises(ConfigError, match=re.escape(error)):
+        config_from_text(text, "x")

@@ -184,84 +184,68 @@ def context():
     ctx.destroy(linger=0)
 
 
-def test_a_forged_card_spoils_its_whole_shuffle(context):
-    node = _endpoint("node")
-    node.start()
-    try:
-        peer = linked_raw_peer(context, node)
-        victim = Identity.generate()
-        honest = make_card(Identity.generate(), MESH, "honest", "tcp://127.0.0.1:5")
-        forged = {**make_card(victim, MESH, "victim", "tcp://127.0.0.1:6").packed()}
-        forged["addr"] = "tcp://10.9.9.9:6"  # the victim never said it listens there
-        shuffle_from(peer, [honest.packed(), forged])
-        assert poll_until(lambda: node.flow_rejections["bad_card"] == 1, 5)
-        assert honest.key not in node.passive and victim.public_key not in node.passive
-    finally:
-        node.close()
+@pytest.fixture
+def node():
+    """One bounded-view endpoint, serving, with nobody to greet."""
+    endpoint = _endpoint("node")
+    endpoint.start()
+    yield endpoint
+    endpoint.close()
 
 
-def test_a_card_made_for_another_mesh_is_refused(context):
-    node = _endpoint("node")
-    node.start()
-    try:
-        peer = linked_raw_peer(context, node)
-        elsewhere = make_card(Identity.generate(), b"\x01" * 16, "far", "tcp://127.0.0.1:7")
-        shuffle_from(peer, [elsewhere.packed()])
-        assert poll_until(lambda: node.flow_rejections["bad_card"] == 1, 5)
-        assert len(node.passive) == 0
-    finally:
-        node.close()
+def test_a_forged_card_spoils_its_whole_shuffle(context, node):
+    peer = linked_raw_peer(context, node)
+    victim = Identity.generate()
+    honest = make_card(Identity.generate(), MESH, "honest", "tcp://127.0.0.1:5")
+    forged = {**make_card(victim, MESH, "victim", "tcp://127.0.0.1:6").packed()}
+    forged["addr"] = "tcp://10.9.9.9:6"  # the victim never said it listens there
+    shuffle_from(peer, [honest.packed(), forged])
+    assert poll_until(lambda: node.flow_rejections["bad_card"] == 1, 5)
+    assert honest.key not in node.passive and victim.public_key not in node.passive
 
 
-def test_shuffles_from_strangers_and_answers_nobody_asked_for_are_dropped(context):
-    node = _endpoint("node")
-    node.start()
-    try:
-        stranger = RawPeer(context, node.contact)
-        card = make_card(Identity.generate(), MESH, "x", "tcp://127.0.0.1:8").packed()
-        shuffle_from(stranger, [card])
-        shuffle_from(stranger, [card], kind="shuffle_reply")
-        assert poll_until(
-            lambda: (
-                node.flow_rejections["not_linked"] == 1
-                and node.flow_rejections["unsolicited_cards"] == 1
-            ),
-            5,
-        )
-        assert len(node.passive) == 0
-    finally:
-        node.close()
+def test_a_card_made_for_another_mesh_is_refused(context, node):
+    peer = linked_raw_peer(context, node)
+    elsewhere = make_card(Identity.generate(), b"\x01" * 16, "far", "tcp://127.0.0.1:7")
+    shuffle_from(peer, [elsewhere.packed()])
+    assert poll_until(lambda: node.flow_rejections["bad_card"] == 1, 5)
+    assert len(node.passive) == 0
 
 
-def test_an_oversized_shuffle_is_refused_at_decoding(context):
-    node = _endpoint("node")
-    node.start()
-    try:
-        peer = linked_raw_peer(context, node)
-        cards = [
-            make_card(Identity.generate(), MESH, f"c{i}", f"tcp://127.0.0.1:{100 + i}").packed()
-            for i in range(MAX_CARDS + 1)
-        ]
-        shuffle_from(peer, cards)
-        assert poll_until(lambda: node.rejections().get("too_many_cards") == 1, 5)
-        assert len(node.passive) == 0
-    finally:
-        node.close()
+def test_shuffles_from_strangers_and_answers_nobody_asked_for_are_dropped(context, node):
+    stranger = RawPeer(context, node.contact)
+    card = make_card(Identity.generate(), MESH, "x", "tcp://127.0.0.1:8").packed()
+    shuffle_from(stranger, [card])
+    shuffle_from(stranger, [card], kind="shuffle_reply")
+    assert poll_until(
+        lambda: (
+            node.flow_rejections["not_linked"] == 1
+            and node.flow_rejections["unsolicited_cards"] == 1
+        ),
+        5,
+    )
+    assert len(node.passive) == 0
 
 
-def test_a_neighbour_answering_every_shuffle_with_itself_holds_one_place(context):
-    node = _endpoint("node")
-    node.start()
-    try:
-        peer = linked_raw_peer(context, node)
-        own = make_card(peer.identity, MESH, peer.name, peer.address).packed()
-        for _ in range(5):
-            shuffle_from(peer, [own, own, own])
-        assert poll_until(lambda: node.received["shuffle"] == 5, 5)
-        # It is a neighbour already, so it is no candidate; and never more than one place.
-        assert len(node.passive) <= 1
-    finally:
-        node.close()
+def test_an_oversized_shuffle_is_refused_at_decoding(context, node):
+    peer = linked_raw_peer(context, node)
+    cards = [
+        make_card(Identity.generate(), MESH, f"c{i}", f"tcp://127.0.0.1:{100 + i}").packed()
+        for i in range(MAX_CARDS + 1)
+    ]
+    shuffle_from(peer, cards)
+    assert poll_until(lambda: node.rejections().get("too_many_cards") == 1, 5)
+    assert len(node.passive) == 0
+
+
+def test_a_neighbour_answering_every_shuffle_with_itself_holds_one_place(context, node):
+    peer = linked_raw_peer(context, node)
+    own = make_card(peer.identity, MESH, peer.name, peer.address).packed()
+    for _ in range(5):
+        shuffle_from(peer, [own, own, own])
+    assert poll_until(lambda: node.received["shuffle"] == 5, 5)
+    # It is a neighbour already, so it is no candidate; and never more than one place.
+    assert len(node.passive) <= 1
 
 
 def test_a_replayed_older_card_does_not_undo_a_newer_one():
