@@ -276,7 +276,7 @@ class TopologyConfig:
         if self.neighbours == "all" or (self.neighbours == "auto" and mesh_size <= FULL_MESH_UP_TO):
             return None
         size = DEFAULT_NEIGHBOURS if self.neighbours == "auto" else int(self.neighbours)
-        return ViewSettings.keeping(size)
+        return ViewSettings.keeping(size, friends_first=self.select == "benefit")
 
     def connections(self, mesh_size: int) -> int:
         """The most peers each node of a `mesh_size`-node mesh holds connections to."""

@@ -9,7 +9,7 @@ one round of EXPLORE_EVERY (drawn at random), the one that did least.
 The endpoint then greets as many candidates from its passive view, so exploring never
 stops: a node recovers from a bad start, and newcomers get tried (PENS, Onoszko et al.
 2021). With `random` a random neighbour is dropped instead: gossip learning, the
-baseline to beat.
+baseline to beat: nothing is shunned, and candidates are drawn at random.
 """
 
 from __future__ import annotations

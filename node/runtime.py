@@ -189,7 +189,8 @@ class Node:
         # among its nodes (node/host.py); a node alone in its process needs none.
         self.cpu: AbstractContextManager[Any] = contextlib.nullcontext()
         self._suspects: set[str] = set()  # peers whose input made the rule raise last round
-        endpoint.shuns = algorithm.shuns  # a bounded view turns away whom the rule shuns
+        if self.cfg.topology.select == "benefit":  # a bounded view turns away whom it shuns
+            endpoint.shuns = algorithm.shuns
 
     @property
     def identity(self) -> Identity:
@@ -457,7 +458,7 @@ class Node:
         if views is None:
             return []
         current = {peer.name: peer.public_key for peer in self.endpoint.alive_peers()}
-        shunned = {name for name in current if self.algorithm.shuns(name)}
+        shunned = {name for name in current if self.endpoint.shuns(name)}
         still = [name for name in began_with if name in current]
         benefit = rated(self.algorithm.benefits(still, weights), taken_in=weights)
         explore = len(current) >= views.neighbours and self.endpoint.passive_size() > 0

@@ -805,7 +805,8 @@ class Endpoint:
             if candidate.name and self.shuns(candidate.name):
                 self.passive.discard(candidate.key)  # the node wants no link with it
         exclude = set(self.table.entries) | {self.identity.public_key}
-        chosen = self.passive.take(short, exclude, friends=self.table.entries.keys())
+        friends = self.table.entries.keys() if self.views.friends_first else ()
+        chosen = self.passive.take(short, exclude, friends)
         for candidate in chosen:
             self._learn(candidate.addr, candidate.key, from_its_owner=False)
         return [(candidate.addr, False) for candidate in chosen]

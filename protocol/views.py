@@ -47,14 +47,17 @@ class ViewSettings:
     passive: int = 32
     shuffle_interval: float = 2.0  # seconds between two shuffles a node starts
     shuffle_length: int = 8  # cards a shuffle carries, the sender's own included
+    # Greet first the candidates a neighbour named as its own neighbours; off, candidates
+    # are drawn at random (gossip learning's peer sampling).
+    friends_first: bool = True
 
     @classmethod
-    def keeping(cls, neighbours: int) -> ViewSettings:
+    def keeping(cls, neighbours: int, friends_first: bool = True) -> ViewSettings:
         """The views of a node keeping `neighbours` neighbours: it takes in two more
         before turning greeters away (room for newcomers; each greeter past its own
         choice is one more stranger in its view), and keeps four times as many
         candidates (at least 32)."""
-        return cls(neighbours, neighbours + 2, max(32, 4 * neighbours))
+        return cls(neighbours, neighbours + 2, max(32, 4 * neighbours), friends_first=friends_first)
 
     def connections(self) -> int:
         """The most peers a node holds connections to at once: its fullest view, plus
