@@ -162,17 +162,17 @@ def render_robustness(
 
 
 def _attackers_in_views(summaries: dict[str, list[dict[str, Any]]]) -> list[str]:
-    """Bounded meshes under attack: when honest nodes had dropped every attacker from
-    their neighbours, per variant (launch/measures.py, `attackers_in_views`)."""
+    """Bounded meshes under attack: how long honest nodes kept an attacker for a
+    neighbour, per variant (launch/measures.py, `attackers_in_views`)."""
     lines = []
     for variant, runs in summaries.items():
-        if not runs or not all("attacker_neighbour_last_round" in run for run in runs):
+        if not runs or not all("attacker_neighbour_rounds" in run for run in runs):
             continue
-        last = max(run["attacker_neighbour_last_round"] for run in runs)
+        longest = max(run["attacker_neighbour_rounds"] for run in runs)
         at_end = statistics.fmean(run["honest_with_attacker_neighbour_at_end"] for run in runs)
         lines.append(
-            f"- {variant}: last round an honest node began with an attacker for a "
-            f"neighbour {last:.0f}; honest nodes with one in their last round {at_end:.0%}"
+            f"- {variant}: an honest node kept the same attacker for a neighbour at most "
+            f"{longest:.0f} round(s); {at_end:.0%} began the last round with one"
         )
     return ["", "Attackers in the honest nodes' views:", *lines] if lines else []
 

@@ -15,6 +15,7 @@ recorded nothing to score (a rule phase not reached, a partition without the tru
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -148,22 +149,23 @@ def neighbours_in_own_cluster(run: RunRecords) -> dict[str, float]:
 
 
 def attackers_in_views(run: RunRecords) -> dict[str, float]:
-    """A bounded mesh with attackers: the last round in which an honest node began with
-    an attacker among its neighbours (0: never), and the share of honest nodes that
-    still had one in their last round."""
+    """A bounded mesh with attackers: the most rounds one honest node began with the
+    same attacker among its neighbours (how long it took to drop one), and the share
+    of honest nodes that began their last round with one (an attacker it had not met
+    yet: attackers keep greeting nodes)."""
     if not run.attackers:
         return {}
-    last_round, at_the_end = 0, []
+    longest, at_the_end = 0, []
     for name, rounds in run.history.items():
         if name in run.attackers or not any(r.neighbours is not None for r in rounds):
             continue
-        with_attacker = [r.round for r in rounds if run.attackers & set(r.neighbours or [])]
-        last_round = max([last_round, *with_attacker])
-        at_the_end.append(bool(rounds and rounds[-1].round in with_attacker))
+        kept = Counter(a for r in rounds for a in run.attackers & set(r.neighbours or []))
+        longest = max([longest, *kept.values()])
+        at_the_end.append(bool(rounds and run.attackers & set(rounds[-1].neighbours or [])))
     if not at_the_end:
         return {}
     return {
-        "attacker_neighbour_last_round": float(last_round),
+        "attacker_neighbour_rounds": float(longest),
         "honest_with_attacker_neighbour_at_end": statistics.fmean(at_the_end),
     }
 
