@@ -7,6 +7,7 @@ a host can also be started by hand, like `meshfl node`, for the peers it names.
 from __future__ import annotations
 
 import signal
+from dataclasses import replace
 from typing import Any
 
 from meshfl.node.coordinator import make_node
@@ -34,7 +35,10 @@ def run_host(process: ProcessOptions, names: list[str], restarts: int = 0) -> in
     EXIT_NODE_FAILED when one failed for good."""
     cfg = resolve_config(process.config)
     options = [
-        named_node_options(cfg, name, process.out, local_nodes=process.local_nodes)
+        replace(
+            named_node_options(cfg, name, process.out, local_nodes=process.local_nodes),
+            host_nodes=len(names),
+        )
         for name in names
     ]
     if restarts < 0:

@@ -102,6 +102,7 @@ class NodeOptions:
     num_nodes: int
     bootstrap: list[str] = field(default_factory=list)
     local_nodes: int = 1
+    host_nodes: int = 1  # nodes in this process (a node host's), this one included
     joining: bool = False  # a late joiner starts from the mesh's current round
     join_hint: str = ""  # how the next node can join through this one, said once joined
 
@@ -755,6 +756,7 @@ def endpoint_settings(
         allowlist=allowlist,
         encrypt=cfg.encrypt,
         views=cfg.topology.views(len(cfg.peers)),
+        crowd=options.host_nodes,
         direct_kinds=direct_kinds,
         transport=TransportOptions(max_frame_bytes=frame_limit(model, direct_kinds)),
     )

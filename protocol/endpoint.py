@@ -22,7 +22,7 @@ from typing import Any
 
 from .addresses import resolved
 from .identity import BadPublicKey, Identity, curve_public_key, node_id
-from .membership import ALIVE, LEFT, PeerEntry, PeerTable, liveness_stretch
+from .membership import ALIVE, LEFT, PeerEntry, PeerTable
 from .offers import BlobStore, Offer, OfferBook
 from .transport import (
     Encryption,
@@ -129,6 +129,7 @@ class EndpointSettings:
     transport: TransportOptions = TransportOptions()
     # None: a full mesh, every node a peer of every other; else bounded views (WIRE.md 7.7).
     views: ViewSettings | None = None
+    crowd: int = 1  # nodes in this process, this one included (membership.PeerTable)
 
     @property
     def address(self) -> str:
@@ -234,7 +235,9 @@ class Endpoint:
         # Up to when the worker has read its inbox (monotonic): the arrival time of the
         # message it handles, or now when the inbox is empty. The peer table's clock.
         self._read_up_to = time.monotonic()
-        self.table = PeerTable(settings.peer_timeout, clock=lambda: self._read_up_to)
+        self.table = PeerTable(
+            settings.peer_timeout, clock=lambda: self._read_up_to, crowd=settings.crowd
+        )
         self.store = BlobStore(settings.store_bytes)
         self.offer_book = OfferBook()
         self.decoder = Decoder(
@@ -772,7 +775,7 @@ class Endpoint:
             if self.views is not None:
                 again += self._greet_candidates()
                 shuffle = self._shuffle_due(now)
-            period = self.settings.heartbeat_interval * liveness_stretch(self.table.known())
+            period = self.settings.heartbeat_interval * self.table.stretch()
             anyway = BEAT_ANYWAY_PERIODS
             targets = [
                 entry.address
@@ -847,7 +850,7 @@ class Endpoint:
     def _unreached_grace(self) -> float:
         """How long an address may take to answer a handshake: twice the (stretched) down
         timeout, for a handshake on a starved machine can take a while."""
-        return 2 * self.settings.peer_timeout * liveness_stretch(self.table.known())
+        return 2 * self.settings.peer_timeout * self.table.stretch()
 
     def _forget_stale(self, now: float, grace: float) -> None:
         """Forget peers no node answered for within `grace` of their coming at their

@@ -59,9 +59,15 @@ class PeerTable:
     time of the message it is handling, so a node that reads its inbox late (a busy
     process) neither ages its peers nor marks them down for its own delay."""
 
-    def __init__(self, timeout: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, timeout: float, clock: Callable[[], float] = time.monotonic, crowd: int = 1
+    ) -> None:
         self.timeout = timeout
         self.clock = clock
+        # Nodes sharing this node's process (a node host): they share its CPU too, so
+        # each is as slow to answer as a node with that many peers (Lifeguard's local
+        # health, arXiv 1707.00788: a node that knows itself slow widens its waits).
+        self.crowd = crowd
         self.entries: dict[bytes, PeerEntry] = {}
         # The most peers the node has known, starting from those it was told to dial:
         # its mesh's size before it heard from them all (a 100-node mesh starting up is
@@ -73,6 +79,11 @@ class PeerTable:
         at least as many as it was listed at start: every node of a mesh stretches its
         liveness waits (`liveness_stretch`) alike, however its table stands now."""
         return max(self.most_known, self._not_left())
+
+    def stretch(self) -> float:
+        """How much this node stretches its liveness waits (`liveness_stretch`): by the
+        most peers it has known, or by the nodes sharing its process, whichever is more."""
+        return liveness_stretch(max(self.known(), self.crowd))
 
     def _not_left(self) -> int:
         # Only reached peers: strangers naming addresses where nobody answers must not
@@ -167,7 +178,7 @@ class PeerTable:
     def expire(self) -> list[PeerEntry]:
         """Mark peers silent for longer than the timeout (stretched to the mesh's size)
         as of `clock()` as down; return them."""
-        now, timeout = self.clock(), self.timeout * liveness_stretch(self.known())
+        now, timeout = self.clock(), self.timeout * self.stretch()
         expired = [entry for entry in self.alive() if now - entry.last_seen > timeout]
         for entry in expired:
             entry.state, entry.since = DOWN, now

@@ -595,6 +595,18 @@ def test_liveness_waits_stretch_with_the_most_peers_a_node_has_known():
     assert len(table.expire()) == 5
 
 
+def test_a_node_sharing_its_process_with_many_waits_as_long_as_a_node_with_as_many_peers():
+    now = [0.0]
+    table = PeerTable(timeout=5.0, clock=lambda: now[0], crowd=50)
+    table.upsert(b"k" * 32, "n", "tcp://h:1", b"i" * 16)
+    table.mark_reached(b"k" * 32)
+    assert table.stretch() == 5.0, "50 nodes in one process: a fifth of fifty peers' pace"
+    now[0] = 5.0 * 4.9
+    assert table.expire() == []
+    now[0] = 5.0 * 5.1
+    assert len(table.expire()) == 1
+
+
 def test_a_node_starting_in_a_big_mesh_takes_its_size_from_its_bootstrap_list(make_endpoint):
     endpoint = make_endpoint("starting")
     endpoint.start([f"tcp://127.0.0.1:{port}" for port in free_ports(30)])
