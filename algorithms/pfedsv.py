@@ -25,6 +25,13 @@ A round at node i:
    then (first rounds, a newcomer, a relevant peer turning negative) k = the start k,
    so the node keeps exploring (`scores_settled`, `dynamic_k`).
 
+Behind screening (screening.py) the game is played among the peers screening admits
+only. A peer it keeps out (`kept_out`) has hurt this node's val loss, so the rule counts
+it as scored and not relevant that round: ρ_j ← min(ρ_j, 0). Without that a kept-out
+peer would never be scored, the scores would never settle and k would stay at the start
+k, downloading peers that screening then throws away. Screening off, nobody is kept out
+and the rule is the paper's.
+
 Shared body (paper §5.1): every node publishes its body and its head as two blobs,
 pulls every body and only the top-k heads. Bodies are sample-weighted averaged over
 the mesh; the heads are the players, each one scored on top of that averaged body.
@@ -332,6 +339,7 @@ class PFedSV(PeerAlgorithm):
         self.positive_before: frozenset[str] = frozenset()
         self._offered: list[str] = []  # the scored kind's offers of the current round
         self._selected: list[str] = []
+        self._kept_out: set[str] = set()  # this round's, by screening: scored as irrelevant
         self._round_start: State | None = None  # DP reference: the model a round starts from
         self._dp_update_norm: float | None = None
 
@@ -410,6 +418,8 @@ class PFedSV(PeerAlgorithm):
         player_logits = functools.cache(lambda player: logits_of(players_states[player]))
         game = self._play(round_no, players_states, logits_of, player_logits, data.y_val)
         self._update_relevance(game["shapley"])
+        self._count_as_irrelevant(self._kept_out)
+        self._kept_out = set()  # told afresh before each aggregate; none when not screened
         weights, state = self._combine(game["shapley"], players_states)
         # When the rule itself keeps the own model there is nothing to guard (and no
         # v_aggregate or val_loss_* to record).
@@ -555,6 +565,20 @@ class PFedSV(PeerAlgorithm):
             if peer == self.context.node:
                 continue  # a node never downloads itself: its own score would go unused
             self.relevance[peer] = alpha * self.relevance.get(peer, 0.0) + (1 - alpha) * value
+            self.explored.add(peer)
+
+    def kept_out(self, peers: set[str]) -> None:
+        self._kept_out = set(peers)
+
+    def _count_as_irrelevant(self, peers: Iterable[str]) -> None:
+        """Peers that screening kept out of the game count as scored, with a score of at
+        most 0: averaging their models in hurt this node, so they are not among the
+        peers k counts, and an unscored 0 no longer holds the scores unsettled. A score
+        below 0 stands, so they rank as the game last left them."""
+        for peer in peers:
+            if peer == self.context.node:
+                continue
+            self.relevance[peer] = min(self.relevance.get(peer, 0.0), 0.0)
             self.explored.add(peer)
 
     def _next_k(self) -> int:

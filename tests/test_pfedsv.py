@@ -368,6 +368,42 @@ def test_the_rule_finds_the_relevant_peer_and_shrinks_k_to_it(world):
     assert set(last.diagnostics["shapley"]) == {"me", "good"}
 
 
+def play_screened_round(rule, world, round_no, harmful=("bad1", "bad2", "bad3")):
+    """A round as screening plays it: the harmful peers pulled are kept out of the game,
+    and the rule is told so before it aggregates."""
+    offered = {MODEL: sorted(world.peers)}
+    pulled = rule.wanted(round_no, offered)[MODEL]
+    rule.kept_out({peer for peer in pulled if peer in harmful})
+    received = {
+        MODEL: {peer: PeerModel(world.peers[peer], 100) for peer in pulled if peer not in harmful}
+    }
+    return pulled, rule.aggregate(round_no, PeerModel(world.own, 100), received, world.data)
+
+
+def test_peers_screening_keeps_out_count_as_scored_and_irrelevant_so_k_shrinks(world):
+    """The game never scores a peer screening keeps out; k must still settle on the
+    relevant peers, not stay at the start k and download peers only to throw them away."""
+    rule = make_rule(k=3, k_min=1, k_max=3)
+    history = [play_screened_round(rule, world, round_no) for round_no in range(1, 9)]
+    assert rule.explored == set(world.peers)
+    assert rule.relevance["good"] > 0
+    assert all(rule.relevance[peer] == 0 for peer in ("bad1", "bad2", "bad3"))
+    assert history[-1][1].diagnostics["k"] == 1
+    assert history[-1][0] == ["good"], "settled on the one relevant peer"
+
+
+def test_a_relevant_peer_screening_keeps_out_counts_as_irrelevant_that_round(world):
+    rule = make_rule(k=1, k_max=1)
+    play_round(rule, world, 1)
+    rule.relevance = {"good": 0.4, "bad1": -0.2}
+    rule.kept_out({"good"})
+    rule.aggregate(2, PeerModel(world.own, 100), {MODEL: {}}, world.data)
+    assert rule.relevance == {"good": 0.0, "bad1": -0.2}, "a negative score stands"
+    rule.relevance["good"] = 0.4
+    rule.aggregate(3, PeerModel(world.own, 100), {MODEL: {}}, world.data)
+    assert rule.relevance["good"] == 0.4, "told afresh each round: nothing carries over"
+
+
 def test_the_aggregate_is_the_weighted_average_of_the_snapshot(world):
     rule = make_rule(k=4, k_max=4)
     own_before = {key: value.clone() for key, value in world.own.items()}

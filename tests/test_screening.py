@@ -356,3 +356,23 @@ def test_pfedsv_guards_once_its_val_guard_being_the_screening_guard(world):
     outcome = aggregate(unguarded, world, {"h1": world.honest["h1"], "h2": world.honest["h2"]})
     if outcome.diagnostics["screened_out"].keys() != {"h1", "h2"}:
         assert "adopted" in outcome.diagnostics["screening"]
+
+
+def test_pfedsv_behind_screening_settles_k_on_the_peers_it_admits(world):
+    """The peers screening keeps out never reach pFedSV's game; they must still count
+    as scored (and irrelevant), or k never leaves its start and the node keeps
+    downloading models that screening throws away."""
+    rule = screened(world, "pfedsv")
+    peers = {**{p: s for p, s in world.honest.items() if p != "h0"}, **world.attackers}
+    for round_no in (1, 2):  # five of the six peers, then the rest: all met once
+        wanted = rule.wanted(round_no, {"model": sorted(peers)})["model"]
+        fresh = {  # new models every round, or the second would be a replay
+            peer: {key: value + 1e-6 * round_no for key, value in peers[peer].items()}
+            for peer in wanted
+        }
+        outcome = aggregate(rule, world, fresh, round_no=round_no)
+    assert set(world.attackers) <= set(outcome.diagnostics["screened_out"])
+    assert set(world.attackers) <= rule.explored
+    assert all(rule.relevance[peer] <= 0 for peer in world.attackers)
+    relevant = [peer for peer, score in rule.relevance.items() if score > 0]
+    assert 1 <= outcome.diagnostics["k_next"] == len(relevant) < 5
