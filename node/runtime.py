@@ -190,8 +190,6 @@ class Node:
         # among its nodes (node/host.py); a node alone in its process needs none.
         self.cpu: AbstractContextManager[Any] = contextlib.nullcontext()
         self._suspects: set[str] = set()  # peers whose input made the rule raise last round
-        if self.cfg.topology.select == "benefit":  # a bounded view turns away whom it shuns
-            endpoint.shuns = algorithm.shuns
 
     @property
     def identity(self) -> Identity:
@@ -683,6 +681,8 @@ def build_node(options: NodeOptions, role: type[Node] = Node) -> Node:
         checkpoint_path=options.out_dir / "checkpoint.pt",
     )
     endpoint.status_extra = node.status_extra
+    if cfg.topology.select == "benefit":  # a bounded view turns away whom the rule shuns
+        endpoint.shuns = algorithm.shuns
     return node
 
 

@@ -900,8 +900,10 @@ class Endpoint:
         known = self.table.get(public_key)
         if known is not None and known.address == address:
             return True
-        if known is None and self._view_is_full():
-            self.flow_rejections[VIEW_FULL] += 1
+        if known is None and (
+            self._view_is_full() or (self.views is not None and self.shuns(str(name)))
+        ):
+            self.flow_rejections[VIEW_FULL] += 1  # no room, or none for a peer it shuns
             return False
         # New here: it will be dialled, so it counts as unreached, whoever it is.
         self._make_room(public_key)
@@ -1184,7 +1186,11 @@ class Endpoint:
                     # The answering node's neighbours, as it named them.
                     self.passive.add(Candidate(key, address, name=name, via=message.sender))
             elif message.body.get("linked", True):
-                if self._take_in(message, name, address):
+                if self.views is not None and self.shuns(name):
+                    # A contact we knew by address alone, and shun by name.
+                    self._send(address, "unlink", {}, once=True, key=key)
+                    self._release(address)
+                elif self._take_in(message, name, address):
                     self._keep_card(key, message.body.get("card"), address)
                 elif self._view_is_full():
                     # Others took its place while our hello was on its way: it linked

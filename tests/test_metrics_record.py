@@ -133,6 +133,8 @@ def test_a_run_reports_the_scores_of_its_rule_only():
 def test_the_table_rows_keep_the_order_of_the_registry_and_name_each_score_once():
     rows = list(measures.score_rows())
     assert rows == [
+        "neighbours_own_cluster_first",  # every rule's, in a bounded mesh
+        "neighbours_own_cluster_last",
         "ari",
         "own_group_share_ccp",
         "own_group_share_lowest",

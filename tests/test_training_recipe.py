@@ -51,6 +51,7 @@ NOT_TRAINING = {
     "encrypt",
     "coordinator",
     "attack",
+    "topology",  # whom a node learns from, not how it trains
     "peers",
 }
 
