@@ -1186,17 +1186,14 @@ class Endpoint:
                     # The answering node's neighbours, as it named them.
                     self.passive.add(Candidate(key, address, name=name, via=message.sender))
             elif message.body.get("linked", True):
-                if self.views is not None and self.shuns(name):
-                    # A contact we knew by address alone, and shun by name.
-                    self._send(address, "unlink", {}, once=True, key=key)
-                    self._release(address)
-                elif self._take_in(message, name, address):
+                if self._take_in(message, name, address):
                     self._keep_card(key, message.body.get("card"), address)
-                elif self._view_is_full():
-                    # Others took its place while our hello was on its way: it linked
-                    # us, so it must hear that we did not link it (or it waits for us).
+                else:
+                    # It linked us, but we cannot take it (no room left, or a node we
+                    # shun by name, known before by address alone): it must hear so.
                     self._send(address, "unlink", {}, once=True, key=key)
-                    self.passive.add(Candidate(key, address, name=name))
+                    if not self.shuns(name):
+                        self.passive.add(Candidate(key, address, name=name))
             elif self.table.get(key) is None:
                 card = self._own_card(key, message.body.get("card"), address)
                 self.passive.add(Candidate(key, address, card, name))
