@@ -2,10 +2,12 @@
 
 Each round a node rates the neighbours it began the round with by what they did for it
 (the rule's `benefits`: screening's evidence records, which add up over rounds, or else
-the rule's own weights); a neighbour whose model the rule did not take in did nothing.
-The node drops every neighbour it shuns (a record of clear harm, or a rule's own
-verdict), and when its view is full and it shuns none: two that did nothing, else, in
-one round of EXPLORE_EVERY (drawn at random), the one that did least.
+the rule's own weights); a neighbour whose model the rule did not take in did nothing
+this round. The node drops every neighbour it shuns (a record of clear harm, or a
+rule's own verdict), and when its view is full and it shuns none: two that did nothing
+(those with the worst record first: an attacker whose first measurement fell short of
+clear harm goes before an honest peer that was late), else, in one round of
+EXPLORE_EVERY (drawn at random), the one that did least.
 The endpoint then greets as many candidates from its passive view, so exploring never
 stops: a node recovers from a bad start, and newcomers get tried (PENS, Onoszko et al.
 2021). With `random` a random neighbour is dropped instead: gossip learning, the
@@ -14,24 +16,18 @@ baseline to beat: nothing is shunned, and candidates are drawn at random.
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Collection, Mapping
 
-NOTHING = -math.inf  # the benefit of a neighbour whose model the rule did not take in
 MOST_DROPPED = 2  # neighbours that did nothing dropped after one round
 # A node whose neighbours all help still drops the one that helps least, one round in
 # this many: often enough to find better ones, seldom enough to keep good ones.
 EXPLORE_EVERY = 3
 
 
-def rated(benefits: Mapping[str, float], taken_in: Collection[str]) -> dict[str, float]:
-    """The benefits, with NOTHING for the neighbours whose model was not taken in."""
-    return {peer: value if peer in taken_in else NOTHING for peer, value in benefits.items()}
-
-
 def neighbours_to_drop(
     benefit: Mapping[str, float],
+    taken_in: Collection[str],
     shunned: Collection[str],
     select: str,
     rng: random.Random,
@@ -39,14 +35,15 @@ def neighbours_to_drop(
 ) -> list[str]:
     """The neighbours to drop: every one `shunned`, else (when `explore`: the view is
     full) by `select` among the rated ones, given each one's `benefit` (higher is
-    better): up to MOST_DROPPED that did NOTHING, else now and then the least useful."""
+    better) and whose model the rule `taken_in`: up to MOST_DROPPED of the others, else
+    now and then the least useful."""
     if shunned or not explore or not benefit:
         return sorted(shunned)
     if select == "random":
         return [rng.choice(sorted(benefit))]
     # Ties (a round that told neighbours apart by nothing) are broken at random.
-    ranked = sorted(benefit, key=lambda peer: (benefit[peer], rng.random()))
-    idle = [peer for peer in ranked if benefit[peer] == NOTHING][:MOST_DROPPED]
+    ranked = sorted(benefit, key=lambda peer: (peer in taken_in, benefit[peer], rng.random()))
+    idle = [peer for peer in ranked if peer not in taken_in][:MOST_DROPPED]
     if idle:
         return idle
     return ranked[:1] if rng.random() < 1 / EXPLORE_EVERY else []

@@ -42,7 +42,7 @@ from .checkpoint import MetricsLog, load_checkpoint, save_checkpoint, write_atom
 from .containment import run_contained
 from .metrics import RoundRecord
 from .models import body_keys, build_model, head_keys, model_schema
-from .neighbours import neighbours_to_drop, rated
+from .neighbours import neighbours_to_drop
 from .splits import NodeData, load_node_data
 from .trainer import (
     TrainRecipe,
@@ -459,10 +459,11 @@ class Node:
         current = {peer.name: peer.public_key for peer in self.endpoint.alive_peers()}
         shunned = {name for name in current if self.endpoint.shuns(name)}
         still = [name for name in began_with if name in current]
-        benefit = rated(self.algorithm.benefits(still, weights), taken_in=weights)
+        benefit = self.algorithm.benefits(still, weights)
         explore = len(current) >= views.neighbours and self.endpoint.passive_size() > 0
         rng = random.Random(draw_seed(self.cfg.seed, self.options.name, round_no, "neighbours"))
-        dropped = neighbours_to_drop(benefit, shunned, self.cfg.topology.select, rng, explore)
+        select = self.cfg.topology.select
+        dropped = neighbours_to_drop(benefit, weights, shunned, select, rng, explore)
         for name in dropped:
             self.endpoint.unlink(current[name])
         return dropped

@@ -66,10 +66,15 @@ def test_honest_nodes_drop_an_attacker_and_keep_it_out(tmp_path):
     histories = {name: records(tmp_path / "run", name) for name in honest}
     for name, history in histories.items():
         met = [record["round"] for record in history if "node9" in record["neighbours"]]
-        # At most two rounds in all: one measurement of its model may fall short of
-        # clear harm (then it is only dropped, and may come back once); two never do,
-        # and from then on its record keeps it out.
-        assert len(met) <= 2, f"{name} had the attacker as a neighbour in rounds {met}"
+        measured = [r["round"] for r in history if "node9" in r["diagnostics"].get("evidence", {})]
+        # Measured at most twice: one measurement may fall short of clear harm (then the
+        # attacker is only dropped first, and may come back once); two never do, and
+        # from then on its record keeps it out on every way in. (A round in which its
+        # model came too late to be measured costs a place in the view, never weight.)
+        assert len(measured) <= 2, f"{name} measured the attacker in rounds {measured}"
+        if len(measured) == 2:
+            back = [round_no for round_no in met if round_no > measured[1]]
+            assert not back, f"{name} took the attacker back in rounds {back}"
         assert all("node9" not in record["weights"] for record in history)
     assert any(
         "node9" in record["neighbours"] for history in histories.values() for record in history

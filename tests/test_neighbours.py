@@ -4,45 +4,65 @@ from __future__ import annotations
 
 import random
 
-from meshfl.node.neighbours import EXPLORE_EVERY, NOTHING, neighbours_to_drop, rated
+from meshfl.node.neighbours import EXPLORE_EVERY, neighbours_to_drop
 
 
 def test_benefit_now_and_then_drops_the_neighbour_that_did_least():
     benefit = {"a": 0.5, "b": -0.2, "c": 1.0}
-    drops = [neighbours_to_drop(benefit, set(), "benefit", random.Random(s)) for s in range(300)]
+    drops = [
+        neighbours_to_drop(benefit, benefit, set(), "benefit", random.Random(s)) for s in range(300)
+    ]
     assert {tuple(dropped) for dropped in drops} == {(), ("b",)}
     assert abs(sum(bool(dropped) for dropped in drops) / 300 - 1 / EXPLORE_EVERY) < 0.1
 
 
 def test_every_shunned_neighbour_is_dropped_and_none_besides():
     benefit = {"a": 0.5, "b": -3.5, "c": -5.0}
-    dropped = neighbours_to_drop(benefit, {"b", "c", "x"}, "benefit", random.Random(0))
+    dropped = neighbours_to_drop(benefit, benefit, {"b", "c", "x"}, "benefit", random.Random(0))
     assert dropped == ["b", "c", "x"]  # x: linked during the round, shunned already
 
 
 def test_neighbours_that_did_nothing_go_first_two_at_a_time():
-    benefit = rated({"a": 0.5, "b": 0.0, "c": 0.0, "d": 0.0}, taken_in={"a", "b"})
-    assert benefit["c"] == benefit["d"] == NOTHING
-    assert sorted(neighbours_to_drop(benefit, set(), "benefit", random.Random(0))) == ["c", "d"]
+    benefit = {"a": 0.5, "b": -0.9, "c": 0.0, "d": 0.0}
+    dropped = neighbours_to_drop(benefit, {"a", "b"}, set(), "benefit", random.Random(0))
+    assert sorted(dropped) == ["c", "d"]
+
+
+def test_of_those_that_did_nothing_the_worst_record_goes_first():
+    # Round 1: nobody taken in; the attacker's first measurement fell short of a shun.
+    benefit = {"honest": -0.3, "late": 0.0, "attacker": -2.9, "other": 0.8}
+    for seed in range(20):
+        dropped = neighbours_to_drop(benefit, (), set(), "benefit", random.Random(seed))
+        assert dropped == ["attacker", "honest"]
 
 
 def test_a_view_not_full_drops_only_shunned_neighbours():
     benefit = {"a": 0.5, "b": -0.2, "c": -4.0}
-    assert neighbours_to_drop(benefit, set(), "benefit", random.Random(0), explore=False) == []
-    assert neighbours_to_drop(benefit, {"c"}, "random", random.Random(0), explore=False) == ["c"]
+    assert (
+        neighbours_to_drop(benefit, benefit, set(), "benefit", random.Random(0), explore=False)
+        == []
+    )
+    assert neighbours_to_drop(
+        benefit, benefit, {"c"}, "random", random.Random(0), explore=False
+    ) == ["c"]
 
 
 def test_ties_are_broken_at_random_not_by_name():
-    benefit = rated({name: 0.0 for name in "abcdef"}, taken_in=())
-    drawn = {neighbours_to_drop(benefit, set(), "benefit", random.Random(s))[0] for s in range(40)}
+    benefit = {name: 0.0 for name in "abcdef"}
+    drawn = {
+        neighbours_to_drop(benefit, (), set(), "benefit", random.Random(s))[0] for s in range(40)
+    }
     assert len(drawn) > 3
 
 
 def test_random_drops_one_whatever_the_benefit():
     benefit = {"a": 9.0, "b": -9.0, "c": 0.0}
-    drawn = {neighbours_to_drop(benefit, set(), "random", random.Random(s))[0] for s in range(40)}
+    drawn = {
+        neighbours_to_drop(benefit, benefit, set(), "random", random.Random(s))[0]
+        for s in range(40)
+    }
     assert drawn == {"a", "b", "c"}
 
 
 def test_nobody_rated_nobody_dropped():
-    assert neighbours_to_drop({}, set(), "benefit", random.Random(0)) == []
+    assert neighbours_to_drop({}, (), set(), "benefit", random.Random(0)) == []
