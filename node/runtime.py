@@ -454,8 +454,8 @@ class Node:
         (`topology.select`, node/neighbours.py); the endpoint greets candidates in their
         place. Without a candidate to try instead, only shunned ones are dropped."""
         views = self.endpoint.views
-        if views is None:
-            return []
+        if views is None or round_no >= self.cfg.rounds:
+            return []  # after the last round there is nothing left to explore for
         current = {peer.name: peer.public_key for peer in self.endpoint.alive_peers()}
         shunned = {name for name in current if self.endpoint.shuns(name)}
         still = [name for name in began_with if name in current]
@@ -630,6 +630,7 @@ class Node:
         """Keep serving our last blob until every live peer is past the final round, so
         a slower peer is not left waiting for it."""
         self.endpoint.set_round(self.cfg.rounds + 1)
+        self.endpoint.finish()
         deadline = time.monotonic() + self.cfg.round_timeout
         while time.monotonic() < deadline:
             if all(peer.round > self.cfg.rounds for peer in self.endpoint.alive_peers()):

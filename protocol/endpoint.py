@@ -290,6 +290,9 @@ class Endpoint:
         # Shuffles of ours awaiting an answer: partner -> the keys of the cards we sent.
         self._shuffles_out: OrderedDict[bytes, tuple[bytes, ...]] = OrderedDict()
         self._next_shuffle = 0.0
+        # Set once the node has done its last round: it keeps the neighbours it has, to
+        # serve them its last blob, and takes in and looks for no others.
+        self._finished = False
         # Whether the node wants no link with the peer of this name (its record shows
         # clear harm): called on the worker thread, so it must only read.
         self.shuns: Callable[[str], bool] = lambda name: False
@@ -443,7 +446,7 @@ class Endpoint:
 
     def unlink(self, public_key: bytes) -> None:
         """Drop a neighbour of a bounded mesh: it is told (`unlink`), and another
-        candidate is greeted in its place at the next heartbeat tick."""
+        candidate is greeted in its place."""
         with self._lock:
             entry = self.table.get(public_key)
             if self.views is None or entry is None:
@@ -451,10 +454,24 @@ class Endpoint:
             self._send(entry.address, "unlink", {})
             self._cards.pop(public_key, None)
             self._forget(entry, drain=True)
+            # Greeted now rather than at the next tick: the round waits for the view.
+            replacements = self._greet_candidates()
+        for address, wants_peers in replacements:
+            self._say_hello(address, wants_peers)
 
     def passive_size(self) -> int:
         with self._lock:
             return len(self.passive)
+
+    def finish(self) -> None:
+        """The node has done its last round (`set_round` past it): every live peer hears
+        so now, not a heartbeat period from now, so that none lingers for it; a bounded
+        view keeps the neighbours it has and looks for no others (WIRE.md 7.7)."""
+        with self._lock:
+            self._finished = True
+            targets = [entry.address for entry in self.table.alive()]
+        for address in targets:
+            self._send(address, "heartbeat", self._hello_body())
 
     def wait_for_peers(self, count: int, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -800,6 +817,8 @@ class Endpoint:
         """Candidates to greet now: as many as the view lacks neighbours, less the ones
         greeted already and not answered yet."""
         assert self.views is not None
+        if self._finished:
+            return []
         greeting = sum(not self.table.at(address) for address in self._hellos_out)
         short = self.views.neighbours - self._links() - greeting
         if short <= 0:
@@ -901,9 +920,11 @@ class Endpoint:
         if known is not None and known.address == address:
             return True
         if known is None and (
-            self._view_is_full() or (self.views is not None and self.shuns(str(name)))
+            self._view_is_full()
+            or (self.views is not None and (self._finished or self.shuns(str(name))))
         ):
-            self.flow_rejections[VIEW_FULL] += 1  # no room, or none for a peer it shuns
+            # No room, or none for a peer it shuns, or for anyone once it is done.
+            self.flow_rejections[VIEW_FULL] += 1
             return False
         # New here: it will be dialled, so it counts as unreached, whoever it is.
         self._make_room(public_key)

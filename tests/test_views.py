@@ -162,6 +162,28 @@ def test_an_unlinked_neighbour_is_replaced_and_told(mesh):
     assert poll_until(lambda: len(neighbours(node)) >= SMALL_VIEWS.neighbours, 10)
 
 
+def test_a_finished_node_is_heard_at_once_and_keeps_the_neighbours_it_has(mesh):
+    # Heartbeats 1 s apart, one shuffle in 0.3 s: a round every neighbour heard within
+    # 0.2 s was told by finish.
+    endpoints = mesh(8, through_first, heartbeat_interval=1.0, peer_timeout=5.0)
+    assert poll_until(lambda: views_settled(endpoints))
+    node = endpoints[3]
+    kept = neighbours(node)
+    others = [e for e in endpoints if e.identity.public_key in kept]
+    node.set_round(7)
+    node.finish()
+    me = node.identity.public_key
+    assert poll_until(lambda: all(e.table.get(me).round == 7 for e in others), 0.2)
+    # Its neighbours stay (it serves them its last blob); it looks for no others, and
+    # turns newcomers away.
+    node.unlink(next(iter(kept)))
+    late = mesh(1, lambda _: [node.contact])[-1]
+    time.sleep(1.0)
+    assert late.identity.public_key not in node.table.entries
+    assert neighbours(node) <= kept and len(neighbours(node)) == len(kept) - 1
+    assert node.flow_rejections["view_full"] > 0
+
+
 # --- hostile cards and shuffles ---------------------------------------------------
 
 
