@@ -1219,6 +1219,10 @@ class Endpoint:
                 card = self._own_card(key, message.body.get("card"), address)
                 self.passive.add(Candidate(key, address, card, name))
                 self._release(address)
+                # Turned away: the next candidate is greeted now, not a tick from now
+                # (a mesh starting together fills its views in a few round trips).
+                for again, wants_peers in self._greet_candidates():
+                    self._say_hello(again, wants_peers)
         self._joined.set()
 
     def _on_refuse(self, message: Message) -> None:
