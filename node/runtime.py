@@ -189,6 +189,7 @@ class Node:
         # Held for CPU work (training, aggregation, evaluation): a node host shares one
         # among its nodes (node/host.py); a node alone in its process needs none.
         self.cpu: AbstractContextManager[Any] = contextlib.nullcontext()
+        self._last_neighbours: set[str] = set()  # when the last round began (bounded mesh)
         self._suspects: set[str] = set()  # peers whose input made the rule raise last round
 
     @property
@@ -440,11 +441,19 @@ class Node:
                 n_train=len(self.data.y_train),
                 attacker=self.attack.active,
                 neighbours=sorted(neighbours.values()) if self.endpoint.views else None,
+                tried=self._tried(neighbours.values()) if self.endpoint.views else None,
                 dropped=dropped if self.endpoint.views else None,
                 connections=after["connections"],
             ).to_json()
         )
         self._save(round_no)
+
+    def _tried(self, neighbours: Collection[str]) -> list[str]:
+        """The neighbours this round tries: those that were not neighbours when the last
+        round began (every one, in a node's first round here)."""
+        tried = sorted(set(neighbours) - self._last_neighbours)
+        self._last_neighbours = set(neighbours)
+        return tried
 
     def _drop_neighbours(
         self, round_no: int, began_with: Collection[str], weights: Mapping[str, float]

@@ -3,6 +3,8 @@ changes them by what they do for it (WIRE.md 7.7, node/neighbours.py)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from tests.nodes import meshfl, records, write_config
@@ -39,13 +41,20 @@ def test_each_node_learns_from_a_bounded_changing_set_of_neighbours(tmp_path):
     drops = explorers = 0
     for i in range(NODES):
         history = records(tmp_path / "run", f"node{i}")
-        assert [record["round"] for record in history] == [1, 2, 3, 4, 5, 6]
+        rounds = [record["round"] for record in history]
+        # A node whose neighbours were found last may join at their round: a mesh of
+        # bounded views starts together only as far as each node's neighbours.
+        assert rounds == list(range(rounds[0], 7)) and len(rounds) >= 3, rounds
         for record in history:
             assert 1 <= len(record["neighbours"]) <= MOST
             assert len(record["received"]) <= MOST
             assert record["connections"] <= MOST + 2  # a link in the making, one going
         later = set().union(*(record["neighbours"] for record in history[1:]))
         explorers += bool(later - set(history[0]["neighbours"]))
+        assert history[0]["tried"] == history[0]["neighbours"]
+        for before, record in itertools.pairwise(history):
+            new = set(record["neighbours"]) - set(before["neighbours"])
+            assert record["tried"] == sorted(new)
         drops += sum(len(record["dropped"]) for record in history)
     # Exploring never stops: full views drop one neighbour in a few rounds, and another
     # is tried in its place.
