@@ -81,8 +81,9 @@ def write_peers(path: Path, root: Path | None = None) -> cfgmod.MeshConfig:
     """peers.yaml of the named hosts; with `root`, each host's key is made in its own
     folder first and its public key listed, as on real machines: the mesh encrypts, and
     a node dials another only with its key (WIRE.md 1.1)."""
+    # Rounds of at least half a second: the joiner must find the mesh still running.
     peers = [
-        {"name": name, "listen": f"tcp://{lan_address(index)}:{PORT}"}
+        {"name": name, "listen": f"tcp://{lan_address(index)}:{PORT}", "train_delay": 0.5}
         for index, name in enumerate(NAMED)
     ]
     if root is not None:

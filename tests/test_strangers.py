@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import pytest
+import yaml
 import zmq
 
 from meshfl.protocol.endpoint import Endpoint, EndpointSettings
@@ -175,7 +176,11 @@ def test_handshake_abuse_then_a_copied_model_leaves_the_node_answering(context, 
 def test_a_mesh_a_stranger_attacks_finishes_every_round_and_answers_status(tmp_path, context):
     config = tmp_path / "peers.yaml"
     rounds = 12
-    write_config(config, 3, rounds=rounds, round_timeout=20.0)
+    settings = write_config(config, 3, rounds=rounds, round_timeout=20.0)
+    # Rounds of at least a second: the mesh must still run when the attacks are over.
+    for peer in settings["peers"]:
+        peer["train_delay"] = 1.0
+    config.write_text(yaml.safe_dump(settings))
     nodes = [start_node(config, f"node{i}", tmp_path) for i in range(3)]
     try:
         info = tmp_path / "node0" / "info.json"
