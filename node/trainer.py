@@ -91,7 +91,8 @@ class Optimizer:
         self.params: list[torch.Tensor] = [param for param in params if param.requires_grad]
         self._momentum_buffers: list[torch.Tensor | None] = [None] * len(self.params)
         self._adam_moments = [
-            (torch.zeros_like(p), torch.zeros_like(p), torch.tensor(0.0)) for p in self.params
+            (torch.zeros_like(p), torch.zeros_like(p), torch.tensor(0.0))
+            for p in (self.params if name == "adam" else ())
         ]
 
     def zero_grad(self) -> None:
