@@ -454,10 +454,8 @@ class Endpoint:
             self._send(entry.address, "unlink", {})
             self._cards.pop(public_key, None)
             self._forget(entry, drain=True)
-            # Greeted now rather than at the next tick: the round waits for the view.
-            replacements = self._greet_candidates()
-        for address, wants_peers in replacements:
-            self._say_hello(address, wants_peers)
+            self.passive.discard(public_key)  # not the candidate greeted in its place
+            self._fill_view()  # now, not at the next tick: the round waits for the view
 
     def passive_size(self) -> int:
         with self._lock:
@@ -470,8 +468,7 @@ class Endpoint:
         with self._lock:
             self._finished = True
             targets = [entry.address for entry in self.table.alive()]
-        for address in targets:
-            self._send(address, "heartbeat", self._hello_body())
+        self._heartbeat(targets, time.monotonic())
 
     def wait_for_peers(self, count: int, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -805,13 +802,22 @@ class Endpoint:
             ]
             self._changes += 1
             self._changed.notify_all()
-        for address in targets:
-            self._last_beat[address] = now
-            self._send(address, "heartbeat", self._hello_body())
+        self._heartbeat(targets, now)
         for address, wants_peers in again:
             self._say_hello(address, wants_peers)
         if self.views is not None and shuffle is not None:
             self._send(*shuffle)
+
+    def _heartbeat(self, addresses: list[str], now: float) -> None:
+        body = self._hello_body()
+        for address in addresses:
+            self._last_beat[address] = now
+            self._send(address, "heartbeat", body)
+
+    def _fill_view(self) -> None:
+        """Greet now the candidates a bounded view lacks (`_greet_candidates`)."""
+        for address, wants_peers in self._greet_candidates():
+            self._say_hello(address, wants_peers)
 
     def _greet_candidates(self) -> list[tuple[str, bool]]:
         """Candidates to greet now: as many as the view lacks neighbours, less the ones
@@ -1221,8 +1227,7 @@ class Endpoint:
                 self._release(address)
                 # Turned away: the next candidate is greeted now, not a tick from now
                 # (a mesh starting together fills its views in a few round trips).
-                for again, wants_peers in self._greet_candidates():
-                    self._say_hello(again, wants_peers)
+                self._fill_view()
         self._joined.set()
 
     def _on_refuse(self, message: Message) -> None:
