@@ -114,7 +114,9 @@ class EndpointSettings:
     fetch_timeout: float = 30.0  # an unanswered fetch frees its in-flight slot after this
     allowlist: frozenset[bytes] | None = None  # closed mesh: the only keys allowed
     encrypt: bool = True  # ZeroMQ CURVE on every connection; off only for measurements
-    status_per_second: int = 10  # status answers; each one to a stranger costs a connection
+    # Status answers, and unlinks answering heartbeats of non-neighbours, a second (each
+    # one to a stranger costs a connection).
+    status_per_second: int = 10
     max_peers: int = 1024  # entries in the peer table, whatever their state
     # Peers not yet reached (no handshake with a node at their address) at any one time:
     # each costs a connection attempt, and a stranger can name any number of them.
@@ -258,6 +260,7 @@ class Endpoint:
         # thread, so it must be quick and thread-safe.
         self.status_extra: Callable[[], dict[str, Any]] | None = None
         self._status_answers = _RateLimit(settings.status_per_second)
+        self._unlink_answers = _RateLimit(settings.status_per_second)
         self._started = time.monotonic()
         self._fetches = _Fetches(settings.max_inflight, settings.fetch_timeout)
         self._inboxes: dict[str, queue.Queue[Message]] = defaultdict(queue.Queue)
@@ -1236,13 +1239,20 @@ class Endpoint:
             self._joined.set()
 
     def _on_heartbeat(self, message: Message) -> None:
-        if self.table.heard_from(message.sender, message.round) is None:
-            name, address = message.body.get("name"), message.body.get("addr")
-            if isinstance(address, str):  # a valid address: the decoder checked it
-                if not self._take_in(message, name, address) and self._view_is_full():
-                    # A node that takes us for its neighbour (our unlink was lost, or we
-                    # took it for dead): say once more that it is not.
-                    self._send(address, "unlink", {}, once=True, key=message.sender)
+        if self.table.heard_from(message.sender, message.round) is not None:
+            return
+        name, address = message.body.get("name"), message.body.get("addr")
+        if not isinstance(address, str):  # the decoder checked any address it carries
+            return
+        if self.views is None:
+            self._take_in(message, name, address)  # a full mesh learns members so (7.1)
+            return
+        # A bounded view links by hello alone. This node takes us for its neighbour: our
+        # unlink crossed its heartbeat or was lost, or we took it for dead. It must hear
+        # that we are not, or it would wait on us every round (WIRE.md 7.7).
+        self.flow_rejections[NOT_LINKED] += 1
+        if self._unlink_answers.allow():  # each costs a connection to a named address
+            self._send(address, "unlink", {}, once=True, key=message.sender)
 
     def _on_bye(self, message: Message) -> None:
         entry = self.table.mark_left(message.sender)

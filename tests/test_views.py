@@ -168,8 +168,8 @@ def test_a_finished_node_is_heard_at_once_and_keeps_the_neighbours_it_has(mesh):
     endpoints = mesh(8, through_first, heartbeat_interval=1.0, peer_timeout=5.0)
     assert poll_until(lambda: views_settled(endpoints))
     node = endpoints[3]
-    kept = neighbours(node)
-    others = [e for e in endpoints if e.identity.public_key in kept]
+    kept = set(node.table.entries)  # its neighbours, and any it is still dialling
+    others = [e for e in endpoints if e.identity.public_key in neighbours(node)]
     node.set_round(7)
     node.finish()
     me = node.identity.public_key
@@ -180,7 +180,7 @@ def test_a_finished_node_is_heard_at_once_and_keeps_the_neighbours_it_has(mesh):
     late = mesh(1, lambda _: [node.contact])[-1]
     time.sleep(1.0)
     assert late.identity.public_key not in node.table.entries
-    assert neighbours(node) <= kept and len(neighbours(node)) == len(kept) - 1
+    assert set(node.table.entries) <= kept and len(node.table.entries) == len(kept) - 1
     assert node.flow_rejections["view_full"] > 0
 
 
@@ -247,6 +247,20 @@ def test_shuffles_from_strangers_and_answers_nobody_asked_for_are_dropped(contex
         5,
     )
     assert len(node.passive) == 0
+
+
+def test_a_heartbeat_never_links_and_a_dropped_neighbours_is_answered_with_unlink(
+    context, node
+):
+    # The node has room, yet a heartbeat is not a hello: a neighbour just dropped whose
+    # heartbeat crossed our unlink must not come back by it, nor a stranger get in so.
+    peer = linked_raw_peer(context, node)
+    node.unlink(peer.public_key)
+    peer.expect("unlink", 5)
+    peer.send(peer.frames("heartbeat", {"name": peer.name, "addr": peer.address}))
+    peer.expect("unlink", 5)
+    assert peer.public_key not in node.table.entries
+    assert node.flow_rejections["not_linked"] == 1
 
 
 def test_an_oversized_shuffle_is_refused_at_decoding(context, node):
