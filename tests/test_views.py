@@ -249,9 +249,7 @@ def test_shuffles_from_strangers_and_answers_nobody_asked_for_are_dropped(contex
     assert len(node.passive) == 0
 
 
-def test_a_heartbeat_never_links_and_a_dropped_neighbours_is_answered_with_unlink(
-    context, node
-):
+def test_a_heartbeat_never_links_and_a_dropped_neighbours_is_answered_with_unlink(context, node):
     # The node has room, yet a heartbeat is not a hello: a neighbour just dropped whose
     # heartbeat crossed our unlink must not come back by it, nor a stranger get in so.
     peer = linked_raw_peer(context, node)
