@@ -16,6 +16,7 @@ node's peer list names its key.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from meshfl.node import config as cfgmod
@@ -35,9 +36,16 @@ def _known_key(peer: cfgmod.PeerConfig | None, path: Path) -> bytes | None:
     if peer is not None and peer.public_key:
         return bytes.fromhex(peer.public_key)
     try:
-        return Identity.load(path).public_key if path.is_file() else None
+        return _public_key_in(path)
     except KeyFileError:
-        return None  # unreadable here: the node learns the key from the mesh instead
+        return None  # none yet, or unreadable here: the node learns it from the mesh
+
+
+@functools.lru_cache(maxsize=65536)
+def _public_key_in(path: Path) -> bytes:
+    """The public key of a key file, read once in a process: key files are never
+    rewritten, and each node of a host lists every peer."""
+    return Identity.load(path).public_key
 
 
 def _contact_or_address(address: str, public_key: bytes | None) -> str:

@@ -650,6 +650,7 @@ class Endpoint:
         for entry in self.alive_peers():
             self._send(entry.address, "bye", {})
         self._stopping.set()
+        self.transport.wake_reader()
         if self._worker.is_alive():
             self._worker.join(timeout=5)
         self.transport.close()
@@ -750,11 +751,14 @@ class Endpoint:
                     log.exception("%s: unexpected error in the mesh worker", self.settings.name)
 
     def _work_once(self, next_beat: float) -> float:
-        """Handle what arrived (or wait a moment), and beat when it is time; returns when
-        to beat next."""
+        """Handle what arrived, and beat when it is time; returns when to beat next. It
+        sleeps until a message, a wake-up or the beat: a host's hundreds of idle workers
+        must not each poll for the GIL."""
         try:
-            received = self.transport.inbox.get(timeout=0.05)
+            received = self.transport.inbox.get(timeout=max(next_beat - time.monotonic(), 0))
         except queue.Empty:
+            received = None
+        if received is None:
             self._read_up_to = time.monotonic()
         else:
             self._read_up_to = received.arrived
@@ -793,13 +797,16 @@ class Endpoint:
                 again += self._greet_candidates()
                 shuffle = self._shuffle_due(now)
             period = self.settings.heartbeat_interval * self.table.stretch()
+            # Silent for a period, give or take half a tick: the last tick's heartbeat
+            # left (and was timed) a moment after that tick.
+            quiet = period - self.settings.heartbeat_interval / 2
             anyway = BEAT_ANYWAY_PERIODS
             targets = [
                 entry.address
                 for entry in self.table.entries.values()
                 if entry.state != LEFT
                 and (
-                    now - last_sent.get(entry.address, -period) >= period
+                    now - last_sent.get(entry.address, -period) >= quiet
                     or now - self._last_beat.get(entry.address, -period) >= anyway * period
                 )
             ]

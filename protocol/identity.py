@@ -47,10 +47,17 @@ def node_id(public_key: bytes) -> str:
 def verify(public_key: bytes, signature: bytes, data: bytes) -> bool:
     """True when `signature` is `public_key`'s Ed25519 signature of `data`."""
     try:
-        Ed25519PublicKey.from_public_bytes(public_key).verify(signature, data)
+        _verifier(public_key).verify(signature, data)
     except (InvalidSignature, ValueError):
         return False
     return True
+
+
+@functools.lru_cache(maxsize=8192)
+def _verifier(public_key: bytes) -> Ed25519PublicKey:
+    """The key, loaded once: a node verifies its few neighbours' every message. Bytes
+    that are no key raise ValueError, and are not kept."""
+    return Ed25519PublicKey.from_public_bytes(public_key)
 
 
 @functools.lru_cache(maxsize=8192)
@@ -75,6 +82,7 @@ class BadPublicKey(ValueError):
     """Bytes that are not an Ed25519 public key with a Curve25519 counterpart."""
 
 
+@functools.lru_cache(maxsize=8192)  # a field inversion, asked for every message sent
 def curve_public_key(public_key: bytes) -> bytes:
     """The X25519 (CURVE) public key bound to an Ed25519 public key: the Montgomery u of
     the same point, u = (1 + y) / (1 - y) mod 2^255 - 19 (RFC 7748, section 4.1), as 32

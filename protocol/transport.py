@@ -225,7 +225,9 @@ class Transport:
         self.screen = screen
         self.options = options
         self.encryption = encryption
-        self.inbox: queue.Queue[Received] = queue.Queue(options.receive_queue)
+        # What arrived, in order; None only wakes the reader (a new address reached,
+        # or `wake_reader`), so that it can block until there is something to do.
+        self.inbox: queue.Queue[Received | None] = queue.Queue(options.receive_queue)
         self.bytes_out = 0
         self.bytes_in = 0
         # What left, counted when ZeroMQ took it (not when it was queued here): messages
@@ -249,6 +251,9 @@ class Transport:
         self._closing = threading.Event()
         self._outbox: queue.Queue[_Outgoing | None] = queue.Queue()  # None: stop
         self._wake_read, self._wake_write = os.pipe()
+        # Whether the I/O thread has a wake-up byte it has not read yet: the senders of a
+        # burst (a round's announces, a tick's heartbeats) write one between them.
+        self._wake_pending = False
         # Non-blocking: a full pipe already means "wake up", so a lost byte is harmless.
         os.set_blocking(self._wake_write, False)
         self._context = zmq.Context()
@@ -329,9 +334,20 @@ class Transport:
         self._wake()
 
     def _wake(self) -> None:
+        if self._wake_pending:
+            return
+        self._wake_pending = True
         try:
             os.write(self._wake_write, b"x")
         except BlockingIOError:
+            pass
+
+    def wake_reader(self) -> None:
+        """Wake whoever waits on the inbox; safe from any thread. A full inbox wakes its
+        reader anyway."""
+        try:
+            self.inbox.put_nowait(None)
+        except queue.Full:
             pass
 
     def forget(self, address: str, drain: bool = False) -> None:
@@ -361,6 +377,8 @@ class Transport:
                 events = dict(self._poller.poll())
                 if self._wake_read in events:
                     os.read(self._wake_read, 65536)
+                    # Before the outbox is read: what is queued after this wakes us anew.
+                    self._wake_pending = False
                     if not self._drain_outbox():
                         return
                 if self._zap is not None and self._zap in events:
@@ -456,6 +474,7 @@ class Transport:
         if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.reached[watched] = self._dealers[watched][1]
             self.reached_count += 1
+            self.wake_reader()
             self._unmonitor(watched)
             return
         if watched == INCOMING and event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
