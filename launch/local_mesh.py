@@ -59,9 +59,12 @@ def run_mesh(
     config_path = out / "config.yaml"
     # Fitted rule parameters written out: a joiner with other `rounds` still agrees.
     cfgmod.save_config(cfgmod.with_explicit_params(cfg), config_path)
-    first = cfg.peers[0]
-    # Made before the node that loads it starts, so that the join line can carry its key.
-    joinable = own_contact(cfg, first.listen, key_path(out, first.name, first.key))
+    # Every key is made before any node starts, so that the join line carries the first
+    # one and each node knows its contacts' keys: it greets them at once, instead of
+    # waiting for each to say hello first.
+    joinable, *_ = [
+        own_contact(cfg, peer.listen, key_path(out, peer.name, peer.key)) for peer in cfg.peers
+    ]
     for peer in cfg.peers:  # a launch counts its own restarts, not an earlier one's
         forget_restarts(out / peer.name)
     groups = host_groups(

@@ -372,17 +372,20 @@ class Endpoint:
             log.info(
                 "%s: listening encrypted; others dial it as %s", self.settings.name, self.contact
             )
-        targets = []
+        keys: dict[str, bytes | None] = {}  # each address once, with its key where given
         for address, key in map(split_contact, bootstrap):
-            if address not in (self.settings.address, self.address):
-                if key is not None:
-                    self._learn(address, key)
-                elif self.settings.encrypt and address not in self._curve_keys:
-                    self._greet_when_keyed.add(address)
-                targets.append(address)
+            if keys.get(address) is None:
+                keys[address] = key
+        own = (self.settings.address, self.address)
+        targets = [address for address in keys if address not in own]
         if self.views is not None:
-            targets = self._first_neighbours(bootstrap, targets)
-        self.table.most_known = len(set(targets))
+            targets = self._first_neighbours(keys, targets)
+        for address in targets:
+            if keys[address] is not None:
+                self._learn(address, keys[address])
+            elif self.settings.encrypt and address not in self._curve_keys:
+                self._greet_when_keyed.add(address)
+        self.table.most_known = len(targets)
         self._bootstrap = set(targets)
         waiting = sorted(self._greet_when_keyed)
         if waiting:
@@ -395,22 +398,18 @@ class Endpoint:
                 ", ".join(waiting),
             )
         self._worker.start()  # after the keys above are in place: it learns more
-        greet = [
-            address
-            for address in dict.fromkeys(targets)  # listed bare and keyed: once
-            if address not in self._greet_when_keyed
-        ]
+        greet = [address for address in targets if address not in self._greet_when_keyed]
         for index, address in enumerate(greet):
             # One peer list is enough: the others were named to us already (WIRE.md 7.1).
             self._say_hello(address, wants_peers=index == 0)
         if not targets:
             self._joined.set()
 
-    def _first_neighbours(self, bootstrap: Iterable[str], targets: list[str]) -> list[str]:
-        """Of the contacts a node of a bounded mesh starts with, the ones it greets (as
-        many as it wants neighbours); the others, with their keys, become candidates."""
-        keys = dict(map(split_contact, bootstrap))
-        contacts = list(dict.fromkeys(targets))
+    def _first_neighbours(self, keys: dict[str, bytes | None], targets: list[str]) -> list[str]:
+        """Of the contacts a node of a bounded mesh starts with (`keys`: their keys, where
+        known), the ones it greets (as many as it wants neighbours); the others, with
+        their keys, become candidates."""
+        contacts = list(targets)
         self._rng.shuffle(contacts)
         assert self.views is not None
         first, rest = contacts[: self.views.neighbours], contacts[self.views.neighbours :]
