@@ -7,6 +7,7 @@ wildcard for a connect, and fail on garbage only once it tries; a node decides f
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 import socket
@@ -49,6 +50,11 @@ def is_wire_endpoint(address: object) -> bool:
     """Whether a message may name `address` (WIRE.md 5): a TCP endpoint whose host is an
     IP address. ZeroMQ resolves a hostname on its one I/O thread, blocking every socket
     of the node while it waits: a stranger's hostname must never reach it."""
+    return isinstance(address, str) and _is_wire_endpoint(address)
+
+
+@functools.lru_cache(maxsize=4096)  # every heartbeat and hello names its sender's address
+def _is_wire_endpoint(address: str) -> bool:
     endpoint = tcp_endpoint(address)
     return endpoint is not None and _is_ip(endpoint[0])
 
