@@ -855,7 +855,7 @@ class Endpoint:
         partners = [e for e in self.table.alive() if e.reached]
         if now < self._next_shuffle or not partners:
             return None
-        self._next_shuffle = now + self.views.shuffle_interval
+        self._next_shuffle = now + self.views.shuffle_interval * self.table.stretch()
         partner = self._rng.choice(partners)
         members = [card for key, card in self._cards.items() if key != partner.public_key]
         cards, linked = cards_to_send(
@@ -1228,6 +1228,8 @@ class Endpoint:
                     # It linked us, but we cannot take it (no room left, or a node we
                     # shun by name, known before by address alone): it must hear so.
                     self._send(address, "unlink", {}, once=True, key=key)
+                    if not self.table.at(address):
+                        self._release(address)  # the connection our hello opened
                     if not self.shuns(name):
                         self.passive.add(Candidate(key, address, name=name))
             elif self.table.get(key) is None:

@@ -124,15 +124,15 @@ def checked_card(value: dict[str, Any], mesh_id: bytes) -> Card | None:
     """The card, if its owner signed it for this mesh; None otherwise. `value` passed
     `card_shape_fault` when its message was decoded."""
     card = Card(value["key"], value["name"], value["addr"], value["issued"], value["sig"])
-    signed = _signed_part(mesh_id, card.key, card.name, card.addr, card.issued)
-    return card if _signed_by_owner(card.key, card.sig, signed) else None
+    return card if _signed_by_owner(card, mesh_id) else None
 
 
 @functools.lru_cache(maxsize=4096)
-def _signed_by_owner(key: bytes, sig: bytes, signed: bytes) -> bool:
+def _signed_by_owner(card: Card, mesh_id: bytes) -> bool:
     """A card goes round the mesh and comes back: each is checked once in a process,
     whose nodes (a host's) all hear it."""
-    return verify(key, sig, signed)
+    signed = _signed_part(mesh_id, card.key, card.name, card.addr, card.issued)
+    return verify(card.key, card.sig, signed)
 
 
 @dataclass(frozen=True)
