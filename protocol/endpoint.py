@@ -381,8 +381,8 @@ class Endpoint:
         if self.views is not None:
             targets = self._first_neighbours(keys, targets)
         for address in targets:
-            if keys[address] is not None:
-                self._learn(address, keys[address])
+            if (key := keys[address]) is not None:
+                self._learn(address, key)
             elif self.settings.encrypt and address not in self._curve_keys:
                 self._greet_when_keyed.add(address)
         self.table.most_known = len(targets)
