@@ -1108,6 +1108,9 @@ class Endpoint:
         self._send(address, "peers", self._peers_body(listed))
         # Whoever says hello may have missed our announces: a late joiner, or a node
         # asking again once it took the mesh's round (refresh_offers).
+        self._announce_latest(address)
+
+    def _announce_latest(self, address: str) -> None:
         for blob in self._latest_published:
             self._send(address, "announce", announce_body(blob))
 
@@ -1224,6 +1227,10 @@ class Endpoint:
             elif message.body.get("linked", True):
                 if self._take_in(message, name, address):
                     self._keep_card(key, message.body.get("card"), address)
+                    # A new neighbour in our round waits for our blob of it, which we
+                    # may have announced before it was a neighbour: without this, until
+                    # it hears that we are past that round (a heartbeat period, or more).
+                    self._announce_latest(address)
                 else:
                     # It linked us, but we cannot take it (no room left, or a node we
                     # shun by name, known before by address alone): it must hear so.

@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Callable
 
 import msgpack
+import numpy as np
 import pytest
 import zmq
 
@@ -27,6 +28,7 @@ from meshfl.protocol.views import (
     checked_card,
     make_card,
 )
+from meshfl.protocol.wire import make_blob
 
 from .test_endpoint import MESH, RawPeer
 
@@ -182,6 +184,27 @@ def test_a_finished_node_is_heard_at_once_and_keeps_the_neighbours_it_has(mesh):
     assert late.identity.public_key not in node.table.entries
     assert set(node.table.entries) <= kept and len(node.table.entries) == len(kept) - 1
     assert node.flow_rejections["view_full"] > 0
+
+
+def test_a_node_that_links_a_greeter_hears_what_the_greeter_announced_before(mesh):
+    # The greeter published its round's blob before it had this neighbour; the new
+    # neighbour waits for that blob, and must hear of it now, not once the greeter is
+    # past the round (a heartbeat period, stretched in a crowded host).
+    host = mesh(1, through_first)[0]
+    host.set_round(1)
+    greeter = _endpoint("greeter", **FAST)
+    try:
+        greeter.set_round(1)
+        arrays = {"w": np.arange(4, dtype=np.float32)}
+        greeter.publish(make_blob(greeter.identity, 1, "model", arrays))
+        greeter.start([host.contact])
+
+        def heard() -> bool:
+            return any(offer.origin == greeter.identity.public_key for offer in host.offers(1))
+
+        assert poll_until(heard, 5)
+    finally:
+        greeter.close()
 
 
 # --- hostile cards and shuffles ---------------------------------------------------
