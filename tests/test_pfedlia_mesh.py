@@ -5,6 +5,7 @@ taken into its own cluster's groups, and gets a group of its own."""
 from __future__ import annotations
 
 import pytest
+import yaml
 
 from tests.nodes import meshfl, records, start_node, stop, wait_round, write_config
 
@@ -35,6 +36,11 @@ def run_mesh_with_a_late_joiner(tmp_path):
         data={"dataset": "digits", "partition": "clusters:2"},
         algorithm={"name": "pfedlia", "warmup": WARMUP, "screen": False},
     )
+    # Rounds of at least half a second: the joiner, a process of its own that loads
+    # torch and its data first, must still find rounds left to be scored in.
+    for peer in cfg["peers"]:
+        peer["train_delay"] = 0.5
+    config.write_text(yaml.safe_dump(cfg))
     processes = [start_node(config, f"node{i}", tmp_path) for i in range(NODES)]
     try:
         wait_round(tmp_path, "node0", WARMUP + 1, timeout=150)
