@@ -62,9 +62,10 @@ def run_mesh(
     # Every key is made before any node starts, so that the join line carries the first
     # one and each node knows its contacts' keys: it greets them at once, instead of
     # waiting for each to say hello first.
-    joinable, *_ = [
+    contacts = [
         own_contact(cfg, peer.listen, key_path(out, peer.name, peer.key)) for peer in cfg.peers
     ]
+    joinable = contacts[0]
     for peer in cfg.peers:  # a launch counts its own restarts, not an earlier one's
         forget_restarts(out / peer.name)
     groups = host_groups(

@@ -194,7 +194,6 @@ class NodeHost:
         self.nodes: dict[str, Node] = {}
         self._stopping = threading.Event()
         self._all_built = threading.Barrier(len(options))
-        self._built_once: set[str] = set()
         self._handlers: list[logging.Handler] = []
         self._host_only = NodeLog(options, outside=True)
 
@@ -229,25 +228,30 @@ class NodeHost:
             node.endpoint.close()
 
     def _run_one(self, options: NodeOptions) -> None:
+        first = True
         while True:
             try:
-                self._run_node(options)
+                self._run_node(options, first)
             except Exception as error:  # this node's fault, not the host's
                 if self._stopping.is_set():
                     return  # its endpoint was closed under it: the host is stopping
                 _say_failed(options.name, error)
                 if self._may_restart(options):
+                    first = False
                     continue
                 self.ends[options.name] = NodeEnd(FAILED)
                 return
             self.ends[options.name] = NodeEnd(FINISHED)
             return
 
-    def _run_node(self, options: NodeOptions) -> None:
+    def _run_node(self, options: NodeOptions, first: bool) -> None:
+        """Build and run node `options.name`; at the host's `first` start of it, it
+        joins the mesh together with the host's other nodes (`_wait_for_the_others`)."""
         try:
             node = self.make_node(options)
         finally:
-            self._wait_for_the_others(options.name)
+            if first:
+                self._wait_for_the_others()
         node.cpu = self.cpu
         self.nodes[options.name] = node
         try:
@@ -257,14 +261,11 @@ class NodeHost:
             # restart binds it again.
             node.endpoint.close()
 
-    def _wait_for_the_others(self, name: str) -> None:
-        """At its first start, a node (built, or failed to build) waits until every node
-        of the host is built: the host's nodes then join the mesh together. A node built
-        while the others already greet and shake hands waits its turn at the GIL behind
-        all of them: 50 nodes took 7 s to come up one after another, not 1."""
-        if name in self._built_once:
-            return
-        self._built_once.add(name)
+    def _wait_for_the_others(self) -> None:
+        """Wait (built, or failed to build) until every node of the host is built: the
+        host's nodes then join the mesh together. A node built while the others already
+        greet and shake hands waits its turn at the GIL behind all of them: 50 nodes
+        took 7 s to come up one after another, not 2."""
         try:
             self._all_built.wait(timeout=BUILD_WAIT_S)
         except threading.BrokenBarrierError:

@@ -1110,6 +1110,16 @@ class Endpoint:
         # asking again once it took the mesh's round (refresh_offers).
         self._announce_latest(address)
 
+    def _link_answering(self, message: Message, name: object, address: str) -> bool:
+        """Take in the node that answered our hello, as `_take_in` does. It announced
+        its latest blobs to us; it hears ours now: a peer in our round waits for our
+        blob of it, which we may have announced before it knew us, until it hears that
+        we are past that round (a heartbeat period, or more) (WIRE.md 7.1)."""
+        if not self._take_in(message, name, address):
+            return False
+        self._announce_latest(address)
+        return True
+
     def _announce_latest(self, address: str) -> None:
         for blob in self._latest_published:
             self._send(address, "announce", announce_body(blob))
@@ -1201,7 +1211,7 @@ class Endpoint:
         for item in message.body["peers"]:
             key, name, address = item["key"], item["name"], item["addr"]
             if key == message.sender:
-                self._take_in(message, name, address)
+                self._link_answering(message, name, address)
             elif not wanted_list or key == self.identity.public_key:
                 continue  # a list we did not ask for, or ourselves
             elif self.table.get(key) is None and address not in self._hellos_out:
@@ -1225,12 +1235,8 @@ class Endpoint:
                     # The answering node's neighbours, as it named them.
                     self.passive.add(Candidate(key, address, name=name, via=message.sender))
             elif message.body.get("linked", True):
-                if self._take_in(message, name, address):
+                if self._link_answering(message, name, address):
                     self._keep_card(key, message.body.get("card"), address)
-                    # A new neighbour in our round waits for our blob of it, which we
-                    # may have announced before it was a neighbour: without this, until
-                    # it hears that we are past that round (a heartbeat period, or more).
-                    self._announce_latest(address)
                 else:
                     # It linked us, but we cannot take it (no room left, or a node we
                     # shun by name, known before by address alone): it must hear so.

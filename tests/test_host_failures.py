@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import io
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -146,3 +147,34 @@ def test_a_restart_that_cannot_be_counted_on_a_full_disk_does_not_happen(
     ends = run_host(tmp_path, {"node1": [RuntimeError("boom"), None]}, restarts=1)
     assert ends == {"node1": FAILED}
     assert "no space left on device" in node_log(tmp_path, "node1")
+
+
+def test_a_hosts_nodes_join_together_once_all_are_built_and_a_restart_waits_for_none(tmp_path):
+    # One node is slow to build, one fails to build once, one fails in its round once:
+    # no node starts its round before every first build has ended, and a node started
+    # again waits for no one (else it would wait for its host's BUILD_WAIT_S).
+    events: list[tuple[str, str]] = []
+    broken_once = ["broken"]
+    failures: dict[str, list] = {"slow": [], "broken": [], "flaky": [RuntimeError("round 1")]}
+
+    def make_node(each: NodeOptions) -> StandIn:
+        if each.name == "slow":
+            time.sleep(0.3)
+        if each.name in broken_once:
+            broken_once.remove(each.name)
+            events.append(("built", each.name))
+            raise OSError("cannot bind")
+        events.append(("built", each.name))
+        node = StandIn(each.name, failures[each.name])
+        run = node.run
+        node.run = lambda: (events.append(("run", each.name)), run())[1]  # type: ignore[method-assign]
+        return node
+
+    names = list(failures)
+    host = NodeHost([options(tmp_path, name) for name in names], make_node, restarts=1)
+    started = time.monotonic()
+    ends = host.run()
+    assert time.monotonic() - started < 5
+    assert {name: end.status for name, end in ends.items()} == dict.fromkeys(names, FINISHED)
+    first_run = next(at for at, (kind, _) in enumerate(events) if kind == "run")
+    assert {name for kind, name in events[:first_run] if kind == "built"} == set(names)

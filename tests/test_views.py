@@ -186,13 +186,14 @@ def test_a_finished_node_is_heard_at_once_and_keeps_the_neighbours_it_has(mesh):
     assert node.flow_rejections["view_full"] > 0
 
 
-def test_a_node_that_links_a_greeter_hears_what_the_greeter_announced_before(mesh):
-    # The greeter published its round's blob before it had this neighbour; the new
-    # neighbour waits for that blob, and must hear of it now, not once the greeter is
-    # past the round (a heartbeat period, stretched in a crowded host).
-    host = mesh(1, through_first)[0]
+@pytest.mark.parametrize("views", [SMALL_VIEWS, None], ids=["bounded", "full mesh"])
+def test_a_node_that_links_a_greeter_hears_what_the_greeter_announced_before(mesh, views):
+    # The greeter published its round's blob before it had this peer; the new peer
+    # waits for that blob, and must hear of it now, not once the greeter is past the
+    # round (a heartbeat period, stretched in a crowded host).
+    host = mesh(1, through_first, views=views)[0]
     host.set_round(1)
-    greeter = _endpoint("greeter", **FAST)
+    greeter = _endpoint("greeter", views=views, **FAST)
     try:
         greeter.set_round(1)
         arrays = {"w": np.arange(4, dtype=np.float32)}
