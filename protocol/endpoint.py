@@ -473,11 +473,16 @@ class Endpoint:
         self._heartbeat(targets, time.monotonic())
 
     def wait_for_peers(self, count: int, timeout: float) -> bool:
+        """Whether `count` peers are live within `timeout`. A bounded view waits only
+        while a candidate greeted for a place it lacks has yet to answer: when the mesh
+        has no one more to give, waiting would only make the round late."""
         deadline = time.monotonic() + timeout
         with self._changed:
+            if self.views is not None:
+                self._fill_view()  # a place freed since the last tick: greeted for now
             while len(self.table.alive()) < count:
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or (self.views is not None and not self._greeting()):
                     return False
                 self._changed.wait(left)
         return True
@@ -834,8 +839,7 @@ class Endpoint:
         assert self.views is not None
         if self._finished:
             return []
-        greeting = sum(not self.table.at(address) for address in self._hellos_out)
-        short = self.views.neighbours - self._links() - greeting
+        short = self.views.neighbours - self._links() - self._greeting()
         if short <= 0:
             return []
         for candidate in list(self.passive.entries.values()):
@@ -847,6 +851,10 @@ class Endpoint:
         for candidate in chosen:
             self._learn(candidate.addr, candidate.key, from_its_owner=False)
         return [(candidate.addr, False) for candidate in chosen]
+
+    def _greeting(self) -> int:
+        """How many nodes our hellos await that are not peers yet."""
+        return sum(not self.table.at(address) for address in self._hellos_out)
 
     def _shuffle_due(self, now: float) -> tuple[str, str, dict[str, Any]] | None:
         """The shuffle to send, when one is due: to a random reached neighbour, with our
@@ -1097,7 +1105,7 @@ class Endpoint:
         name, address = message.body["name"], message.body["addr"]
         wants_peers = message.body.get("list", True) is not False
         if self.table.get(message.sender) is None and (
-            self._view_is_full() or (self.views is not None and self.shuns(name))
+            self._view_is_full(address) or (self.views is not None and self.shuns(name))
         ):
             self._turn_away(message.sender, address)
             return
@@ -1148,10 +1156,17 @@ class Endpoint:
         """A bounded view's neighbours: peers not yet reached count, left ones do not."""
         return sum(entry.state != LEFT for entry in self.table.entries.values())
 
-    def _view_is_full(self) -> bool:
+    def _view_is_full(self, greeter: str | None = None) -> bool:
         """Whether a bounded view has as many neighbours as it takes (never, in a full
-        mesh)."""
-        return self.views is not None and self._links() >= self.views.most
+        mesh). For the hello of a `greeter` at that address, the places our own hellos
+        await count as taken, less the greeter's own: greeters must not fill a view
+        that is greeting, or it would hold more connections than places."""
+        if self.views is None:
+            return False
+        held = self._links()
+        if greeter is not None:
+            held += sum(not self.table.at(a) for a in self._hellos_out if a != greeter)
+        return held >= self.views.most
 
     def _turn_away(self, key: bytes, address: str) -> None:
         """Answer the hello of a node this full view cannot take: with some neighbours

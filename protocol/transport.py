@@ -314,7 +314,9 @@ class Transport:
     ) -> None:
         """Send one message over a connection of its own, closed once it is out: for an
         answer to a node that is no peer (a status probe), which a DEALER kept open
-        would go on redialling after the probe is gone."""
+        would go on redialling after the probe is gone. Where a connection to `address`
+        is open already, over that one: messages to one node leave over one connection,
+        in sequence order (WIRE.md 1)."""
         self._queue(_Outgoing(address, frames, server_key, once=True, kind=kind))
 
     def connections(self) -> int:
@@ -543,6 +545,13 @@ class Transport:
         self._put(dealer, item)
 
     def _send_once_now(self, item: _Outgoing) -> None:
+        dealer, dialled_with = self._dealers.get(item.address, (None, None))
+        if dealer is not None and dialled_with == item.server_key:
+            # A connection is open there already (we greet that node, say): the message
+            # goes over it, behind what we sent before. Over a second one it could
+            # overtake those, and their lower numbers would be refused as replays.
+            self._put(dealer, item)
+            return
         dealer = self._connect(item)
         if dealer is not None:
             self._put(dealer, item)

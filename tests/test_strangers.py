@@ -130,6 +130,26 @@ def test_a_connection_that_cannot_open_is_dropped_and_the_transport_goes_on(cont
     assert not transport._thread.is_alive(), "closed, not stuck in the context's end"
 
 
+def test_a_one_off_answer_to_a_node_dialled_already_follows_what_went_before(context):
+    # Over a connection of its own it could overtake the messages queued on the open
+    # one, and the receiver would refuse their lower sequence numbers as replays.
+    listen = f"tcp://127.0.0.1:{free_ports(1)[0]}"
+    transport = Transport(listen)
+    try:
+        receiver = context.socket(zmq.ROUTER)
+        address = f"tcp://127.0.0.1:{receiver.bind_to_random_port('tcp://127.0.0.1')}"
+        transport.send(address, [b"hello"])
+        transport.send_once(address, [b"answer"])
+        arrived = []
+        while len(arrived) < 2 and receiver.poll(WAIT * 1000):
+            arrived.append(receiver.recv_multipart())
+        assert [frames[1:] for frames in arrived] == [[b"hello"], [b"answer"]]
+        assert arrived[0][0] == arrived[1][0], "one connection: one routing id"
+        assert transport.connections() == 1
+    finally:
+        transport.close()
+
+
 def test_a_peer_list_nobody_asked_for_greets_nobody(context, make_endpoint):
     endpoint = make_endpoint()
     stranger = Stranger(endpoint.contact, MESH, context)

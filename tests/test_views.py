@@ -19,7 +19,7 @@ import zmq
 
 from meshfl.protocol.endpoint import Endpoint, EndpointSettings
 from meshfl.protocol.identity import Identity
-from meshfl.protocol.transport import TransportError, free_ports
+from meshfl.protocol.transport import TransportError, contact, free_ports
 from meshfl.protocol.views import (
     MAX_CARDS,
     Candidate,
@@ -206,6 +206,53 @@ def test_a_node_that_links_a_greeter_hears_what_the_greeter_announced_before(mes
         assert poll_until(heard, 5)
     finally:
         greeter.close()
+
+
+def silent_contacts(context: zmq.Context, endpoint: Endpoint, count: int) -> list[str]:
+    """`count` contacts that take `endpoint`'s connections and never answer its hellos."""
+    peers = [RawPeer(context, endpoint.contact) for _ in range(count)]
+    return [contact(peer.address, peer.public_key) for peer in peers]
+
+
+def test_greeters_never_fill_a_view_that_is_greeting_for_its_places(context):
+    # Its three hellos hold three of the five places: of three greeters two are taken,
+    # so that when its hellos are answered it holds no more connections than places.
+    node = _endpoint("node")
+    try:
+        node.start(silent_contacts(context, node, SMALL_VIEWS.neighbours))
+        greeters = [RawPeer(context, node.contact) for _ in range(3)]
+        for greeter in greeters:
+            greeter.send(
+                greeter.frames(
+                    "hello",
+                    {
+                        "name": greeter.name + greeter.address[-5:],
+                        "addr": greeter.address,
+                        "list": False,
+                    },
+                )
+            )
+        assert poll_until(lambda: node.flow_rejections["view_full"] == 1, 5)
+        taken = [g for g in greeters if g.public_key in node.table.entries]
+        assert len(taken) == SMALL_VIEWS.most - SMALL_VIEWS.neighbours
+        assert node.transport.connections() <= SMALL_VIEWS.most
+    finally:
+        node.close()
+
+
+def test_a_short_view_waits_for_its_peers_only_while_it_greets_for_them(context, node):
+    # Nobody to greet: the round must not wait for a view the mesh cannot fill.
+    clock = time.monotonic()
+    assert not node.wait_for_peers(SMALL_VIEWS.neighbours, 5.0)
+    assert time.monotonic() - clock < 1.0
+    greeting = _endpoint("greeting")
+    try:
+        greeting.start(silent_contacts(context, greeting, 1))
+        clock = time.monotonic()
+        assert not greeting.wait_for_peers(SMALL_VIEWS.neighbours, 1.5)
+        assert time.monotonic() - clock >= 1.4  # its hello is out: that place may come
+    finally:
+        greeting.close()
 
 
 # --- hostile cards and shuffles ---------------------------------------------------
