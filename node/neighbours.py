@@ -2,8 +2,11 @@
 
 Each round a node rates the neighbours it began the round with by what they did for it
 (the rule's `benefits`: screening's evidence records, which add up over rounds, or else
-the rule's own weights); a neighbour whose model the rule did not take in did nothing
-this round. The node drops every neighbour it shuns (a record of clear harm, or a
+the rule's own weights); a neighbour whose model the rule did not take in, and whose
+record shows no help, did nothing this round. One with a record of help is kept though
+the rule passed it over this round (pFedSV downloads only its top k): on a label skew
+without clusters most neighbours help a little, and each drop hands a round to a
+newcomer not yet measured. The node drops every neighbour it shuns (a record of clear harm, or a
 rule's own verdict), and when its view is full and it shuns none: two that did nothing
 (those with the worst record first: an attacker whose first measurement fell short of
 clear harm goes before an honest peer that was late), else, in one round of
@@ -35,15 +38,15 @@ def neighbours_to_drop(
 ) -> list[str]:
     """The neighbours to drop: every one `shunned`, else (when `explore`: the view is
     full) by `select` among the rated ones, given each one's `benefit` (higher is
-    better) and whose model the rule `taken_in`: up to MOST_DROPPED of the others, else
-    now and then the least useful."""
+    better) and whose model the rule `taken_in`: up to MOST_DROPPED of the others with
+    no record of help, else now and then the least useful."""
     if shunned or not explore or not benefit:
         return sorted(shunned)
     if select == "random":
         return [rng.choice(sorted(benefit))]
     # Ties (a round that told neighbours apart by nothing) are broken at random.
     ranked = sorted(benefit, key=lambda peer: (peer in taken_in, benefit[peer], rng.random()))
-    idle = [peer for peer in ranked if peer not in taken_in][:MOST_DROPPED]
+    idle = [peer for peer in ranked if peer not in taken_in and benefit[peer] <= 0]
     if idle:
-        return idle
+        return idle[:MOST_DROPPED]
     return ranked[:1] if rng.random() < 1 / EXPLORE_EVERY else []

@@ -28,6 +28,14 @@ def test_neighbours_that_did_nothing_go_first_two_at_a_time():
     assert sorted(dropped) == ["c", "d"]
 
 
+def test_a_neighbour_with_a_record_of_help_is_kept_when_the_rule_passed_it_over():
+    # pFedSV took only a and b this round; c helped in earlier rounds, d never did.
+    benefit = {"a": 0.5, "b": 0.2, "c": 1.5, "d": 0.0}
+    for seed in range(20):
+        dropped = neighbours_to_drop(benefit, {"a", "b"}, set(), "benefit", random.Random(seed))
+        assert dropped == ["d"]
+
+
 def test_of_those_that_did_nothing_the_worst_record_goes_first():
     # Round 1: nobody taken in; the attacker's first measurement fell short of a shun.
     benefit = {"honest": -0.3, "late": 0.0, "attacker": -2.9, "other": 0.8}
