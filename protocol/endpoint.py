@@ -1240,34 +1240,44 @@ class Endpoint:
         self._joined.set()
 
     def _on_view_answer(self, message: Message) -> None:
-        """A bounded mesh's answer to our hello: the sender becomes our neighbour if it
-        took us (`linked`); every peer it names becomes a candidate (WIRE.md 7.7)."""
+        """A bounded mesh's answer to our hello: every peer it names becomes a candidate,
+        and the sender our neighbour if it took us (WIRE.md 7.7)."""
         own = self.identity.public_key
+        answering = None
         for item in message.body["peers"]:
             key, name, address = item["key"], item["name"], item["addr"]
-            if key != message.sender:
-                if key != own and self.table.get(key) is None:
-                    # The answering node's neighbours, as it named them.
-                    self.passive.add(Candidate(key, address, name=name, via=message.sender))
-            elif message.body.get("linked", True):
-                if self._link_answering(message, name, address):
-                    self._keep_card(key, message.body.get("card"), address)
-                else:
-                    # It linked us, but we cannot take it (no room left, or a node we
-                    # shun by name, known before by address alone): it must hear so.
-                    self._send(address, "unlink", {}, once=True, key=key)
-                    if not self.table.at(address):
-                        self._release(address)  # the connection our hello opened
-                    if not self.shuns(name):
-                        self.passive.add(Candidate(key, address, name=name))
-            elif self.table.get(key) is None:
-                card = self._own_card(key, message.body.get("card"), address)
-                self.passive.add(Candidate(key, address, card, name))
-                self._release(address)
-                # Turned away: the next candidate is greeted now, not a tick from now
-                # (a mesh starting together fills its views in a few round trips).
-                self._fill_view()
+            if key == message.sender:
+                answering = item
+            elif key != own and self.table.get(key) is None:
+                # The answering node's neighbours, as it named them.
+                self.passive.add(Candidate(key, address, name=name, via=message.sender))
+        if answering is not None:
+            self._answered_by(message, answering["name"], answering["addr"])
         self._joined.set()
+
+    def _answered_by(self, message: Message, name: str, address: str) -> None:
+        """The node that answered our hello, at `address`: our neighbour if it took us
+        (`linked`), else a candidate for later."""
+        key = message.sender
+        if message.body.get("linked", True):
+            if self._link_answering(message, name, address):
+                self._keep_card(key, message.body.get("card"), address)
+                return
+            # It linked us, but we cannot take it (no room left, or a node we shun by
+            # name, known before by address alone): it must hear so.
+            self._send(address, "unlink", {}, once=True, key=key)
+            if not self.table.at(address):
+                self._release(address)  # the connection our hello opened
+            if not self.shuns(name):
+                self.passive.add(Candidate(key, address, name=name))
+        elif self.table.get(key) is None:
+            self._release(address)
+            # Turned away: the candidates it named are greeted now, not a tick from now
+            # (a mesh starting together fills its views in a few round trips); the node
+            # that has no room for us becomes a candidate only after.
+            self._fill_view()
+            card = self._own_card(key, message.body.get("card"), address)
+            self.passive.add(Candidate(key, address, card, name))
 
     def _on_refuse(self, message: Message) -> None:
         if not self._joined.is_set():

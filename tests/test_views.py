@@ -240,6 +240,27 @@ def test_greeters_never_fill_a_view_that_is_greeting_for_its_places(context):
         node.close()
 
 
+def test_a_turned_away_greeter_greets_the_next_candidate_at_once(context):
+    # Heartbeat ticks 5 s apart: a greeting within a second was not the tick's.
+    node = _endpoint("node", heartbeat_interval=5.0, peer_timeout=25.0)
+    try:
+        full = RawPeer(context, node.contact, name="full")
+        named = RawPeer(context, node.contact, name="named")
+        node.start([contact(full.address, full.public_key)])
+        full.expect("hello", 5)
+        entries = [
+            {"name": "full", "addr": full.address, "key": full.public_key},
+            {"name": "named", "addr": named.address, "key": named.public_key},
+        ]
+        full.send(full.frames("peers", {"peers": entries, "linked": False}))
+        clock = time.monotonic()
+        named.expect("hello", 3)
+        assert time.monotonic() - clock < 1.0
+        assert full.public_key not in node.table.entries
+    finally:
+        node.close()
+
+
 def test_a_short_view_waits_for_its_peers_only_while_it_greets_for_them(context, node):
     # Nobody to greet: the round must not wait for a view the mesh cannot fill.
     clock = time.monotonic()
