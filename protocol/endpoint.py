@@ -457,7 +457,7 @@ class Endpoint:
             self._cards.pop(public_key, None)
             self._forget(entry, drain=True)
             self.passive.discard(public_key)  # not the candidate greeted in its place
-            self._fill_view()  # now, not at the next tick: the round waits for the view
+            self._fill_view()  # now, not at the next tick: the next round may wait for it
 
     def passive_size(self) -> int:
         with self._lock:

@@ -353,6 +353,22 @@ def test_a_heartbeat_never_links_and_a_dropped_neighbours_is_answered_with_unlin
     assert node.flow_rejections["not_linked"] == 1
 
 
+def test_a_dropped_neighbours_place_is_greeted_for_at_once(context):
+    # Heartbeat ticks 5 s apart: a greeting within a second was unlink's, not a tick's.
+    node = _endpoint("node", heartbeat_interval=5.0, peer_timeout=25.0)
+    node.start()
+    try:
+        dropped = linked_raw_peer(context, node)
+        candidate = RawPeer(context, node.contact, name="candidate")
+        node.passive.add(Candidate(candidate.public_key, candidate.address, name="candidate"))
+        node.unlink(dropped.public_key)
+        clock = time.monotonic()
+        candidate.expect("hello", 3)
+        assert time.monotonic() - clock < 1.0
+    finally:
+        node.close()
+
+
 def test_an_oversized_shuffle_is_refused_at_decoding(context, node):
     peer = linked_raw_peer(context, node)
     cards = [
