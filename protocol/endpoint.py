@@ -852,9 +852,10 @@ class Endpoint:
             self._learn(candidate.addr, candidate.key, from_its_owner=False)
         return [(candidate.addr, False) for candidate in chosen]
 
-    def _greeting(self) -> int:
-        """How many nodes our hellos await that are not peers yet."""
-        return sum(not self.table.at(address) for address in self._hellos_out)
+    def _greeting(self, besides: str | None = None) -> int:
+        """How many nodes our hellos await that are not peers yet (but the one at
+        `besides`)."""
+        return sum(not self.table.at(address) for address in self._hellos_out if address != besides)
 
     def _shuffle_due(self, now: float) -> tuple[str, str, dict[str, Any]] | None:
         """The shuffle to send, when one is due: to a random reached neighbour, with our
@@ -1163,9 +1164,7 @@ class Endpoint:
         that is greeting, or it would hold more connections than places."""
         if self.views is None:
             return False
-        held = self._links()
-        if greeter is not None:
-            held += sum(not self.table.at(a) for a in self._hellos_out if a != greeter)
+        held = self._links() + (self._greeting(besides=greeter) if greeter is not None else 0)
         return held >= self.views.most
 
     def _turn_away(self, key: bytes, address: str) -> None:
@@ -1267,7 +1266,8 @@ class Endpoint:
             # name, known before by address alone): it must hear so.
             self._send(address, "unlink", {}, once=True, key=key)
             if not self.table.at(address):
-                self._release(address)  # the connection our hello opened
+                # The connection our hello opened, once the unlink is out over it.
+                self._release(address, drain=True)
             if not self.shuns(name):
                 self.passive.add(Candidate(key, address, name=name))
         elif self.table.get(key) is None:
