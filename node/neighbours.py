@@ -6,15 +6,15 @@ the rule's own weights); a neighbour whose model the rule did not take in, and w
 record shows no help, did nothing this round. One with a record of help is kept though
 the rule passed it over this round (pFedSV downloads only its top k): on a label skew
 without clusters most neighbours help a little, and each drop hands a round to a
-newcomer not yet measured. The node drops every neighbour it shuns (a record of clear harm, or a
-rule's own verdict), and when its view is full and it shuns none: two that did nothing
-(those with the worst record first: an attacker whose first measurement fell short of
-clear harm goes before an honest peer that was late), else, in one round of
-EXPLORE_EVERY (drawn at random), the one that did least.
-The endpoint then greets as many candidates from its passive view, so exploring never
-stops: a node recovers from a bad start, and newcomers get tried (PENS, Onoszko et al.
-2021). With `random` a random neighbour is dropped instead: gossip learning, the
-baseline to beat: nothing is shunned, and candidates are drawn at random.
+newcomer not yet measured. The node drops every neighbour it shuns (a record of clear
+harm, or a rule's own verdict), and when its view is full and it shuns none: two that
+did nothing (those with the worst record first: an attacker whose first measurement
+fell short of clear harm goes before an honest peer that was late), else, in one round
+of EXPLORE_EVERY (drawn at random), the one that did least. The endpoint then greets
+as many candidates from its passive view, so exploring never stops: a node recovers
+from a bad start, and newcomers get tried (PENS, Onoszko et al. 2021). With `random`
+a random neighbour is dropped instead: gossip learning, the baseline to beat: nothing
+is shunned, and candidates are drawn at random.
 """
 
 from __future__ import annotations

@@ -274,9 +274,9 @@ class Node:
             first_round = self._catch_up()
         elif first_round == 1 and self.endpoint.alive_peers():
             # A fresh mesh starts together: otherwise a peer still starting up would miss
-            # round 1, and the same seed would not give the same run twice.
-            # A bounded view is not the whole mesh: a few round trips fill it, and a
-            # place its contacts keep turning it away from is filled in a later round.
+            # round 1, and the same seed would not give the same run twice. A bounded
+            # view waits only a few round trips: a place its contacts keep refusing (or
+            # whose hello was lost) is filled in a later round, not waited for by all.
             expected = self.endpoint.expected_peers(len(self.cfg.peers))
             full_mesh = self.endpoint.views is None
             patience = self.cfg.round_timeout if full_mesh else 3 * self.cfg.heartbeat_interval
