@@ -10,6 +10,7 @@ the node's key, the answer's with the CURVE key of the probe's own signing key.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,8 @@ import zmq
 from .identity import Identity, curve_public_key, node_id
 from .transport import Encryption, curve_client, curve_server, split_contact
 from .wire import ANY_MESH, Decoder, Rejected, encode, new_instance
+
+TERM_WAIT_S = 2.0  # how long a probe waits for its ZeroMQ context to end
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,17 @@ def ask_status(
         )
         return _await_answer(inbox, time.monotonic() + timeout, node_key)
     finally:
-        context.destroy(linger=0)
+        _end(context)
+
+
+def _end(context: zmq.Context) -> None:
+    """Close the probe's sockets, then end its context, waiting at most TERM_WAIT_S for
+    that: libzmq can hang ending a context whose connection failed its handshake (a
+    probe at a bare address of an encrypted node), and a one-shot probe must not hang."""
+    # The sockets are no longer used here, so another thread may close them.
+    ender = threading.Thread(target=context.destroy, kwargs={"linger": 0}, daemon=True)
+    ender.start()
+    ender.join(TERM_WAIT_S)
 
 
 def _await_answer(
