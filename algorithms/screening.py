@@ -87,7 +87,11 @@ RECORDS_KEY = "peer_records"  # the evidence about each peer, kept for the same 
 def adopts(own_loss: float, aggregate_loss: float) -> bool:
     """Whether a node takes an aggregate over its own model, judged on its val split:
     only when the aggregate's loss is finite and at most the own model's. Loss, not
-    accuracy: on a small val split accuracies tie where cross-entropy still differs."""
+    accuracy: on a small val split accuracies tie where cross-entropy still differs.
+    Strict, not "within noise": ties within one standard error going to the aggregate
+    were tried; on small shards the worst node then adopted 6 aggregates in 24 rounds
+    (1 here) and lost 5.5 points of test accuracy, and FedC²I on Office-Caltech gained
+    nothing."""
     return math.isfinite(aggregate_loss) and aggregate_loss <= own_loss
 
 

@@ -91,10 +91,14 @@ class PeerTable:
         return sum(entry.reached and entry.state != LEFT for entry in self.entries.values())
 
     def mark_reached(self, public_key: bytes) -> None:
-        """Note that a handshake with this peer's node completed."""
+        """Note that a handshake with this peer's node completed: a proof of life, so its
+        silence counts from now, not from when a contact named it. On a starved machine
+        a handshake can take longer than the down timeout (1,000 nodes on 2 cores: 100
+        s), and the peer was marked down the moment it answered."""
         entry = self.entries.get(public_key)
         if entry is not None and not entry.reached:
             entry.reached = True
+            entry.last_seen = max(entry.last_seen, self.clock())
             self.most_known = max(self.most_known, self._not_left())
 
     def forget(self, public_key: bytes) -> PeerEntry | None:

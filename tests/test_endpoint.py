@@ -595,6 +595,17 @@ def test_liveness_waits_stretch_with_the_most_peers_a_node_has_known():
     assert len(table.expire()) == 5
 
 
+def test_a_peer_whose_handshake_took_longer_than_the_timeout_is_not_down_when_it_answers():
+    now = [0.0]
+    table = PeerTable(timeout=5.0, clock=lambda: now[0])
+    table.upsert(b"k" * 32, "n", "tcp://h:1", b"i" * 16)  # named by a contact
+    now[0] = 12.0  # the handshake completes long after
+    table.mark_reached(b"k" * 32)
+    assert table.expire() == [], "it answered just now"
+    now[0] = 12.0 + 5.1
+    assert len(table.expire()) == 1, "silent for the timeout since"
+
+
 def test_a_node_sharing_its_process_with_many_waits_as_long_as_a_node_with_as_many_peers():
     now = [0.0]
     table = PeerTable(timeout=5.0, clock=lambda: now[0], crowd=50)
