@@ -17,7 +17,7 @@ import threading
 import time
 from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Callable, Collection, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .addresses import resolved
@@ -234,8 +234,9 @@ class Endpoint:
         # Where peers dial us: an IP address, as messages may name no other (WIRE.md 5).
         self.address = resolved(settings.address)
         self.round = 0
-        # Up to when the worker has read its inbox (monotonic): the arrival time of the
-        # message it handles, or now when the inbox is empty. The peer table's clock.
+        # Up to when the worker has read what arrived (monotonic): the arrival time of
+        # the message it handles, or, with the inbox empty, when the transport last
+        # found nothing more to read. The peer table's clock.
         self._read_up_to = time.monotonic()
         self.table = PeerTable(
             settings.peer_timeout, clock=lambda: self._read_up_to, crowd=settings.crowd
@@ -320,8 +321,10 @@ class Endpoint:
         }
         missing = set(KINDS) ^ set(self._handlers)
         assert not missing, f"kinds without a handler, or handlers without a kind: {missing}"
+        # Peers are judged at most a tick late for a transport with nothing to read.
+        options = replace(settings.transport, idle_check_s=settings.heartbeat_interval)
         self.transport = Transport(
-            settings.listen, settings.transport, self._encryption(), screen=self._worth_holding
+            settings.listen, options, self._encryption(), screen=self._worth_holding
         )
         self._worker = threading.Thread(
             target=self._work, name=f"mesh {settings.name}", daemon=True
@@ -763,7 +766,11 @@ class Endpoint:
         except queue.Empty:
             received = None
         if received is None:
-            self._read_up_to = time.monotonic()
+            # Read up to when the transport last found its socket empty (read before
+            # looking at the inbox: what it read by then is in it, or handled).
+            caught_up = self.transport.caught_up_at
+            if self.transport.inbox.empty():
+                self._read_up_to = max(self._read_up_to, caught_up)
         else:
             self._read_up_to = received.arrived
             self._handle_frames(received)

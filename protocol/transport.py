@@ -189,6 +189,10 @@ class TransportOptions:
     # ZeroMQ sockets in this transport's context (libzmq's default is 1023): a DEALER
     # per peer, plus a two-socket monitor for each one not yet through its handshake.
     max_sockets: int = 4096
+    # How long the I/O thread sleeps with nothing to do before it notes again that it
+    # has read everything (`caught_up_at`): the most a node's peers are judged late (an
+    # endpoint sets its heartbeat interval).
+    idle_check_s: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -228,6 +232,11 @@ class Transport:
         # What arrived, in order; None only wakes the reader (a new address reached,
         # or `wake_reader`), so that it can block until there is something to do.
         self.inbox: queue.Queue[Received | None] = queue.Queue(options.receive_queue)
+        # When the I/O thread last found nothing more to read (monotonic): whatever
+        # arrived before then is in `inbox`. A node whose I/O thread waits its turn at a
+        # busy host's GIL has messages waiting unread in ZeroMQ; it must not take their
+        # senders for silent (Endpoint._read_up_to).
+        self.caught_up_at = time.monotonic()
         self.bytes_out = 0
         self.bytes_in = 0
         # What left, counted when ZeroMQ took it (not when it was queued here): messages
@@ -376,7 +385,7 @@ class Transport:
                 self._poller.register(sock, zmq.POLLIN)
         try:
             while True:
-                events = dict(self._poller.poll())
+                events = dict(self._poller.poll(int(self.options.idle_check_s * 1000)))
                 if self._wake_read in events:
                     os.read(self._wake_read, 65536)
                     # Before the outbox is read: what is queued after this wakes us anew.
@@ -387,8 +396,8 @@ class Transport:
                     self._contained("handshake check", self._answer_zap)
                 for monitor in [m for m in self._monitors if m in events]:
                     self._contained("socket monitor", self._read_monitor, monitor)
-                if self._router in events:
-                    self._contained("receiving", self._receive_some)
+                # Even with no message: reading finds none, and notes the time.
+                self._contained("receiving", self._receive_some)
         finally:
             self._close_sockets()
 
@@ -420,9 +429,11 @@ class Transport:
     def _receive_some(self) -> None:
         # Read what is there now, but keep turns fair with the outbox.
         for _ in range(64):
+            looked = time.monotonic()
             try:
                 routing_id, *frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
+                self.caught_up_at = looked  # all that had come by then is read
                 return
             size = sum(len(frame) for frame in frames)
             self.bytes_in += size

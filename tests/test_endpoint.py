@@ -576,6 +576,38 @@ def test_a_node_that_reads_its_inbox_late_does_not_blame_its_peers(context, make
     assert "is down" not in caplog.text
 
 
+def test_a_node_whose_socket_is_read_late_does_not_blame_its_peers(context, make_endpoint, caplog):
+    interval, timeout = 0.1, 0.5
+    endpoint = make_endpoint("starved", heartbeat_interval=interval, peer_timeout=timeout)
+    endpoint.start()
+    peers = [RawPeer(context, endpoint.contact, name=f"raw{i}") for i in range(2)]
+    for peer in peers:
+        peer.join()
+    # The transport's I/O thread is held up (its turn at a busy host's GIL) for three
+    # timeouts while both peers go on heartbeating: the heartbeats wait unread in
+    # ZeroMQ, and the worker, its inbox empty, must not take that for silence.
+    held, go_on = threading.Event(), threading.Event()
+    read = endpoint.transport._receive_some
+
+    def read_late() -> None:
+        if held.is_set():
+            go_on.wait(10)
+        read()
+
+    endpoint.transport._receive_some = read_late
+    with caplog.at_level(logging.WARNING, logger="meshfl.endpoint"):
+        held.set()
+        for _ in range(15):
+            for peer in peers:
+                peer.send(peer.frames("heartbeat", {}))
+            time.sleep(timeout / 5)
+        held.clear()
+        go_on.set()
+        time.sleep(2 * interval)
+        assert [e.state for e in endpoint.peers()] == [ALIVE, ALIVE]
+    assert "is down" not in caplog.text
+
+
 def test_liveness_waits_stretch_with_the_most_peers_a_node_has_known():
     assert liveness_stretch(5) == 1.0 and liveness_stretch(HEARTBEAT_FANOUT) == 1.0
     assert liveness_stretch(100) == 100 / HEARTBEAT_FANOUT
