@@ -22,7 +22,7 @@ from typing import Any
 
 from .addresses import resolved
 from .identity import BadPublicKey, Identity, curve_public_key, node_id
-from .membership import ALIVE, LEFT, PeerEntry, PeerTable
+from .membership import ALIVE, LEFT, PeerEntry, PeerTable, liveness_stretch
 from .offers import BlobStore, Offer, OfferBook
 from .transport import (
     Encryption,
@@ -321,8 +321,11 @@ class Endpoint:
         }
         missing = set(KINDS) ^ set(self._handlers)
         assert not missing, f"kinds without a handler, or handlers without a kind: {missing}"
-        # Peers are judged at most a tick late for a transport with nothing to read.
-        options = replace(settings.transport, idle_check_s=settings.heartbeat_interval)
+        # Peers are judged at most a tick late for a transport with nothing to read: a
+        # tick stretched for a host's crowd of nodes, whose idle transports must not
+        # each wake every second to take their turn at the GIL.
+        tick = settings.heartbeat_interval * liveness_stretch(settings.crowd)
+        options = replace(settings.transport, idle_check_s=tick)
         self.transport = Transport(
             settings.listen, options, self._encryption(), screen=self._worth_holding
         )
