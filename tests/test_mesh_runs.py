@@ -227,7 +227,13 @@ def test_launch_with_only_the_run_folder_resumes_the_run_with_its_own_config(tmp
 def test_a_stopped_launch_says_how_to_resume_it(tmp_path, signum, code):
     run = tmp_path / "run"
     log = tmp_path / "launch.log"
-    launch = meshfl("launch", "--nodes", "2", "--rounds", "500", "--out", str(run), log=log)
+    # A background job (tests run by a script with `&`) starts with SIGINT ignored, and
+    # an ignored signal stays ignored in its children: the launch gets Python's default.
+    ignored = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        launch = meshfl("launch", "--nodes", "2", "--rounds", "500", "--out", str(run), log=log)
+    finally:
+        signal.signal(signal.SIGINT, ignored)
     try:
         wait_round(run, "node0", 1, timeout=120)
         os.killpg(launch.pid, signum)  # the nodes have sessions of their own: launch alone
