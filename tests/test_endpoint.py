@@ -7,6 +7,7 @@ that the node is still serving after each rejection.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -556,56 +557,48 @@ def test_a_silent_peer_is_marked_down_within_timeout_plus_one_interval(context, 
     assert poll_until(lambda: state() == ALIVE)
 
 
-def test_a_node_that_reads_its_inbox_late_does_not_blame_its_peers(context, make_endpoint, caplog):
+def peers_beat_while(context, make_endpoint, caplog, held_up) -> None:
+    """Two peers heartbeat a node for three timeouts while `held_up(endpoint)` holds part
+    of it up; a few ticks after, within the timeout, both are alive and none was ever
+    logged down: the node does not blame its peers for its own delay."""
     interval, timeout = 0.1, 0.5
     endpoint = make_endpoint("busy", heartbeat_interval=interval, peer_timeout=timeout)
     endpoint.start()
     peers = [RawPeer(context, endpoint.contact, name=f"raw{i}") for i in range(2)]
     for peer in peers:
         peer.join()
-    # The node's worker is held up (a busy process) for three timeouts while both peers
-    # go on heartbeating: their heartbeats wait in its inbox and are read late.
     with caplog.at_level(logging.WARNING, logger="meshfl.endpoint"):
-        with endpoint._lock:
+        with held_up(endpoint):
             for _ in range(15):
                 for peer in peers:
                     peer.send(peer.frames("heartbeat", {}))
                 time.sleep(timeout / 5)
-        time.sleep(2 * interval)  # a few ticks after the backlog, within the timeout
-        assert [e.state for e in endpoint.peers()] == [ALIVE, ALIVE]
-    assert "is down" not in caplog.text
-
-
-def test_a_node_whose_socket_is_read_late_does_not_blame_its_peers(context, make_endpoint, caplog):
-    interval, timeout = 0.1, 0.5
-    endpoint = make_endpoint("starved", heartbeat_interval=interval, peer_timeout=timeout)
-    endpoint.start()
-    peers = [RawPeer(context, endpoint.contact, name=f"raw{i}") for i in range(2)]
-    for peer in peers:
-        peer.join()
-    # The transport's I/O thread is held up (its turn at a busy host's GIL) for three
-    # timeouts while both peers go on heartbeating: the heartbeats wait unread in
-    # ZeroMQ, and the worker, its inbox empty, must not take that for silence.
-    held, go_on = threading.Event(), threading.Event()
-    read = endpoint.transport._receive_some
-
-    def read_late() -> None:
-        if held.is_set():
-            go_on.wait(10)
-        read()
-
-    endpoint.transport._receive_some = read_late
-    with caplog.at_level(logging.WARNING, logger="meshfl.endpoint"):
-        held.set()
-        for _ in range(15):
-            for peer in peers:
-                peer.send(peer.frames("heartbeat", {}))
-            time.sleep(timeout / 5)
-        held.clear()
-        go_on.set()
         time.sleep(2 * interval)
         assert [e.state for e in endpoint.peers()] == [ALIVE, ALIVE]
     assert "is down" not in caplog.text
+
+
+def test_a_node_that_reads_its_inbox_late_does_not_blame_its_peers(context, make_endpoint, caplog):
+    # The node's worker is held up (a busy process): the heartbeats wait in its inbox.
+    peers_beat_while(context, make_endpoint, caplog, lambda endpoint: endpoint._lock)
+
+
+@contextlib.contextmanager
+def socket_unread(endpoint):
+    """The transport's I/O thread held up (its turn at a busy host's GIL): heartbeats
+    wait unread in ZeroMQ, and the worker finds its inbox empty."""
+    go_on = threading.Event()
+    read = endpoint.transport._receive_some
+    endpoint.transport._receive_some = lambda: (go_on.wait(10), read())
+    try:
+        yield
+    finally:
+        endpoint.transport._receive_some = read
+        go_on.set()
+
+
+def test_a_node_whose_socket_is_read_late_does_not_blame_its_peers(context, make_endpoint, caplog):
+    peers_beat_while(context, make_endpoint, caplog, socket_unread)
 
 
 def test_liveness_waits_stretch_with_the_most_peers_a_node_has_known():
