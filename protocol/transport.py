@@ -191,7 +191,7 @@ class TransportOptions:
     max_sockets: int = 4096
     # How long the I/O thread sleeps with nothing to do before it notes again that it
     # has read everything (`caught_up_at`): the most a node's peers are judged late (an
-    # endpoint sets its heartbeat interval).
+    # endpoint sets its heartbeat interval, stretched for a host's crowd of nodes).
     idle_check_s: float = 1.0
 
 
