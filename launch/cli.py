@@ -207,6 +207,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="start a peer that fails again at once, from its checkpoint, while the "
         "others go on; up to N restarts each, counted in <name>/restarts (default 0)",
     )
+    host.add_argument(
+        "--join-with",
+        type=int,
+        default=0,
+        metavar="N",
+        help="set by `meshfl launch`: once its peers are built, wait until N hosts "
+        "sharing this --out (this one included) have built theirs, so that no peer "
+        "greets one still being built; each notes it in <out>/joining, and the wait "
+        "ends 60 s after the last one did (default 0: no wait)",
+    )
     _add_local_nodes(host)
     _add_launcher_fd(host)
 
@@ -381,7 +391,7 @@ def _host(args: argparse.Namespace) -> int:
     options = _read_process_options(args)
     from .hosts import hosted_names, run_host
 
-    return run_host(options, hosted_names(args.names), args.restarts)
+    return run_host(options, hosted_names(args.names), args.restarts, args.join_with)
 
 
 def _coordinator(args: argparse.Namespace) -> int:

@@ -12,6 +12,7 @@ from typing import Any
 
 from meshfl.node.coordinator import make_node
 from meshfl.node.host import FAILED, FINISHED, NodeEnd, NodeHost, raise_open_files_limit
+from meshfl.node.joining import JOINING_DIR, LaunchGate
 
 from .entry import named_node_options, say_finished
 from .errors import EXIT_NODE_FAILED, STOP_SIGNALS, Stopped, UserError
@@ -29,10 +30,14 @@ def hosted_names(text: str) -> list[str]:
     return names
 
 
-def run_host(process: ProcessOptions, names: list[str], restarts: int = 0) -> int:
+def run_host(
+    process: ProcessOptions, names: list[str], restarts: int = 0, join_with: int = 0
+) -> int:
     """`meshfl host`: run the peers `names` of the config in this process until each has
     ended, starting one that fails again at once, up to `restarts` times (node/host.py);
-    EXIT_NODE_FAILED when one failed for good."""
+    EXIT_NODE_FAILED when one failed for good. `join_with`: how many hosts of one launch,
+    this one included, join the mesh together once each has built its nodes (under
+    --out, node/joining.py); 0 or 1: this host joins as soon as its nodes are built."""
     cfg = resolve_config(process.config)
     options = [
         replace(
@@ -43,8 +48,11 @@ def run_host(process: ProcessOptions, names: list[str], restarts: int = 0) -> in
     ]
     if restarts < 0:
         raise UserError(f"--restarts: got {restarts}; allowed: 0 or more")
+    if join_with < 0:
+        raise UserError(f"--join-with: got {join_with}; allowed: 0 or more")
+    gate = LaunchGate(process.out / JOINING_DIR, names[0], join_with) if join_with > 1 else None
     raise_open_files_limit()
-    host = NodeHost(options, make_node, restarts=restarts)
+    host = NodeHost(options, make_node, restarts=restarts, gate=gate)
 
     def stop(signum: int, frame: Any) -> None:
         host.stop()

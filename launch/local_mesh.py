@@ -8,6 +8,7 @@ started, watched and restarted by supervise.py, and ends with the run's summary;
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 from meshfl.node import config as cfgmod
 from meshfl.node.coordinator import COORDINATOR, needs_coordinator
 from meshfl.node.host import forget_restarts
+from meshfl.node.joining import JOINING_DIR
 from meshfl.node.splits import load_node_data
 from meshfl.node.trainer import set_torch_threads
 from meshfl.protocol.transport import free_ports
@@ -77,12 +79,21 @@ def run_mesh(
     if cfg.coordinator is not None:
         groups.append([COORDINATOR])
     labels = [host_label(index, names) for index, names in enumerate(groups)]
+    # The hosts join together once all have built their nodes (node/joining.py); an
+    # earlier launch's notes in this folder say nothing about this one's.
+    shutil.rmtree(out / JOINING_DIR, ignore_errors=True)
+    hosts_joining = sum(len(names) > 1 for names in groups)
     with (
         stop_signals_as_interrupts(),
-        node_processes(config_path, out, groups, labels, len(groups), restarts=restarts) as (
-            supervised,
-            start,
-        ),
+        node_processes(
+            config_path,
+            out,
+            groups,
+            labels,
+            len(groups),
+            restarts=restarts,
+            join_with=hosts_joining,
+        ) as (supervised, start),
     ):
         list_processes = partial(_list_processes, out, supervised)
         list_processes()

@@ -51,13 +51,16 @@ def node_processes(
     restarted: Counter[str] | None = None,
     held: tuple[int, ...] = (),
     restarts: int = 0,
+    join_with: int = 0,
 ) -> Iterator[tuple[list[SupervisedProcess], Start]]:
     """A process for each group of names (`_spawn`), each with the lifeline that stops
     it if this process dies; every one of them stopped when the block ends, however it
     ends. Yields the processes and how to start one again. Torch threads: the machine's
     cores among `local_nodes`. `restarted`: how often each node was restarted before;
     `held`: descriptors every process holds open until it exits; `restarts`: how often
-    a host may start each of its nodes again itself."""
+    a host may start each of its nodes again itself; `join_with`: the hosts among the
+    processes, which join the mesh together once all have built their nodes
+    (node/joining.py; 0: each host joins as soon as its own nodes are built)."""
     lifeline = Lifeline()
     start = partial(
         _spawn,
@@ -67,6 +70,7 @@ def node_processes(
         lifeline=lifeline,
         held=held,
         restarts=restarts,
+        join_with=join_with,
     )
     supervised: list[SupervisedProcess] = []
     try:
@@ -87,6 +91,7 @@ def _spawn(
     lifeline: Lifeline,
     held: tuple[int, ...] = (),
     restarts: int = 0,
+    join_with: int = 0,
 ) -> subprocess.Popen | ForkedProcess:
     """Start the process that runs `names`: the coordinator, one node, or a host. It is
     forked from this one where the system allows (forked.py: the processes share one
@@ -95,7 +100,7 @@ def _spawn(
     for name in names:
         (out / name).mkdir(parents=True, exist_ok=True)
     options = ProcessOptions(ConfigSource(str(config_path)), out, local_nodes, lifeline.node_fd)
-    entry, role = _entry(names, options, restarts)
+    entry, role = _entry(names, options, restarts, join_with)
     argv = [*role, *options.argv()]
     # Its own session, so that a Ctrl-C in the terminal reaches launch alone, which then
     # stops every process in order; the lifeline covers a launcher that cannot. A host
@@ -116,16 +121,18 @@ def _spawn(
 
 
 def _entry(
-    names: list[str], options: ProcessOptions, restarts: int
+    names: list[str], options: ProcessOptions, restarts: int, join_with: int = 0
 ) -> tuple[Callable[[], int], list[str]]:
     """The entry of the process that runs `names`, and its command on a command line. A
-    host restarts a node that fails itself, at once, up to `restarts` times."""
+    host restarts a node that fails itself, at once, up to `restarts` times, and joins
+    the mesh together with `join_with` hosts in all."""
     if names == [COORDINATOR]:
         return partial(run_coordinator, options), ["coordinator"]
     if len(names) == 1:
         return partial(run_named_node, options, names[0]), ["node", "--name", names[0]]
     command = ["host", "--names", ",".join(names), "--restarts", str(restarts)]
-    return partial(run_host, options, names, restarts), command
+    command += ["--join-with", str(join_with)] if join_with else []
+    return partial(run_host, options, names, restarts, join_with), command
 
 
 def process_log(out: Path, names: list[str]) -> Path:

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from .checkpoint import StorageError, write_atomically
 from .errors import USER_ERRORS
+from .joining import JoinTogether, LaunchGate
 from .logs import BARE, FORMAT, OneLineFormatter
 from .runtime import Node, NodeOptions
 
@@ -46,8 +47,6 @@ FINISHED, FAILED = "finished", "failed"
 
 # In a node's folder: how often the node was started again after it failed.
 RESTARTS_FILE = "restarts"
-# How long a host's nodes wait for each other to be built before joining the mesh.
-BUILD_WAIT_S = 60.0
 
 
 def restarts_so_far(node_dir: Path) -> int:
@@ -178,13 +177,15 @@ def node_thread_name(name: str) -> str:
 class NodeHost:
     """Runs the nodes of `options` in this process until each has finished or failed,
     starting a node that fails again from its checkpoint until it has been restarted
-    `restarts` times in all."""
+    `restarts` times in all. Its nodes join the mesh together once all are built, and,
+    with a `gate`, once the other hosts of its launch have built theirs (joining.py)."""
 
     def __init__(
         self,
         options: list[NodeOptions],
         make_node: Callable[[NodeOptions], Node],
         restarts: int = 0,
+        gate: LaunchGate | None = None,
     ) -> None:
         self.options = options
         self.make_node = make_node
@@ -193,7 +194,7 @@ class NodeHost:
         self.ends: dict[str, NodeEnd] = {}
         self.nodes: dict[str, Node] = {}
         self._stopping = threading.Event()
-        self._all_built = threading.Barrier(len(options))
+        self._joining = JoinTogether(len(options), gate)
         self._handlers: list[logging.Handler] = []
         self._host_only = NodeLog(options, outside=True)
 
@@ -246,12 +247,12 @@ class NodeHost:
 
     def _run_node(self, options: NodeOptions, first: bool) -> None:
         """Build and run node `options.name`; at the host's `first` start of it, it
-        joins the mesh together with the host's other nodes (`_wait_for_the_others`)."""
+        joins the mesh together with the host's other nodes (joining.py)."""
         try:
             node = self.make_node(options)
         finally:
             if first:
-                self._wait_for_the_others()
+                self._joining.built()
         node.cpu = self.cpu
         self.nodes[options.name] = node
         try:
@@ -260,16 +261,6 @@ class NodeHost:
             # One that failed before its endpoint started holds its port still; a
             # restart binds it again.
             node.endpoint.close()
-
-    def _wait_for_the_others(self) -> None:
-        """Wait (built, or failed to build) until every node of the host is built: the
-        host's nodes then join the mesh together. A node built while the others already
-        greet and shake hands waits its turn at the GIL behind all of them: 50 nodes
-        took 7 s to come up one after another, not 2."""
-        try:
-            self._all_built.wait(timeout=BUILD_WAIT_S)
-        except threading.BrokenBarrierError:
-            pass  # one is slow to build: the others go on without it
 
     def _may_restart(self, options: NodeOptions) -> bool:
         """Whether node `options.name`, which just failed, is started again: while it has

@@ -152,7 +152,7 @@ def test_a_restart_that_cannot_be_counted_on_a_full_disk_does_not_happen(
 def test_a_hosts_nodes_join_together_once_all_are_built_and_a_restart_waits_for_none(tmp_path):
     # One node is slow to build, one fails to build once, one fails in its round once:
     # no node starts its round before every first build has ended, and a node started
-    # again waits for no one (else it would wait for its host's BUILD_WAIT_S).
+    # again waits for no one (else it would wait out its host's patience, joining.py).
     events: list[tuple[str, str]] = []
     broken_once = ["broken"]
     failures: dict[str, list] = {"slow": [], "broken": [], "flaky": [RuntimeError("round 1")]}
