@@ -30,6 +30,7 @@ import ctypes
 import ctypes.util
 import logging
 import resource
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -68,6 +69,13 @@ def forget_restarts(node_dir: Path) -> None:
     """Count the restarts of the node of `node_dir` from 0 again."""
     (node_dir / RESTARTS_FILE).unlink(missing_ok=True)
 
+
+# How long a thread of a host may hold the interpreter lock while another waits for it
+# (Python's default: 5 ms). A host of hundreds of nodes runs three threads each; every
+# forced hand-over wakes one of hundreds of waiters, and at 1,000 nodes on 2 cores the
+# default left nodes silent for longer than the down timeout as the mesh started (11
+# down marks in a run; 1 ms: 182; 20 ms: none, in two runs; docs/measurements.md).
+SWITCH_INTERVAL_S = 0.02
 
 # glibc's mallopt parameter for the number of malloc arenas.
 _M_ARENA_MAX = -8
@@ -211,6 +219,8 @@ class NodeHost:
         self._open_logs()
         memory = MemoryReturn()
         memory.run_in_background()
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         try:
             for thread in threads:
                 thread.start()
@@ -218,6 +228,7 @@ class NodeHost:
                 while thread.is_alive():  # join in slices, so that signals get through
                     thread.join(timeout=0.5)
         finally:
+            sys.setswitchinterval(switch)
             memory.stop()
             self._close_logs()
         return self.ends
