@@ -214,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="set by `meshfl launch`: once its peers are built, wait until N hosts "
         "sharing this --out (this one included) have built theirs, so that no peer "
-        "greets one still being built; each notes it in <out>/joining, and the wait "
+        "greets one still being built; each notes it in <out>/.joining, and the wait "
         "ends 60 s after the last one did (default 0: no wait)",
     )
     _add_local_nodes(host)

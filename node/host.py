@@ -74,8 +74,32 @@ def forget_restarts(node_dir: Path) -> None:
 # (Python's default: 5 ms). A host of hundreds of nodes runs three threads each; every
 # forced hand-over wakes one of hundreds of waiters, and at 1,000 nodes on 2 cores the
 # default left nodes silent for longer than the down timeout as the mesh started (11
-# down marks in a run; 1 ms: 182; 20 ms: none, in two runs; docs/measurements.md).
+# down marks in a run; 1 ms: 182 in the first four minutes, when that run was stopped;
+# 20 ms: none, in two runs; docs/measurements.md).
 SWITCH_INTERVAL_S = 0.02
+
+
+class LongerSwitches:
+    """SWITCH_INTERVAL_S while at least one host of this process runs (tests run
+    several at once), then the process's own interval again."""
+
+    _lock = threading.Lock()
+    _running = 0
+    _before = 0.0
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if LongerSwitches._running == 0:
+                LongerSwitches._before = sys.getswitchinterval()
+                sys.setswitchinterval(SWITCH_INTERVAL_S)
+            LongerSwitches._running += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            LongerSwitches._running -= 1
+            if LongerSwitches._running == 0:
+                sys.setswitchinterval(LongerSwitches._before)
+
 
 # glibc's mallopt parameter for the number of malloc arenas.
 _M_ARENA_MAX = -8
@@ -219,16 +243,14 @@ class NodeHost:
         self._open_logs()
         memory = MemoryReturn()
         memory.run_in_background()
-        switch = sys.getswitchinterval()
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
         try:
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                while thread.is_alive():  # join in slices, so that signals get through
-                    thread.join(timeout=0.5)
+            with LongerSwitches():
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    while thread.is_alive():  # join in slices, so that signals get through
+                        thread.join(timeout=0.5)
         finally:
-            sys.setswitchinterval(switch)
             memory.stop()
             self._close_logs()
         return self.ends

@@ -9,6 +9,8 @@ nodes of the early ones took the late ones' slow answers for silence and marked 
 down. So each node, once built, waits until every node of its host is built, and a host
 started by `meshfl launch` waits, once its nodes are built, until every host of the
 launch has built its own (each says so with a file in the launch's JOINING_DIR).
+Where the gate cannot be written (a full disk), a host joins as soon as its own nodes
+are built: the gate spares the mesh false alarms, and nothing more depends on it.
 
 A wait ends at the latest PATIENCE_S after the last arrival: a member stuck (a build
 that hangs, a host that died) must not hold the others for good, but one that is only
@@ -18,13 +20,17 @@ on.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-# In a launch's run folder: a file per host whose nodes are built.
-JOINING_DIR = "joining"
+log = logging.getLogger("meshfl.host")
+
+# In a launch's run folder: a file per host whose nodes are built. No peer's folder can
+# have this name: a peer name starts with a letter or a digit (protocol/membership.py).
+JOINING_DIR = ".joining"
 # How long a wait goes on after the last node or host arrived.
 PATIENCE_S = 60.0
 # How often a host looks for the other hosts' files.
@@ -51,7 +57,8 @@ def wait_while_arriving(
 class LaunchGate:
     """The hosts of one launch, joining together: `arrive_and_wait` says this host's
     nodes are built (a file named `host` in `folder`) and waits for the `hosts` in all
-    to say so. A host started again finds every file there, and waits for none."""
+    to say so. A host started again once all had arrived finds every file there, and
+    waits for none."""
 
     def __init__(self, folder: Path, host: str, hosts: int, patience: float = PATIENCE_S) -> None:
         self.folder = folder
@@ -60,15 +67,20 @@ class LaunchGate:
         self.patience = patience
 
     def arrive_and_wait(self) -> bool:
-        """True when every host arrived; False when the wait ran out of patience."""
-        self.folder.mkdir(parents=True, exist_ok=True)
-        (self.folder / self.host).touch()
-        return wait_while_arriving(
-            self._arrived,
-            self.hosts,
-            lambda left: time.sleep(min(left, LOOK_EVERY_S)),
-            self.patience,
-        )
+        """True when every host arrived; False when the wait ran out of patience, or
+        when the folder cannot be written or read."""
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            (self.folder / self.host).touch()
+            return wait_while_arriving(
+                self._arrived,
+                self.hosts,
+                lambda left: time.sleep(min(left, LOOK_EVERY_S)),
+                self.patience,
+            )
+        except OSError as error:
+            log.warning("joining without waiting for the other hosts: %s", error)
+            return False
 
     def _arrived(self) -> int:
         return sum(1 for _ in self.folder.iterdir())
@@ -77,7 +89,8 @@ class LaunchGate:
 class JoinTogether:
     """The `nodes` of one host: each calls `built` once built (or once its build failed)
     and returns from it when all are built, and, where the host has a `gate`, when every
-    host of its launch has built its nodes too."""
+    host of its launch has built its nodes too; each wait also ends `patience` seconds
+    after the last arrival. A node built after its host stopped waiting goes at once."""
 
     def __init__(
         self, nodes: int, gate: LaunchGate | None = None, patience: float = PATIENCE_S
@@ -94,11 +107,15 @@ class JoinTogether:
         with self._changed:
             self._built += 1
             self._changed.notify_all()
-            if not self._opener_chosen:  # else the host stopped waiting for this one
-                wait_while_arriving(
-                    lambda: self._built, self.nodes, self._changed.wait, self.patience
-                )
+            # Once one node has stopped waiting, the others' waits are over too.
+            wait_while_arriving(
+                lambda: self.nodes if self._opener_chosen else self._built,
+                self.nodes,
+                self._changed.wait,
+                self.patience,
+            )
             opens, self._opener_chosen = not self._opener_chosen, True
+            self._changed.notify_all()
         if opens:  # one node of the host waits for the other hosts; its host waits on it
             try:
                 if self.gate is not None:

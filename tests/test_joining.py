@@ -9,9 +9,12 @@ import threading
 import time
 from pathlib import Path
 
+from meshfl.launch.cli import build_parser
+from meshfl.launch.options import ConfigSource, ProcessOptions
+from meshfl.launch.supervise import _entry
 from meshfl.node.config import MeshConfig
 from meshfl.node.host import NodeHost
-from meshfl.node.joining import LaunchGate, wait_while_arriving
+from meshfl.node.joining import JOINING_DIR, JoinTogether, LaunchGate, wait_while_arriving
 from meshfl.node.runtime import NodeOptions
 
 
@@ -54,7 +57,7 @@ def run_hosts(*hosts: NodeHost) -> None:
 
 def test_the_hosts_of_a_launch_join_together_once_each_has_built_its_nodes(tmp_path):
     events: list[tuple[str, str, float]] = []
-    folder = tmp_path / "joining"
+    folder = tmp_path / JOINING_DIR
     fast = host(tmp_path, ["a1", "a2"], events, 0.0, LaunchGate(folder, "a1", 2))
     slow = host(tmp_path, ["b1", "b2", "b3"], events, 0.4, LaunchGate(folder, "b1", 2))
     run_hosts(fast, slow)
@@ -73,7 +76,7 @@ def test_the_hosts_of_a_launch_join_together_once_each_has_built_its_nodes(tmp_p
 
 def test_a_host_whose_partner_never_arrives_joins_after_the_patience(tmp_path):
     events: list[tuple[str, str, float]] = []
-    gate = LaunchGate(tmp_path / "joining", "a1", hosts=2, patience=0.3)
+    gate = LaunchGate(tmp_path / JOINING_DIR, "a1", hosts=2, patience=0.3)
     started = time.monotonic()
     run_hosts(host(tmp_path, ["a1", "a2"], events, 0.0, gate))
     waited = min(at for kind, _, at in events if kind == "run") - started
@@ -81,7 +84,7 @@ def test_a_host_whose_partner_never_arrives_joins_after_the_patience(tmp_path):
 
 
 def test_a_host_started_again_waits_for_no_one(tmp_path):
-    folder = tmp_path / "joining"
+    folder = tmp_path / JOINING_DIR
     for name in ("a1", "b1"):
         LaunchGate(folder, name, hosts=2, patience=0.1).arrive_and_wait()
     started = time.monotonic()
@@ -100,3 +103,36 @@ def test_a_wait_goes_on_while_members_keep_arriving_and_ends_when_they_stop():
     stalled = time.monotonic()
     assert not wait_while_arriving(lambda: 3, 8, lambda left: time.sleep(min(left, 0.02)), 0.2)
     assert 0.2 <= time.monotonic() - stalled < 1
+
+
+def test_a_node_built_after_its_host_stopped_waiting_goes_at_once():
+    joining = JoinTogether(3, patience=0.3)
+    waited: dict[str, float] = {}
+
+    def build_and_join(name: str, build_s: float) -> None:
+        time.sleep(build_s)
+        arrived = time.monotonic()
+        joining.built()
+        waited[name] = time.monotonic() - arrived
+
+    threads = [
+        threading.Thread(target=build_and_join, args=each)
+        for each in (("first", 0.0), ("second", 0.05), ("stuck", 1.0))
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=10)
+    assert 0.3 <= waited["first"] < 0.9 and 0.2 <= waited["second"] < 0.9
+    assert waited["stuck"] < 0.2
+
+
+def test_a_host_started_as_a_fresh_interpreter_joins_with_the_same_hosts_as_a_forked_one(
+    tmp_path,
+):
+    options = ProcessOptions(ConfigSource(), tmp_path, local_nodes=2)
+    _, command = _entry(["node0", "node1"], options, restarts=0, join_with=3)
+    args = build_parser().parse_args([*command, *options.argv()])
+    assert (args.command, args.names, args.join_with) == ("host", "node0,node1", 3)
+    _, alone = _entry(["node0", "node1"], options, restarts=0)
+    assert build_parser().parse_args([*alone, *options.argv()]).join_with == 0
