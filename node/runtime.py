@@ -272,11 +272,14 @@ class Node:
         """The peer role: gossip rounds until the last, then serve the last blob a while."""
         if self.options.joining and first_round == 1:
             first_round = self._catch_up()
-        elif first_round == 1 and self.endpoint.alive_peers():
+        elif first_round == 1 and (self.endpoint.alive_peers() or self.endpoint.views is not None):
             # A fresh mesh starts together: otherwise a peer still starting up would miss
             # round 1, and the same seed would not give the same run twice. A bounded
             # view waits only a few round trips: a place its contacts keep refusing (or
             # whose hello was lost) is filled in a later round, not waited for by all.
+            # It waits too when it has no neighbour yet: nodes that start together may
+            # turn away every first hello of one of them (their views full), and it then
+            # greets candidates, whose answers are worth the wait.
             expected = self.endpoint.expected_peers(len(self.cfg.peers))
             full_mesh = self.endpoint.views is None
             patience = self.cfg.round_timeout if full_mesh else 3 * self.cfg.heartbeat_interval
