@@ -88,14 +88,14 @@ class LongerSwitches:
     _before = 0.0
 
     def __enter__(self) -> None:
-        with self._lock:
+        with LongerSwitches._lock:
             if LongerSwitches._running == 0:
                 LongerSwitches._before = sys.getswitchinterval()
                 sys.setswitchinterval(SWITCH_INTERVAL_S)
             LongerSwitches._running += 1
 
     def __exit__(self, *exc: object) -> None:
-        with self._lock:
+        with LongerSwitches._lock:
             LongerSwitches._running -= 1
             if LongerSwitches._running == 0:
                 sys.setswitchinterval(LongerSwitches._before)
