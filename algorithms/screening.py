@@ -37,6 +37,18 @@ meshfl node has). Around the rule's `aggregate`, for the whole models received
    through it as well as through its peers. The round start is held in memory only: a
    node's first round here, and its first after a resume, have none, so they judge
    peers against the own model and undo nothing.
+6. Trials: every check above looks at the val split now, and some help shows only
+   after training: a body mixed from other domains (FedC²I on feature shift) validates
+   worse than the own model the round it is mixed and better a round of local
+   training later. So where the val check kept a peer out, the rule's aggregate with
+   those peers let in (every other cause still applies) is put on trial: next round
+   the node trains it as it trained its own model and, where the trained trial passes
+   the guard against the own model, carries on from the trial instead. A trial is
+   judged on what the node would have had, after the same training, so an attacker
+   let in on trial is let in only where the node ends up no worse on its val split.
+   It costs one more local training in a round after a trial (and a second `aggregate`
+   of the rule, whose state is restored from its checkpoint form after it). Held in
+   memory only, as the round start is.
 
 A peer whose record shows clear harm is not fetched at all ("record"): the rule's
 `wanted` is offered the other peers only. The rule then sees only the admitted peers
@@ -51,6 +63,7 @@ gives both the per-sample losses and the per-sample errors.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import math
 import statistics
@@ -68,6 +81,7 @@ from .base import (
     PeerModel,
     ReceivedModels,
     State,
+    draw_seed,
     weighted_average,
 )
 from .evidence import PeerRecords
@@ -208,6 +222,9 @@ class Screened(PeerAlgorithm):
         self.records = PeerRecords()  # what each peer's models did to this node, so far
         # The peers a round's `wanted` kept out by their record, and that round.
         self._passed_over: tuple[int, list[str]] = (0, [])
+        # The rule's aggregate with the peers the val check kept out let in, and its
+        # round: to be trained and judged the next round (step 6).
+        self._trial: tuple[int, State] | None = None
 
     def scratch_model(self) -> torch.nn.Module:
         """The wrapped rule's: one spare model per node; every user loads a state first."""
@@ -271,6 +288,9 @@ class Screened(PeerAlgorithm):
         models = received.get(MODEL, {})
         report: dict[str, Any] = {"judged": len(data.y_val) > 0}
         own_scored = (own.state, self._scores(own.state, data)) if report["judged"] else None
+        if own_scored is not None:
+            own, own_scored = self._judge_trial(round_no, own, own_scored, report, data)
+        self._trial = None
         start = self._scored_round_start(round_no, data) if report["judged"] else None
         pivot = own_scored
         if (
@@ -283,11 +303,9 @@ class Screened(PeerAlgorithm):
         passed_round, passed_over = self._passed_over
         if passed_round == round_no:
             reasons.update({peer: "record" for peer in passed_over if peer not in models})
-        self.rule.kept_out(set(reasons))
-        admitted = {**received, MODEL: {p: m for p, m in models.items() if p not in reasons}}
-        if MODEL not in received:
-            admitted.pop(MODEL)
-        outcome = self.rule.aggregate(round_no, own, admitted, data)
+        if own_scored is not None and "val_loss" in reasons.values():
+            self._start_trial(round_no, own, received, reasons, report, data)
+        outcome = self._rule_aggregate(round_no, own, received, reasons, data)
         outcome, scores = self._guard(outcome, own_scored, report, data)
         if start is not None:
             outcome, scores = self._unless_a_spike((outcome, scores), start, report, data)
@@ -308,6 +326,69 @@ class Screened(PeerAlgorithm):
             "evidence": {peer: round(self.records.score(peer), 3) for peer in sorted(models)},
         }
         return outcome
+
+    def _rule_aggregate(
+        self,
+        round_no: int,
+        own: PeerModel,
+        received: ReceivedModels,
+        reasons: dict[str, str],
+        data: Any,
+    ) -> Aggregate:
+        """The rule's aggregate of what was received, less the models of `reasons`."""
+        self.rule.kept_out(set(reasons))
+        models = received.get(MODEL, {})
+        admitted = {**received, MODEL: {p: m for p, m in models.items() if p not in reasons}}
+        if MODEL not in received:
+            admitted.pop(MODEL)
+        return self.rule.aggregate(round_no, own, admitted, data)
+
+    def _start_trial(
+        self,
+        round_no: int,
+        own: PeerModel,
+        received: ReceivedModels,
+        reasons: dict[str, str],
+        report: dict[str, Any],
+        data: Any,
+    ) -> None:
+        """Keep the rule's aggregate with the peers the val check kept out let in (step
+        6). The rule runs as if it had not: its state is put back as its checkpoint
+        holds it, before the round's own aggregate."""
+        for_cause = {peer: why for peer, why in reasons.items() if why != "val_loss"}
+        saved = copy.deepcopy(self.rule.state_dict())
+        try:
+            trial = self._rule_aggregate(round_no, own, received, for_cause, data)
+        finally:
+            self.rule.load_state_dict(saved)
+        if trial.weights != {self.context.node: 1.0}:  # the own model is no trial
+            self._trial = (round_no, trial.state)
+            report["on_trial"] = sorted(p for p, why in reasons.items() if why == "val_loss")
+
+    def _judge_trial(
+        self,
+        round_no: int,
+        own: PeerModel,
+        own_scored: tuple[State, ValScores],
+        report: dict[str, Any],
+        data: Any,
+    ) -> tuple[PeerModel, tuple[State, ValScores]]:
+        """The own model of the round, or last round's trial trained as the own model
+        was, where that one passes the guard against it (step 6)."""
+        if self._trial is None or self._trial[0] != round_no - 1:
+            return own, own_scored
+        model = self.scratch_model()
+        model.load_state_dict(self._trial[1])
+        assert self.context.train is not None, "the node provides its training recipe"
+        seed = draw_seed(self.context.seed, self.context.node, round_no, "screening/trial")
+        self.context.train(model, data.x_train, data.y_train, None, seed=seed)
+        trained = {key: value.detach().clone() for key, value in model.state_dict().items()}
+        scores = self._scores(trained, data)
+        won, figures = guard_verdict(own_scored[1], scores)
+        report["trial"] = {"won": won, **figures}
+        if not won:
+            return own, own_scored
+        return PeerModel(trained, own.n_samples), (trained, scores)
 
     def _guard(
         self,

@@ -170,6 +170,23 @@ def attackers_in_views(run: RunRecords) -> dict[str, float]:
     }
 
 
+def screening_trials(run: RunRecords) -> dict[str, float]:
+    """Screened rules: the share of node-rounds that trained a trial (the rule's
+    aggregate with the peers the val check kept out let in, algorithms/screening.py step
+    6), and the share of those the node went on from. What trials cost (a second local
+    training each) and what they gave."""
+    judged = [
+        record.diagnostics["screening"]["trial"]["won"]
+        for _, record in run.node_rounds()
+        if "trial" in record.diagnostics.get("screening", {})
+    ]
+    screened = sum("screening" in record.diagnostics for _, record in run.node_rounds())
+    if not screened:
+        return {}
+    won = {"trials_won": statistics.fmean(judged)} if judged else {}
+    return {"trial_rounds": len(judged) / screened, **won}
+
+
 EVERY_RULE = (
     Scores(attacker_weight),  # the robustness table shows it, no score row
     Scores(attackers_in_views),  # the robustness table's lines under it
@@ -182,6 +199,13 @@ EVERY_RULE = (
             "neighbours_own_cluster_last": _mean_row(
                 "share of neighbours from the own cluster, last round"
             ),
+        },
+    ),
+    Scores(
+        screening_trials,
+        {
+            "trial_rounds": _mean_row("share of screened node-rounds that trained a trial"),
+            "trials_won": _mean_row("share of trials the node went on from"),
         },
     ),
 )

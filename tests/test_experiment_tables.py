@@ -24,6 +24,7 @@ from meshfl.launch.measures import (
     own_group_share,
     own_versus_average,
     round_costs,
+    screening_trials,
     shapley_by_label_overlap,
     top_k_precision,
 )
@@ -118,6 +119,23 @@ def test_round_costs_are_medians_over_every_node_round():
         "missing": [],
     }
     assert round_costs(RunRecords(history)) == {"mb_in_per_round": 1.5, "shapley_to_train": 0.25}
+
+
+def test_screening_trials_are_counted_over_screened_node_rounds():
+    def screened(won=None):
+        trial = {} if won is None else {"trial": {"won": won}}
+        return {"diagnostics": {"screening": {"judged": True, **trial}}}
+
+    history = {
+        "a": rounds_of(screened(), screened(True), screened(False)),
+        "b": rounds_of(screened(True), {}),  # a round without screening counts for nothing
+    }
+    assert screening_trials(RunRecords(history)) == {
+        "trial_rounds": 0.75,
+        "trials_won": pytest.approx(2 / 3),
+    }
+    assert screening_trials(RunRecords({"a": rounds_of(screened())})) == {"trial_rounds": 0.0}
+    assert screening_trials(RunRecords({"a": rounds_of({})})) == {}, "the paper's rule: no row"
 
 
 def test_top_k_precision_scores_the_last_pull_against_shared_labels():

@@ -241,7 +241,56 @@ def test_the_rule_is_told_whom_screening_keeps_out_before_it_aggregates(world):
     told = []
     rule.rule.kept_out = told.append
     aggregate(rule, world, {"h1": world.honest["h1"], "bad": world.attackers["noise"]})
-    assert told == [{"bad"}]
+    # First for the trial (step 6), where only causes other than the val check count.
+    assert told == [set(), {"bad"}]
+
+
+def test_a_peer_the_val_check_keeps_out_is_put_on_trial_and_judged_trained(world):
+    """The trial (the rule's aggregate with the peer let in) is trained next round as
+    the own model was and judged by the guard against it: here the own model of round 2
+    is the initial weights (its training went nowhere), so the trained trial wins and
+    the round goes on from it."""
+    rule = screened(world, "fedavg")
+    first = aggregate(rule, world, {"h1": world.honest["h1"], "bad": world.attackers["scale"]})
+    assert first.diagnostics["screened_out"] == {"bad": "val_loss"}
+    assert first.diagnostics["screening"]["on_trial"] == ["bad"]
+    initial = build_model("mlp", world.data.input_shape, 10, "last", seed=0).state_dict()
+    second = rule.aggregate(3, PeerModel(initial, world.n), {}, world.data)
+    trial = second.diagnostics["screening"]["trial"]
+    assert trial["won"] is True
+    assert trial["val_loss_aggregate"] < trial["val_loss_own"]
+    assert not all(torch.equal(second.state[key], initial[key]) for key in initial)
+    assert float(rule._scores(second.state, world.data).losses.mean()) == pytest.approx(
+        trial["val_loss_aggregate"]
+    )
+
+
+def test_a_trial_that_trains_worse_than_the_own_model_changes_nothing(world):
+    """An attacker let in on trial is let in only where the node ends up no worse: a
+    noise model mixed in is worse after a round of training too, and the node's round
+    ends as it would have without the trial."""
+    tried, untried = screened(world, "fedavg"), screened(world, "fedavg")
+    aggregate(tried, world, {"h1": world.honest["h1"], "bad": world.attackers["noise"]})
+    aggregate(untried, world, {"h1": world.honest["h1"]})
+    peers = {"h2": world.honest["h2"]}
+    outcome = aggregate(tried, world, peers, round_no=3)
+    assert outcome.diagnostics["screening"]["trial"]["won"] is False
+    expected = aggregate(untried, world, peers, round_no=3)
+    assert "trial" not in expected.diagnostics["screening"]
+    assert all(torch.equal(outcome.state[key], expected.state[key]) for key in expected.state)
+
+
+def test_a_trial_leaves_a_stateful_rule_as_it_would_be_without_it(world):
+    """pFedSV keeps relevance scores and its k: the trial's aggregate must not move
+    them, or the round's own aggregate would differ from the rule's untried one."""
+    peers = {"h1": world.honest["h1"], "h2": world.honest["h2"], "bad": world.attackers["noise"]}
+    tried, untried = screened(world, "pfedsv"), screened(world, "pfedsv")
+    untried._start_trial = lambda *args: None
+    outcomes = [aggregate(rule, world, peers) for rule in (tried, untried)]
+    assert outcomes[0].diagnostics["screened_out"] == {"bad": "val_loss"}
+    assert "on_trial" in outcomes[0].diagnostics["screening"]
+    assert tried.rule.state_dict() == untried.rule.state_dict()
+    assert all(torch.equal(outcomes[0].state[k], outcomes[1].state[k]) for k in outcomes[1].state)
 
 
 def test_a_round_of_training_gone_astray_does_not_let_an_attacker_in(world):
