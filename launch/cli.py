@@ -278,6 +278,13 @@ def build_parser() -> argparse.ArgumentParser:
     experiment.add_argument("--data-root", metavar="DIR", help="dataset folder")
     experiment.add_argument("--seeds", metavar="S1,S2", help="override the seeds")
     experiment.add_argument(
+        "--only",
+        action="append",
+        metavar="COLUMN",
+        help="run only this column of the table (a variant, or a rule of an attack grid, "
+        "as the table heads it); repeat for more",
+    )
+    experiment.add_argument(
         "--out", metavar="DIR", help="output folder (default runs/experiments/NAME)"
     )
     add_assignments(experiment, "override any config field of every run")

@@ -56,7 +56,7 @@ def run_experiment(args: argparse.Namespace) -> int:
         return 0
     if not args.name:
         raise UserError("experiment NAME is missing; `meshfl experiment --list` shows them")
-    spec = with_attack_grid(load_experiment(args.name))
+    spec = with_attack_grid(only(load_experiment(args.name), args.only or []))
     out = Path(args.out or f"runs/experiments/{args.name}")
     out.mkdir(parents=True, exist_ok=True)
     base = out / "base.yaml"
@@ -84,6 +84,22 @@ def run_experiment(args: argparse.Namespace) -> int:
     (out / "table.md").write_text(table)
     print("\n" + table)
     return 0
+
+
+def only(spec: dict[str, Any], labels: list[str]) -> dict[str, Any]:
+    """The experiment cut to the columns `labels` names (its variants, or an attack
+    grid's rules), in the experiment's order; all of them where none is named. A column
+    whose code did not change need not be run again to compare with one that did."""
+    if not labels:
+        return spec
+    key = "rules" if "rules" in spec else "variants"
+    unknown = [label for label in labels if label not in spec[key]]
+    if unknown:
+        allowed = ", ".join(spec[key])
+        raise UserError(
+            f"--only {unknown[0]!r} is no column of this experiment; allowed: {allowed}"
+        )
+    return {**spec, key: {label: sets for label, sets in spec[key].items() if label in labels}}
 
 
 GRID_SEPARATOR = " | "

@@ -11,10 +11,12 @@ from dataclasses import replace
 
 import pytest
 
+from meshfl.launch.errors import UserError
 from meshfl.launch.experiment_runs import (
     _differences,
     _planned_config,
     _what_decides_results,
+    only,
     render_robustness,
     render_table,
 )
@@ -205,6 +207,28 @@ def test_own_versus_average_reads_the_guarded_average_and_counts_adopted_average
         "average_below_own": pytest.approx(2 / 4),
         "average_adopted": pytest.approx(3 / 4),
     }
+
+
+def test_only_cuts_an_experiment_to_the_columns_named_in_its_own_order():
+    spec = {"variants": {"Local": ["a"], "FedAvg": ["b"], "FedAvg screened": ["c"]}}
+    assert only(spec, []) is spec
+    assert only(spec, ["FedAvg screened", "Local"])["variants"] == {
+        "Local": ["a"],
+        "FedAvg screened": ["c"],
+    }
+    grid = {"rules": {"Local": [], "Krum": []}, "attacks": {"none": []}, "attackers": ["n1"]}
+    assert list(only(grid, ["Krum"])["rules"]) == ["Krum"]
+    with pytest.raises(UserError, match="'Fedavg' is no column.*allowed: Local, FedAvg"):
+        only(spec, ["Fedavg"])
+
+
+def test_an_unknown_column_stops_an_experiment_before_it_runs_anything(tmp_path):
+    command = [sys.executable, "-m", "meshfl.launch.cli", "experiment", "smoke-digits"]
+    options = ["--only", "Local", "--only", "nope", "--out", str(tmp_path / "out")]
+    done = subprocess.run([*command, *options], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "--only 'nope' is no column of this experiment; allowed: Local, FedAvg" in done.stderr
+    assert not (tmp_path / "out" / "local").exists()
 
 
 def test_an_experiment_runs_each_variant_once_and_a_rerun_keeps_and_rescores_them(tmp_path):
