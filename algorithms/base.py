@@ -7,6 +7,7 @@ model plus the weights and diagnostics it wants in the metrics.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import types
@@ -168,6 +169,23 @@ class PeerAlgorithm:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+
+class Rewind:
+    """A rule's attributes as they are now, to put back exactly (not `load_state_dict`,
+    which is a resume and may merge): a step run only to see its outcome (the node's
+    containment, screening's trial) leaves the rule as it found it. Its context (the
+    node's data, model factory and training recipe) is shared, not copied: a step never
+    changes it."""
+
+    def __init__(self, rule: Any) -> None:
+        self.rule = rule
+        self.keep = {id(rule.context): rule.context}
+        self.saved = copy.deepcopy(vars(rule), dict(self.keep))
+
+    def __call__(self) -> None:
+        vars(self.rule).clear()
+        vars(self.rule).update(copy.deepcopy(self.saved, dict(self.keep)))
 
 
 @dataclass(frozen=True)

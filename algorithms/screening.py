@@ -39,16 +39,17 @@ meshfl node has). Around the rule's `aggregate`, for the whole models received
    peers against the own model and undo nothing.
 6. Trials: every check above looks at the val split now, and some help shows only
    after training: a body mixed from other domains (FedC²I on feature shift) validates
-   worse than the own model the round it is mixed and better a round of local
-   training later. So where the val check kept a peer out, the rule's aggregate with
-   those peers let in (every other cause still applies) is put on trial: next round
-   the node trains it as it trained its own model and, where the trained trial passes
-   the guard against the own model, carries on from the trial instead. A trial is
-   judged on what the node would have had, after the same training, so an attacker
-   let in on trial is let in only where the node ends up no worse on its val split.
-   It costs one more local training in a round after a trial (and a second `aggregate`
-   of the rule, whose state is restored from its checkpoint form after it). Held in
-   memory only, as the round start is.
+   worse the round it is mixed in and better a round of local training later. So where
+   the val check kept a peer out and the rule, given those peers too (every other cause
+   still applies), weighs one of them, that aggregate is put on trial: the next round
+   the node trains it as it trained its own model (same recipe, same seed) and, where
+   the trained trial passes the guard against the own model, carries on from the
+   trial. A trial is judged on what the node would have had after the same training,
+   so a peer let in on trial (an attacker among them) gets in only where the node ends
+   up no worse on its val split by the guard's measure; the round's metrics name the
+   trial's weights, and the experiment tables count them in the attackers' weight.
+   The rule is rewound after the trial's aggregate (`Rewind`), so the round's own
+   aggregate is what it would have been. Held in memory only, as the round start is.
 
 A peer whose record shows clear harm is not fetched at all ("record"): the rule's
 `wanted` is offered the other peers only. The rule then sees only the admitted peers
@@ -58,12 +59,13 @@ are its own; the screening adds `screened_out`
 diagnostics. Screening is on by default (`algorithm.screen`); false gives the paper's
 rule unchanged. Cost: one val pass per received model and one for the aggregate (and
 one for the model the round started from where the guard did not judge it); each pass
-gives both the per-sample losses and the per-sample errors.
+gives both the per-sample losses and the per-sample errors. A round that starts a
+trial runs the rule's aggregate twice; the round after it trains once more and makes one
+more val pass.
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import math
 import statistics
@@ -80,6 +82,7 @@ from .base import (
     PeerAlgorithm,
     PeerModel,
     ReceivedModels,
+    Rewind,
     State,
     draw_seed,
     weighted_average,
@@ -178,6 +181,15 @@ def batched_logits(
         return torch.cat([forward(batch) for batch in x.split(batch_size)])
 
 
+class Trial(NamedTuple):
+    """The rule's aggregate of round `round_no` with the peers the val check kept out
+    let in, and the weights it gave: to be trained and judged the next round."""
+
+    round_no: int
+    state: State
+    weights: dict[str, float]
+
+
 class ValScores(NamedTuple):
     """A model's per-sample cross-entropy and 0/1 errors on a val split."""
 
@@ -222,9 +234,7 @@ class Screened(PeerAlgorithm):
         self.records = PeerRecords()  # what each peer's models did to this node, so far
         # The peers a round's `wanted` kept out by their record, and that round.
         self._passed_over: tuple[int, list[str]] = (0, [])
-        # The rule's aggregate with the peers the val check kept out let in, and its
-        # round: to be trained and judged the next round (step 6).
-        self._trial: tuple[int, State] | None = None
+        self._trial: Trial | None = None  # step 6: judged the round after it is started
 
     def scratch_model(self) -> torch.nn.Module:
         """The wrapped rule's: one spare model per node; every user loads a state first."""
@@ -288,7 +298,7 @@ class Screened(PeerAlgorithm):
         models = received.get(MODEL, {})
         report: dict[str, Any] = {"judged": len(data.y_val) > 0}
         own_scored = (own.state, self._scores(own.state, data)) if report["judged"] else None
-        if own_scored is not None:
+        if own_scored is not None and self._trial is not None:
             own, own_scored = self._judge_trial(round_no, own, own_scored, report, data)
         self._trial = None
         start = self._scored_round_start(round_no, data) if report["judged"] else None
@@ -317,7 +327,8 @@ class Screened(PeerAlgorithm):
             **{r: each for r, each in self._adopted.items() if r == round_no - 1},
         }
         if pivot is not None:
-            report["judged_against"] = "own" if pivot is own_scored else "round_start"
+            own_kind = "trial" if report.get("trial", {}).get("won") else "own"
+            report["judged_against"] = own_kind if pivot is own_scored else "round_start"
         report["seconds"] = time.perf_counter() - clock
         outcome.diagnostics = {
             **outcome.diagnostics,
@@ -353,17 +364,18 @@ class Screened(PeerAlgorithm):
         data: Any,
     ) -> None:
         """Keep the rule's aggregate with the peers the val check kept out let in (step
-        6). The rule runs as if it had not: its state is put back as its checkpoint
-        holds it, before the round's own aggregate."""
+        6), where the rule gives one of them weight. The rule is rewound after it, so
+        the round's own aggregate is what it would have been."""
+        on_trial = sorted(peer for peer, why in reasons.items() if why == "val_loss")
         for_cause = {peer: why for peer, why in reasons.items() if why != "val_loss"}
-        saved = copy.deepcopy(self.rule.state_dict())
+        rewind = Rewind(self.rule)
         try:
             trial = self._rule_aggregate(round_no, own, received, for_cause, data)
         finally:
-            self.rule.load_state_dict(saved)
-        if trial.weights != {self.context.node: 1.0}:  # the own model is no trial
-            self._trial = (round_no, trial.state)
-            report["on_trial"] = sorted(p for p, why in reasons.items() if why == "val_loss")
+            rewind()
+        if any(trial.weights.get(peer, 0.0) > 0 for peer in on_trial):
+            self._trial = Trial(round_no, trial.state, trial.weights)
+            report["on_trial"] = on_trial
 
     def _judge_trial(
         self,
@@ -374,13 +386,15 @@ class Screened(PeerAlgorithm):
         data: Any,
     ) -> tuple[PeerModel, tuple[State, ValScores]]:
         """The own model of the round, or last round's trial trained as the own model
-        was, where that one passes the guard against it (step 6)."""
-        if self._trial is None or self._trial[0] != round_no - 1:
+        was (the same recipe and seed), where that one passes the guard against it
+        (step 6). A trial of an earlier round (the node missed one) is dropped."""
+        assert self._trial is not None, "judged only where one is pending"
+        if self._trial.round_no != round_no - 1:
             return own, own_scored
         model = self.scratch_model()
-        model.load_state_dict(self._trial[1])
+        model.load_state_dict(self._trial.state)
         assert self.context.train is not None, "the node provides its training recipe"
-        seed = draw_seed(self.context.seed, self.context.node, round_no, "screening/trial")
+        seed = draw_seed(self.context.seed, self.context.node, round_no, "train")
         self.context.train(model, data.x_train, data.y_train, None, seed=seed)
         trained = {key: value.detach().clone() for key, value in model.state_dict().items()}
         scores = self._scores(trained, data)
@@ -388,6 +402,8 @@ class Screened(PeerAlgorithm):
         report["trial"] = {"won": won, **figures}
         if not won:
             return own, own_scored
+        # Whose models the node now carries on from, for its metrics (attacker weight).
+        report["trial"]["weights"] = self._trial.weights
         return PeerModel(trained, own.n_samples), (trained, scores)
 
     def _guard(

@@ -95,13 +95,27 @@ def _mean_row(title: str) -> TableRow:
 
 def attacker_weight(run: RunRecords) -> dict[str, float]:
     """The attackers' share of the honest nodes' aggregation weights: the weight on
-    attackers summed per round, averaged over honest nodes and rounds."""
+    attackers summed per round, averaged over honest nodes and rounds. A round whose
+    node carried on from a screening trial (algorithms/screening.py, step 6) counts the
+    attackers' share of that trial too, times the weight the round gave the node's own
+    model."""
     shares = [
-        sum(weight for peer, weight in record.weights.items() if peer in run.attackers)
+        _attackers_share(record.weights, run.attackers)
+        + record.weights.get(name, 0.0) * _attackers_share(_trial_weights(record), run.attackers)
         for name, record in run.node_rounds()
         if name not in run.attackers
     ]
     return {"attacker_weight": statistics.fmean(shares)} if run.attackers and shares else {}
+
+
+def _attackers_share(weights: dict[str, float], attackers: frozenset[str]) -> float:
+    return sum(weight for peer, weight in weights.items() if peer in attackers)
+
+
+def _trial_weights(record: RoundRecord) -> dict[str, float]:
+    """The weights of the screening trial a round's node carried on from; {} if none."""
+    trial = record.diagnostics.get("screening", {}).get("trial", {})
+    return dict(trial.get("weights", {})) if trial.get("won") else {}
 
 
 def round_costs(run: RunRecords) -> dict[str, float]:
@@ -173,7 +187,7 @@ def attackers_in_views(run: RunRecords) -> dict[str, float]:
 def screening_trials(run: RunRecords) -> dict[str, float]:
     """Screened rules: the share of node-rounds that trained a trial (the rule's
     aggregate with the peers the val check kept out let in, algorithms/screening.py step
-    6), and the share of those the node went on from. What trials cost (a second local
+    6), and the share of those that beat the own model. What trials cost (a second local
     training each) and what they gave."""
     judged = [
         record.diagnostics["screening"]["trial"]["won"]
@@ -205,7 +219,7 @@ EVERY_RULE = (
         screening_trials,
         {
             "trial_rounds": _mean_row("share of screened node-rounds that trained a trial"),
-            "trials_won": _mean_row("share of trials the node went on from"),
+            "trials_won": _mean_row("share of trials that beat the own model"),
         },
     ),
 )

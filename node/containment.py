@@ -15,11 +15,12 @@ costs up to one step per peer, in that round only.
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
+
+from meshfl.algorithms.base import Rewind
 
 log = logging.getLogger("meshfl.node")
 
@@ -32,21 +33,6 @@ class Contained(Generic[Outcome]):
 
     outcome: Outcome
     refused: list[str]
-
-
-class Rewind:
-    """The rule's attributes as they are now, to put back exactly (not `load_state_dict`,
-    which is a resume and may merge). Its context (the node's data, model factory and
-    training recipe) is shared, not copied: a step never changes it."""
-
-    def __init__(self, rule: Any) -> None:
-        self.rule = rule
-        self.keep = {id(rule.context): rule.context}
-        self.saved = copy.deepcopy(vars(rule), dict(self.keep))
-
-    def __call__(self) -> None:
-        vars(self.rule).clear()
-        vars(self.rule).update(copy.deepcopy(self.saved, dict(self.keep)))
 
 
 def run_contained(

@@ -22,6 +22,7 @@ from meshfl.launch.experiment_runs import (
 )
 from meshfl.launch.measures import (
     RunRecords,
+    attacker_weight,
     influence_shape,
     own_group_share,
     own_versus_average,
@@ -138,6 +139,28 @@ def test_screening_trials_are_counted_over_screened_node_rounds():
     }
     assert screening_trials(RunRecords({"a": rounds_of(screened())})) == {"trial_rounds": 0.0}
     assert screening_trials(RunRecords({"a": rounds_of({})})) == {}, "the paper's rule: no row"
+
+
+def test_attacker_weight_counts_what_came_in_through_a_won_trial():
+    """A node that carried on from a screening trial holds the trial's peers at the
+    weight the round gave its own model: an attacker let in on trial is counted."""
+
+    def weighed(weights, trial=None):
+        screening = {} if trial is None else {"trial": trial}
+        return {"weights": weights, "diagnostics": {"screening": screening}}
+
+    won = {"won": True, "weights": {"a": 0.5, "bad": 0.5}}
+    lost = {"won": False}
+    history = {
+        "a": rounds_of(
+            weighed({"a": 0.8, "h": 0.2}, won),  # 0.8 * 0.5 through the trial
+            weighed({"a": 0.5, "bad": 0.5}, lost),
+            weighed({"a": 1.0}),
+        ),
+        "bad": rounds_of(weighed({"bad": 1.0})),  # an attacker's own rounds count for nothing
+    }
+    scores = attacker_weight(RunRecords(history, attackers=frozenset({"bad"})))
+    assert scores == {"attacker_weight": pytest.approx((0.4 + 0.5 + 0.0) / 3)}
 
 
 def test_top_k_precision_scores_the_last_pull_against_shared_labels():

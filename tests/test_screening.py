@@ -249,20 +249,28 @@ def test_a_peer_the_val_check_keeps_out_is_put_on_trial_and_judged_trained(world
     """The trial (the rule's aggregate with the peer let in) is trained next round as
     the own model was and judged by the guard against it: here the own model of round 2
     is the initial weights (its training went nowhere), so the trained trial wins and
-    the round goes on from it."""
+    the round goes on from it, naming the trial's weights."""
     rule = screened(world, "fedavg")
     first = aggregate(rule, world, {"h1": world.honest["h1"], "bad": world.attackers["scale"]})
     assert first.diagnostics["screened_out"] == {"bad": "val_loss"}
     assert first.diagnostics["screening"]["on_trial"] == ["bad"]
+    assert first.weights.get("bad", 0.0) == 0.0
     initial = build_model("mlp", world.data.input_shape, 10, "last", seed=0).state_dict()
     second = rule.aggregate(3, PeerModel(initial, world.n), {}, world.data)
-    trial = second.diagnostics["screening"]["trial"]
-    assert trial["won"] is True
-    assert trial["val_loss_aggregate"] < trial["val_loss_own"]
-    assert not all(torch.equal(second.state[key], initial[key]) for key in initial)
+    report = second.diagnostics["screening"]
+    assert report["trial"]["won"] is True and report["judged_against"] == "trial"
+    assert report["trial"]["weights"] == pytest.approx({"h0": 1 / 3, "h1": 1 / 3, "bad": 1 / 3})
     assert float(rule._scores(second.state, world.data).losses.mean()) == pytest.approx(
-        trial["val_loss_aggregate"]
-    )
+        report["trial"]["val_loss_aggregate"]
+    ), "the round's outcome is the trained trial"
+
+
+def test_a_trial_is_judged_the_next_round_only(world):
+    rule = screened(world, "fedavg")
+    aggregate(rule, world, {"h1": world.honest["h1"], "bad": world.attackers["scale"]})
+    later = aggregate(rule, world, {}, round_no=4)  # the node missed round 3
+    assert "trial" not in later.diagnostics["screening"]
+    assert later.weights == {"h0": 1.0}
 
 
 def test_a_trial_that_trains_worse_than_the_own_model_changes_nothing(world):
@@ -280,17 +288,32 @@ def test_a_trial_that_trains_worse_than_the_own_model_changes_nothing(world):
     assert all(torch.equal(outcome.state[key], expected.state[key]) for key in expected.state)
 
 
-def test_a_trial_leaves_a_stateful_rule_as_it_would_be_without_it(world):
-    """pFedSV keeps relevance scores and its k: the trial's aggregate must not move
-    them, or the round's own aggregate would differ from the rule's untried one."""
-    peers = {"h1": world.honest["h1"], "h2": world.honest["h2"], "bad": world.attackers["noise"]}
-    tried, untried = screened(world, "pfedsv"), screened(world, "pfedsv")
+@pytest.mark.parametrize(("name", "params"), [("pfedsv", {}), ("pfedlia", {"warmup": 1})])
+def test_a_trial_leaves_a_stateful_rule_as_it_would_be_without_it(world, name, params):
+    """pFedSV keeps relevance scores and its k, pFedLIA its lazy scores and groups: the
+    trial's aggregate must not move them, or the round's own aggregate would differ
+    from the rule's untried one."""
+    peers = {"h1": world.honest["h1"], "h2": world.honest["h2"], "bad": world.attackers["signflip"]}
+    tried, untried = screened(world, name, **params), screened(world, name, **params)
     untried._start_trial = lambda *args: None
-    outcomes = [aggregate(rule, world, peers) for rule in (tried, untried)]
-    assert outcomes[0].diagnostics["screened_out"] == {"bad": "val_loss"}
-    assert "on_trial" in outcomes[0].diagnostics["screening"]
-    assert tried.rule.state_dict() == untried.rule.state_dict()
-    assert all(torch.equal(outcomes[0].state[k], outcomes[1].state[k]) for k in outcomes[1].state)
+    # pFedLIA: the warm-up's last round (its anchor), then lazy. Round 3, not 2: round
+    # 1's trial is then dropped unjudged, so only the rewind is compared.
+    for round_no in (1, 3):
+        fresh = {peer: {k: v + 1e-6 * round_no for k, v in s.items()} for peer, s in peers.items()}
+        outcomes = [aggregate(rule, world, fresh, round_no=round_no) for rule in (tried, untried)]
+        assert outcomes[0].diagnostics["screened_out"] == {"bad": "val_loss"}
+        if round_no == 1:
+            assert "on_trial" in outcomes[0].diagnostics["screening"]
+        kept = [
+            {
+                k: v
+                for k, v in outcome.diagnostics.items()
+                if k != "screening" and "seconds" not in k
+            }
+            for outcome in outcomes
+        ]
+        assert kept[0] == kept[1]
+        assert all(torch.equal(outcomes[0].state[k], outcomes[1].state[k]) for k in fresh["h1"])
 
 
 def test_a_round_of_training_gone_astray_does_not_let_an_attacker_in(world):
