@@ -21,7 +21,7 @@ from .base import (
     Upload,
 )
 from .base import parse_params as _parse_into
-from .screening import SCREEN_KEY, with_screening
+from .screening import SCREEN_KEY, TRIALS_KEY, with_screening
 
 
 def _discover() -> dict[str, type[PeerAlgorithm]]:
@@ -65,8 +65,9 @@ def parse_params(name: str, params: dict[str, Any], rounds: int | None = None) -
     The fitted values enter the mesh id (node/config.py): nodes that fit them apart
     never mix.
     """
-    rule_params = {key: value for key, value in params.items() if key != SCREEN_KEY}
-    if SCREEN_KEY in params:
+    screening_keys = (SCREEN_KEY, TRIALS_KEY)
+    rule_params = {key: value for key, value in params.items() if key not in screening_keys}
+    if any(key in params for key in screening_keys):
         screening_setting(name, params)  # checked here, kept out of the rule's Params
     parsed = _parse_into(algorithm_class(name).Params, rule_params)
     fit = getattr(parsed, "for_rounds", None)
@@ -79,27 +80,35 @@ def parse_params(name: str, params: dict[str, Any], rounds: int | None = None) -
 
 
 def screening_setting(name: str, params: dict[str, Any]) -> dict[str, bool]:
-    """{"screen": on?} for a rule that validation screening can wrap (on unless
-    `params` say screen: false); {} for one it cannot, which then takes no `screen`."""
-    screen = params.get(SCREEN_KEY, True)
+    """{"screen": on?, "trials": on?} for a rule that validation screening can wrap
+    (screening on unless `params` say screen: false; its trials off unless they say
+    trials: true); {} for one it cannot, which then takes neither."""
     if name not in ALGORITHMS:
         return {}  # an unknown name is reported, with the allowed ones, by its own check
+    setting = {SCREEN_KEY: params.get(SCREEN_KEY, True), TRIALS_KEY: params.get(TRIALS_KEY, False)}
     if not ALGORITHMS[name].screenable:
-        if SCREEN_KEY in params:
+        for key in setting.keys() & params.keys():
             raise ValueError(
-                f"algorithm.{SCREEN_KEY}: got {screen!r}; allowed: nothing, "
+                f"algorithm.{key}: got {params[key]!r}; allowed: nothing, "
                 f"{name} takes no peer models to screen"
             )
         return {}
-    if not isinstance(screen, bool):
-        raise ValueError(f"algorithm.{SCREEN_KEY}: got {screen!r}; expected bool")
-    return {SCREEN_KEY: screen}
+    for key, value in setting.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"algorithm.{key}: got {value!r}; expected bool")
+    if setting[TRIALS_KEY] and not setting[SCREEN_KEY]:
+        raise ValueError(
+            f"algorithm.{TRIALS_KEY}: got True with {SCREEN_KEY}: false; trials are a step "
+            "of validation screening"
+        )
+    return setting
 
 
 def build_rule(name: str, params: dict[str, Any], context: Context) -> PeerAlgorithm:
     """The rule `name` for a node, behind validation screening where that is on."""
     rule = algorithm_class(name)(parse_params(name, params), context)
-    return with_screening(rule, screening_setting(name, params).get(SCREEN_KEY, False))
+    setting = screening_setting(name, params)
+    return with_screening(rule, setting.get(SCREEN_KEY, False), setting.get(TRIALS_KEY, False))
 
 
 __all__ = [

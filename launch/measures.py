@@ -195,10 +195,9 @@ def screening_trials(run: RunRecords) -> dict[str, float]:
         if "trial" in record.diagnostics.get("screening", {})
     ]
     screened = sum("screening" in record.diagnostics for _, record in run.node_rounds())
-    if not screened:
+    if not judged:  # no trials (off, the default, or none started): no rows
         return {}
-    won = {"trials_won": statistics.fmean(judged)} if judged else {}
-    return {"trial_rounds": len(judged) / screened, **won}
+    return {"trial_rounds": len(judged) / screened, "trials_won": statistics.fmean(judged)}
 
 
 EVERY_RULE = (

@@ -137,7 +137,7 @@ def test_screening_trials_are_counted_over_screened_node_rounds():
         "trial_rounds": 0.75,
         "trials_won": pytest.approx(2 / 3),
     }
-    assert screening_trials(RunRecords({"a": rounds_of(screened())})) == {"trial_rounds": 0.0}
+    assert screening_trials(RunRecords({"a": rounds_of(screened())})) == {}, "trials off: no row"
     assert screening_trials(RunRecords({"a": rounds_of({})})) == {}, "the paper's rule: no row"
 
 

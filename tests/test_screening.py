@@ -88,10 +88,10 @@ def world():
     )
 
 
-def screened(world, name, **params):
+def screened(world, name, trials=False, **params):
     rounds = 10 if name == "pfedlia" else None
     rule = algorithm_class(name)(parse_params(name, params, rounds), world.context(name))
-    return Screened(rule)
+    return Screened(rule, trials)
 
 
 def aggregate(rule, world, peers, round_no=2, counts=None):
@@ -241,6 +241,11 @@ def test_the_rule_is_told_whom_screening_keeps_out_before_it_aggregates(world):
     told = []
     rule.rule.kept_out = told.append
     aggregate(rule, world, {"h1": world.honest["h1"], "bad": world.attackers["noise"]})
+    assert told == [{"bad"}]
+    tried = screened(world, "fedavg", trials=True)
+    told.clear()
+    tried.rule.kept_out = told.append
+    aggregate(tried, world, {"h1": world.honest["h1"], "bad": world.attackers["noise"]})
     # First for the trial (step 6), where only causes other than the val check count.
     assert told == [set(), {"bad"}]
 
@@ -250,7 +255,7 @@ def test_a_peer_the_val_check_keeps_out_is_put_on_trial_and_judged_trained(world
     the own model was and judged by the guard against it: here the own model of round 2
     is the initial weights (its training went nowhere), so the trained trial wins and
     the round goes on from it, naming the trial's weights."""
-    rule = screened(world, "fedavg")
+    rule = screened(world, "fedavg", trials=True)
     first = aggregate(rule, world, {"h1": world.honest["h1"], "bad": world.attackers["scale"]})
     assert first.diagnostics["screened_out"] == {"bad": "val_loss"}
     assert first.diagnostics["screening"]["on_trial"] == ["bad"]
@@ -266,7 +271,7 @@ def test_a_peer_the_val_check_keeps_out_is_put_on_trial_and_judged_trained(world
 
 
 def test_a_trial_is_judged_the_next_round_only(world):
-    rule = screened(world, "fedavg")
+    rule = screened(world, "fedavg", trials=True)
     aggregate(rule, world, {"h1": world.honest["h1"], "bad": world.attackers["scale"]})
     later = aggregate(rule, world, {}, round_no=4)  # the node missed round 3
     assert "trial" not in later.diagnostics["screening"]
@@ -277,7 +282,7 @@ def test_a_trial_that_trains_worse_than_the_own_model_changes_nothing(world):
     """An attacker let in on trial is let in only where the node ends up no worse: a
     noise model mixed in is worse after a round of training too, and the node's round
     ends as it would have without the trial."""
-    tried, untried = screened(world, "fedavg"), screened(world, "fedavg")
+    tried, untried = screened(world, "fedavg", trials=True), screened(world, "fedavg")
     aggregate(tried, world, {"h1": world.honest["h1"], "bad": world.attackers["noise"]})
     aggregate(untried, world, {"h1": world.honest["h1"]})
     peers = {"h2": world.honest["h2"]}
@@ -294,8 +299,7 @@ def test_a_trial_leaves_a_stateful_rule_as_it_would_be_without_it(world, name, p
     trial's aggregate must not move them, or the round's own aggregate would differ
     from the rule's untried one."""
     peers = {"h1": world.honest["h1"], "h2": world.honest["h2"], "bad": world.attackers["signflip"]}
-    tried, untried = screened(world, name, **params), screened(world, name, **params)
-    untried._start_trial = lambda *args: None
+    tried, untried = screened(world, name, True, **params), screened(world, name, **params)
     # pFedLIA: the warm-up's last round (its anchor), then lazy. Round 3, not 2: round
     # 1's trial is then dropped unjudged, so only the rewind is compared.
     for round_no in (1, 3):
@@ -400,6 +404,20 @@ def test_screen_false_builds_the_papers_rule_unchanged(world):
     )
     assert isinstance(build_rule("fedavg", {}, world.context("fedavg")), Screened)
     assert type(build_rule("local", {}, world.context("local"))).__name__ == "Local"
+
+
+def test_trials_are_off_unless_asked_for_and_only_behind_screening(world):
+    assert build_rule("fedavg", {}, world.context("fedavg")).trials is False
+    assert build_rule("fedavg", {"trials": True}, world.context("fedavg")).trials is True
+    with pytest.raises(ValueError, match="algorithm.trials: got True with screen: false"):
+        build_rule("fedavg", {"trials": True, "screen": False}, world.context("fedavg"))
+    with pytest.raises(ValueError, match="algorithm.trials: got 'yes'; expected bool"):
+        build_rule("fedavg", {"trials": "yes"}, world.context("fedavg"))
+    with pytest.raises(ValueError, match="algorithm.trials: .*local takes no peer models"):
+        build_rule("local", {"trials": False}, world.context("local"))
+    rule = screened(world, "fedavg")
+    first = aggregate(rule, world, {"h1": world.honest["h1"], "bad": world.attackers["scale"]})
+    assert "on_trial" not in first.diagnostics["screening"], "off: nothing is put on trial"
 
 
 class _AddsNoise(PeerAlgorithm):
