@@ -87,7 +87,7 @@ def screening_setting(name: str, params: dict[str, Any]) -> dict[str, bool]:
         return {}  # an unknown name is reported, with the allowed ones, by its own check
     setting = {SCREEN_KEY: params.get(SCREEN_KEY, True), TRIALS_KEY: params.get(TRIALS_KEY, False)}
     if not ALGORITHMS[name].screenable:
-        for key in setting.keys() & params.keys():
+        for key in (key for key in setting if key in params):
             raise ValueError(
                 f"algorithm.{key}: got {params[key]!r}; allowed: nothing, "
                 f"{name} takes no peer models to screen"
@@ -127,4 +127,5 @@ __all__ = [
     "is_coordinated",
     "parse_params",
     "screening_setting",
+    "TRIALS_KEY",
 ]

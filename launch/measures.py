@@ -191,10 +191,14 @@ def screening_trials(run: RunRecords) -> dict[str, float]:
     training each) and what they gave."""
     judged = [
         record.diagnostics["screening"]["trial"]["won"]
-        for _, record in run.node_rounds()
-        if "trial" in record.diagnostics.get("screening", {})
+        for name, record in run.node_rounds()
+        if "trial" in record.diagnostics.get("screening", {}) and name not in run.attackers
     ]
-    screened = sum("screening" in record.diagnostics for _, record in run.node_rounds())
+    screened = sum(
+        "screening" in record.diagnostics
+        for name, record in run.node_rounds()
+        if name not in run.attackers
+    )
     if not judged:  # no trials (off, the default, or none started): no rows
         return {}
     return {"trial_rounds": len(judged) / screened, "trials_won": statistics.fmean(judged)}

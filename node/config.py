@@ -912,13 +912,17 @@ def shared_settings(cfg: MeshConfig) -> dict[str, Any]:
     peers may differ in them without misreading each other's blobs: rounds itself, where
     the fitted parameters agree (a peer that stops early just leaves),
     local training (personalization allows it), data (each peer has its own), timeouts
-    (judged on the receiver's clock) and the peer table (members join and leave).
+    (judged on the receiver's clock), the peer table (members join and leave) and
+    whether a node's screening runs trials (what a node adopts is its own affair).
     """
+    from meshfl.algorithms import TRIALS_KEY
+
+    params = explicit_params(cfg.algorithm, cfg.rounds)
     return {
         "mesh": cfg.mesh,
         "algorithm": {
             "name": cfg.algorithm.name,
-            "params": explicit_params(cfg.algorithm, cfg.rounds),
+            "params": {key: value for key, value in params.items() if key != TRIALS_KEY},
         },
         "model": {"name": cfg.model.name, "head": cfg.model.head},
     }

@@ -330,6 +330,13 @@ def test_shared_settings_hold_what_peers_must_agree_on(monkeypatch):
         assert shared_settings(apply_overrides(cfg, [changed])) != shared_settings(cfg)
 
 
+def test_screening_is_shared_and_its_trials_are_each_nodes_own():
+    cfg = MeshConfig()  # FedAvg, screened
+    assert shared_settings(cfg)["algorithm"]["params"] == {"screen": True}
+    assert shared_settings(apply_overrides(cfg, ["algorithm.trials=true"])) == shared_settings(cfg)
+    assert shared_settings(apply_overrides(cfg, ["algorithm.screen=false"])) != shared_settings(cfg)
+
+
 def test_shared_settings_reject_bad_algorithm_parameters():
     cfg = apply_overrides(MeshConfig(), ["algorithm.no_such_param=1"])
     assert "'algorithm.no_such_param'" in config_error(lambda: shared_settings(cfg))
