@@ -135,6 +135,8 @@ def test_the_table_rows_keep_the_order_of_the_registry_and_name_each_score_once(
     assert rows == [
         "neighbours_own_cluster_first",  # every rule's, in a bounded mesh
         "neighbours_own_cluster_last",
+        "trial_rounds",  # every screened rule's, with trials on
+        "trials_won",
         "ari",
         "own_group_share_ccp",
         "own_group_share_lowest",
