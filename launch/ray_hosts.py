@@ -186,7 +186,8 @@ class MachineRun:
     def log_groups(self) -> list[list[str]]:
         """The node names of every host log: the planned hosts', and those of hosts the
         actor started again for fewer nodes (a log is named by its host's nodes)."""
-        return [names for _, names in self.hosts] + [host.nodes for host in self.listing]
+        # A host that failed after all its nodes finished runs none, and names no log.
+        return [names for _, names in self.hosts] + [h.nodes for h in self.listing if h.nodes]
 
     def start_run(self, config_text: str, restarts: int, again: list[str] | None = None) -> None:
         """Run the unfinished nodes, `again` of them started again by this call; each

@@ -36,7 +36,9 @@ from meshfl.launch.ray_machine import scratch_folder
 from tests.netns import can_build_namespaces, virtual_lan
 from tests.nodes import records
 
-NODES, ROUNDS = 20, 10
+# Rounds enough that the other machine's nodes are still running when its actor is
+# killed: the launcher sees their rounds through copies that lag a few seconds.
+NODES, ROUNDS = 20, 20
 SUBNET = "10.78.0"  # private; apart from the LAN test's
 RUN_LIMIT_S = 600.0
 
