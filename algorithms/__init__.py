@@ -87,9 +87,10 @@ def screening_setting(name: str, params: dict[str, Any]) -> dict[str, bool]:
         return {}  # an unknown name is reported, with the allowed ones, by its own check
     setting = {SCREEN_KEY: params.get(SCREEN_KEY, True), TRIALS_KEY: params.get(TRIALS_KEY, False)}
     if not ALGORITHMS[name].screenable:
-        for key in (key for key in setting if key in params):
+        given = [key for key in setting if key in params]
+        if given:
             raise ValueError(
-                f"algorithm.{key}: got {params[key]!r}; allowed: nothing, "
+                f"algorithm.{given[0]}: got {params[given[0]]!r}; allowed: nothing, "
                 f"{name} takes no peer models to screen"
             )
         return {}

@@ -189,19 +189,15 @@ def screening_trials(run: RunRecords) -> dict[str, float]:
     aggregate with the peers the val check kept out let in, algorithms/screening.py step
     6), and the share of those that beat the own model. What trials cost (a second local
     training each) and what they gave."""
-    judged = [
-        record.diagnostics["screening"]["trial"]["won"]
+    screenings = [
+        record.diagnostics["screening"]
         for name, record in run.node_rounds()
-        if "trial" in record.diagnostics.get("screening", {}) and name not in run.attackers
+        if name not in run.attackers and "screening" in record.diagnostics
     ]
-    screened = sum(
-        "screening" in record.diagnostics
-        for name, record in run.node_rounds()
-        if name not in run.attackers
-    )
+    judged = [screening["trial"]["won"] for screening in screenings if "trial" in screening]
     if not judged:  # no trials (off, the default, or none started): no rows
         return {}
-    return {"trial_rounds": len(judged) / screened, "trials_won": statistics.fmean(judged)}
+    return {"trial_rounds": len(judged) / len(screenings), "trials_won": statistics.fmean(judged)}
 
 
 EVERY_RULE = (

@@ -133,10 +133,12 @@ def test_screening_trials_are_counted_over_screened_node_rounds():
         "a": rounds_of(screened(), screened(True), screened(False)),
         "b": rounds_of(screened(True), {}),  # a round without screening counts for nothing
     }
-    assert screening_trials(RunRecords(history)) == {
-        "trial_rounds": 0.75,
-        "trials_won": pytest.approx(2 / 3),
-    }
+    expected = {"trial_rounds": 0.75, "trials_won": pytest.approx(2 / 3)}
+    assert screening_trials(RunRecords(history)) == expected
+    attacked = {**history, "bad": rounds_of(screened(True), screened(True))}
+    assert screening_trials(RunRecords(attacked, attackers=frozenset({"bad"}))) == expected, (
+        "an attacker's own rounds count for nothing"
+    )
     assert screening_trials(RunRecords({"a": rounds_of(screened())})) == {}, "trials off: no row"
     assert screening_trials(RunRecords({"a": rounds_of({})})) == {}, "the paper's rule: no row"
 
