@@ -139,25 +139,9 @@ def run_size(
 ) -> ScaleResult:
     """One `meshfl launch --nodes N` (on the Ray cluster `ray`, if given: its processes
     count towards the PSS, and the hosts column says "ray")."""
-    command = [
-        sys.executable,
-        "-m",
-        "meshfl.launch.cli",
-        "launch",
-        "--nodes",
-        str(nodes),
-        "--rounds",
-        str(rounds),
-        "--out",
-        str(out),
-        "--quiet",
-    ]
-    if hosts is not None:
-        command += ["--hosts", str(hosts)]
+    command = launch_command(nodes, hosts, rounds, out, settings)
     if ray is not None:
         command += ["--ray", ray.address]
-    for assignment in settings:
-        command += ["--set", assignment]
     clock = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     cluster = [each.pid for each in ray.processes] if ray is not None else []
@@ -179,6 +163,20 @@ def run_size(
         topology=topology_of(settings),
         connections=open_connections(out),
     )
+
+
+def launch_command(
+    nodes: int, hosts: int | None, rounds: int, out: Path, settings: list[str]
+) -> list[str]:
+    """The command line of a quiet `meshfl launch` of `nodes` nodes in `hosts` processes
+    (None: what launch picks), with the config changes `settings`."""
+    command = [sys.executable, "-m", "meshfl.launch.cli", "launch", "--nodes", str(nodes)]
+    command += ["--rounds", str(rounds), "--out", str(out), "--quiet"]
+    if hosts is not None:
+        command += ["--hosts", str(hosts)]
+    for assignment in settings:
+        command += ["--set", assignment]
+    return command
 
 
 def topology_of(settings: list[str]) -> str:

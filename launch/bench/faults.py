@@ -1,0 +1,191 @@
+"""`meshfl bench faults`: what a bounded mesh does when a fifth of its processes die at
+once.
+
+It runs `meshfl launch --nodes N --hosts H` (no restarts) in a child process and
+waits until every node has recorded round AT - 1, so that all are in round AT; then it
+kills `--kill` of the host processes, chosen at random (seeded), with SIGKILL: their
+nodes vanish mid-round without a bye, as in a power cut. The launch goes on with the
+others. Afterwards it reads what the survivors wrote and prints:
+
+- how many survivors finished every round (all of them should);
+- round by round, how many survivors began the round with a full view of live
+  neighbours (`topology.neighbours`; a dead neighbour not yet noticed does not count)
+  and their mean number of live neighbours;
+- how many rounds after the kill every survivor began a round with a full view again,
+  and how many until the survivors' mean was back at its level before the kill (a node
+  drops neighbours after each round and greets candidates in their place while the
+  next round runs, so some views begin a round short even when no one died);
+- the survivors' mean test accuracy at their last round, and how often a survivor
+  marked another survivor down (a live peer taken for dead).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from meshfl.node import config as cfgmod
+
+from ..options import add_assignments
+from ..summary import RoundRecord, records
+from .flags import add_rounds, bench_parser, positive
+from .scale import launch_command
+
+# How often the benchmark looks at the nodes' metrics while it waits for the kill round.
+LOOK_EVERY_S = 0.5
+# A node log's line for a peer marked down (protocol/endpoint.py).
+DOWN_MARK = re.compile(r"peer (\S+) \(.*\) is down")
+
+
+@dataclass
+class Round:
+    """The survivors' views when round `number` began."""
+
+    number: int
+    survivors: int  # that recorded the round
+    full: int  # of those, how many began it with a full view of live neighbours
+    mean_live: float
+
+
+def main(argv: list[str]) -> int:
+    parser = bench_parser("faults", __doc__, preformatted=True)
+    parser.add_argument("--nodes", type=positive(int), default=100, help="mesh size")
+    parser.add_argument(
+        "--hosts", type=positive(int), default=10, help="node host processes (default 10)"
+    )
+    parser.add_argument(
+        "--kill", type=positive(int), default=2, help="host processes to kill (default 2)"
+    )
+    parser.add_argument(
+        "--at", type=positive(int), default=3, help="the round during which they die (default 3)"
+    )
+    add_rounds(parser, 10, "rounds (default 10)")
+    parser.add_argument("--seed", type=int, default=0, help="which hosts die (default 0)")
+    add_assignments(parser, "a config change for the run, repeatable")
+    parser.add_argument("--keep", metavar="DIR", default=None, help="keep the run's folder in DIR")
+    args = parser.parse_args(argv)
+    if args.kill >= args.hosts:
+        parser.error(f"--kill {args.kill}: must leave at least one of the {args.hosts} hosts")
+    if args.at >= args.rounds:
+        parser.error(f"--at {args.at}: must be before the last round ({args.rounds})")
+    with tempfile.TemporaryDirectory(prefix="meshfl-faults-") as scratch:
+        out = Path(args.keep or scratch) / "run"
+        command = launch_command(args.nodes, args.hosts, args.rounds, out, args.assignments)
+        clock = time.perf_counter()
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            dead = kill_hosts_in_round(process, out, args.at, args.kill, random.Random(args.seed))
+            _, stderr = process.communicate()
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)
+                process.wait()
+        wall = time.perf_counter() - clock
+        if not dead:
+            raise RuntimeError(f"the launch ended before round {args.at}: {stderr.decode()[-800:]}")
+        report(out, dead, args.rounds, args.at, wall)
+    return 0
+
+
+def kill_hosts_in_round(
+    process: subprocess.Popen[bytes], out: Path, round_no: int, count: int, rng: random.Random
+) -> set[str]:
+    """Once every node of the run in `out` has recorded round `round_no` - 1, SIGKILL
+    `count` of its host processes drawn by `rng`; the names of their nodes (none if the
+    launch ended first)."""
+    while process.poll() is None:
+        listing = out / "processes.json"
+        hosts = json.loads(listing.read_text())["processes"] if listing.exists() else []
+        nodes = [name for host in hosts for name in host["nodes"]]
+        if nodes and all(rounds_recorded(out / name) >= round_no - 1 for name in nodes):
+            victims = rng.sample(hosts, count)
+            for host in victims:
+                os.kill(host["pid"], signal.SIGKILL)
+            return {name for host in victims for name in host["nodes"]}
+        time.sleep(LOOK_EVERY_S)
+    return set()
+
+
+def rounds_recorded(folder: Path) -> int:
+    """The last round a node's metrics file records (0 when none yet)."""
+    lines = records(folder / "metrics.jsonl")
+    return lines[-1].round if lines else 0
+
+
+def report(out: Path, dead: set[str], rounds: int, killed_in: int, wall: float) -> None:
+    """Print what the survivors of the run in `out` wrote (see the module's docstring)."""
+    cfg = cfgmod.load_config(out / "config.yaml")
+    views = cfg.topology.views(len(cfg.peers))
+    if views is None:
+        raise SystemExit("meshfl bench faults: the mesh ran as a full mesh; it measures views")
+    survivors = {peer.name: records(out / peer.name / "metrics.jsonl") for peer in cfg.peers}
+    survivors = {name: lines for name, lines in survivors.items() if name not in dead}
+    finished = sum(1 for lines in survivors.values() if lines and lines[-1].round >= rounds)
+    print(
+        f"nodes={len(cfg.peers)} killed={len(dead)} in round {killed_in} "
+        f"survivors={len(survivors)} finished_all_rounds={finished} wall_s={wall:.1f}"
+    )
+    table = view_rounds(survivors, dead, views.neighbours, rounds)
+    print(f"round  survivors  full view ({views.neighbours} live neighbours)  mean live neighbours")
+    for each in table:
+        print(f"{each.number:>5}  {each.survivors:>9}  {each.full:>35}  {each.mean_live:>20.1f}")
+    # A node drops neighbours after each round and greets candidates in their place, and
+    # rounds do not wait for views, so some views begin a round short even with no one
+    # dead: the level before the kill (rounds 2 to the kill's) is the mark to get back to.
+    before = statistics.fmean(each.mean_live for each in table[1:killed_in])
+    every = first_round_after(table, killed_in, lambda each: each.full == each.survivors)
+    level = first_round_after(table, killed_in, lambda each: each.mean_live >= before)
+    print(
+        f"rounds after the kill until every survivor began a round with a full view: {every}; "
+        f"until the mean was back at its level before the kill ({before:.1f}): {level}"
+    )
+    accuracies = [lines[-1].test_acc or 0.0 for lines in survivors.values() if lines]
+    print(
+        f"survivors' mean test accuracy {statistics.fmean(accuracies or [0.0]):.3f}; "
+        f"survivors marked down by survivors: {live_marked_down(out, survivors)}"
+    )
+
+
+def first_round_after(table: list[Round], killed_in: int, holds: Callable[[Round], bool]) -> str:
+    """How many rounds after round `killed_in` the first round of `table` that `holds`
+    came, in words."""
+    found = next((each.number for each in table if each.number > killed_in and holds(each)), None)
+    return "never" if found is None else f"{found - killed_in} (round {found})"
+
+
+def view_rounds(
+    survivors: dict[str, list[RoundRecord]], dead: set[str], full: int, rounds: int
+) -> list[Round]:
+    """For each round, the survivors' live neighbours when it began."""
+    table = []
+    for number in range(1, rounds + 1):
+        live = [
+            len(set(record.neighbours or ()) - dead)
+            for lines in survivors.values()
+            for record in lines
+            if record.round == number
+        ]
+        table.append(
+            Round(number, len(live), sum(n >= full for n in live), statistics.fmean(live or [0]))
+        )
+    return table
+
+
+def live_marked_down(out: Path, survivors: dict[str, list[RoundRecord]]) -> int:
+    """How many times a survivor's log marked another survivor down."""
+    return sum(
+        1
+        for name in survivors
+        for match in DOWN_MARK.finditer((out / name / "node.log").read_text(errors="replace"))
+        if match.group(1) in survivors
+    )
