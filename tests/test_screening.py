@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -291,6 +292,24 @@ def test_a_trial_that_trains_worse_than_the_own_model_changes_nothing(world):
     expected = aggregate(untried, world, peers, round_no=3)
     assert "trial" not in expected.diagnostics["screening"]
     assert all(torch.equal(outcome.state[key], expected.state[key]) for key in expected.state)
+
+
+def test_a_won_trial_that_the_spike_check_undoes_names_no_peer_weights(world):
+    """A trial can beat an own model whose training went astray and still make more val
+    errors than the model the round started from: the round is undone (step 5), and the
+    node carries on from none of the trial's peers, so its metrics must not name them
+    (the experiment tables count those weights as attackers')."""
+    rule = screened(world, "fedavg", trials=True)
+    start = aggregate(rule, world, {"h1": world.honest["h1"], "bad": world.attackers["noise"]})
+    # The trial's training goes nowhere, so it stays the mixed-in noise it was.
+    rule.context = dataclasses.replace(rule.context, train=lambda *args, **kwargs: None)
+    astray = noise_like(world.honest["h0"], torch.Generator().manual_seed(2))
+    outcome = rule.aggregate(3, PeerModel(astray, world.n), {}, world.data)
+    report = outcome.diagnostics["screening"]
+    assert report["trial"]["won"] is True and report["kept_round_start"] is True
+    assert "weights" not in report["trial"]
+    assert outcome.weights == {"h0": 1.0}
+    assert all(torch.equal(outcome.state[key], start.state[key]) for key in start.state)
 
 
 @pytest.mark.parametrize(("name", "params"), [("pfedsv", {}), ("pfedlia", {"warmup": 1})])
