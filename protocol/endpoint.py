@@ -3,27 +3,28 @@
 The endpoint runs a worker thread that decodes every incoming message, keeps the
 peer table, answers `hello` and `fetch`, and sends heartbeats. The node talks to
 it from its own thread: publish a blob, look at what peers announced, fetch the
-blobs it chooses, wait for them until a deadline.
+blobs it chooses, wait for them until a deadline. The blobs, offers and fetches
+themselves are the exchange's (exchange.py); the endpoint passes it the messages.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import math
 import queue
 import random
 import threading
 import time
 from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Callable, Collection, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .addresses import resolved
+from .exchange import BlobExchange, Counts, FetchRecord
 from .identity import BadPublicKey, Identity, curve_public_key, node_id
 from .membership import ALIVE, LEFT, PeerEntry, PeerTable, liveness_stretch
-from .offers import BlobStore, Offer, OfferBook
+from .offers import Offer
 from .transport import (
     Encryption,
     LogOnce,
@@ -60,9 +61,6 @@ from .wire import blob_id as id_of_record
 
 log = logging.getLogger("meshfl.endpoint")
 
-# Rejected after decoding, by the flows: a blob whose signed record is not what its
-# announce said (WIRE.md 7.4). Counted beside the decoder's reasons.
-OFFER_MISMATCH = "offer_mismatch"
 UNREAD_DIRECT, INBOX_FULL = "unread_direct", "inbox_full"
 # One round's direct message and the next round's may wait together; more is a flood.
 MAX_QUEUED_PER_SENDER = 2
@@ -138,69 +136,6 @@ class EndpointSettings:
         return self.advertise or self.listen
 
 
-@dataclass
-class FetchRecord:
-    """One blob fetched: kept so tests and metrics can say exactly what was pulled."""
-
-    origin: str
-    round: int
-    kind: str
-    size: int
-    holder: str
-
-
-@dataclass
-class _Fetches:
-    """Fetch requests per holder, at most `cap` in flight each; the rest wait their turn.
-
-    A request unanswered for `stale_after` seconds (the blob was lost or rejected)
-    frees its slot, so one bad blob cannot block a holder for good.
-    """
-
-    cap: int
-    stale_after: float
-    in_flight: dict[bytes, dict[bytes, float]] = field(default_factory=lambda: defaultdict(dict))
-    waiting: dict[bytes, deque[bytes]] = field(default_factory=lambda: defaultdict(deque))
-
-    def request(self, holder: bytes, blob_id: bytes) -> bool:
-        """Queue a fetch; True when it may be sent now."""
-        slots = self.in_flight[holder]
-        now = time.monotonic()
-        for stale in [i for i, sent in slots.items() if now - sent > self.stale_after]:
-            del slots[stale]
-        if blob_id in slots or blob_id in self.waiting[holder]:
-            return False
-        if len(slots) < self.cap:
-            slots[blob_id] = now
-            return True
-        self.waiting[holder].append(blob_id)
-        return False
-
-    def asked(self, holder: bytes) -> bool:
-        """Whether a fetch to `holder` is in flight."""
-        return bool(self.in_flight.get(holder))
-
-    def requested(self, blob_id: bytes) -> bool:
-        return any(blob_id in slots for slots in self.in_flight.values())
-
-    def cancel(self, holder: bytes, blob_id: bytes) -> bool:
-        """Take back a fetch in flight to `holder`; False when there was none."""
-        return self.in_flight.get(holder, {}).pop(blob_id, None) is not None
-
-    def release(self, holder: bytes) -> list[tuple[bytes, bytes]]:
-        """The next waiting fetch to `holder`, now that a slot is free, if any."""
-        if not self.waiting[holder] or len(self.in_flight[holder]) >= self.cap:
-            return []
-        follower = self.waiting[holder].popleft()
-        self.in_flight[holder][follower] = time.monotonic()
-        return [(holder, follower)]
-
-    def done(self, blob_id: bytes) -> list[tuple[bytes, bytes]]:
-        """Mark a blob answered; return the (holder, blob id) fetches now allowed out."""
-        answered = [holder for holder in list(self.in_flight) if self.cancel(holder, blob_id)]
-        return [fetch for holder in answered for fetch in self.release(holder)]
-
-
 class _RateLimit:
     """At most `count` events in any `period` seconds."""
 
@@ -241,8 +176,6 @@ class Endpoint:
         self.table = PeerTable(
             settings.peer_timeout, clock=lambda: self._read_up_to, crowd=settings.crowd
         )
-        self.store = BlobStore(settings.store_bytes)
-        self.offer_book = OfferBook()
         self.decoder = Decoder(
             mesh_id,
             settings.limits,
@@ -253,9 +186,7 @@ class Endpoint:
         )
         self.received: Counter[str] = Counter()  # messages delivered, by kind
         self.flow_rejections: Counter[str] = Counter()  # refusals after decoding, by reason
-        self.fetch_log: list[FetchRecord] = []
         self._last_beat: dict[str, float] = {}  # address -> when we last heartbeat it
-        self._latest_published: list[Blob] = []  # re-announced to whoever says hello
         self._changes = 0  # counts handled messages and heartbeat ticks: see wait_change
         # What the node adds to a status answer (accuracies...); called on the worker
         # thread, so it must be quick and thread-safe.
@@ -263,12 +194,22 @@ class Endpoint:
         self._status_answers = _RateLimit(settings.status_per_second)
         self._unlink_answers = _RateLimit(settings.status_per_second)
         self._started = time.monotonic()
-        self._fetches = _Fetches(settings.max_inflight, settings.fetch_timeout)
         self._inboxes: dict[str, queue.Queue[Message]] = defaultdict(queue.Queue)
         self._queued: Counter[tuple[str, bytes]] = Counter()  # (kind, sender) in the inboxes
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._send_lock = threading.Lock()
+        self.blobs = BlobExchange(
+            settings.name,
+            identity.public_key,
+            self.table,
+            self._send,
+            Counts(self.received, self.flow_rejections),
+            self._lock,
+            settings.store_bytes,
+            settings.max_inflight,
+            settings.fetch_timeout,
+        )
         # Start from wall-clock nanoseconds so a restarted node's numbers keep rising.
         self._seq = time.time_ns()
         self._log_once = LogOnce(log)
@@ -307,10 +248,10 @@ class Endpoint:
             "refuse": self._on_refuse,
             "heartbeat": self._on_heartbeat,
             "bye": self._on_bye,
-            "announce": self._on_announce,
-            "fetch": self._on_fetch,
-            "miss": self._on_miss,
-            "blob": self._on_blob,
+            "announce": self.blobs.on_announce,
+            "fetch": self.blobs.on_fetch,
+            "miss": self.blobs.on_miss,
+            "blob": self.blobs.on_blob,
             "status": self._on_status,
             "status_reply": self._on_status_reply,
             "upload": self._on_direct,
@@ -434,10 +375,7 @@ class Endpoint:
 
     def set_round(self, round_no: int) -> None:
         self.round = round_no
-        with self._lock:
-            self.offer_book.forget_before(round_no)
-            own = self.identity.public_key
-            self.store.forget_before(round_no, own, self.offer_book.keep_rounds)
+        self.blobs.set_round(round_no)
 
     def peers(self) -> list[PeerEntry]:
         with self._lock:
@@ -495,13 +433,8 @@ class Endpoint:
 
     def publish(self, blob: Blob) -> None:
         """Hold `blob` for fetching and announce it to every live peer."""
+        self.blobs.hold(blob)
         with self._lock:
-            self.store.put(blob)
-            latest = self._latest_published
-            if latest and latest[0].round < blob.round:
-                latest.clear()
-            if not latest or latest[0].round == blob.round:
-                latest.append(blob)
             targets = [entry.address for entry in self.table.alive()]
         for address in targets:
             self._send(address, "announce", announce_body(blob))
@@ -526,8 +459,7 @@ class Endpoint:
                 self._changed.wait(left)
 
     def offers(self, round_no: int, kind: str | None = None) -> list[Offer]:
-        with self._lock:
-            return list(self.offer_book.for_round(round_no, kind))
+        return self.blobs.offers(round_no, kind)
 
     def round_offers(
         self, round_no: int, kinds: set[str], origins: set[bytes], quorum: float = 1.0
@@ -535,8 +467,7 @@ class Endpoint:
         """The offers of round `round_no` of `kinds`, and whether they are complete: a
         `quorum` share (1.0: every one) of the live peers among `origins` announced every
         kind of `kinds`."""
-        with self._lock:
-            return self._round_offers(round_no, kinds, origins, quorum)
+        return self.blobs.round_offers(round_no, kinds, origins, quorum)
 
     def wait_offers(
         self, round_no: int, kinds: set[str], origins: set[bytes], deadline: float
@@ -545,58 +476,19 @@ class Endpoint:
         every kind (however far behind it is) or the monotonic `deadline` passed."""
         with self._changed:
             while True:
-                offers, complete = self._round_offers(round_no, kinds, origins, 1.0, True)
+                offers, complete = self.blobs.round_offers(round_no, kinds, origins, 1.0, True)
                 left = deadline - time.monotonic()
                 if complete or left <= 0:
                     return offers
                 self._changed.wait(min(left, 0.5))
 
-    def _round_offers(
-        self,
-        round_no: int,
-        kinds: set[str],
-        origins: set[bytes],
-        quorum: float,
-        wait_for_laggards: bool = False,
-    ) -> tuple[list[Offer], bool]:
-        known = self.table.entries
-        offers = [offer for offer in self.offer_book.for_round(round_no) if offer.kind in kinds]
-        announced = {(offer.origin, offer.kind) for offer in offers}
-        rounds = {key: entry.round for key, entry in known.items() if entry.state == ALIVE}
-        delivered = {
-            origin
-            for origin in rounds.keys() & origins
-            if all((origin, kind) in announced for kind in kinds)
-        }
-        # A live peer that did not deliver is waited for only while it can: not once it
-        # is past this round, nor while it is two or more behind (it was frozen or cut
-        # off, and would hold every round for round_timeout as it catches up).
-        waiting = {
-            origin
-            for origin in rounds.keys() & origins - delivered
-            if wait_for_laggards or round_no - 1 <= rounds[origin] <= round_no
-        }
-        # Rounded up, with a little slack for floating point: 0.7 of 10 peers is 7, not 8.
-        needed = math.ceil(quorum * (len(delivered) + len(waiting)) - 1e-9)
-        return offers, len(delivered) >= needed
-
     def fetch(self, offers: Sequence[Offer]) -> None:
         """Ask for these blobs, from their origin when it is alive, else another holder."""
-        sends = []
-        with self._lock:
-            for offer in offers:
-                if offer.id in self.store:
-                    continue
-                holder = self._pick_holder(offer)
-                if holder is not None and self._fetches.request(holder.public_key, offer.id):
-                    sends.append((holder.address, offer.id))
-        for address, blob_id in sends:
-            self._send(address, "fetch", {"id": blob_id})
+        self.blobs.fetch(offers)
 
     def held(self, blob_ids: Iterable[bytes]) -> dict[bytes, Blob]:
         """The blobs among `blob_ids` that are here now, by id."""
-        with self._lock:
-            return {i: blob for i in blob_ids if (blob := self.store.get(i)) is not None}
+        return self.blobs.held(blob_ids)
 
     def wait_blobs(self, blob_ids: Iterable[bytes], deadline: float) -> dict[bytes, Blob]:
         """The blobs among `blob_ids` that arrived by the monotonic `deadline`, by id."""
@@ -643,15 +535,14 @@ class Endpoint:
                 "rejections": self.rejections(),
                 "received": dict(self.received),
                 "dropped": self.transport.dropped,
-                "fetched": len(self.fetch_log),
+                "fetched": len(self.blobs.fetch_log),
                 "connections": self.transport.connections(),
             }
 
     def fetches_since(self, start: int) -> list[FetchRecord]:
         """The blobs this endpoint pulled, from the `start`-th on (`stats()["fetched"]`
         counts them): the transport's own record, not what the caller asked for."""
-        with self._lock:
-            return self.fetch_log[start:]
+        return self.blobs.fetches_since(start)
 
     def close(self) -> None:
         """Say bye to every live peer, then stop."""
@@ -735,16 +626,11 @@ class Endpoint:
                 proves_life = kind not in NO_PROOF_OF_LIFE
                 self.transport.send(address, frames, server_key, kind=kind, proves_life=proves_life)
 
-    def _pick_holder(self, offer: Offer) -> PeerEntry | None:
-        candidates = [self.table.get(key) for key in offer.servers()]
-        alive = [entry for entry in candidates if entry is not None and entry.state == ALIVE]
-        return alive[0] if alive else None
-
     def may_come(self, offer: Offer) -> bool:
         """Whether a live peer may still send the blob `offer` names: its origin or a
         holder that is alive and did not answer a fetch of it with `miss`."""
         with self._lock:
-            return self._pick_holder(offer) is not None
+            return self.blobs.pick_holder(offer) is not None
 
     # --- the worker thread -----------------------------------------------------
 
@@ -997,7 +883,7 @@ class Endpoint:
         sender, kind = message.sender, message.kind
         with self._lock:
             if kind == "blob":
-                if self._fetches.asked(sender):
+                if self.blobs.fetches.asked(sender):
                     return True
                 self.received["unrequested_blob"] += 1
             elif kind not in self.settings.direct_kinds:
@@ -1025,7 +911,7 @@ class Endpoint:
                     self._refuse(refused)
             elif refused is not None and refused.kind == "blob":
                 with self._lock:  # the holder will not send that blob: look elsewhere now
-                    self._holder_failed(refused.sender, id_of_record(refused.body["record"]))
+                    self.blobs.holder_failed(refused.sender, id_of_record(refused.body["record"]))
             return
         with self._lock:
             if message.sender == self.identity.public_key and message.instance == self.instance:
@@ -1127,7 +1013,7 @@ class Endpoint:
         self._send(address, "peers", self._peers_body(listed))
         # Whoever says hello may have missed our announces: a late joiner, or a node
         # asking again once it took the mesh's round (refresh_offers).
-        self._announce_latest(address)
+        self.blobs.announce_latest(address)
 
     def _link_answering(self, message: Message, name: object, address: str) -> bool:
         """Take in the node that answered our hello, as `_take_in` does. It announced
@@ -1136,12 +1022,8 @@ class Endpoint:
         we are past that round (a heartbeat period, or more) (WIRE.md 7.1)."""
         if not self._take_in(message, name, address):
             return False
-        self._announce_latest(address)
+        self.blobs.announce_latest(address)
         return True
-
-    def _announce_latest(self, address: str) -> None:
-        for blob in self._latest_published:
-            self._send(address, "announce", announce_body(blob))
 
     def _me(self) -> dict[str, Any]:
         return {"name": self.settings.name, "addr": self.address, "key": self.identity.public_key}
@@ -1376,92 +1258,6 @@ class Endpoint:
                 via = sender if card.key in vouched else b""
                 candidate = Candidate(card.key, card.addr, card, card.name, via)
                 self.passive.add(candidate, sent_away)
-
-    def _on_announce(self, message: Message) -> None:
-        # Offers are kept from known peers and for a window of rounds only, so an
-        # announcing stranger cannot grow the offer book without bound.
-        known = self.table.heard_from(message.sender, message.round) is not None
-        body = message.body
-        if not known or body["round"] > self.round + self.offer_book.keep_rounds:
-            self.received["ignored_announce"] += 1
-            return
-        offer = Offer(
-            body["id"], body["origin"], body["round"], body["kind"], body["digest"], body["size"]
-        )
-        self.offer_book.add(offer, message.sender)
-
-    def _on_fetch(self, message: Message) -> None:
-        entry = self.table.heard_from(message.sender, message.round)
-        blob = self.store.get(message.body["id"])
-        if blob is None or entry is None:
-            self.received["fetch_miss"] += 1
-        if entry is None:
-            return  # a stranger gets nothing
-        if blob is None:  # a known peer learns at once that it must look elsewhere
-            self._send(entry.address, "miss", {"id": message.body["id"]})
-        else:
-            self._send(entry.address, "blob", {}, blob)
-
-    def _on_miss(self, message: Message) -> None:
-        self.table.heard_from(message.sender, message.round)
-        self._holder_failed(message.sender, message.body["id"])
-
-    def _holder_failed(self, holder_key: bytes, blob_id: bytes) -> None:
-        """A holder we asked will not send the blob (it answered `miss`, or sent one that
-        failed decoding): free its fetch slot, and ask the next holder at once (or, with
-        none left, let the round go on without it)."""
-        offer = self.offer_book.get(blob_id)
-        if offer is None or not self._fetches.cancel(holder_key, blob_id):
-            return  # we asked that holder nothing of the kind
-        offer.missed_by.add(holder_key)
-        self._send_fetches(self._fetches.release(holder_key))
-        holder = self._pick_holder(offer)
-        if holder is not None and self._fetches.request(holder.public_key, blob_id):
-            self._send(holder.address, "fetch", {"id": blob_id})
-
-    def _on_blob(self, message: Message) -> None:
-        entry = self.table.heard_from(message.sender, message.round)
-        blob = message.blob
-        assert blob is not None
-        if not self._fetches.requested(blob.id):
-            # Only what we asked for: unsolicited blobs must not push ours out of the store.
-            self.received["unrequested_blob"] += 1
-            return
-        offer = self.offer_book.get(blob.id)
-        if offer is None or offer.describes(blob):
-            self._keep_fetched(blob, entry.name if entry else node_id(message.sender))
-        else:
-            self._reject_offer(offer, blob)
-        self._send_fetches(self._fetches.done(blob.id))
-
-    def _send_fetches(self, fetches: list[tuple[bytes, bytes]]) -> None:
-        """Send the (holder, blob id) fetches that just got a slot."""
-        for holder_key, blob_id in fetches:
-            target = self.table.get(holder_key)
-            if target is not None:
-                self._send(target.address, "fetch", {"id": blob_id})
-
-    def _keep_fetched(self, blob: Blob, holder: str) -> None:
-        self.store.put(blob)
-        self.fetch_log.append(FetchRecord(blob.origin_id, blob.round, blob.kind, blob.size, holder))
-
-    def _reject_offer(self, offer: Offer, blob: Blob) -> None:
-        """The blob's signed record contradicts its announce: the announcer lied about
-        whose blob it is (or its round or kind). Drop both, so the node neither credits
-        the blob to the wrong peer nor asks for it again; a truthful announce re-adds it."""
-        self.flow_rejections[OFFER_MISMATCH] += 1
-        self.offer_book.discard(offer.id)
-        log.warning(
-            "%s: dropped blob %s: announced as %s's %s of round %d, signed as %s's %s of round %d",
-            self.settings.name,
-            blob.id.hex()[:16],
-            offer.origin_id,
-            offer.kind,
-            offer.round,
-            blob.origin_id,
-            blob.kind,
-            blob.round,
-        )
 
     def _on_status(self, message: Message) -> None:
         # Not `heard_from`: the asker may be a probe holding a peer's key, and it says

@@ -27,9 +27,9 @@ from meshfl.protocol.endpoint import (
     BEAT_ANYWAY_PERIODS,
     Endpoint,
     EndpointSettings,
-    FetchRecord,
     Refused,
 )
+from meshfl.protocol.exchange import FetchRecord
 from meshfl.protocol.identity import Identity, curve_public_key, verify
 from meshfl.protocol.membership import (
     ALIVE,
@@ -407,10 +407,10 @@ def delivered(endpoint: Endpoint) -> dict:
     with endpoint._lock:
         return {
             "received": Counter(endpoint.received),
-            "store": sorted(endpoint.store._blobs),
-            "store_bytes": endpoint.store.bytes,
-            "offers": sorted(endpoint.offer_book._offers),
-            "fetched": list(endpoint.fetch_log),
+            "store": sorted(endpoint.blobs.store._blobs),
+            "store_bytes": endpoint.blobs.store.bytes,
+            "offers": sorted(endpoint.blobs.offer_book._offers),
+            "fetched": list(endpoint.blobs.fetch_log),
             "direct": {kind: box.qsize() for kind, box in endpoint._inboxes.items()},
             "peers": sorted(entry.public_key for entry in endpoint.table.entries.values()),
         }
@@ -823,7 +823,7 @@ def test_publish_announce_fetch_delivers_the_verified_blob(make_endpoint):
     for name, array in fetched.arrays().items():
         np.testing.assert_array_equal(array, arrays[name])
         assert array.shape == arrays[name].shape
-    assert b.fetch_log == [FetchRecord(a.id, 1, "model", blob.size, "a")]
+    assert b.blobs.fetch_log == [FetchRecord(a.id, 1, "model", blob.size, "a")]
     assert b.stats()["fetched"] == 1 and a.received["fetch"] == 1
 
     b.fetch(offers)  # already held: nothing is fetched again
@@ -867,7 +867,7 @@ def test_a_node_serves_a_blob_it_fetched_to_a_third_node(make_endpoint):
     assert verify(origin.identity.public_key, relayed.signature, RECORD_CONTEXT + relayed.record)
     for name, array in relayed.arrays().items():
         np.testing.assert_array_equal(array, model_arrays(2)[name])
-    assert late.fetch_log == [FetchRecord(origin.id, 2, "model", blob.size, "b")]
+    assert late.blobs.fetch_log == [FetchRecord(origin.id, 2, "model", blob.size, "b")]
     assert late.decoder.rejections == {}
 
 
@@ -888,8 +888,8 @@ def test_fetches_in_flight_per_peer_are_capped(context, make_endpoint):
     asked = [m.body["id"] for m in holder.collect("fetch", 0.5)]
     assert len(asked) == 2  # the cap, and not one more while none is answered
     with endpoint._lock:
-        assert len(endpoint._fetches.in_flight[holder.public_key]) == 2
-        assert len(endpoint._fetches.waiting[holder.public_key]) == 3
+        assert len(endpoint.blobs.fetches.in_flight[holder.public_key]) == 2
+        assert len(endpoint.blobs.fetches.waiting[holder.public_key]) == 3
 
     served: list[bytes] = []
     while asked:
@@ -904,10 +904,10 @@ def test_fetches_in_flight_per_peer_are_capped(context, make_endpoint):
 
     got = endpoint.wait_blobs(by_id, time.monotonic() + WAIT)
     assert set(got) == set(by_id)
-    assert len(endpoint.fetch_log) == 5
+    assert len(endpoint.blobs.fetch_log) == 5
     with endpoint._lock:
-        assert not endpoint._fetches.in_flight[holder.public_key]
-        assert not endpoint._fetches.waiting[holder.public_key]
+        assert not endpoint.blobs.fetches.in_flight[holder.public_key]
+        assert not endpoint.blobs.fetches.waiting[holder.public_key]
 
 
 def test_equal_tensors_from_two_origins_are_two_blobs_and_a_third_node_fetches_both(make_endpoint):
@@ -934,7 +934,8 @@ def test_equal_tensors_from_two_origins_are_two_blobs_and_a_third_node_fetches_b
     assert {blob_id: blob.origin for blob_id, blob in got.items()} == {
         blob.id: blob.origin for blob in blobs
     }
-    assert sorted(record.origin for record in puller.fetch_log) == sorted(o.id for o in origins)
+    pulled = sorted(record.origin for record in puller.blobs.fetch_log)
+    assert pulled == sorted(o.id for o in origins)
     assert all(origin.received["fetch"] == 1 for origin in origins), "each asked its own"
 
 
@@ -959,7 +960,7 @@ def test_a_blob_whose_record_contradicts_its_announce_is_rejected_and_counted(sc
     assert (after["store"], after["fetched"]) == (before["store"], before["fetched"])
     assert endpoint.offers(1) == [], "the lying offer is dropped, not fetched again"
     with endpoint._lock:
-        assert not endpoint._fetches.requested(blob.id), "its fetch slot is free again"
+        assert not endpoint.blobs.fetches.requested(blob.id), "its fetch slot is free again"
 
     # A truthful announce of the same blob is taken, and the blob with it.
     liar.send(liar.frames("announce", announce_body(blob), round_no=1))
@@ -1136,7 +1137,7 @@ def test_a_peer_behind_that_fetches_an_evicted_blob_goes_on_within_a_heartbeat(m
     )
     origin.set_round(3)
     origin.publish(make_blob(origin.identity, 3, "model", model_arrays(3), schema=SCHEMA))
-    assert early.id not in origin.store, "evicted: the store holds one model's bytes"
+    assert early.id not in origin.blobs.store, "evicted: the store holds one model's bytes"
 
     asked = time.monotonic()
     lagging.fetch([offer])
@@ -1144,7 +1145,7 @@ def test_a_peer_behind_that_fetches_an_evicted_blob_goes_on_within_a_heartbeat(m
     waited = time.monotonic() - asked
     assert waited < interval, f"told within {waited:.2f} s, not after a deadline"
     assert origin.received["fetch_miss"] == 1 and lagging.received["miss"] == 1
-    assert not lagging._fetches.in_flight[origin.identity.public_key], "its slot is free"
+    assert not lagging.blobs.fetches.in_flight[origin.identity.public_key], "its slot is free"
 
 
 def test_a_miss_sends_the_fetch_to_the_next_holder(make_endpoint):
@@ -1159,14 +1160,14 @@ def test_a_miss_sends_the_fetch_to_the_next_holder(make_endpoint):
     )
     relay.fetch([offer])
     assert relay.wait_blobs([blob.id], time.monotonic() + WAIT)
-    relay.publish(relay.store.get(blob.id))  # the relay announces what it holds
-    assert poll_until(lambda: len(getattr(third.offer_book.get(blob.id), "holders", [])) == 2)
-    origin.store._blobs.clear()  # the origin lost it (evicted, say)
-    origin.store.bytes = 0
+    relay.publish(relay.blobs.store.get(blob.id))  # the relay announces what it holds
+    assert poll_until(lambda: len(getattr(third.blobs.offer_book.get(blob.id), "holders", [])) == 2)
+    origin.blobs.store._blobs.clear()  # the origin lost it (evicted, say)
+    origin.blobs.store.bytes = 0
 
-    third.fetch([third.offer_book.get(blob.id)])
+    third.fetch([third.blobs.offer_book.get(blob.id)])
     assert third.wait_blobs([blob.id], time.monotonic() + WAIT), "fetched from the relay"
-    assert third.fetch_log[-1].holder == "b"
+    assert third.blobs.fetch_log[-1].holder == "b"
 
 
 def test_a_broken_blob_answer_counts_as_a_miss_and_the_round_stops_waiting(context, make_endpoint):
@@ -1189,7 +1190,7 @@ def test_a_broken_blob_answer_counts_as_a_miss_and_the_round_stops_waiting(conte
     assert time.monotonic() - asked < 2.0, "told by the answer, not after a deadline"
     assert endpoint.rejections()["shape_mismatch"] == 1
     with endpoint._lock:
-        assert not endpoint._fetches.requested(broken.id), "its fetch slot is free again"
+        assert not endpoint.blobs.fetches.requested(broken.id), "its fetch slot is free again"
 
 
 def test_messages_dropped_at_the_high_water_mark_are_not_counted_as_sent(context, make_endpoint):
@@ -1218,5 +1219,5 @@ def test_a_node_keeps_its_own_blobs_only_while_its_peers_keep_their_offers(make_
     for round_no in range(1, 11):
         node.set_round(round_no)
         node.publish(make_blob(node.identity, round_no, "model", model_arrays(0), schema=SCHEMA))
-    kept = sorted(blob.round for blob in node.store._blobs.values())
-    assert kept == list(range(10 - node.offer_book.keep_rounds, 11))
+    kept = sorted(blob.round for blob in node.blobs.store._blobs.values())
+    assert kept == list(range(10 - node.blobs.offer_book.keep_rounds, 11))
