@@ -58,7 +58,8 @@ class LaunchGate:
     """The hosts of one launch, joining together: `arrive_and_wait` says this host's
     nodes are built (a file named `host` in `folder`) and waits for the `hosts` in all
     to say so. A host started again once all had arrived finds every file there, and
-    waits for none."""
+    waits for none; one that `meshfl launch` starts again for its unfinished nodes
+    passes no gate at all (launch/hosts.py, `launch_gate`)."""
 
     def __init__(self, folder: Path, host: str, hosts: int, patience: float = PATIENCE_S) -> None:
         self.folder = folder
