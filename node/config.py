@@ -359,6 +359,8 @@ class MeshConfig:
     momentum: Annotated[float, _finite("a number >= 0 and < 1", ge=0, lt=1), _FROM_TEXT] = 0.5
     weight_decay: Annotated[float, _finite("a finite number >= 0", ge=0), _FROM_TEXT] = 0.0
     seed: Annotated[int, _rule(f"an integer 0 to {_MAX_SEED}", ge=0, le=_MAX_SEED)] = 0
+    # How long a round waits for the models it wants; a node host of more than 10 nodes
+    # stretches it as it does liveness (node/runtime.py, `Node.model_wait`).
     round_timeout: _Seconds = 30.0
     # The share of the live peers whose models a round waits for (rounded up); 1.0 waits
     # for every one, less lets a round go on without the slowest (README: stragglers).
