@@ -79,6 +79,15 @@ def test_the_table_shows_the_median_cost_of_a_round_where_it_was_measured():
     assert "| mean (std over seeds) | **80.0** | **90.0** |" in table, "no spread of one seed"
 
 
+def test_the_table_shows_each_variants_worst_node_as_the_mean_over_seeds():
+    runs = {
+        "Local": [{**summary(0.8), "worst_test_acc": 0.5}, {**summary(0.8), "worst_test_acc": 0.7}],
+        "FedAvg": [summary(0.9), summary(0.9)],  # a summary of an older version: none
+    }
+    table = render_table(SPEC, runs, [0, 1], argparse.Namespace(name="x", data_root=None))
+    assert "| worst node (mean over seeds) | 60.0 |  |" in table
+
+
 def run_of(history: dict[str, list[RoundRecord]], **labels: set[int]) -> RunRecords:
     """A run of `history` whose nodes' train splits hold `labels`."""
     return RunRecords(
