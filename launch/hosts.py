@@ -8,18 +8,10 @@ from __future__ import annotations
 
 import signal
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from meshfl.node.coordinator import make_node
-from meshfl.node.host import (
-    FAILED,
-    FINISHED,
-    NodeEnd,
-    NodeHost,
-    raise_open_files_limit,
-    restarts_so_far,
-)
+from meshfl.node.host import FAILED, FINISHED, NodeEnd, NodeHost, raise_open_files_limit
 from meshfl.node.joining import JOINING_DIR, LaunchGate
 
 from .entry import named_node_options, say_finished
@@ -58,7 +50,7 @@ def run_host(
         raise UserError(f"--restarts: got {restarts}; allowed: 0 or more")
     if join_with < 0:
         raise UserError(f"--join-with: got {join_with}; allowed: 0 or more")
-    gate = launch_gate(process.out, names, join_with)
+    gate = LaunchGate(process.out / JOINING_DIR, names[0], join_with) if join_with > 1 else None
     raise_open_files_limit()
     host = NodeHost(options, make_node, restarts=restarts, gate=gate)
 
@@ -80,14 +72,3 @@ def run_host(
             say_finished(each)
     # A host whose nodes did not all finish fails as a launch does (node.log says why).
     return EXIT_NODE_FAILED if any(end.status == FAILED for end in ends.values()) else 0
-
-
-def launch_gate(out: Path, names: list[str], join_with: int) -> LaunchGate | None:
-    """The gate through which the host of `names` joins the mesh with the other hosts of
-    its launch (node/joining.py), or None: it joins once its own nodes are built. A host
-    the launch started again (a node of it has restarts recorded) joins at once: the
-    others are running, or waiting for its first start's file, and a file of its own
-    under another first name would count it twice."""
-    if join_with <= 1 or any(restarts_so_far(out / name) for name in names):
-        return None
-    return LaunchGate(out / JOINING_DIR, names[0], join_with)

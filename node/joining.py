@@ -58,8 +58,10 @@ class LaunchGate:
     """The hosts of one launch, joining together: `arrive_and_wait` says this host's
     nodes are built (a file named `host` in `folder`) and waits for the `hosts` in all
     to say so. A host started again once all had arrived finds every file there, and
-    waits for none; one that `meshfl launch` starts again for its unfinished nodes
-    passes no gate at all (launch/hosts.py, `launch_gate`)."""
+    waits for none. A launch names a host's file after its first node, and starts a
+    failed host again with its unfinished nodes: that first node is among them unless it
+    finished, and then every host had arrived long before, so a file under another
+    name never counts a host twice while one is still waited for."""
 
     def __init__(self, folder: Path, host: str, hosts: int, patience: float = PATIENCE_S) -> None:
         self.folder = folder

@@ -10,11 +10,10 @@ import time
 from pathlib import Path
 
 from meshfl.launch.cli import build_parser
-from meshfl.launch.hosts import launch_gate
 from meshfl.launch.options import ConfigSource, ProcessOptions
 from meshfl.launch.supervise import _entry
 from meshfl.node.config import MeshConfig
-from meshfl.node.host import NodeHost, record_restarts
+from meshfl.node.host import NodeHost
 from meshfl.node.joining import JOINING_DIR, JoinTogether, LaunchGate, wait_while_arriving
 from meshfl.node.runtime import NodeOptions
 
@@ -91,18 +90,6 @@ def test_a_host_started_again_waits_for_no_one(tmp_path):
     started = time.monotonic()
     assert LaunchGate(folder, "a1", hosts=2, patience=10).arrive_and_wait()
     assert time.monotonic() - started < 1
-
-
-def test_a_host_the_launch_started_again_for_some_of_its_nodes_counts_once(tmp_path):
-    """host0 of a1..a3 failed while host1 was still building; the launch starts it again
-    for a2 and a3 alone. A gate file under "a2" would make two hosts arrived, and host1
-    would go before host0's nodes were built: the restarted host joins at once instead."""
-    (tmp_path / "a2").mkdir()
-    record_restarts(tmp_path / "a2", 1)
-    assert launch_gate(tmp_path, ["a2", "a3"], join_with=2) is None
-    gate = launch_gate(tmp_path, ["b1", "b2"], join_with=2)
-    assert gate is not None and gate.host == "b1", "a first start joins through the gate"
-    assert launch_gate(tmp_path, ["b1", "b2"], join_with=1) is None, "alone: no one to wait for"
 
 
 def test_a_wait_goes_on_while_members_keep_arriving_and_ends_when_they_stop():
