@@ -324,16 +324,19 @@ def _table_rows(
     return lines
 
 
-def _worst_node_row(summaries: dict[str, list[dict[str, Any]]]) -> str:
+def _worst_node_row(summaries: dict[str, list[dict[str, Any]]]) -> list[str]:
     """Each variant's worst node, in %: the mean over seeds of each seed's lowest test
-    accuracy (what a rule costs the node it serves worst)."""
+    accuracy among its honest nodes (what a rule costs the node it serves worst); no
+    row where no run recorded one (summaries of an older version)."""
     cells = []
     for runs in summaries.values():
         worst = [
             run["worst_test_acc"] * 100 for run in runs if run.get("worst_test_acc") is not None
         ]
         cells.append(f"{statistics.fmean(worst):.1f}" if worst else "")
-    return "| worst node (mean over seeds) | " + " | ".join(cells) + " |"
+    if not any(cells):
+        return []
+    return ["| worst node (mean over seeds) | " + " | ".join(cells) + " |"]
 
 
 def _share_per_round(summaries: dict[str, list[dict[str, Any]]], seeds: list[int]) -> list[str]:
@@ -384,7 +387,7 @@ def render_table(
         spread = f" ({statistics.stdev(values):.1f})" if len(values) > 1 else ""
         means.append(f"**{statistics.fmean(values):.1f}**{spread}")
     lines.append("| mean (std over seeds) | " + " | ".join(means) + " |")
-    lines.append(_worst_node_row(summaries))
+    lines += _worst_node_row(summaries)
     lines += _score_rows(summaries) + _cost_rows(summaries) + _share_per_round(summaries, seeds)
     command = f"meshfl experiment {args.name}" + (" --data-root DIR" if args.data_root else "")
     lines += [

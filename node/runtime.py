@@ -199,13 +199,13 @@ class Node:
 
     @functools.cached_property
     def model_wait(self) -> float:
-        """How long a round waits for its peers' models: `round_timeout`, stretched as
-        liveness is by the nodes sharing this process (`liveness_stretch`). A host's
-        nodes share its CPU, so a round's work for all of them takes longer, and so does
-        each of their neighbours' in other hosts: at 1,000 nodes in 5 hosts on 2 cores,
-        38 to 51% of node-rounds ended at a 30 s timeout, short of 2 of their 8 models.
-        The wait still ends as soon as every live neighbour's model is in, and a dead
-        one is not waited for once it is marked down (after its stretched timeout)."""
+        """How long a round waits for its peers' models (and a finished node serves its
+        last one): `round_timeout`, stretched as liveness is by the nodes sharing this
+        process (`liveness_stretch`). A host's nodes share its CPU, so a round of all of
+        them takes that much longer: at 1,000 nodes in 5 hosts of 200 on 2 cores, 38 to
+        51% of node-rounds ended at a 30 s timeout, short of 2 of their 8 models. The
+        wait still ends as soon as every live neighbour's model is in, and a dead one is
+        not waited for once it is marked down (after its stretched timeout)."""
         return self.cfg.round_timeout * liveness_stretch(self.options.host_nodes)
 
     @functools.cached_property
@@ -663,7 +663,7 @@ class Node:
         a slower peer is not left waiting for it."""
         self.endpoint.set_round(self.cfg.rounds + 1)
         self.endpoint.finish()
-        deadline = time.monotonic() + self.cfg.round_timeout
+        deadline = time.monotonic() + self.model_wait
         while time.monotonic() < deadline:
             if all(peer.round > self.cfg.rounds for peer in self.endpoint.alive_peers()):
                 return

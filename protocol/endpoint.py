@@ -407,9 +407,10 @@ class Endpoint:
             self._fill_view()  # now, not at the next tick: the next round may wait for it
 
     def value(self, public_keys: Collection[bytes]) -> None:
-        """Say which neighbours of a bounded mesh helped this node so far: a candidate
-        one of them named as its own neighbour is greeted before one another neighbour
-        named (whom a helpful neighbour chose is likelier to help too)."""
+        """Say which neighbours of a bounded mesh the node found helpful (its rule's
+        `benefits`: screening's records, else the last round's weights): a candidate one
+        of them named as its own neighbour is greeted before one another neighbour named
+        (whom a helpful neighbour chose is likelier to help too)."""
         self._valued = frozenset(public_keys)
 
     def passive_size(self) -> int:
@@ -895,7 +896,7 @@ class Endpoint:
         sender, kind = message.sender, message.kind
         with self._lock:
             if kind == "blob":
-                if self.blobs.fetches.asked(sender):
+                if self.blobs.awaits_blob_from(sender):
                     return True
                 self.received["unrequested_blob"] += 1
             elif kind not in self.settings.direct_kinds:

@@ -138,7 +138,7 @@ class BlobExchange:
         self.latest: list[Blob] = []  # the last round's published blobs, re-announced
         self.fetches = Fetches(max_inflight, fetch_timeout)
 
-    # --- the node's side, each under the lock ----------------------------------------
+    # --- the node's side: each takes the lock -----------------------------------------
 
     def set_round(self, round_no: int) -> None:
         """Forget the offers and blobs of rounds before `round_no` (own blobs are kept a
@@ -156,11 +156,6 @@ class BlobExchange:
                 self.latest.clear()
             if not self.latest or self.latest[0].round == blob.round:
                 self.latest.append(blob)
-
-    def announce_latest(self, address: str) -> None:
-        """Announce our latest blobs to the node at `address` (a newcomer)."""
-        for blob in self.latest:
-            self.send(address, "announce", announce_body(blob))
 
     def offers(self, round_no: int, kind: str | None = None) -> list[Offer]:
         with self.lock:
@@ -217,6 +212,17 @@ class BlobExchange:
         with self.lock:
             return {i: blob for i in blob_ids if (blob := self.store.get(i)) is not None}
 
+    def fetches_since(self, start: int) -> list[FetchRecord]:
+        with self.lock:
+            return self.fetch_log[start:]
+
+    # --- called with the lock held (the worker's handlers and their helpers) -----------
+
+    def announce_latest(self, address: str) -> None:
+        """Announce our latest blobs to the node at `address` (a newcomer)."""
+        for blob in self.latest:
+            self.send(address, "announce", announce_body(blob))
+
     def pick_holder(self, offer: Offer) -> PeerEntry | None:
         """A live peer to fetch `offer` from: its origin first, then the others that
         announced it, less those that answered `miss`."""
@@ -224,11 +230,10 @@ class BlobExchange:
         alive = [entry for entry in candidates if entry is not None and entry.state == ALIVE]
         return alive[0] if alive else None
 
-    def fetches_since(self, start: int) -> list[FetchRecord]:
-        with self.lock:
-            return self.fetch_log[start:]
-
-    # --- the worker's side: called with the lock held ---------------------------------
+    def awaits_blob_from(self, holder: bytes) -> bool:
+        """Whether a fetch of ours to `holder` is in flight: only then may a blob of it
+        wait for the worker (the transport's screen of big messages)."""
+        return self.fetches.asked(holder)
 
     def on_announce(self, message: Message) -> None:
         # Offers are kept from known peers and for a window of rounds only, so an

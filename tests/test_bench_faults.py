@@ -4,7 +4,17 @@ and a view counts as refilled only once every survivor has one again. (The bench
 
 from __future__ import annotations
 
-from meshfl.launch.bench.faults import DOWN_MARK, first_round_after, view_rounds
+import argparse
+import json
+import os
+
+from meshfl.launch.bench.faults import (
+    DOWN_MARK,
+    _listed_hosts,
+    _problem_with,
+    first_round_after,
+    view_rounds,
+)
 from meshfl.node.metrics import RoundRecord
 
 
@@ -40,3 +50,32 @@ def test_down_marks_name_the_peer_marked_down():
     )
     match = DOWN_MARK.search(line)
     assert match is not None and match.group(1) == "node7"
+
+
+def flags(**given):
+    defaults = dict(nodes=100, hosts=10, kill=2, at=3, rounds=10, assignments=[], keep=None)
+    return argparse.Namespace(**{**defaults, **given})
+
+
+def test_flags_that_cannot_measure_a_fault_of_bounded_views_are_refused(tmp_path):
+    assert _problem_with(flags()) is None
+    assert "--at 1" in _problem_with(flags(at=1)), "the kill would come before round 1 began"
+    assert "--at 10" in _problem_with(flags(at=10))
+    assert "--kill 10" in _problem_with(flags(kill=10))
+    assert "full mesh" in _problem_with(flags(nodes=20))
+    assert _problem_with(flags(nodes=20, assignments=["topology.neighbours=4"])) is None
+    (tmp_path / "run").mkdir()
+    assert "holds a run" in _problem_with(flags(keep=str(tmp_path))), "its old pids are no targets"
+
+
+def test_only_the_hosts_listed_by_this_launch_are_targets(tmp_path):
+    hosts = [
+        {"label": "host0", "pid": 11, "nodes": ["node0", "node1"]},
+        {"label": "coordinator", "pid": 12, "nodes": ["coordinator"]},
+    ]
+    listing = tmp_path / "processes.json"
+    listing.write_text(json.dumps({"launcher": os.getpid(), "processes": hosts}))
+    assert [host["label"] for host in _listed_hosts(tmp_path, os.getpid())] == ["host0"]
+    assert _listed_hosts(tmp_path, os.getpid() + 1) == [], "an earlier launch's listing"
+    listing.unlink()
+    assert _listed_hosts(tmp_path, os.getpid()) == [], "not written yet"

@@ -15,7 +15,7 @@ BENCHMARKS = {
     "scale": "wall time, memory and bytes of meshes of 16, 50 and 100 nodes",
     "fedc2i": "influence seconds as a share of local training",
     "fedinfluence": "Fed-Influence against exact leave-one-out, cleansing and overhead",
-    "faults": "a bounded mesh losing a fifth of its processes at once: do views refill?",
+    "faults": "a bounded mesh losing some of its processes at once: do views refill?",
     "against": "a mesh beside another program doing the same job (Flower), alternately",
 }
 

@@ -1,5 +1,5 @@
-"""`meshfl bench faults`: what a bounded mesh does when a fifth of its processes die at
-once.
+"""`meshfl bench faults`: what a bounded mesh does when some of its processes die at
+once (by default 2 of 10 hosts: a fifth of the nodes).
 
 It runs `meshfl launch --nodes N --hosts H` (no restarts) in a child process and
 waits until every node has recorded round AT - 1, so that all are in round AT; then it
@@ -21,6 +21,8 @@ others. Afterwards it reads what the survivors wrote and prints:
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import os
 import random
@@ -33,11 +35,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from meshfl.node import config as cfgmod
 
 from ..options import add_assignments
-from ..summary import RoundRecord, records
+from ..summary import RoundRecord, last_record, records
 from .flags import add_rounds, bench_parser, positive
 from .scale import launch_command
 
@@ -48,7 +51,7 @@ DOWN_MARK = re.compile(r"peer (\S+) \(.*\) is down")
 
 
 @dataclass
-class Round:
+class RoundViews:
     """The survivors' views when round `number` began."""
 
     number: int
@@ -72,54 +75,99 @@ def main(argv: list[str]) -> int:
     add_rounds(parser, 10, "rounds (default 10)")
     parser.add_argument("--seed", type=int, default=0, help="which hosts die (default 0)")
     add_assignments(parser, "a config change for the run, repeatable")
-    parser.add_argument("--keep", metavar="DIR", default=None, help="keep the run's folder in DIR")
+    parser.add_argument(
+        "--keep", metavar="DIR", default=None, help="keep the run's folder in DIR (a new folder)"
+    )
     args = parser.parse_args(argv)
-    if args.kill >= args.hosts:
-        parser.error(f"--kill {args.kill}: must leave at least one of the {args.hosts} hosts")
-    if args.at >= args.rounds:
-        parser.error(f"--at {args.at}: must be before the last round ({args.rounds})")
+    problem = _problem_with(args)
+    if problem:
+        parser.error(problem)
     with tempfile.TemporaryDirectory(prefix="meshfl-faults-") as scratch:
         out = Path(args.keep or scratch) / "run"
+        out.mkdir(parents=True)
         command = launch_command(args.nodes, args.hosts, args.rounds, out, args.assignments)
         clock = time.perf_counter()
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # The launch's (and its hosts') errors go to a file: a pipe nobody reads while
+        # the run goes on would fill up and stop them.
+        with open(out / "launch.log", "wb") as log:
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         try:
-            dead = kill_hosts_in_round(process, out, args.at, args.kill, random.Random(args.seed))
-            _, stderr = process.communicate()
+            rng = random.Random(args.seed)
+            dead = kill_hosts_in_round(process, out, args.at, args.kill, rng)
+            process.wait()
         finally:
             if process.poll() is None:
                 process.send_signal(signal.SIGINT)
                 process.wait()
         wall = time.perf_counter() - clock
         if not dead:
-            raise RuntimeError(f"the launch ended before round {args.at}: {stderr.decode()[-800:]}")
+            tail = (out / "launch.log").read_text(errors="replace")[-800:]
+            raise RuntimeError(f"the launch ended before round {args.at}: {tail}")
         report(out, dead, args.rounds, args.at, wall)
     return 0
+
+
+def _problem_with(args: argparse.Namespace) -> str | None:
+    """What makes the flags unable to measure what the benchmark measures, or None."""
+    if args.kill >= args.hosts:
+        return f"--kill {args.kill}: must leave at least one of the {args.hosts} hosts"
+    if not 2 <= args.at < args.rounds:
+        return f"--at {args.at}: must be a round after the first and before the last"
+    if args.keep and (Path(args.keep) / "run").exists():
+        return f"--keep {args.keep}: holds a run already; give a new folder"
+    cfg = cfgmod.apply_overrides(cfgmod.MeshConfig(), args.assignments)
+    if cfg.topology.views(args.nodes) is None:
+        return (
+            f"{args.nodes} nodes run as a full mesh here; it measures bounded views "
+            "(more than 32 nodes, or --set topology.neighbours=K)"
+        )
+    return None
 
 
 def kill_hosts_in_round(
     process: subprocess.Popen[bytes], out: Path, round_no: int, count: int, rng: random.Random
 ) -> set[str]:
-    """Once every node of the run in `out` has recorded round `round_no` - 1, SIGKILL
-    `count` of its host processes drawn by `rng`; the names of their nodes (none if the
-    launch ended first)."""
+    """Once every node of a live host of the launch `process` (writing to `out`) has
+    recorded round `round_no` - 1, SIGKILL `count` of those hosts drawn by `rng`; the
+    names of their nodes (none if the launch ended first)."""
     while process.poll() is None:
-        listing = out / "processes.json"
-        hosts = json.loads(listing.read_text())["processes"] if listing.exists() else []
+        hosts = [host for host in _listed_hosts(out, process.pid) if _alive(host["pid"])]
         nodes = [name for host in hosts for name in host["nodes"]]
-        if nodes and all(rounds_recorded(out / name) >= round_no - 1 for name in nodes):
+        if len(hosts) > count and all(
+            rounds_recorded(out / name) >= round_no - 1 for name in nodes
+        ):
             victims = rng.sample(hosts, count)
             for host in victims:
-                os.kill(host["pid"], signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):  # it ended just now
+                    os.kill(host["pid"], signal.SIGKILL)
             return {name for host in victims for name in host["nodes"]}
         time.sleep(LOOK_EVERY_S)
     return set()
 
 
+def _listed_hosts(out: Path, launcher: int) -> list[dict[str, Any]]:
+    """The node hosts processes.json lists, once the launch `launcher` has written it."""
+    try:
+        listing = json.loads((out / "processes.json").read_text())
+    except (OSError, ValueError):
+        return []  # not written yet
+    if listing.get("launcher") != launcher:
+        return []
+    return [host for host in listing["processes"] if len(host["nodes"]) > 1]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def rounds_recorded(folder: Path) -> int:
     """The last round a node's metrics file records (0 when none yet)."""
-    lines = records(folder / "metrics.jsonl")
-    return lines[-1].round if lines else 0
+    record = last_record(folder / "metrics.jsonl")
+    return record.round if record else 0
 
 
 def report(out: Path, dead: set[str], rounds: int, killed_in: int, wall: float) -> None:
@@ -149,14 +197,20 @@ def report(out: Path, dead: set[str], rounds: int, killed_in: int, wall: float) 
         f"rounds after the kill until every survivor began a round with a full view: {every}; "
         f"until the mean was back at its level before the kill ({before:.1f}): {level}"
     )
-    accuracies = [lines[-1].test_acc or 0.0 for lines in survivors.values() if lines]
+    accuracies = [
+        lines[-1].test_acc
+        for lines in survivors.values()
+        if lines and lines[-1].test_acc is not None
+    ]
     print(
         f"survivors' mean test accuracy {statistics.fmean(accuracies or [0.0]):.3f}; "
         f"survivors marked down by survivors: {live_marked_down(out, survivors)}"
     )
 
 
-def first_round_after(table: list[Round], killed_in: int, holds: Callable[[Round], bool]) -> str:
+def first_round_after(
+    table: list[RoundViews], killed_in: int, holds: Callable[[RoundViews], bool]
+) -> str:
     """How many rounds after round `killed_in` the first round of `table` that `holds`
     came, in words."""
     found = next((each.number for each in table if each.number > killed_in and holds(each)), None)
@@ -165,7 +219,7 @@ def first_round_after(table: list[Round], killed_in: int, holds: Callable[[Round
 
 def view_rounds(
     survivors: dict[str, list[RoundRecord]], dead: set[str], full: int, rounds: int
-) -> list[Round]:
+) -> list[RoundViews]:
     """For each round, the survivors' live neighbours when it began."""
     table = []
     for number in range(1, rounds + 1):
@@ -176,7 +230,9 @@ def view_rounds(
             if record.round == number
         ]
         table.append(
-            Round(number, len(live), sum(n >= full for n in live), statistics.fmean(live or [0]))
+            RoundViews(
+                number, len(live), sum(n >= full for n in live), statistics.fmean(live or [0])
+            )
         )
     return table
 
