@@ -494,8 +494,6 @@ class Node:
         rng = random.Random(draw_seed(self.cfg.seed, self.options.name, round_no, "neighbours"))
         select = self.cfg.topology.select
         dropped = neighbours_to_drop(benefit, weights, shunned, select, rng, explore)
-        helped = [name for name, value in benefit.items() if value > 0 and name not in dropped]
-        self.endpoint.value([current[name] for name in helped])
         for name in dropped:
             self.endpoint.unlink(current[name])
         return dropped

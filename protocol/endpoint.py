@@ -241,9 +241,6 @@ class Endpoint:
         # Whether the node wants no link with the peer of this name (its record shows
         # clear harm): called on the worker thread, so it must only read.
         self.shuns: Callable[[str], bool] = lambda name: False
-        # The neighbours whose models helped this node (`value`): the candidates they
-        # name are greeted first. Replaced whole, never changed in place.
-        self._valued: frozenset[bytes] = frozenset()
         # One handler per kind of WIRE.md section 4; the decoder lets no other kind through.
         self._handlers: dict[str, Callable[[Message], None]] = {
             "hello": self._on_hello,
@@ -405,13 +402,6 @@ class Endpoint:
             self._forget(entry, drain=True)
             self.passive.discard(public_key)  # not the candidate greeted in its place
             self._fill_view()  # now, not at the next tick: the next round may wait for it
-
-    def value(self, public_keys: Collection[bytes]) -> None:
-        """Say which neighbours of a bounded mesh the node found helpful (its rule's
-        `benefits`: screening's records, else the last round's weights): a candidate one
-        of them named as its own neighbour is greeted before one another neighbour named
-        (whom a helpful neighbour chose is likelier to help too)."""
-        self._valued = frozenset(public_keys)
 
     def passive_size(self) -> int:
         with self._lock:
@@ -752,10 +742,7 @@ class Endpoint:
             if candidate.name and self.shuns(candidate.name):
                 self.passive.discard(candidate.key)  # the node wants no link with it
         exclude = set(self.table.entries) | {self.identity.public_key}
-        friends: list[Collection[bytes]] = []
-        if self.views.friends_first:
-            neighbours = self.table.entries.keys()
-            friends = [self._valued & neighbours, neighbours]
+        friends = self.table.entries.keys() if self.views.friends_first else ()
         chosen = self.passive.take(short, exclude, friends)
         for candidate in chosen:
             self._learn(candidate.addr, candidate.key, from_its_owner=False)

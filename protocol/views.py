@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import random
 import time
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -187,21 +187,16 @@ class PassiveView:
         return self.entries.pop(key, None)
 
     def take(
-        self, count: int, exclude: Collection[bytes], friends: Sequence[Collection[bytes]] = ()
+        self, count: int, exclude: Collection[bytes], friends: Collection[bytes] = ()
     ) -> list[Candidate]:
         """Up to `count` random candidates not in `exclude`, removed from the view: first
-        those a neighbour of the first tier of `friends` named as its own neighbours (whom
-        a node's chosen neighbours chose are likelier to help it too), then those of the
-        next tier, then any."""
+        those a neighbour in `friends` named as its own neighbours (whom a node's chosen
+        neighbours chose are likelier to help it too), then any."""
         free = [key for key in self.entries if key not in exclude]
-        chosen: list[bytes] = []
-        for tier in [*friends, None]:
-            pool = [
-                key
-                for key in free
-                if key not in chosen and (tier is None or self.entries[key].via in tier)
-            ]
-            chosen += self.rng.sample(pool, min(count - len(chosen), len(pool)))
+        vouched = [key for key in free if self.entries[key].via in friends]
+        rest = [key for key in free if self.entries[key].via not in friends]
+        chosen = self.rng.sample(vouched, min(count, len(vouched)))
+        chosen += self.rng.sample(rest, min(count - len(chosen), len(rest)))
         return [self.entries.pop(key) for key in chosen]
 
     def cards(self, count: int, exclude: Collection[bytes] = ()) -> list[Card]:
