@@ -11,8 +11,7 @@ harm, or a rule's own verdict), and when its view is full and it shuns none: two
 did nothing (those with the worst record first: an attacker whose first measurement
 fell short of clear harm goes before an honest peer that was late), else, in one round
 of EXPLORE_EVERY (drawn at random), the one that did least. The endpoint then greets
-as many candidates from its passive view (first those named by the neighbours with a
-record of help, which the node tells it), so exploring never stops: a node recovers
+as many candidates from its passive view, so exploring never stops: a node recovers
 from a bad start, and newcomers get tried (PENS, Onoszko et al. 2021). With `random`
 a random neighbour is dropped instead: gossip learning, the baseline to beat: nothing
 is shunned, and candidates are drawn at random.

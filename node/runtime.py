@@ -481,8 +481,7 @@ class Node:
         """In a bounded mesh, drop the neighbours the node shuns, and when its view is
         full the neighbour it began the round with that did least for it
         (`topology.select`, node/neighbours.py); the endpoint greets candidates in their
-        place, first those the neighbours kept for their help named. Without a candidate
-        to try instead, only shunned ones are dropped."""
+        place. Without a candidate to try instead, only shunned ones are dropped."""
         views = self.endpoint.views
         if views is None or round_no >= self.cfg.rounds:
             return []  # after the last round there is nothing left to explore for
