@@ -206,6 +206,7 @@ class Endpoint:
             self._send,
             Counts(self.received, self.flow_rejections),
             self._lock,
+            lambda: self.round,
             settings.store_bytes,
             settings.max_inflight,
             settings.fetch_timeout,
@@ -375,7 +376,7 @@ class Endpoint:
 
     def set_round(self, round_no: int) -> None:
         self.round = round_no
-        self.blobs.set_round(round_no)
+        self.blobs.forget_before(round_no)
 
     def peers(self) -> list[PeerEntry]:
         with self._lock:

@@ -121,6 +121,7 @@ class BlobExchange:
         send: Send,
         counts: Counts,
         lock: threading.RLock,
+        round_now: Callable[[], int],
         store_bytes: int,
         max_inflight: int,
         fetch_timeout: float,
@@ -131,7 +132,7 @@ class BlobExchange:
         self.send = send
         self.counts = counts
         self.lock = lock
-        self.round = 0
+        self.round_now = round_now  # the endpoint's round: offers are kept near it
         self.store = BlobStore(store_bytes)
         self.offer_book = OfferBook()
         self.fetch_log: list[FetchRecord] = []
@@ -140,10 +141,9 @@ class BlobExchange:
 
     # --- the node's side: each takes the lock -----------------------------------------
 
-    def set_round(self, round_no: int) -> None:
+    def forget_before(self, round_no: int) -> None:
         """Forget the offers and blobs of rounds before `round_no` (own blobs are kept a
         little longer, for peers catching up)."""
-        self.round = round_no
         with self.lock:
             self.offer_book.forget_before(round_no)
             self.store.forget_before(round_no, self.own_key, self.offer_book.keep_rounds)
@@ -240,7 +240,7 @@ class BlobExchange:
         # announcing stranger cannot grow the offer book without bound.
         known = self.table.heard_from(message.sender, message.round) is not None
         body = message.body
-        if not known or body["round"] > self.round + self.offer_book.keep_rounds:
+        if not known or body["round"] > self.round_now() + self.offer_book.keep_rounds:
             self.counts.received["ignored_announce"] += 1
             return
         offer = Offer(

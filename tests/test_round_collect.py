@@ -215,3 +215,24 @@ def test_a_round_waits_for_models_longer_in_a_crowded_host_as_liveness_does():
     crowded.options = replace(crowded.options, host_nodes=200)
     assert alone.model_wait == 30.0
     assert crowded.model_wait == 30.0 * liveness_stretch(200) == 600.0
+
+
+def test_a_finished_node_in_a_crowded_host_serves_its_last_blob_for_the_stretched_wait(
+    make_endpoint,
+):
+    """A neighbour still in the last round may need our blob: a node of a host of 200
+    keeps serving it for 20 times `round_timeout`, as its rounds wait for models."""
+    finished = make_endpoint("finished")
+    finished.start()
+    behind = make_endpoint("behind")  # stays at round 0: not past the last round
+    behind.start([finished.contact])
+    assert finished.wait_for_peers(1, WAIT)
+    config = MeshConfig(rounds=1, round_timeout=0.05)
+    spent = {}
+    for host_nodes in (1, 200):
+        node = node_from(endpoint=finished, config=config)
+        node.options = replace(node.options, host_nodes=host_nodes)
+        clock = time.monotonic()
+        node._linger()
+        spent[host_nodes] = time.monotonic() - clock
+    assert spent[1] < 0.5 and spent[200] >= 0.05 * liveness_stretch(200) == 1.0, spent

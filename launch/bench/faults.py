@@ -26,7 +26,6 @@ import contextlib
 import json
 import os
 import random
-import re
 import signal
 import statistics
 import subprocess
@@ -42,12 +41,10 @@ from meshfl.node import config as cfgmod
 from ..options import add_assignments
 from ..summary import RoundRecord, last_record, records
 from .flags import add_rounds, bench_parser, positive
-from .scale import launch_command
+from .scale import DOWN_MARK, launch_command
 
 # How often the benchmark looks at the nodes' metrics while it waits for the kill round.
 LOOK_EVERY_S = 0.5
-# A node log's line for a peer marked down (protocol/endpoint.py).
-DOWN_MARK = re.compile(r"peer (\S+) \(.*\) is down")
 
 
 @dataclass
@@ -174,8 +171,7 @@ def report(out: Path, dead: set[str], rounds: int, killed_in: int, wall: float) 
     """Print what the survivors of the run in `out` wrote (see the module's docstring)."""
     cfg = cfgmod.load_config(out / "config.yaml")
     views = cfg.topology.views(len(cfg.peers))
-    if views is None:
-        raise SystemExit("meshfl bench faults: the mesh ran as a full mesh; it measures views")
+    assert views is not None, "a full mesh is refused before the run (_problem_with)"
     survivors = {peer.name: records(out / peer.name / "metrics.jsonl") for peer in cfg.peers}
     survivors = {name: lines for name, lines in survivors.items() if name not in dead}
     finished = sum(1 for lines in survivors.values() if lines and lines[-1].round >= rounds)

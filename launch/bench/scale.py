@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -42,6 +43,8 @@ if TYPE_CHECKING:
     from ..ray_local import LocalRayCluster
 
 BLOB_KINDS = ("blob",)  # what carries model bytes; everything else is control traffic
+# A node log's line for a peer it marked down (protocol/endpoint.py), naming the peer.
+DOWN_MARK = re.compile(r"peer (\S+) \(.*\) is down")
 
 
 @dataclass
@@ -207,7 +210,10 @@ def sent_bytes(out: Path) -> Counter[str]:
 
 
 def down_marks(out: Path) -> int:
-    return sum(log.read_text(errors="replace").count(" is down") for log in out.glob("*/node.log"))
+    """How many times a node's log marked a peer down (no peer dies in these runs)."""
+    return sum(
+        len(DOWN_MARK.findall(log.read_text(errors="replace"))) for log in out.glob("*/node.log")
+    )
 
 
 def main(argv: list[str]) -> int:
