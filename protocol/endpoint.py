@@ -236,6 +236,9 @@ class Endpoint:
         # Shuffles of ours awaiting an answer: partner -> the keys of the cards we sent.
         self._shuffles_out: OrderedDict[bytes, tuple[bytes, ...]] = OrderedDict()
         self._next_shuffle = 0.0
+        # When the current round began, and how long the last one took (paces shuffles).
+        self._round_began: float | None = None
+        self._round_length: float | None = None
         # Set once the node has done its last round: it keeps the neighbours it has, to
         # serve them its last blob, and takes in and looks for no others.
         self._finished = False
@@ -375,6 +378,11 @@ class Endpoint:
         return self._joined.is_set()
 
     def set_round(self, round_no: int) -> None:
+        now = time.monotonic()
+        if round_no == self.round + 1 and self._round_began is not None:
+            self._round_length = now - self._round_began  # a skip ahead is no round's length
+        if round_no != self.round:
+            self._round_began = now
         self.round = round_no
         self.blobs.forget_before(round_no)
 
@@ -761,7 +769,9 @@ class Endpoint:
         partners = [e for e in self.table.alive() if e.reached]
         if now < self._next_shuffle or not partners:
             return None
-        self._next_shuffle = now + self.views.shuffle_interval * self.table.stretch()
+        self._next_shuffle = now + self.views.shuffle_period(
+            self.table.stretch(), self._round_length
+        )
         partner = self._rng.choice(partners)
         members = [card for key, card in self._cards.items() if key != partner.public_key]
         cards, linked = cards_to_send(

@@ -34,6 +34,9 @@ from .membership import PEER_NAME
 CARD_CONTEXT = b"meshfl/3 card\n"
 # The most cards one shuffle (or its answer) may carry; more is refused whole.
 MAX_CARDS = 32
+# A node starts at least this many shuffles a round (once it knows how long one takes),
+# so that the candidates it replaces neighbours from after each round are fresh.
+SHUFFLES_PER_ROUND = 4
 BAD_CARD = "bad_card"
 
 
@@ -59,6 +62,18 @@ class ViewSettings:
         choice is one more stranger in its view), and keeps four times as many
         candidates (at least 32)."""
         return cls(neighbours, neighbours + 2, max(32, 4 * neighbours), friends_first=friends_first)
+
+    def shuffle_period(self, stretch: float, round_length: float | None) -> float:
+        """Seconds between two shuffles a node starts: `shuffle_interval` stretched as
+        heartbeats are (a crowded process must not spend its CPU shuffling), but short
+        enough for SHUFFLES_PER_ROUND a round of `round_length` seconds, and never
+        shorter than `shuffle_interval`. A round, not a clock, is what neighbours are
+        chosen by: stretched alone, a host of 50 nodes doing 7-second rounds shuffled
+        less than once a round, and benefit-chosen views found their clusters slowly."""
+        period = self.shuffle_interval * stretch
+        if round_length is None:
+            return period
+        return min(period, max(self.shuffle_interval, round_length / SHUFFLES_PER_ROUND))
 
     def connections(self) -> int:
         """The most peers a node holds connections to at once: its fullest view, plus

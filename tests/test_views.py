@@ -152,6 +152,27 @@ def test_a_dead_neighbour_is_replaced_and_views_survive_a_fifth_dying_at_once(me
     assert time.monotonic() - started < 10 * FAST["peer_timeout"]
 
 
+def test_a_crowded_node_still_shuffles_several_times_a_round(mesh):
+    # In a host of 50 a node shuffles as seldom as it beats, every 0.3 s x 5; once it
+    # has done a round of 0.4 s it shuffles four times a round: every 0.3 s, the
+    # interval, and no more often.
+    crowded, partner = mesh(2, through_first, crowd=50)
+    assert poll_until(lambda: neighbours(crowded) and neighbours(partner))
+
+    def shuffles_heard(seconds: float) -> int:
+        before = partner.stats()["received"].get("shuffle", 0)
+        time.sleep(seconds)
+        return partner.stats()["received"].get("shuffle", 0) - before
+
+    assert shuffles_heard(3.0) <= 3
+    crowded.set_round(1)
+    time.sleep(0.4)
+    crowded.set_round(2)
+    time.sleep(1.6)  # the shuffle due at the stretched pace goes first
+    assert shuffles_heard(3.0) >= 6
+    assert ViewSettings(shuffle_interval=2.0).shuffle_period(5, round_length=100) == 10
+
+
 def test_an_unlinked_neighbour_is_replaced_and_told(mesh):
     endpoints = mesh(8, through_first)
     assert poll_until(lambda: views_settled(endpoints))
