@@ -83,10 +83,12 @@ class RoundRecord(_Round):
     transport_fetches: list[dict[str, Any]] | None = None  # every blob pulled in the round
     attacker: bool | None = None  # the node ran an attack this round
     bytes_sent_by_kind: dict[str, int] | None = None  # message kind -> bytes, since start
-    # A bounded mesh's only (WIRE.md 7.7): the neighbours when the round began, the ones
-    # of those new since the last round began, and the ones the node dropped after it
-    # (node/neighbours.py).
+    # A bounded mesh's only (WIRE.md 7.7): the neighbours when the round began and when
+    # it ended (before any was dropped: places freed after a round are filled while the
+    # next one runs), the ones new since the last round began, and the ones the node
+    # dropped after it (node/neighbours.py).
     neighbours: list[str] | None = None
+    neighbours_at_end: list[str] | None = None
     tried: list[str] | None = None
     dropped: list[str] | None = None
     connections: int | None = None  # the node dialled, open when the round ended

@@ -433,6 +433,7 @@ class Node:
             val = evaluate(self.model, self.data.x_val, self.data.y_val, self.data.num_classes)
             test = evaluate(self.model, self.data.x_test, self.data.y_test, self.data.num_classes)
             seconds["evaluate"] = time.perf_counter() - clock
+            at_end = sorted(peer.name for peer in self.endpoint.alive_peers())
             dropped = self._drop_neighbours(round_no, neighbours.values(), outcome.weights)
 
         after = self.endpoint.stats()
@@ -461,6 +462,7 @@ class Node:
                 n_train=len(self.data.y_train),
                 attacker=self.attack.active,
                 neighbours=sorted(neighbours.values()) if self.endpoint.views else None,
+                neighbours_at_end=at_end if self.endpoint.views else None,
                 tried=self._tried(neighbours.values()) if self.endpoint.views else None,
                 dropped=dropped if self.endpoint.views else None,
                 connections=after["connections"],

@@ -18,28 +18,31 @@ from meshfl.launch.bench.faults import (
 from meshfl.node.metrics import RoundRecord
 
 
-def rounds_of(*neighbours: list[str]) -> list[RoundRecord]:
-    return [RoundRecord(round=number, neighbours=each) for number, each in enumerate(neighbours, 1)]
+def rounds_of(*views: tuple[list[str], list[str]]) -> list[RoundRecord]:
+    """A node's records, from each round's neighbours when it began and ended."""
+    return [
+        RoundRecord(round=number, neighbours=start, neighbours_at_end=end)
+        for number, (start, end) in enumerate(views, 1)
+    ]
 
 
 def test_a_dead_neighbour_does_not_count_and_refilling_needs_every_survivor():
     survivors = {
-        "a": rounds_of(["b", "c"], ["b", "dead"], ["b", "c"], ["b", "c"]),
-        "b": rounds_of(["a", "c"], ["a", "dead"], ["a", "dead"], ["a", "c"]),
+        "a": rounds_of((["b", "c"],) * 2, (["b", "dead"], ["b", "c"]), (["c"], ["b", "c"])),
+        "b": rounds_of((["a", "c"],) * 2, (["a", "dead"],) * 2, (["a"], ["a", "c"])),
     }
-    table = view_rounds(survivors, {"dead"}, full=2, rounds=4)
-    assert [(each.full, each.mean_live) for each in table] == [
-        (2, 2.0),
-        (0, 1.0),
-        (1, 1.5),
-        (2, 2.0),
+    table = view_rounds(survivors, {"dead"}, full=2, rounds=3)
+    assert [(e.full_at_start, e.mean_at_start, e.full_at_end) for e in table] == [
+        (2, 2.0, 2),
+        (0, 1.0, 1),
+        (0, 1.0, 2),
     ]
-    assert first_round_after(table, 2, lambda each: each.full == each.survivors) == "2 (round 4)"
-    assert first_round_after(table, 4, lambda each: True) == "never"
+    assert first_round_after(table, 1, lambda e: e.full_at_end == e.survivors) == "2 (round 3)"
+    assert first_round_after(table, 3, lambda each: True) == "never"
 
 
 def test_a_survivor_that_stopped_recording_is_left_out_of_its_missing_rounds():
-    survivors = {"a": rounds_of(["b"], ["b"]), "b": rounds_of(["a"])}
+    survivors = {"a": rounds_of((["b"], ["b"]), (["b"], ["b"])), "b": rounds_of((["a"], ["a"]))}
     table = view_rounds(survivors, set(), full=1, rounds=2)
     assert [each.survivors for each in table] == [2, 1]
 

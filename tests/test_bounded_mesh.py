@@ -47,6 +47,8 @@ def test_each_node_learns_from_a_bounded_changing_set_of_neighbours(tmp_path):
         assert rounds == list(range(rounds[0], 7)) and len(rounds) >= 3, rounds
         for record in history:
             assert 1 <= len(record["neighbours"]) <= MOST
+            assert set(record["dropped"]) <= set(record["neighbours_at_end"])
+            assert len(record["neighbours_at_end"]) <= MOST
             assert len(record["received"]) <= MOST
             assert record["connections"] <= MOST + 2  # a link in the making, one going
         later = set().union(*(record["neighbours"] for record in history[1:]))

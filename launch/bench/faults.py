@@ -9,12 +9,14 @@ others. Afterwards it reads what the survivors wrote and prints:
 
 - how many survivors finished every round (all of them should);
 - round by round, how many survivors began the round with a full view of live
-  neighbours (`topology.neighbours`; a dead neighbour not yet noticed does not count)
-  and their mean number of live neighbours;
-- how many rounds after the kill every survivor began a round with a full view again,
-  and how many until the survivors' mean was back at its level before the kill (a node
-  drops neighbours after each round and greets candidates in their place while the
-  next round runs, so some views begin a round short even when no one died);
+  neighbours (`topology.neighbours`; a dead neighbour not yet noticed does not count),
+  their mean number of live neighbours then, and how many ended the round (its models
+  in, no neighbour dropped yet) with a full view;
+- how many rounds after the kill every survivor ended a round with a full view again
+  (a node drops neighbours after each round and greets candidates in their place while
+  the next round runs, so some views begin a round short even when no one died), and
+  how many until the survivors' mean at a round's start was back at its level before
+  the kill;
 - the survivors' mean test accuracy at their last round, and how often a survivor
   marked another survivor down (a live peer taken for dead).
 """
@@ -49,12 +51,14 @@ LOOK_EVERY_S = 0.5
 
 @dataclass
 class RoundViews:
-    """The survivors' views when round `number` began."""
+    """The survivors' views in round `number`: when it began, and when its models were
+    in (before the node dropped any neighbour)."""
 
     number: int
     survivors: int  # that recorded the round
-    full: int  # of those, how many began it with a full view of live neighbours
-    mean_live: float
+    full_at_start: int  # of those, how many began it with a full view of live neighbours
+    mean_at_start: float  # live neighbours when it began, mean over the survivors
+    full_at_end: int  # how many ended it with a full view of live neighbours
 
 
 def main(argv: list[str]) -> int:
@@ -180,18 +184,24 @@ def report(out: Path, dead: set[str], rounds: int, killed_in: int, wall: float) 
         f"survivors={len(survivors)} finished_all_rounds={finished} wall_s={wall:.1f}"
     )
     table = view_rounds(survivors, dead, views.neighbours, rounds)
-    print(f"round  survivors  full view ({views.neighbours} live neighbours)  mean live neighbours")
+    full = f"full view ({views.neighbours} live neighbours)"
+    print(f"round  survivors  {full} at start  mean live at start  {full} at end")
     for each in table:
-        print(f"{each.number:>5}  {each.survivors:>9}  {each.full:>35}  {each.mean_live:>20.1f}")
-    # A node drops neighbours after each round and greets candidates in their place, and
-    # rounds do not wait for views, so some views begin a round short even with no one
-    # dead: the level before the kill (rounds 2 to the kill's) is the mark to get back to.
-    before = statistics.fmean(each.mean_live for each in table[1:killed_in])
-    every = first_round_after(table, killed_in, lambda each: each.full == each.survivors)
-    level = first_round_after(table, killed_in, lambda each: each.mean_live >= before)
+        print(
+            f"{each.number:>5}  {each.survivors:>9}  {each.full_at_start:>{len(full) + 9}}"
+            f"  {each.mean_at_start:>18.1f}  {each.full_at_end:>{len(full) + 7}}"
+        )
+    # A node drops neighbours after each round and greets candidates in their place while
+    # the next one runs, so some views begin a round short even with no one dead: a view
+    # is refilled when it ends a round full, and the level of views at a round's start
+    # before the kill (rounds 2 to the kill's) is the mark to get back to.
+    before = statistics.fmean(each.mean_at_start for each in table[1:killed_in])
+    every = first_round_after(table, killed_in, lambda each: each.full_at_end == each.survivors)
+    level = first_round_after(table, killed_in, lambda each: each.mean_at_start >= before)
     print(
-        f"rounds after the kill until every survivor began a round with a full view: {every}; "
-        f"until the mean was back at its level before the kill ({before:.1f}): {level}"
+        f"rounds after the kill until every survivor ended a round with a full view: {every}; "
+        f"until the mean at a round's start was back at its level before the kill "
+        f"({before:.1f}): {level}"
     )
     accuracies = [
         lines[-1].test_acc
@@ -216,18 +226,21 @@ def first_round_after(
 def view_rounds(
     survivors: dict[str, list[RoundRecord]], dead: set[str], full: int, rounds: int
 ) -> list[RoundViews]:
-    """For each round, the survivors' live neighbours when it began."""
+    """For each round, the survivors' live neighbours when it began and ended."""
     table = []
     for number in range(1, rounds + 1):
-        live = [
-            len(set(record.neighbours or ()) - dead)
-            for lines in survivors.values()
-            for record in lines
-            if record.round == number
+        recorded = [
+            record for lines in survivors.values() for record in lines if record.round == number
         ]
+        at_start = [len(set(record.neighbours or ()) - dead) for record in recorded]
+        at_end = [len(set(record.neighbours_at_end or ()) - dead) for record in recorded]
         table.append(
             RoundViews(
-                number, len(live), sum(n >= full for n in live), statistics.fmean(live or [0])
+                number,
+                len(recorded),
+                sum(n >= full for n in at_start),
+                statistics.fmean(at_start or [0]),
+                sum(n >= full for n in at_end),
             )
         )
     return table
