@@ -48,7 +48,13 @@ INCOMING = "incoming"  # what the ROUTER's monitor watches: connections to us
 # A DEALER is watched until its first handshake succeeds, then its monitor is closed: a
 # monitor costs two sockets, and a node of a 100-node mesh dials 99 peers (node hosts
 # run dozens of nodes under one open-files limit).
-_DEALER_EVENTS = _HANDSHAKE_FAILURES | zmq.EVENT_HANDSHAKE_SUCCEEDED
+# A connection retried before one was ever made was refused: nobody listens there.
+_DEALER_EVENTS = (
+    _HANDSHAKE_FAILURES
+    | zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_CONNECTED
+    | zmq.EVENT_CONNECT_RETRIED
+)
 
 
 class LogOnce:
@@ -249,6 +255,11 @@ class Transport:
         # key it dialled (None unencrypted): a node there answers, and holds that key.
         self.reached: dict[str, bytes | None] = {}
         self.reached_count = 0  # moves on each new one: a cheap "anything new?" for readers
+        # Addresses dialled where the connection was refused before one was ever made
+        # (nobody listens: a node gone), and a count that moves on each new one.
+        self.unheard: set[str] = set()
+        self.unheard_count = 0
+        self._connected: set[str] = set()  # dialled addresses a connection was made to
         # Unexpected errors of the I/O thread, contained and counted, by where they came.
         self.faults: Counter[str] = Counter()
         self._counting = threading.Lock()  # other threads copy the counters under it
@@ -484,6 +495,17 @@ class Transport:
         except zmq.Again:
             return  # woken with nothing whole to read yet
         watched = self._monitors[monitor]
+        if event["event"] == zmq.EVENT_CONNECTED:
+            self._connected.add(watched)
+            return
+        if event["event"] == zmq.EVENT_CONNECT_RETRIED:
+            # Retried after a connection was made: a handshake broken off, counted below
+            # when its cause comes. Before any: refused, nobody listens at the address.
+            if watched not in self._connected and watched not in self.unheard:
+                self.unheard.add(watched)
+                self.unheard_count += 1
+                self.wake_reader()
+            return
         if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.reached[watched] = self._dealers[watched][1]
             self.reached_count += 1
@@ -526,6 +548,8 @@ class Transport:
         self.reached.pop(address, None)
         self.last_proof_of_life.pop(address, None)
         self.failed_handshakes.pop(address, None)
+        self.unheard.discard(address)
+        self._connected.discard(address)
         if dealer is None:
             return
         self._unmonitor(address, dealer)

@@ -11,6 +11,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 
 import msgpack
 import numpy as np
@@ -171,6 +172,20 @@ def test_a_crowded_node_still_shuffles_several_times_a_round(mesh):
     time.sleep(1.6)  # the shuffle due at the stretched pace goes first
     assert shuffles_heard(3.0) >= 6
     assert ViewSettings(shuffle_interval=2.0).shuffle_period(5, round_length=100) == 10
+
+
+def test_a_candidate_where_nobody_listens_is_given_up_at_once(mesh):
+    # A view of one: the greeting that awaits the dead candidate holds its only place,
+    # for the handshake grace (2 x peer_timeout, 20 s) unless the refused connection
+    # gives it up.
+    lonely, other = mesh(
+        2, lambda started: [], views=replace(SMALL_VIEWS, neighbours=1, most=1), peer_timeout=10.0
+    )
+    gone = Identity.generate().public_key
+    lonely.passive.add(Candidate(gone, f"tcp://127.0.0.1:{free_ports(1)[0]}"))
+    assert poll_until(lambda: gone not in lonely.passive, 5)  # greeted
+    lonely.passive.add(Candidate(other.identity.public_key, other.address))
+    assert poll_until(lambda: neighbours(lonely) == {other.identity.public_key}, 5)
 
 
 def test_an_unlinked_neighbour_is_replaced_and_told(mesh):
