@@ -433,8 +433,14 @@ class Node:
             val = evaluate(self.model, self.data.x_val, self.data.y_val, self.data.num_classes)
             test = evaluate(self.model, self.data.x_test, self.data.y_test, self.data.num_classes)
             seconds["evaluate"] = time.perf_counter() - clock
-            at_end = sorted(peer.name for peer in self.endpoint.alive_peers())
-            dropped = self._drop_neighbours(round_no, neighbours.values(), outcome.weights)
+            # Read once: what the round's record shows is what the drops chose among.
+            ended_with = {
+                peer.name: peer.public_key
+                for peer in (self.endpoint.alive_peers() if self.endpoint.views else ())
+            }
+            dropped = self._drop_neighbours(
+                round_no, neighbours.values(), ended_with, outcome.weights
+            )
 
         after = self.endpoint.stats()
         self.metrics.append(
@@ -462,7 +468,7 @@ class Node:
                 n_train=len(self.data.y_train),
                 attacker=self.attack.active,
                 neighbours=sorted(neighbours.values()) if self.endpoint.views else None,
-                neighbours_at_end=at_end if self.endpoint.views else None,
+                neighbours_at_end=sorted(ended_with) if self.endpoint.views else None,
                 tried=self._tried(neighbours.values()) if self.endpoint.views else None,
                 dropped=dropped if self.endpoint.views else None,
                 connections=after["connections"],
@@ -478,16 +484,20 @@ class Node:
         return tried
 
     def _drop_neighbours(
-        self, round_no: int, began_with: Collection[str], weights: Mapping[str, float]
+        self,
+        round_no: int,
+        began_with: Collection[str],
+        current: Mapping[str, bytes],
+        weights: Mapping[str, float],
     ) -> list[str]:
-        """In a bounded mesh, drop the neighbours the node shuns, and when its view is
-        full the neighbour it began the round with that did least for it
+        """In a bounded mesh, drop the neighbours (of `current`, name -> key) the node
+        shuns, and when its view is full the neighbour it began the round with that did
+        least for it
         (`topology.select`, node/neighbours.py); the endpoint greets candidates in their
         place. Without a candidate to try instead, only shunned ones are dropped."""
         views = self.endpoint.views
         if views is None or round_no >= self.cfg.rounds:
             return []  # after the last round there is nothing left to explore for
-        current = {peer.name: peer.public_key for peer in self.endpoint.alive_peers()}
         shunned = {name for name in current if self.endpoint.shuns(name)}
         still = [name for name in began_with if name in current]
         benefit = self.algorithm.benefits(still, weights)
