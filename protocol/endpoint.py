@@ -588,34 +588,43 @@ class Endpoint:
         for address, hello in list(self._hellos_out.items()):
             if now - hello.sent < grace:
                 continue
-            if address in self._bootstrap:
+            if self._contact_to_keep(address):
                 again.append((address, hello.wants_peers))
             else:
                 self._give_up_on(address)
         return again
 
-    def _give_up_on_unheard(self) -> None:
+    def _give_up_on_unheard(self) -> bool:
         """Give up at once the candidates we greeted where nobody listens (the connection
-        was refused), and greet others: a dead candidate must not hold a place of the
-        view until the handshake grace runs out (20 s in a host of 10 nodes, 200 s in
-        one of 200). Bootstrap contacts are greeted again as ever (`_greet_again`)."""
+        was refused); whether any was, for others to be greeted in their place. A dead
+        candidate must not hold a place of the view until the handshake grace runs out
+        (20 s in a host of 10 nodes, 200 s in one of 200). Bootstrap contacts are greeted
+        again while we have no neighbour (`_contact_to_keep`)."""
         self._unheard_seen = self.transport.unheard_count
         unheard = [
             address
             for address in list(self.transport.unheard)
             if address in self._hellos_out
-            and address not in self._bootstrap
+            and not self._contact_to_keep(address)
             and not self.table.at(address)
         ]
         for address in unheard:
             self._give_up_on(address)
-        if unheard:
-            self._fill_view()
+        return bool(unheard)
 
     def _give_up_on(self, address: str) -> None:
         self._hellos_out.pop(address, None)
-        if not self.table.at(address) and address not in self._bootstrap:
+        if not self.table.at(address) and not self._contact_to_keep(address):
             self._release(address)
+
+    def _contact_to_keep(self, address: str) -> bool:
+        """Whether `address` is a contact we started with that is greeted until it
+        answers: in a full mesh, always (its members are its peer list); in a bounded
+        view, only while we have no neighbour. Once in, a contact is a candidate like any
+        other: one that died must not hold a place of the view for good, greeted again
+        every grace (a contact of a fifth of the nodes killed at once did, for the rest
+        of the run)."""
+        return address in self._bootstrap and (self.views is None or not self.table.alive())
 
     def _hello_body(self, wants_peers: bool = True) -> dict[str, Any]:
         body: dict[str, Any] = {"name": self.settings.name, "addr": self.address}
@@ -696,7 +705,8 @@ class Endpoint:
                 self._note_reached()
         if self.transport.unheard_count != self._unheard_seen and self.views is not None:
             with self._lock:
-                self._give_up_on_unheard()
+                if self._give_up_on_unheard():
+                    self._fill_view()
         if time.monotonic() >= next_beat:
             next_beat = time.monotonic() + self.settings.heartbeat_interval
             self._beat()
@@ -725,6 +735,7 @@ class Endpoint:
                     self._cards.pop(entry.public_key, None)
                     self._forget(entry)
             if self.views is not None:
+                self._give_up_on_unheard()  # a contact refused before we had a neighbour
                 again += self._greet_candidates()
                 shuffle = self._shuffle_due(now)
             period = self.settings.heartbeat_interval * self.table.stretch()
@@ -1234,12 +1245,15 @@ class Endpoint:
     def _on_unlink(self, message: Message) -> None:
         """A neighbour dropped us: forgotten, and not kept as a candidate (it did not want
         us; greeting it back would undo its choice). Its place is filled from the passive
-        view (WIRE.md 7.7)."""
+        view now, not at the next tick (WIRE.md 7.7): neighbours drop one another as their
+        rounds end, nearly together, and a place left empty until the next tick is one
+        the next round may begin without."""
         entry = self.table.get(message.sender)
         if self.views is None or entry is None:
             return
         self._cards.pop(entry.public_key, None)
         self._forget(entry)
+        self._fill_view()
 
     def _on_shuffle(self, message: Message) -> None:
         """A neighbour's shuffle: answer with as many of our candidates' cards, then keep

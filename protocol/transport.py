@@ -255,11 +255,11 @@ class Transport:
         # key it dialled (None unencrypted): a node there answers, and holds that key.
         self.reached: dict[str, bytes | None] = {}
         self.reached_count = 0  # moves on each new one: a cheap "anything new?" for readers
-        # Addresses dialled where the connection was refused before one was ever made
-        # (nobody listens: a node gone), and a count that moves on each new one.
+        # Addresses dialled where the connection was refused with none made since the
+        # last try (nobody listens: a node gone), and a count that moves on each new one.
         self.unheard: set[str] = set()
         self.unheard_count = 0
-        self._connected: set[str] = set()  # dialled addresses a connection was made to
+        self._connected: set[str] = set()  # dialled addresses connected since the last try
         # Unexpected errors of the I/O thread, contained and counted, by where they came.
         self.faults: Counter[str] = Counter()
         self._counting = threading.Lock()  # other threads copy the counters under it
@@ -500,8 +500,12 @@ class Transport:
             return
         if event["event"] == zmq.EVENT_CONNECT_RETRIED:
             # Retried after a connection was made: a handshake broken off, counted below
-            # when its cause comes. Before any: refused, nobody listens at the address.
-            if watched not in self._connected and watched not in self.unheard:
+            # when its cause comes; whether anyone still listens, the next retry tells.
+            # With no connection made since the last retry: refused, nobody listens at
+            # the address (a node that died after we dialled it, too).
+            if watched in self._connected:
+                self._connected.discard(watched)
+            elif watched not in self.unheard:
                 self.unheard.add(watched)
                 self.unheard_count += 1
                 self.wake_reader()
@@ -572,11 +576,10 @@ class Transport:
             self._close_dealer(item.address)
             dealer = None
         if dealer is None:
-            dealer = self._connect(item)
+            dealer = self._connect(item, watched=True)
             if dealer is None:
                 return
             self._dealers[item.address] = (dealer, item.server_key)
-            self._monitor(dealer, item.address)
         self._put(dealer, item)
 
     def _send_once_now(self, item: _Outgoing) -> None:
@@ -593,7 +596,9 @@ class Transport:
             # Closing does not wait: ZeroMQ sends the queued message in the background.
             dealer.close(linger=self.options.once_linger_ms)
 
-    def _connect(self, item: _Outgoing) -> zmq.Socket | None:
+    def _connect(self, item: _Outgoing, watched: bool = False) -> zmq.Socket | None:
+        """A DEALER dialling `item`'s address (None when it cannot); `watched`: the
+        address's own, kept, watched until its first handshake (not a one-off's)."""
         address = item.address
         if self.encryption is not None and item.server_key is None:
             self.dropped += 1
@@ -616,11 +621,17 @@ class Transport:
             dealer.setsockopt(zmq.IPV6, 1)  # a [IPv6] address is as good as an IPv4 one
             if self.encryption is not None and item.server_key is not None:
                 curve_client(dealer, self.encryption, item.server_key)
+            if watched:
+                # Before it dials: a connection on loopback is made at once, and an event
+                # missed would make a broken-off handshake look refused.
+                self._monitor(dealer, address)
             dealer.connect(address)
         except zmq.ZMQError as err:
             # A key or address ZeroMQ will not take, or no socket left: this message is
             # lost, the transport is not.
             if dealer is not None:
+                if watched:
+                    self._unmonitor(address, dealer)
                 dealer.close(linger=0)
             self.dropped += 1
             self._log_once("connect", address, "cannot dial %s: %s", address, err.strerror)

@@ -7,7 +7,10 @@ learned from answers and shuffles, neighbours replaced after deaths and unlinks.
 
 from __future__ import annotations
 
+import contextlib
 import random
+import socket
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -175,18 +178,94 @@ def test_a_crowded_node_still_shuffles_several_times_a_round(mesh):
     assert ViewSettings(shuffle_interval=2.0).shuffle_period(5, round_length=100) == 10
 
 
+class TcpListener:
+    """A bare TCP port: it takes connections (so a dialler counts one as made) and never
+    speaks ZeroMQ. `hang_up`: each connection is closed as it comes, the port kept."""
+
+    def __init__(self, hang_up: bool = False):
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.address = f"tcp://127.0.0.1:{self.server.getsockname()[1]}"
+        self.taken: list[socket.socket] = []
+        self.hang_up = hang_up
+        threading.Thread(target=self._take, daemon=True).start()
+
+    def _take(self) -> None:
+        with contextlib.suppress(OSError):  # closed
+            while True:
+                connection, _ = self.server.accept()
+                if self.hang_up:
+                    connection.close()
+                self.taken.append(connection)
+
+    def close(self) -> None:
+        # Shut down first: a socket closed while a thread waits in accept() on it would
+        # go on taking connections until that accept() returns.
+        for connection in [self.server, *self.taken]:
+            with contextlib.suppress(OSError):  # closed by its far end already
+                connection.shutdown(socket.SHUT_RDWR)
+            connection.close()
+
+
+def lonely_and_other(mesh) -> tuple[Endpoint, Endpoint]:
+    """A node whose view has one place (its handshake grace 20 s), and a live node."""
+    other = mesh(1, lambda started: [])[-1]
+    one_place = replace(SMALL_VIEWS, neighbours=1, most=1)
+    lonely = mesh(1, lambda started: [], views=one_place, peer_timeout=10.0)[-1]
+    return lonely, other
+
+
 def test_a_candidate_where_nobody_listens_is_given_up_at_once(mesh):
     # A view of one: the greeting that awaits the dead candidate holds its only place,
     # for the handshake grace (2 x peer_timeout, 20 s) unless the refused connection
     # gives it up.
-    lonely, other = mesh(
-        2, lambda started: [], views=replace(SMALL_VIEWS, neighbours=1, most=1), peer_timeout=10.0
-    )
+    lonely, other = lonely_and_other(mesh)
     gone = Identity.generate().public_key
     lonely.passive.add(Candidate(gone, f"tcp://127.0.0.1:{free_ports(1)[0]}"))
     assert poll_until(lambda: gone not in lonely.passive, 5)  # greeted
     lonely.passive.add(Candidate(other.identity.public_key, other.address))
     assert poll_until(lambda: neighbours(lonely) == {other.identity.public_key}, 5)
+
+
+def test_a_candidate_that_dies_once_dialled_is_given_up_at_once(mesh):
+    # Connected before it died: the tries since are refused, so nobody listens there.
+    lonely, other = lonely_and_other(mesh)
+    doomed = TcpListener()
+    lonely.passive.add(Candidate(Identity.generate().public_key, doomed.address))
+    assert poll_until(lambda: doomed.taken, 5)  # greeted, and a connection made
+    doomed.close()
+    lonely.passive.add(Candidate(other.identity.public_key, other.address))
+    assert poll_until(lambda: neighbours(lonely) == {other.identity.public_key}, 5)
+
+
+def test_a_candidate_that_breaks_off_handshakes_is_not_given_up_before_its_grace(mesh):
+    # Someone listens there (each try connects, then is cut): as a peer slow to finish
+    # its handshake on a starved machine, it keeps its place for the grace (20 s).
+    lonely, other = lonely_and_other(mesh)
+    rude = TcpListener(hang_up=True)
+    lonely.passive.add(Candidate(Identity.generate().public_key, rude.address))
+    assert poll_until(lambda: len(rude.taken) >= 3, 5)  # tried again and again
+    lonely.passive.add(Candidate(other.identity.public_key, other.address))
+    time.sleep(2.0)
+    assert not neighbours(lonely)
+    rude.close()
+
+
+def test_a_dead_contact_holds_no_place_once_the_node_is_in(mesh):
+    # Started with a live contact and one where nobody listens: the dead one is greeted
+    # again every grace until the node has a neighbour, and given up once it has (it
+    # held a place of the view for good).
+    dead = contact(f"tcp://127.0.0.1:{free_ports(1)[0]}", Identity.generate().public_key)
+    first, spare = mesh(2, lambda started: [])
+    lonely = mesh(
+        1,
+        lambda _: [first.contact, dead],
+        views=replace(SMALL_VIEWS, neighbours=2, most=2),
+        peer_timeout=10.0,
+    )[-1]
+    assert poll_until(lambda: neighbours(lonely) == {first.identity.public_key}, 5)
+    lonely.passive.add(Candidate(spare.identity.public_key, spare.address))
+    wanted = {first.identity.public_key, spare.identity.public_key}
+    assert poll_until(lambda: neighbours(lonely) == wanted, 5)
 
 
 def test_an_unlinked_neighbour_is_replaced_and_told(mesh):
