@@ -12,6 +12,7 @@ from meshfl.launch.bench.faults import (
     DOWN_MARK,
     _listed_hosts,
     _problem_with,
+    each_refilled,
     first_round_after,
     view_rounds,
 )
@@ -39,6 +40,21 @@ def test_a_dead_neighbour_does_not_count_and_refilling_needs_every_survivor():
     ]
     assert first_round_after(table, 1, lambda e: e.full_at_end == e.survivors) == "2 (round 3)"
     assert first_round_after(table, 3, lambda each: True) == "never"
+    # a's view was full again at the end of round 2, b's at the end of round 3.
+    assert each_refilled(survivors, {"dead"}, full=2, killed_in=1) == "2 (round 3)"
+
+
+def test_each_survivor_counts_as_refilled_in_its_own_round():
+    # a is full again at the end of round 2, b at the start of round 3, never together.
+    survivors = {
+        "a": rounds_of((["b", "c"],) * 2, (["b"], ["b", "c"]), (["b"], ["b"])),
+        "b": rounds_of((["a", "c"],) * 2, (["a"], ["a"]), (["a", "c"], ["a"])),
+    }
+    assert each_refilled(survivors, set(), full=2, killed_in=1) == "2 (round 3)"
+    table = view_rounds(survivors, set(), full=2, rounds=3)
+    assert first_round_after(table, 1, lambda e: e.full_at_end == e.survivors) == "never"
+    assert first_round_after(table, 1, lambda e: e.full_at_start == e.survivors) == "never"
+    assert each_refilled(survivors, set(), full=3, killed_in=1) == "never"
 
 
 def test_a_survivor_that_stopped_recording_is_left_out_of_its_missing_rounds():

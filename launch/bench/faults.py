@@ -12,11 +12,12 @@ others. Afterwards it reads what the survivors wrote and prints:
   neighbours (`topology.neighbours`; a dead neighbour not yet noticed does not count),
   their mean number of live neighbours then, and how many ended the round (its models
   in, no neighbour dropped yet) with a full view;
-- how many rounds after the kill every survivor ended a round with a full view again
-  (a node drops neighbours after each round and greets candidates in their place while
-  the next round runs, so some views begin a round short even when no one died), and
-  how many until the survivors' mean at a round's start was back at its level before
-  the kill;
+- how many rounds after the kill until every survivor's view had been full again (at
+  a round's start or end, each in its own round), until every survivor began one
+  round with a full view, and ended one so (all in the same round: a node drops
+  neighbours after each round and greets candidates in their place while the next
+  round runs, so some views are short even when no one died), and how many until the
+  survivors' mean at a round's start was back at its level before the kill;
 - the survivors' mean test accuracy at their last round, and how often a survivor
   marked another survivor down (a live peer taken for dead).
 """
@@ -196,11 +197,14 @@ def report(out: Path, dead: set[str], rounds: int, killed_in: int, wall: float) 
     # is refilled when it ends a round full, and the level of views at a round's start
     # before the kill (rounds 2 to the kill's) is the mark to get back to.
     before = statistics.fmean(each.mean_at_start for each in table[1:killed_in])
-    every = first_round_after(table, killed_in, lambda each: each.full_at_end == each.survivors)
+    began = first_round_after(table, killed_in, lambda each: each.full_at_start == each.survivors)
+    ended = first_round_after(table, killed_in, lambda each: each.full_at_end == each.survivors)
     level = first_round_after(table, killed_in, lambda each: each.mean_at_start >= before)
+    refilled = each_refilled(survivors, dead, views.neighbours, killed_in)
     print(
-        f"rounds after the kill until every survivor ended a round with a full view: {every}; "
-        f"until the mean at a round's start was back at its level before the kill "
+        f"rounds after the kill until every survivor's view had been full again: {refilled}; "
+        f"until every survivor began a round with a full view: {began}, ended one so: "
+        f"{ended}; until the mean at a round's start was back at its level before the kill "
         f"({before:.1f}): {level}"
     )
     accuracies = [
@@ -221,6 +225,32 @@ def first_round_after(
     came, in words."""
     found = next((each.number for each in table if each.number > killed_in and holds(each)), None)
     return "never" if found is None else f"{found - killed_in} (round {found})"
+
+
+def each_refilled(
+    survivors: dict[str, list[RoundRecord]], dead: set[str], full: int, killed_in: int
+) -> str:
+    """How many rounds after round `killed_in` every survivor had had a full view again,
+    at the start or the end of a round of its own, in words."""
+    latest = killed_in
+    for lines in survivors.values():
+        refilled = next(
+            (
+                record.round
+                for record in lines
+                if record.round > killed_in
+                and max(
+                    len(set(record.neighbours or ()) - dead),
+                    len(set(record.neighbours_at_end or ()) - dead),
+                )
+                >= full
+            ),
+            None,
+        )
+        if refilled is None:
+            return "never"
+        latest = max(latest, refilled)
+    return f"{latest - killed_in} (round {latest})"
 
 
 def view_rounds(
