@@ -333,9 +333,13 @@ def test_a_node_that_links_a_greeter_hears_what_the_greeter_announced_before(mes
         greeter.close()
 
 
-def silent_contacts(context: zmq.Context, endpoint: Endpoint, count: int) -> list[str]:
-    """`count` contacts that take `endpoint`'s connections and never answer its hellos."""
-    peers = [RawPeer(context, endpoint.contact) for _ in range(count)]
+def silent_peers(context: zmq.Context, endpoint: Endpoint, count: int) -> list[RawPeer]:
+    """`count` peers that take `endpoint`'s connections and never answer its hellos. The
+    caller holds them: a RawPeer nobody holds is closed, and then nobody listens."""
+    return [RawPeer(context, endpoint.contact) for _ in range(count)]
+
+
+def contacts_of(peers: list[RawPeer]) -> list[str]:
     return [contact(peer.address, peer.public_key) for peer in peers]
 
 
@@ -344,7 +348,8 @@ def test_greeters_never_fill_a_view_that_is_greeting_for_its_places(context):
     # so that when its hellos are answered it holds no more connections than places.
     node = _endpoint("node")
     try:
-        node.start(silent_contacts(context, node, SMALL_VIEWS.neighbours))
+        silent = silent_peers(context, node, SMALL_VIEWS.neighbours)
+        node.start(contacts_of(silent))
         greeters = [RawPeer(context, node.contact) for _ in range(3)]
         for greeter in greeters:
             greeter.send(
@@ -393,7 +398,8 @@ def test_a_short_view_waits_for_its_peers_only_while_it_greets_for_them(context,
     assert time.monotonic() - clock < 1.0
     greeting = _endpoint("greeting")
     try:
-        greeting.start(silent_contacts(context, greeting, 1))
+        silent = silent_peers(context, greeting, 1)
+        greeting.start(contacts_of(silent))
         clock = time.monotonic()
         assert not greeting.wait_for_peers(SMALL_VIEWS.neighbours, 1.5)
         assert time.monotonic() - clock >= 1.4  # its hello is out: that place may come
