@@ -218,6 +218,7 @@ class Endpoint:
         # Only their answers may tell this node peers (WIRE.md 7.1).
         self._hellos_out: OrderedDict[str, _HelloOut] = OrderedDict()
         self._bootstrap: set[str] = set()  # the addresses we were told to dial at start
+        self._contacts: dict[str, bytes | None] = {}  # all we were given, with known keys
         self._reached_seen = 0  # transport.reached_count when we last looked
         self._unheard_seen = 0  # transport.unheard_count when we last looked
         self._joined = threading.Event()
@@ -330,6 +331,7 @@ class Endpoint:
                 keys[address] = key
         own = (self.settings.address, self.address)
         targets = [address for address in keys if address not in own]
+        self._contacts = {address: keys[address] for address in targets}
         if self.views is not None:
             targets = self._first_neighbours(keys, targets)
         for address in targets:
@@ -624,7 +626,32 @@ class Endpoint:
         other: one that died must not hold a place of the view for good, greeted again
         every grace (a contact of a fifth of the nodes killed at once did, for the rest
         of the run)."""
-        return address in self._bootstrap and (self.views is None or not self.table.alive())
+        return address in self._bootstrap and (self.views is None or not self._has_neighbour())
+
+    def _has_neighbour(self) -> bool:
+        """Whether a bounded view holds a live neighbour that answered at its address (a
+        stranger's hello alone does not make one)."""
+        return any(entry.reached for entry in self.table.alive())
+
+    def _rejoin(self) -> list[tuple[str, bool]]:
+        """Greetings for a node of a bounded mesh left with no neighbour, no candidate and
+        no greeting (every node it knew died or left): as many of the contacts it was
+        started with as it wants neighbours, greeted again as at its start (7.1) until
+        one answers. A contact that was not up when the node joined may be now."""
+        assert self.views is not None
+        if self._finished or self._greeting() or self.passive.entries or self._has_neighbour():
+            return []
+        greetable = [
+            address
+            for address, key in self._contacts.items()
+            if key is not None or not self.settings.encrypt or address in self._curve_keys
+        ]
+        chosen = self._rng.sample(greetable, min(len(greetable), self.views.neighbours))
+        for address in chosen:
+            if (key := self._contacts[address]) is not None:
+                self._learn(address, key)  # forgotten when its hello was given up
+        self._bootstrap = set(chosen)
+        return [(address, True) for address in chosen]
 
     def _hello_body(self, wants_peers: bool = True) -> dict[str, Any]:
         body: dict[str, Any] = {"name": self.settings.name, "addr": self.address}
@@ -737,6 +764,7 @@ class Endpoint:
             if self.views is not None:
                 self._give_up_on_unheard()  # a contact refused before we had a neighbour
                 again += self._greet_candidates()
+                again = again or self._rejoin()
                 shuffle = self._shuffle_due(now)
             period = self.settings.heartbeat_interval * self.table.stretch()
             # Silent for a period, give or take half a tick: the last tick's heartbeat

@@ -48,7 +48,7 @@ INCOMING = "incoming"  # what the ROUTER's monitor watches: connections to us
 # A DEALER is watched until its first handshake succeeds, then its monitor is closed: a
 # monitor costs two sockets, and a node of a 100-node mesh dials 99 peers (node hosts
 # run dozens of nodes under one open-files limit).
-# A connection retried before one was ever made was refused: nobody listens there.
+# A connection retried with none made since the last try was refused: nobody listens.
 _DEALER_EVENTS = (
     _HANDSHAKE_FAILURES
     | zmq.EVENT_HANDSHAKE_SUCCEEDED
@@ -497,6 +497,7 @@ class Transport:
         watched = self._monitors[monitor]
         if event["event"] == zmq.EVENT_CONNECTED:
             self._connected.add(watched)
+            self.unheard.discard(watched)  # someone listens there now
             return
         if event["event"] == zmq.EVENT_CONNECT_RETRIED:
             # Retried after a connection was made: a handshake broken off, counted below

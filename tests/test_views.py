@@ -243,11 +243,13 @@ def test_a_candidate_that_breaks_off_handshakes_is_not_given_up_before_its_grace
     lonely, other = lonely_and_other(mesh)
     rude = TcpListener(hang_up=True)
     lonely.passive.add(Candidate(Identity.generate().public_key, rude.address))
-    assert poll_until(lambda: len(rude.taken) >= 3, 5)  # tried again and again
-    lonely.passive.add(Candidate(other.identity.public_key, other.address))
-    time.sleep(2.0)
-    assert not neighbours(lonely)
-    rude.close()
+    try:
+        assert poll_until(lambda: len(rude.taken) >= 3, 5)  # tried again and again
+        lonely.passive.add(Candidate(other.identity.public_key, other.address))
+        time.sleep(2.0)
+        assert not neighbours(lonely)
+    finally:
+        rude.close()
 
 
 def test_a_dead_contact_holds_no_place_once_the_node_is_in(mesh):
@@ -266,6 +268,29 @@ def test_a_dead_contact_holds_no_place_once_the_node_is_in(mesh):
     lonely.passive.add(Candidate(spare.identity.public_key, spare.address))
     wanted = {first.identity.public_key, spare.identity.public_key}
     assert poll_until(lambda: neighbours(lonely) == wanted, 5)
+
+
+def test_a_node_whose_neighbours_all_died_rejoins_through_its_contacts(mesh):
+    # Started with a live contact and one not up yet, it joins through the first and gives
+    # the other up; once the first dies and no candidate is left, it greets its contacts
+    # again, and the one up by then takes it in.
+    late_identity = Identity.generate()
+    late_address = f"tcp://127.0.0.1:{free_ports(1)[0]}"
+    first = mesh(1, lambda started: [])[-1]
+    node = mesh(
+        1,
+        lambda _: [first.contact, contact(late_address, late_identity.public_key)],
+        views=replace(SMALL_VIEWS, neighbours=2, most=2),
+    )[-1]
+    assert poll_until(lambda: neighbours(node) == {first.identity.public_key}, 5)
+    settings = EndpointSettings("late", late_address, views=SMALL_VIEWS, **FAST)
+    late = Endpoint(late_identity, MESH, settings)
+    try:
+        late.start([])
+        first.close()
+        assert poll_until(lambda: neighbours(node) == {late_identity.public_key}, 10)
+    finally:
+        late.close()
 
 
 def test_an_unlinked_neighbour_is_replaced_and_told(mesh):
