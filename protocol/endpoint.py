@@ -330,17 +330,9 @@ class Endpoint:
             if keys.get(address) is None:
                 keys[address] = key
         own = (self.settings.address, self.address)
-        targets = [address for address in keys if address not in own]
-        self._contacts = {address: keys[address] for address in targets}
-        if self.views is not None:
-            targets = self._first_neighbours(keys, targets)
-        for address in targets:
-            if (key := keys[address]) is not None:
-                self._learn(address, key)
-            elif self.settings.encrypt and address not in self._curve_keys:
-                self._greet_when_keyed.add(address)
+        self._contacts = {address: key for address, key in keys.items() if address not in own}
+        targets = self._choose_contacts(list(self._contacts))
         self.table.most_known = len(targets)
-        self._bootstrap = set(targets)
         waiting = sorted(self._greet_when_keyed)
         if waiting:
             # Nodes started together learn each other's keys from the first hellos; a
@@ -358,6 +350,21 @@ class Endpoint:
             self._say_hello(address, wants_peers=index == 0)
         if not targets:
             self._joined.set()
+
+    def _choose_contacts(self, targets: list[str]) -> list[str]:
+        """Of the contacts `targets`, the ones to greet until they answer (the bootstrap:
+        all of them in a full mesh, as many as it wants neighbours in a bounded one), each
+        dialled with its key where known; one whose key is still unknown in an encrypted
+        mesh waits for it (`_greet_when_keyed`)."""
+        if self.views is not None:
+            targets = self._first_neighbours(self._contacts, targets)
+        for address in targets:
+            if (key := self._contacts[address]) is not None:
+                self._learn(address, key)
+            elif self.settings.encrypt and address not in self._curve_keys:
+                self._greet_when_keyed.add(address)
+        self._bootstrap = set(targets)
+        return targets
 
     def _first_neighbours(self, keys: dict[str, bytes | None], targets: list[str]) -> list[str]:
         """Of the contacts a node of a bounded mesh starts with (`keys`: their keys, where
@@ -635,23 +642,14 @@ class Endpoint:
 
     def _rejoin(self) -> list[tuple[str, bool]]:
         """Greetings for a node of a bounded mesh left with no neighbour, no candidate and
-        no greeting (every node it knew died or left): as many of the contacts it was
-        started with as it wants neighbours, greeted again as at its start (7.1) until
-        one answers. A contact that was not up when the node joined may be now."""
+        no greeting (every node it knew died or left): its contacts, chosen and greeted
+        again as at its start (7.1) until one answers; a contact that was not up when the
+        node joined may be now."""
         assert self.views is not None
         if self._finished or self._greeting() or self.passive.entries or self._has_neighbour():
             return []
-        greetable = [
-            address
-            for address, key in self._contacts.items()
-            if key is not None or not self.settings.encrypt or address in self._curve_keys
-        ]
-        chosen = self._rng.sample(greetable, min(len(greetable), self.views.neighbours))
-        for address in chosen:
-            if (key := self._contacts[address]) is not None:
-                self._learn(address, key)  # forgotten when its hello was given up
-        self._bootstrap = set(chosen)
-        return [(address, True) for address in chosen]
+        chosen = self._choose_contacts(list(self._contacts))
+        return [(address, True) for address in chosen if address not in self._greet_when_keyed]
 
     def _hello_body(self, wants_peers: bool = True) -> dict[str, Any]:
         body: dict[str, Any] = {"name": self.settings.name, "addr": self.address}
@@ -849,14 +847,17 @@ class Endpoint:
         """Mark the peers whose address answered a handshake with their own key
         (transport.reached: the CURVE key dialled, None unencrypted)."""
         self._reached_seen = self.transport.reached_count
-        reached = self.transport.reached
         for entry in list(self.table.entries.values()):
-            if entry.reached or entry.address not in reached:
-                continue
-            dialled = reached[entry.address]
-            if dialled is None or dialled == _curve_key(entry.public_key):
-                self.table.mark_reached(entry.public_key)
-                log.info("%s: %s joined from %s", self.settings.name, entry.name, entry.address)
+            self._mark_if_reached(entry)
+
+    def _mark_if_reached(self, entry: PeerEntry) -> None:
+        reached = self.transport.reached
+        if entry.reached or entry.address not in reached:
+            return
+        dialled = reached[entry.address]
+        if dialled is None or dialled == _curve_key(entry.public_key):
+            self.table.mark_reached(entry.public_key)
+            log.info("%s: %s joined from %s", self.settings.name, entry.name, entry.address)
 
     def _unreached_grace(self) -> float:
         """How long an address may take to answer a handshake: twice the (stretched) down
@@ -1068,6 +1069,10 @@ class Endpoint:
         entry = self.table.heard_from(message.sender, message.round)
         if came_back and entry is not None and entry.reached:
             log.info("%s: %s is back at %s", self.settings.name, name, address)
+        if entry is not None:
+            # Our connection there may have finished its handshake before the peer
+            # entered: noted now, not at the next tick.
+            self._mark_if_reached(entry)
         return True
 
     def _on_hello(self, message: Message) -> None:

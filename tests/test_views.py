@@ -293,6 +293,18 @@ def test_a_node_whose_neighbours_all_died_rejoins_through_its_contacts(mesh):
         late.close()
 
 
+def test_a_node_its_neighbour_dropped_greets_for_the_place_at_once(mesh):
+    # Ticks 10 s apart: a greeting within 1.5 s of the unlink was not the tick's.
+    slow = {"heartbeat_interval": 10.0, "peer_timeout": 50.0}
+    dropper, spare = mesh(2, lambda started: [], **slow)
+    one_place = replace(SMALL_VIEWS, neighbours=1, most=1)
+    dropped = mesh(1, lambda _: [dropper.contact], views=one_place, **slow)[-1]
+    assert poll_until(lambda: neighbours(dropped) == {dropper.identity.public_key}, 5)
+    dropped.passive.add(Candidate(spare.identity.public_key, spare.address))
+    dropper.unlink(dropped.identity.public_key)
+    assert poll_until(lambda: neighbours(dropped) == {spare.identity.public_key}, 1.5)
+
+
 def test_an_unlinked_neighbour_is_replaced_and_told(mesh):
     endpoints = mesh(8, through_first)
     assert poll_until(lambda: views_settled(endpoints))
