@@ -14,6 +14,7 @@ from meshfl.launch.bench.faults import (
     _problem_with,
     each_refilled,
     first_round_after,
+    skipped_after,
     view_rounds,
 )
 from meshfl.node.metrics import RoundRecord
@@ -61,6 +62,14 @@ def test_a_survivor_that_stopped_recording_is_left_out_of_its_missing_rounds():
     survivors = {"a": rounds_of((["b"], ["b"]), (["b"], ["b"])), "b": rounds_of((["a"], ["a"]))}
     table = view_rounds(survivors, set(), full=1, rounds=2)
     assert [each.survivors for each in table] == [2, 1]
+
+
+def test_a_survivor_that_skipped_a_round_after_the_kill_is_named():
+    # Killed in round 3: c skipped round 4 and d the kill's own; a skipped round 1 (the
+    # start's), and b stopped recording, which is no skip.
+    kept = {"a": (2, 3, 4, 5), "b": (1, 2, 3), "c": (1, 2, 3, 5), "d": (1, 2, 4, 5)}
+    survivors = {name: [RoundRecord(round=r) for r in rounds] for name, rounds in kept.items()}
+    assert skipped_after(survivors, killed_in=3) == ["c", "d"]
 
 
 def test_down_marks_name_the_peer_marked_down():

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import zmq
 
+from meshfl.node.config import MeshConfig
 from meshfl.protocol.endpoint import Endpoint, EndpointSettings
 from meshfl.protocol.identity import Identity
 from meshfl.protocol.transport import TransportError, contact, free_ports
@@ -34,6 +35,7 @@ from meshfl.protocol.views import (
 )
 from meshfl.protocol.wire import make_blob
 
+from .nodes import node_from
 from .test_endpoint import MESH, RawPeer
 
 SMALL_VIEWS = ViewSettings(neighbours=3, most=5, passive=12, shuffle_interval=0.3, shuffle_length=4)
@@ -442,6 +444,44 @@ def test_a_short_view_waits_for_its_peers_only_while_it_greets_for_them(context,
         assert time.monotonic() - clock >= 1.4  # its hello is out: that place may come
     finally:
         greeting.close()
+
+
+def test_a_round_waits_three_heartbeats_for_a_place_two_round_trips_away(context):
+    """A crowded mesh answers a hello in up to 1.3 s, and half the answers turn the
+    greeter away with others to greet: a bounded node's round waits `view_patience` for
+    the candidates it greeted (with one heartbeat period, up to 10 of the fault bench's
+    80 survivors began each round short)."""
+    beat = 1.0
+    node = _endpoint("node", heartbeat_interval=beat, peer_timeout=5 * beat)
+    patience = node_from(config=MeshConfig(heartbeat_interval=beat)).view_patience
+    full = RawPeer(context, node.contact, name="full")
+    named = RawPeer(context, node.contact, name="named")
+    answering = threading.Thread(target=_turn_away_then_link, args=(full, named, 0.7 * beat))
+    try:
+        node.start([contact(full.address, full.public_key)])
+        clock = time.monotonic()
+        answering.start()
+        assert node.wait_for_peers(1, patience)
+        assert time.monotonic() - clock > beat  # the place came past one period
+        assert named.public_key in node.table.entries
+    finally:
+        if answering.is_alive():
+            answering.join()
+        node.close()
+
+
+def _turn_away_then_link(full: RawPeer, named: RawPeer, delay: float) -> None:
+    """`full` answers the node's hello after `delay`, turning it away and naming `named`,
+    which answers its own hello after `delay` again, taking the node as a neighbour."""
+    entries = [
+        {"name": peer.name, "addr": peer.address, "key": peer.public_key} for peer in (full, named)
+    ]
+    full.expect("hello", 5)
+    time.sleep(delay)
+    full.send(full.frames("peers", {"peers": entries, "linked": False}))
+    named.expect("hello", 5)
+    time.sleep(delay)
+    named.send(named.frames("peers", {"peers": entries[1:], "linked": True}))
 
 
 # --- hostile cards and shuffles ---------------------------------------------------

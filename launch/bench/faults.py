@@ -7,7 +7,8 @@ kills `--kill` of the host processes, chosen at random (seeded), with SIGKILL: t
 nodes vanish mid-round without a bye, as in a power cut. The launch goes on with the
 others. Afterwards it reads what the survivors wrote and prints:
 
-- how many survivors finished every round (all of them should);
+- how many survivors finished every round (all of them should), and how many skipped a
+  round after the kill (one held back past its neighbours' round goes on from theirs);
 - round by round, how many survivors began the round with a full view of live
   neighbours (`topology.neighbours`; a dead neighbour not yet noticed does not count),
   their mean number of live neighbours then, and how many ended the round (its models
@@ -182,7 +183,9 @@ def report(out: Path, dead: set[str], rounds: int, killed_in: int, wall: float) 
     finished = sum(1 for lines in survivors.values() if lines and lines[-1].round >= rounds)
     print(
         f"nodes={len(cfg.peers)} killed={len(dead)} in round {killed_in} "
-        f"survivors={len(survivors)} finished_all_rounds={finished} wall_s={wall:.1f}"
+        f"survivors={len(survivors)} finished_all_rounds={finished} "
+        f"skipped_a_round_after_the_kill={len(skipped_after(survivors, killed_in))} "
+        f"wall_s={wall:.1f}"
     )
     table = view_rounds(survivors, dead, views.neighbours, rounds)
     full = f"full view ({views.neighbours} live neighbours)"
@@ -215,6 +218,19 @@ def report(out: Path, dead: set[str], rounds: int, killed_in: int, wall: float) 
     print(
         f"survivors' mean test accuracy {statistics.fmean(accuracies or [0.0]):.3f}; "
         f"survivors marked down by survivors: {live_marked_down(out, survivors)}"
+    )
+
+
+def skipped_after(survivors: dict[str, list[RoundRecord]], killed_in: int) -> list[str]:
+    """The survivors that skipped a round from the kill's (`killed_in`) on: a node held
+    back past its neighbours' round (waiting for a dead one's model until it was marked
+    down) goes on from theirs (node/runtime.py, `_keep_up`), without that round's
+    training. Every node had recorded the round before the kill's when it came."""
+    return sorted(
+        name
+        for name, lines in survivors.items()
+        if (since := [record.round for record in lines if record.round >= killed_in - 1])
+        and since != list(range(since[0], since[-1] + 1))
     )
 
 
