@@ -67,17 +67,16 @@ def in_peer_order(by_peer: Mapping[str, Received]) -> dict[str, Received]:
     return dict(sorted(by_peer.items()))
 
 
+# How long a round of a bounded mesh waits for the candidates it greeted for free places,
+# in heartbeat periods. In a crowded mesh half the answers to a hello turn the greeter
+# away (their views full) with others to greet, so a place takes two or three round
+# trips to fill; with one period, a few views of the fault bench began every round short
+# (docs/measurements.md, "When a fifth of the nodes die at once").
+VIEW_PATIENCE_BEATS = 3
+
 # Test-only: the fault tests make a node fail in the middle of a run with
 # MESHFL_TEST_FAIL_AT=NAME:ROUND[,NAME:ROUND...]. Never set in a real run.
 PLANTED_FAILURES = "MESHFL_TEST_FAIL_AT"
-
-# How long a round of a bounded mesh waits for the candidates it greeted for free places,
-# in heartbeat periods. In 100 nodes of 10 hosts on 2 cores a hello is answered in 0.2 s
-# (median) to 1.3 s (90th percentile), and half the answers turn the greeter away (their
-# views full) with others to greet: a place takes two or three round trips to fill. With
-# one period, 70 to 79 of a fault bench's 80 survivors began each round with a full view.
-VIEW_PATIENCE_BEATS = 3
-
 _planted_done: set[str] = set()
 
 
@@ -216,11 +215,13 @@ class Node:
         not waited for once it is marked down (after its stretched timeout)."""
         return self.cfg.round_timeout * liveness_stretch(self.options.host_nodes)
 
-    @property
-    def view_patience(self) -> float:
-        """How long a bounded view's round waits for the candidates greeted for its free
-        places (`VIEW_PATIENCE_BEATS`); the wait ends as soon as none is left to answer."""
-        return VIEW_PATIENCE_BEATS * self.cfg.heartbeat_interval
+    def wait_for_view(self) -> bool:
+        """Wait, at most VIEW_PATIENCE_BEATS heartbeat periods, for the candidates a
+        bounded view greeted for its free places; the wait ends as soon as the view is
+        full or no hello is left to answer. Whether the view is full."""
+        expected = self.endpoint.expected_peers(len(self.cfg.peers))
+        patience = VIEW_PATIENCE_BEATS * self.cfg.heartbeat_interval
+        return self.endpoint.wait_for_peers(expected, patience)
 
     @functools.cached_property
     def schema(self) -> bytes:
@@ -306,10 +307,11 @@ class Node:
             # It waits too when it has no neighbour yet: nodes that start together may
             # turn away every first hello of one of them (their views full), and it then
             # greets candidates, whose answers are worth the wait.
-            expected = self.endpoint.expected_peers(len(self.cfg.peers))
-            full_mesh = self.endpoint.views is None
-            patience = self.cfg.round_timeout if full_mesh else self.view_patience
-            self.endpoint.wait_for_peers(expected, patience)
+            if self.endpoint.views is None:
+                expected = self.endpoint.expected_peers(len(self.cfg.peers))
+                self.endpoint.wait_for_peers(expected, self.cfg.round_timeout)
+            else:
+                self.wait_for_view()
         elif first_round > 1:
             # Resumed: the announces that came with our first hellos were too far ahead of
             # round 0 to be kept; take the round first, then ask for them again.
@@ -424,8 +426,7 @@ class Node:
         if self.endpoint.views is not None:
             # Places freed after the last round are being filled. Published first, so
             # no neighbour waits on this; a newcomer hears of our blob when it links.
-            expected = self.endpoint.expected_peers(len(self.cfg.peers))
-            self.endpoint.wait_for_peers(expected, self.view_patience)
+            self.wait_for_view()
         deadline = time.monotonic() + self.model_wait
         neighbours = {peer.public_key: peer.name for peer in self.endpoint.alive_peers()}
         alive = set(neighbours)

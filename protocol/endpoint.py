@@ -4,7 +4,8 @@ The endpoint runs a worker thread that decodes every incoming message, keeps the
 peer table, answers `hello` and `fetch`, and sends heartbeats. The node talks to
 it from its own thread: publish a blob, look at what peers announced, fetch the
 blobs it chooses, wait for them until a deadline. The blobs, offers and fetches
-themselves are the exchange's (exchange.py); the endpoint passes it the messages.
+themselves are the exchange's (exchange.py), and a bounded view's shuffles the
+view's (views.Shuffles); the endpoint passes them the messages.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import random
 import threading
 import time
 from collections import Counter, OrderedDict, defaultdict, deque
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -34,16 +35,7 @@ from .transport import (
     contact,
     split_contact,
 )
-from .views import (
-    BAD_CARD,
-    Candidate,
-    Card,
-    PassiveView,
-    ViewSettings,
-    cards_to_send,
-    checked_card,
-    make_card,
-)
+from .views import UNSOLICITED_CARDS, Candidate, PassiveView, Shuffles, ViewSettings
 from .wire import (
     BLOB_KINDS,
     KINDS,
@@ -83,7 +75,7 @@ TABLE_FULL = "table_full"  # no room for a new peer (or for one more not yet rea
 WORKER_ERROR = "worker_error"  # the worker raised: a bug, contained and logged
 # Bounded views (WIRE.md 7.7): a greeting while the node has all the neighbours it takes,
 # a shuffle from a node that is not a neighbour, a shuffle answer nobody asked for.
-VIEW_FULL, NOT_LINKED, UNSOLICITED_CARDS = "view_full", "not_linked", "unsolicited_cards"
+VIEW_FULL, NOT_LINKED = "view_full", "not_linked"
 # Hellos of ours still waiting for their `peers` answer; the oldest are given up first.
 MAX_HELLOS_OUT = 1024
 
@@ -233,14 +225,20 @@ class Endpoint:
         self.views = settings.views
         self._rng = random.Random(self.instance)
         self.passive = PassiveView(self.views.passive if self.views else 0, self._rng)
-        self._card = make_card(identity, mesh_id, settings.name, self.address)
-        self._cards: dict[bytes, Card] = {}  # neighbours' own cards
-        # Shuffles of ours awaiting an answer: partner -> the keys of the cards we sent.
-        self._shuffles_out: OrderedDict[bytes, tuple[bytes, ...]] = OrderedDict()
-        self._next_shuffle = 0.0
-        # When the current round began, and how long the last one took (paces shuffles).
-        self._round_began: float | None = None
-        self._round_length: float | None = None
+        self.shuffles = (
+            Shuffles(
+                identity,
+                mesh_id,
+                settings.name,
+                self.address,
+                self.views,
+                self.passive,
+                self._rng,
+                self.flow_rejections,
+            )
+            if self.views is not None
+            else None
+        )
         # Set once the node has done its last round: it keeps the neighbours it has, to
         # serve them its last blob, and takes in and looks for no others.
         self._finished = False
@@ -388,11 +386,8 @@ class Endpoint:
         return self._joined.is_set()
 
     def set_round(self, round_no: int) -> None:
-        now = time.monotonic()
-        if round_no == self.round + 1 and self._round_began is not None:
-            self._round_length = now - self._round_began  # a skip ahead is no round's length
-        if round_no != self.round:
-            self._round_began = now
+        if self.shuffles is not None:
+            self.shuffles.pace(self.round, round_no, time.monotonic())
         self.round = round_no
         self.blobs.forget_before(round_no)
 
@@ -417,8 +412,7 @@ class Endpoint:
             if self.views is None or entry is None:
                 return
             self._send(entry.address, "unlink", {})
-            self._cards.pop(public_key, None)
-            self._forget(entry, drain=True)
+            self._forget_neighbour(entry, drain=True)
             self.passive.discard(public_key)  # not the candidate greeted in its place
             self._fill_view()  # now, not at the next tick: the next round may wait for it
 
@@ -585,8 +579,8 @@ class Endpoint:
             while len(self._hellos_out) > MAX_HELLOS_OUT:
                 self._give_up_on(next(iter(self._hellos_out)))
         body = self._hello_body(wants_peers)
-        if self.views is not None:
-            body["card"] = self._card.packed()
+        if self.shuffles is not None:
+            body["card"] = self.shuffles.card.packed()
         self._send(address, "hello", body)
 
     def _greet_again(self, now: float, grace: float) -> list[tuple[str, bool]]:
@@ -757,13 +751,13 @@ class Endpoint:
                         "%s: peer %s (%s) is down", self.settings.name, entry.name, entry.address
                     )
                 if self.views is not None:  # a neighbour: replaced from the passive view
-                    self._cards.pop(entry.public_key, None)
-                    self._forget(entry)
-            if self.views is not None:
+                    self._forget_neighbour(entry)
+            if self.shuffles is not None:
                 self._give_up_on_unheard()  # a contact refused before we had a neighbour
                 again += self._greet_candidates()
                 again = again or self._rejoin()
-                shuffle = self._shuffle_due(now)
+                partners = [entry for entry in self.table.alive() if entry.reached]
+                shuffle = self.shuffles.due(now, partners, self.table.stretch())
             period = self.settings.heartbeat_interval * self.table.stretch()
             # Silent for a period, give or take half a tick: the last tick's heartbeat
             # left (and was timed) a moment after that tick.
@@ -783,7 +777,7 @@ class Endpoint:
         self._heartbeat(targets, now)
         for address, wants_peers in again:
             self._say_hello(address, wants_peers)
-        if self.views is not None and shuffle is not None:
+        if shuffle is not None:
             self._send(*shuffle)
 
     def _heartbeat(self, addresses: list[str], now: float) -> None:
@@ -820,28 +814,6 @@ class Endpoint:
         """How many nodes our hellos await that are not peers yet (but the one at
         `besides`)."""
         return sum(not self.table.at(address) for address in self._hellos_out if address != besides)
-
-    def _shuffle_due(self, now: float) -> tuple[str, str, dict[str, Any]] | None:
-        """The shuffle to send, when one is due: to a random reached neighbour, with our
-        card and some of our neighbours' and candidates' (WIRE.md 7.7)."""
-        assert self.views is not None
-        partners = [e for e in self.table.alive() if e.reached]
-        if now < self._next_shuffle or not partners:
-            return None
-        self._next_shuffle = now + self.views.shuffle_period(
-            self.table.stretch(), self._round_length
-        )
-        partner = self._rng.choice(partners)
-        members = [card for key, card in self._cards.items() if key != partner.public_key]
-        cards, linked = cards_to_send(
-            self._card, members, self.passive, self.views.shuffle_length, self._rng
-        )
-        self._shuffles_out.pop(partner.public_key, None)
-        self._shuffles_out[partner.public_key] = tuple(card.key for card in cards)
-        while len(self._shuffles_out) > self.views.most:
-            self._shuffles_out.popitem(last=False)
-        body = {"cards": [card.packed() for card in cards], "neighbours": linked}
-        return partner.address, "shuffle", body
 
     def _note_reached(self) -> None:
         """Mark the peers whose address answered a handshake with their own key
@@ -891,6 +863,12 @@ class Endpoint:
         self.table.forget(entry.public_key)
         if not self.table.at(entry.address):
             self._release(entry.address, drain)
+
+    def _forget_neighbour(self, entry: PeerEntry, drain: bool = False) -> None:
+        """A neighbour of a bounded view no longer: forgotten, its card not passed on."""
+        assert self.shuffles is not None, "a full mesh has no neighbours to forget"
+        self.shuffles.forget(entry.public_key)
+        self._forget(entry, drain)
 
     def _release(self, address: str, drain: bool = False) -> None:
         """Close what dialling `address` holds: the connection (after what is queued for
@@ -1085,7 +1063,8 @@ class Endpoint:
             return
         if not self._take_in(message, name, address):
             return
-        self._keep_card(message.sender, message.body.get("card"), address)
+        if self.shuffles is not None:
+            self.shuffles.keep(message.sender, message.body.get("card"), address)
         listed = self._listed(message.sender) if wants_peers else []
         self._send(address, "peers", self._peers_body(listed))
         # Whoever says hello may have missed our announces: a late joiner, or a node
@@ -1107,8 +1086,8 @@ class Endpoint:
 
     def _peers_body(self, listed: list[dict[str, Any]], linked: bool = True) -> dict[str, Any]:
         body: dict[str, Any] = {"peers": [self._me(), *listed]}
-        if self.views is not None:
-            body["card"] = self._card.packed()
+        if self.shuffles is not None:
+            body["card"] = self.shuffles.card.packed()
             body["linked"] = linked
         return body
 
@@ -1143,26 +1122,6 @@ class Endpoint:
         self.flow_rejections[VIEW_FULL] += 1
         body = self._peers_body(self._listed(key), linked=False)
         self._send(address, "peers", body, once=True, key=key)
-
-    def _own_card(self, key: bytes, value: object, address: str) -> Card | None:
-        """`value`, a card that came with a message of `key`, if it is that node's own
-        for `address` and signed by it; None otherwise (counted, where there was one)."""
-        if not isinstance(value, dict):
-            return None
-        card = checked_card(value, self.mesh_id)
-        if card is None or card.key != key or card.addr != address:
-            self.flow_rejections[BAD_CARD] += 1
-            return None
-        return card
-
-    def _keep_card(self, key: bytes, value: object, address: str) -> None:
-        """Keep a neighbour's own card, to pass on in shuffles."""
-        card = self._own_card(key, value, address) if self.views is not None else None
-        if card is None:
-            return
-        known = self._cards.get(key)
-        if known is None or card.issued >= known.issued:
-            self._cards[key] = card
 
     def _answered_hello(self, message: Message) -> bool | None:
         """Whether our hello that `message`, a peer list, answers asked for a list; None
@@ -1226,10 +1185,11 @@ class Endpoint:
     def _answered_by(self, message: Message, name: str, address: str) -> None:
         """The node that answered our hello, at `address`: our neighbour if it took us
         (`linked`), else a candidate for later."""
+        assert self.shuffles is not None, "only a bounded view's hellos are answered so"
         key = message.sender
         if message.body.get("linked", True):
             if self._link_answering(message, name, address):
-                self._keep_card(key, message.body.get("card"), address)
+                self.shuffles.keep(key, message.body.get("card"), address)
                 return
             # It linked us, but we cannot take it (no room left, or a node we shun by
             # name, known before by address alone): it must hear so.
@@ -1245,7 +1205,7 @@ class Endpoint:
             # (a mesh starting together fills its views in a few round trips); the node
             # that has no room for us becomes a candidate only after.
             self._fill_view()
-            card = self._own_card(key, message.body.get("card"), address)
+            card = self.shuffles.card_of(key, message.body.get("card"), address)
             self.passive.add(Candidate(key, address, card, name))
 
     def _on_refuse(self, message: Message) -> None:
@@ -1284,60 +1244,29 @@ class Endpoint:
         entry = self.table.get(message.sender)
         if self.views is None or entry is None:
             return
-        self._cards.pop(entry.public_key, None)
-        self._forget(entry)
+        self._forget_neighbour(entry)
         self._fill_view()
 
     def _on_shuffle(self, message: Message) -> None:
-        """A neighbour's shuffle: answer with as many of our candidates' cards, then keep
-        its cards as candidates. Only neighbours shuffle with us (`not_linked`)."""
+        """A neighbour's shuffle: answered with as many of our candidates' cards, its
+        own kept as candidates (views.Shuffles). Only neighbours shuffle with us
+        (`not_linked`)."""
         entry = self.table.get(message.sender)
-        if self.views is None or entry is None:
+        if self.shuffles is None or entry is None:
             self.flow_rejections[NOT_LINKED] += 1
             return
-        cards = self._checked_cards(message)
-        if cards is None:
-            return
-        exclude = {card.key for card in cards} | {message.sender}
-        answer = self.passive.cards(len(cards), exclude)
-        self._send(entry.address, "shuffle_reply", {"cards": [card.packed() for card in answer]})
-        linked = min(message.body.get("neighbours", 0), len(cards) - 1)
-        vouched = {card.key for card in cards[1 : 1 + linked]}
-        self._take_cards(cards, [card.key for card in answer], message.sender, vouched)
+        answer = self.shuffles.answer(message.sender, message.body, self._is_peer)
+        if answer is not None:
+            self._send(entry.address, "shuffle_reply", answer)
 
     def _on_shuffle_reply(self, message: Message) -> None:
-        sent = self._shuffles_out.pop(message.sender, None)
-        if self.views is None or sent is None:
+        if self.shuffles is None:
             self.flow_rejections[UNSOLICITED_CARDS] += 1
             return
-        cards = self._checked_cards(message)
-        if cards is not None:
-            self._take_cards(cards, sent_away=sent)
+        self.shuffles.take_reply(message.sender, message.body, self._is_peer)
 
-    def _checked_cards(self, message: Message) -> list[Card] | None:
-        """The message's cards if every one is signed by its owner; else None (counted):
-        one forged card, and nothing the message says is believed."""
-        cards = [checked_card(value, self.mesh_id) for value in message.body["cards"]]
-        if any(card is None for card in cards):
-            self.flow_rejections[BAD_CARD] += 1
-            return None
-        return [card for card in cards if card is not None]
-
-    def _take_cards(
-        self,
-        cards: list[Card],
-        sent_away: Sequence[bytes],
-        sender: bytes = b"",
-        vouched: Collection[bytes] = (),
-    ) -> None:
-        """Keep cards as candidates; those of the `sender`'s own neighbours (`vouched`)
-        as named by it."""
-        own = self.identity.public_key
-        for card in cards:
-            if card.key != own and self.table.get(card.key) is None:
-                via = sender if card.key in vouched else b""
-                candidate = Candidate(card.key, card.addr, card, card.name, via)
-                self.passive.add(candidate, sent_away)
+    def _is_peer(self, key: bytes) -> bool:
+        return self.table.get(key) is not None
 
     def _on_status(self, message: Message) -> None:
         # Not `heard_from`: the asker may be a probe holding a peer's key, and it says

@@ -21,7 +21,8 @@ from __future__ import annotations
 import functools
 import random
 import time
-from collections.abc import Collection, Iterable
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -29,7 +30,7 @@ import msgpack
 
 from .addresses import is_wire_endpoint
 from .identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, is_usable_public_key, verify
-from .membership import PEER_NAME
+from .membership import PEER_NAME, PeerEntry
 
 CARD_CONTEXT = b"meshfl/3 card\n"
 # The most cards one shuffle (or its answer) may carry; more is refused whole.
@@ -38,6 +39,7 @@ MAX_CARDS = 32
 # so that the candidates it replaces neighbours from after each round are fresh.
 SHUFFLES_PER_ROUND = 4
 BAD_CARD = "bad_card"
+UNSOLICITED_CARDS = "unsolicited_cards"
 
 
 @dataclass(frozen=True)
@@ -230,3 +232,142 @@ def cards_to_send(
     rest = length - 1 - len(from_members)
     others = passive.cards(rest, exclude={c.key for c in from_members})
     return [own, *from_members, *others], len(from_members)
+
+
+class Shuffles:
+    """A bounded view's shuffles (WIRE.md 7.7): the node's own card and its neighbours'
+    own cards, which it passes on; when its next shuffle is due, paced by its rounds;
+    the shuffles it awaits answers to; and the cards that come back, kept as candidates
+    in the passive view. Refusals are counted in `rejections` (the endpoint's)."""
+
+    def __init__(
+        self,
+        identity: Identity,
+        mesh_id: bytes,
+        name: str,
+        addr: str,
+        settings: ViewSettings,
+        passive: PassiveView,
+        rng: random.Random,
+        rejections: Counter[str],
+    ) -> None:
+        self.mesh_id = mesh_id
+        self.own_key = identity.public_key
+        self.card = make_card(identity, mesh_id, name, addr)
+        self.settings = settings
+        self.passive = passive
+        self._rng = rng
+        self._rejections = rejections
+        self._neighbours: dict[bytes, Card] = {}  # neighbours' own cards
+        # Shuffles of ours awaiting an answer: partner -> the keys of the cards we sent.
+        self._out: OrderedDict[bytes, tuple[bytes, ...]] = OrderedDict()
+        self._next = 0.0
+        # When the current round began, and how long the last one took.
+        self._round_began: float | None = None
+        self._round_length: float | None = None
+
+    def pace(self, round_no: int, new_round: int, now: float) -> None:
+        """The node goes from `round_no` to `new_round` at `now`: the rounds set the pace
+        of shuffles (`ViewSettings.shuffle_period`)."""
+        if new_round == round_no + 1 and self._round_began is not None:
+            self._round_length = now - self._round_began  # a skip ahead is no round's length
+        if new_round != round_no:
+            self._round_began = now
+
+    def card_of(self, key: bytes, value: object, address: str) -> Card | None:
+        """`value`, a card that came with a message of `key`, if it is that node's own
+        for `address` and signed by it; None otherwise (counted, where there was one)."""
+        if not isinstance(value, dict):
+            return None
+        card = checked_card(value, self.mesh_id)
+        if card is None or card.key != key or card.addr != address:
+            self._rejections[BAD_CARD] += 1
+            return None
+        return card
+
+    def keep(self, key: bytes, value: object, address: str) -> None:
+        """Keep a neighbour's own card, to pass on in shuffles."""
+        card = self.card_of(key, value, address)
+        if card is None:
+            return
+        known = self._neighbours.get(key)
+        if known is None or card.issued >= known.issued:
+            self._neighbours[key] = card
+
+    def forget(self, key: bytes) -> None:
+        """A neighbour no longer: its card is not passed on as a neighbour's."""
+        self._neighbours.pop(key, None)
+
+    def due(
+        self, now: float, partners: Sequence[PeerEntry], stretch: float
+    ) -> tuple[str, str, dict[str, Any]] | None:
+        """The shuffle to send (address, kind, body), when one is due: to a random one of
+        the reached neighbours `partners`, with our card and some of our neighbours' and
+        candidates'. `stretch`: the process's crowd, as heartbeats are stretched."""
+        if now < self._next or not partners:
+            return None
+        self._next = now + self.settings.shuffle_period(stretch, self._round_length)
+        partner = self._rng.choice(list(partners))
+        members = [card for key, card in self._neighbours.items() if key != partner.public_key]
+        cards, linked = cards_to_send(
+            self.card, members, self.passive, self.settings.shuffle_length, self._rng
+        )
+        self._out.pop(partner.public_key, None)
+        self._out[partner.public_key] = tuple(card.key for card in cards)
+        while len(self._out) > self.settings.most:
+            self._out.popitem(last=False)
+        body = {"cards": [card.packed() for card in cards], "neighbours": linked}
+        return partner.address, "shuffle", body
+
+    def answer(
+        self, sender: bytes, body: dict[str, Any], known: Callable[[bytes], bool]
+    ) -> dict[str, Any] | None:
+        """A neighbour's shuffle: the body of our answer (as many of our candidates'
+        cards), its cards kept as candidates, those of its own neighbours as named by
+        it; None when a card is forged. `known`: whether a key is a peer already."""
+        cards = self._checked(body)
+        if cards is None:
+            return None
+        exclude = {card.key for card in cards} | {sender}
+        answer = self.passive.cards(len(cards), exclude)
+        linked = min(body.get("neighbours", 0), len(cards) - 1)
+        vouched = {card.key for card in cards[1 : 1 + linked]}
+        self._take(cards, [card.key for card in answer], known, sender, vouched)
+        return {"cards": [card.packed() for card in answer]}
+
+    def take_reply(
+        self, sender: bytes, body: dict[str, Any], known: Callable[[bytes], bool]
+    ) -> None:
+        """The answer to a shuffle of ours: its cards kept as candidates, in the place of
+        those we sent away. An answer to no shuffle of ours is refused (counted)."""
+        sent = self._out.pop(sender, None)
+        if sent is None:
+            self._rejections[UNSOLICITED_CARDS] += 1
+            return
+        cards = self._checked(body)
+        if cards is not None:
+            self._take(cards, sent, known)
+
+    def _checked(self, body: dict[str, Any]) -> list[Card] | None:
+        """The cards of a message's `body` if every one is signed by its owner; else None
+        (counted): one forged card, and nothing the message says is believed."""
+        cards = [checked_card(value, self.mesh_id) for value in body["cards"]]
+        if any(card is None for card in cards):
+            self._rejections[BAD_CARD] += 1
+            return None
+        return [card for card in cards if card is not None]
+
+    def _take(
+        self,
+        cards: list[Card],
+        sent_away: Sequence[bytes],
+        known: Callable[[bytes], bool],
+        sender: bytes = b"",
+        vouched: Collection[bytes] = (),
+    ) -> None:
+        """Keep the cards of nodes that are not peers yet as candidates; those of the
+        `sender`'s own neighbours (`vouched`) as named by it."""
+        for card in cards:
+            if card.key != self.own_key and not known(card.key):
+                via = sender if card.key in vouched else b""
+                self.passive.add(Candidate(card.key, card.addr, card, card.name, via), sent_away)

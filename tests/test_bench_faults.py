@@ -66,8 +66,8 @@ def test_a_survivor_that_stopped_recording_is_left_out_of_its_missing_rounds():
 
 def test_a_survivor_that_skipped_a_round_after_the_kill_is_named():
     # Killed in round 3: c skipped round 4 and d the kill's own; a skipped round 1 (the
-    # start's), and b stopped recording, which is no skip.
-    kept = {"a": (2, 3, 4, 5), "b": (1, 2, 3), "c": (1, 2, 3, 5), "d": (1, 2, 4, 5)}
+    # start's), b stopped recording and e recorded nothing, which is no skip.
+    kept = {"a": (2, 3, 4, 5), "b": (1, 2, 3), "c": (1, 2, 3, 5), "d": (1, 2, 4, 5), "e": ()}
     survivors = {name: [RoundRecord(round=r) for r in rounds] for name, rounds in kept.items()}
     assert skipped_after(survivors, killed_in=3) == ["c", "d"]
 

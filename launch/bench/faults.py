@@ -7,7 +7,7 @@ kills `--kill` of the host processes, chosen at random (seeded), with SIGKILL: t
 nodes vanish mid-round without a bye, as in a power cut. The launch goes on with the
 others. Afterwards it reads what the survivors wrote and prints:
 
-- how many survivors finished every round (all of them should), and how many skipped a
+- how many survivors finished the last round (all of them should), and which skipped a
   round after the kill (one held back past its neighbours' round goes on from theirs);
 - round by round, how many survivors began the round with a full view of live
   neighbours (`topology.neighbours`; a dead neighbour not yet noticed does not count),
@@ -181,12 +181,14 @@ def report(out: Path, dead: set[str], rounds: int, killed_in: int, wall: float) 
     survivors = {peer.name: records(out / peer.name / "metrics.jsonl") for peer in cfg.peers}
     survivors = {name: lines for name, lines in survivors.items() if name not in dead}
     finished = sum(1 for lines in survivors.values() if lines and lines[-1].round >= rounds)
+    skipped = skipped_after(survivors, killed_in)
     print(
         f"nodes={len(cfg.peers)} killed={len(dead)} in round {killed_in} "
-        f"survivors={len(survivors)} finished_all_rounds={finished} "
-        f"skipped_a_round_after_the_kill={len(skipped_after(survivors, killed_in))} "
-        f"wall_s={wall:.1f}"
+        f"survivors={len(survivors)} finished_the_last_round={finished} "
+        f"skipped_a_round_after_the_kill={len(skipped)} wall_s={wall:.1f}"
     )
+    if skipped:
+        print(f"survivors that skipped a round after the kill: {', '.join(skipped)}")
     table = view_rounds(survivors, dead, views.neighbours, rounds)
     full = f"full view ({views.neighbours} live neighbours)"
     print(f"round  survivors  {full} at start  mean live at start  {full} at end")
@@ -229,9 +231,13 @@ def skipped_after(survivors: dict[str, list[RoundRecord]], killed_in: int) -> li
     return sorted(
         name
         for name, lines in survivors.items()
-        if (since := [record.round for record in lines if record.round >= killed_in - 1])
-        and since != list(range(since[0], since[-1] + 1))
+        if has_a_gap([record.round for record in lines if record.round >= killed_in - 1])
     )
+
+
+def has_a_gap(rounds: list[int]) -> bool:
+    """Whether the rising round numbers `rounds` miss one between their first and last."""
+    return bool(rounds) and rounds != list(range(rounds[0], rounds[-1] + 1))
 
 
 def first_round_after(
