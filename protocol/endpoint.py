@@ -35,7 +35,14 @@ from .transport import (
     contact,
     split_contact,
 )
-from .views import UNSOLICITED_CARDS, Candidate, PassiveView, Shuffles, ViewSettings
+from .views import (
+    UNSOLICITED_CARDS,
+    Candidate,
+    PassiveView,
+    Shuffles,
+    ViewSettings,
+    make_card,
+)
 from .wire import (
     BLOB_KINDS,
     KINDS,
@@ -74,7 +81,7 @@ ADDRESS_TAKEN = "address_taken"  # another key claims the address of a reached p
 TABLE_FULL = "table_full"  # no room for a new peer (or for one more not yet reached)
 WORKER_ERROR = "worker_error"  # the worker raised: a bug, contained and logged
 # Bounded views (WIRE.md 7.7): a greeting while the node has all the neighbours it takes,
-# a shuffle from a node that is not a neighbour, a shuffle answer nobody asked for.
+# a shuffle from a node that is not a neighbour (views.py counts the rest).
 VIEW_FULL, NOT_LINKED = "view_full", "not_linked"
 # Hellos of ours still waiting for their `peers` answer; the oldest are given up first.
 MAX_HELLOS_OUT = 1024
@@ -174,7 +181,7 @@ class Endpoint:
             schema,
             self._admit,
             self._accept,
-            kept=lambda key: self.table.get(key) is not None,
+            kept=self._is_peer,
         )
         self.received: Counter[str] = Counter()  # messages delivered, by kind
         self.flow_rejections: Counter[str] = Counter()  # refusals after decoding, by reason
@@ -227,14 +234,13 @@ class Endpoint:
         self.passive = PassiveView(self.views.passive if self.views else 0, self._rng)
         self.shuffles = (
             Shuffles(
-                identity,
+                make_card(identity, mesh_id, settings.name, self.address),
                 mesh_id,
-                settings.name,
-                self.address,
                 self.views,
                 self.passive,
-                self._rng,
-                self.flow_rejections,
+                rng=self._rng,
+                is_peer=self._is_peer,
+                rejections=self.flow_rejections,
             )
             if self.views is not None
             else None
@@ -277,6 +283,9 @@ class Endpoint:
         self._worker = threading.Thread(
             target=self._work, name=f"mesh {settings.name}", daemon=True
         )
+
+    def _is_peer(self, key: bytes) -> bool:
+        return self.table.get(key) is not None
 
     @property
     def id(self) -> str:
@@ -1248,14 +1257,14 @@ class Endpoint:
         self._fill_view()
 
     def _on_shuffle(self, message: Message) -> None:
-        """A neighbour's shuffle: answered with as many of our candidates' cards, its
-        own kept as candidates (views.Shuffles). Only neighbours shuffle with us
+        """A neighbour's shuffle: the cards it carried kept as candidates, and answered
+        with as many of ours (views.Shuffles). Only neighbours shuffle with us
         (`not_linked`)."""
         entry = self.table.get(message.sender)
         if self.shuffles is None or entry is None:
             self.flow_rejections[NOT_LINKED] += 1
             return
-        answer = self.shuffles.answer(message.sender, message.body, self._is_peer)
+        answer = self.shuffles.take_shuffle(message.sender, message.body)
         if answer is not None:
             self._send(entry.address, "shuffle_reply", answer)
 
@@ -1263,10 +1272,7 @@ class Endpoint:
         if self.shuffles is None:
             self.flow_rejections[UNSOLICITED_CARDS] += 1
             return
-        self.shuffles.take_reply(message.sender, message.body, self._is_peer)
-
-    def _is_peer(self, key: bytes) -> bool:
-        return self.table.get(key) is not None
+        self.shuffles.take_reply(message.sender, message.body)
 
     def _on_status(self, message: Message) -> None:
         # Not `heard_from`: the asker may be a probe holding a peer's key, and it says

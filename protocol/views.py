@@ -238,40 +238,41 @@ class Shuffles:
     """A bounded view's shuffles (WIRE.md 7.7): the node's own card and its neighbours'
     own cards, which it passes on; when its next shuffle is due, paced by its rounds;
     the shuffles it awaits answers to; and the cards that come back, kept as candidates
-    in the passive view. Refusals are counted in `rejections` (the endpoint's)."""
+    in the passive view unless `is_peer` (their key is a peer already). Refusals are
+    counted in `rejections` (the endpoint's)."""
 
     def __init__(
         self,
-        identity: Identity,
+        card: Card,
         mesh_id: bytes,
-        name: str,
-        addr: str,
         settings: ViewSettings,
         passive: PassiveView,
+        *,
         rng: random.Random,
+        is_peer: Callable[[bytes], bool],
         rejections: Counter[str],
     ) -> None:
+        self.card = card
         self.mesh_id = mesh_id
-        self.own_key = identity.public_key
-        self.card = make_card(identity, mesh_id, name, addr)
         self.settings = settings
         self.passive = passive
         self._rng = rng
+        self._is_peer = is_peer
         self._rejections = rejections
         self._neighbours: dict[bytes, Card] = {}  # neighbours' own cards
         # Shuffles of ours awaiting an answer: partner -> the keys of the cards we sent.
-        self._out: OrderedDict[bytes, tuple[bytes, ...]] = OrderedDict()
-        self._next = 0.0
+        self._awaited: OrderedDict[bytes, tuple[bytes, ...]] = OrderedDict()
+        self._next_due = 0.0  # when the next shuffle of ours is due (monotonic)
         # When the current round began, and how long the last one took.
         self._round_began: float | None = None
         self._round_length: float | None = None
 
-    def pace(self, round_no: int, new_round: int, now: float) -> None:
-        """The node goes from `round_no` to `new_round` at `now`: the rounds set the pace
-        of shuffles (`ViewSettings.shuffle_period`)."""
-        if new_round == round_no + 1 and self._round_began is not None:
+    def pace(self, old_round: int, new_round: int, now: float) -> None:
+        """The node goes from `old_round` to `new_round` at `now`: the rounds set the
+        pace of shuffles (`ViewSettings.shuffle_period`)."""
+        if new_round == old_round + 1 and self._round_began is not None:
             self._round_length = now - self._round_began  # a skip ahead is no round's length
-        if new_round != round_no:
+        if new_round != old_round:
             self._round_began = now
 
     def card_of(self, key: bytes, value: object, address: str) -> Card | None:
@@ -303,28 +304,27 @@ class Shuffles:
     ) -> tuple[str, str, dict[str, Any]] | None:
         """The shuffle to send (address, kind, body), when one is due: to a random one of
         the reached neighbours `partners`, with our card and some of our neighbours' and
-        candidates'. `stretch`: the process's crowd, as heartbeats are stretched."""
-        if now < self._next or not partners:
+        candidates'. `stretch`: how much the node stretches its liveness waits
+        (`PeerTable.stretch`), and its shuffles with them."""
+        if now < self._next_due or not partners:
             return None
-        self._next = now + self.settings.shuffle_period(stretch, self._round_length)
+        self._next_due = now + self.settings.shuffle_period(stretch, self._round_length)
         partner = self._rng.choice(list(partners))
         members = [card for key, card in self._neighbours.items() if key != partner.public_key]
         cards, linked = cards_to_send(
             self.card, members, self.passive, self.settings.shuffle_length, self._rng
         )
-        self._out.pop(partner.public_key, None)
-        self._out[partner.public_key] = tuple(card.key for card in cards)
-        while len(self._out) > self.settings.most:
-            self._out.popitem(last=False)
+        self._awaited.pop(partner.public_key, None)
+        self._awaited[partner.public_key] = tuple(card.key for card in cards)
+        while len(self._awaited) > self.settings.most:
+            self._awaited.popitem(last=False)
         body = {"cards": [card.packed() for card in cards], "neighbours": linked}
         return partner.address, "shuffle", body
 
-    def answer(
-        self, sender: bytes, body: dict[str, Any], known: Callable[[bytes], bool]
-    ) -> dict[str, Any] | None:
-        """A neighbour's shuffle: the body of our answer (as many of our candidates'
-        cards), its cards kept as candidates, those of its own neighbours as named by
-        it; None when a card is forged. `known`: whether a key is a peer already."""
+    def take_shuffle(self, sender: bytes, body: dict[str, Any]) -> dict[str, Any] | None:
+        """A neighbour's shuffle: the cards it carried kept as candidates (those of its
+        own neighbours as named by it), and the body of our answer, as many of our
+        candidates' cards; None when a card is forged."""
         cards = self._checked(body)
         if cards is None:
             return None
@@ -332,21 +332,19 @@ class Shuffles:
         answer = self.passive.cards(len(cards), exclude)
         linked = min(body.get("neighbours", 0), len(cards) - 1)
         vouched = {card.key for card in cards[1 : 1 + linked]}
-        self._take(cards, [card.key for card in answer], known, sender, vouched)
+        self._take(cards, [card.key for card in answer], sender, vouched)
         return {"cards": [card.packed() for card in answer]}
 
-    def take_reply(
-        self, sender: bytes, body: dict[str, Any], known: Callable[[bytes], bool]
-    ) -> None:
+    def take_reply(self, sender: bytes, body: dict[str, Any]) -> None:
         """The answer to a shuffle of ours: its cards kept as candidates, in the place of
         those we sent away. An answer to no shuffle of ours is refused (counted)."""
-        sent = self._out.pop(sender, None)
+        sent = self._awaited.pop(sender, None)
         if sent is None:
             self._rejections[UNSOLICITED_CARDS] += 1
             return
         cards = self._checked(body)
         if cards is not None:
-            self._take(cards, sent, known)
+            self._take(cards, sent)
 
     def _checked(self, body: dict[str, Any]) -> list[Card] | None:
         """The cards of a message's `body` if every one is signed by its owner; else None
@@ -361,13 +359,12 @@ class Shuffles:
         self,
         cards: list[Card],
         sent_away: Sequence[bytes],
-        known: Callable[[bytes], bool],
         sender: bytes = b"",
         vouched: Collection[bytes] = (),
     ) -> None:
         """Keep the cards of nodes that are not peers yet as candidates; those of the
         `sender`'s own neighbours (`vouched`) as named by it."""
         for card in cards:
-            if card.key != self.own_key and not known(card.key):
+            if card.key != self.card.key and not self._is_peer(card.key):
                 via = sender if card.key in vouched else b""
                 self.passive.add(Candidate(card.key, card.addr, card, card.name, via), sent_away)
