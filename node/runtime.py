@@ -215,13 +215,17 @@ class Node:
         not waited for once it is marked down (after its stretched timeout)."""
         return self.cfg.round_timeout * liveness_stretch(self.options.host_nodes)
 
-    def wait_for_view(self) -> bool:
-        """Wait, at most VIEW_PATIENCE_BEATS heartbeat periods, for the candidates a
-        bounded view greeted for its free places; the wait ends as soon as the view is
-        full or no hello is left to answer. Whether the view is full."""
+    def wait_for_neighbours(self) -> bool:
+        """Wait for as many live peers as the mesh gives a node; whether they came. A
+        full mesh waits up to `round_timeout` (its members start together); a bounded
+        view at most VIEW_PATIENCE_BEATS heartbeat periods for the candidates it greeted
+        for its free places, ending as soon as no hello is left to answer."""
         expected = self.endpoint.expected_peers(len(self.cfg.peers))
-        patience = VIEW_PATIENCE_BEATS * self.cfg.heartbeat_interval
-        return self.endpoint.wait_for_peers(expected, patience)
+        if self.endpoint.views is None:
+            return self.endpoint.wait_for_peers(expected, self.cfg.round_timeout)
+        return self.endpoint.wait_for_peers(
+            expected, VIEW_PATIENCE_BEATS * self.cfg.heartbeat_interval
+        )
 
     @functools.cached_property
     def schema(self) -> bytes:
@@ -307,11 +311,7 @@ class Node:
             # It waits too when it has no neighbour yet: nodes that start together may
             # turn away every first hello of one of them (their views full), and it then
             # greets candidates, whose answers are worth the wait.
-            if self.endpoint.views is None:
-                expected = self.endpoint.expected_peers(len(self.cfg.peers))
-                self.endpoint.wait_for_peers(expected, self.cfg.round_timeout)
-            else:
-                self.wait_for_view()
+            self.wait_for_neighbours()
         elif first_round > 1:
             # Resumed: the announces that came with our first hellos were too far ahead of
             # round 0 to be kept; take the round first, then ask for them again.
@@ -426,7 +426,7 @@ class Node:
         if self.endpoint.views is not None:
             # Places freed after the last round are being filled. Published first, so
             # no neighbour waits on this; a newcomer hears of our blob when it links.
-            self.wait_for_view()
+            self.wait_for_neighbours()
         deadline = time.monotonic() + self.model_wait
         neighbours = {peer.public_key: peer.name for peer in self.endpoint.alive_peers()}
         alive = set(neighbours)
