@@ -81,11 +81,15 @@ def parse_params(name: str, params: dict[str, Any], rounds: int | None = None) -
 
 def screening_setting(name: str, params: dict[str, Any]) -> dict[str, bool]:
     """{"screen": on?, "trials": on?} for a rule that validation screening can wrap
-    (screening on unless `params` say screen: false; its trials off unless they say
-    trials: true); {} for one it cannot, which then takes neither."""
+    (screening on unless `params` say screen: false; its trials as the rule's
+    `trials_by_default` unless they say); {} for one it cannot, which then takes
+    neither. Trials follow screening where only screening is set: `screen: false` alone
+    turns both off."""
     if name not in ALGORITHMS:
         return {}  # an unknown name is reported, with the allowed ones, by its own check
-    setting = {SCREEN_KEY: params.get(SCREEN_KEY, True), TRIALS_KEY: params.get(TRIALS_KEY, False)}
+    screen = params.get(SCREEN_KEY, True)
+    trials_default = ALGORITHMS[name].trials_by_default and screen is True
+    setting = {SCREEN_KEY: screen, TRIALS_KEY: params.get(TRIALS_KEY, trials_default)}
     if not ALGORITHMS[name].screenable:
         given = [key for key in setting if key in params]
         if given:
@@ -100,7 +104,8 @@ def screening_setting(name: str, params: dict[str, Any]) -> dict[str, bool]:
     if setting[TRIALS_KEY] and not setting[SCREEN_KEY]:
         raise ValueError(
             f"algorithm.{TRIALS_KEY}: got True with {SCREEN_KEY}: false; trials are a step "
-            "of validation screening"
+            f"of validation screening, so set algorithm.{TRIALS_KEY}=false as well (a saved "
+            "FedC²I config lists trials: true)"
         )
     return setting
 

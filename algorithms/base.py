@@ -99,9 +99,11 @@ class PeerAlgorithm:
     name = "base"
     Params: type = NoParams
     ranks_offers = False
-    # Whether validation screening (algorithms/screening.py) may wrap the rule, and
-    # whether the rule already guards its aggregate on the val split itself (pFedSV).
+    # Whether validation screening (algorithms/screening.py) may wrap the rule, whether
+    # its trials (step 6) are on unless a node says otherwise, and whether the rule
+    # already guards its aggregate on the val split itself (pFedSV).
     screenable = True
+    trials_by_default = False
     guards_aggregate = False
     heads: tuple[str, ...] | None = None  # the model.head settings it can read; None: any
 

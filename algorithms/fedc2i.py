@@ -253,6 +253,10 @@ class FedC2I(PeerAlgorithm):
 
     name = "fedc2i"
     heads = ("last",)  # class vectors are the rows of one linear head
+    # Its influence vector mixes in the bodies of peers whose data differ in kind, which
+    # validates worse the round they are mixed in and better some rounds of training
+    # later (feature shift): only screening's trials see that far ahead.
+    trials_by_default = True
 
     @dataclass(frozen=True)
     class Params:

@@ -113,7 +113,8 @@ def _attackers_share(weights: dict[str, float], attackers: frozenset[str]) -> fl
 
 
 def _trial_weights(record: RoundRecord) -> dict[str, float]:
-    """The weights of the screening trial a round's node carried on from; {} if none."""
+    """Each model's share in the screening trial path a round's node carried on from
+    (over the path's rounds); {} if none."""
     trial = record.diagnostics.get("screening", {}).get("trial", {})
     return dict(trial.get("weights", {})) if trial.get("won") else {}
 
@@ -185,17 +186,18 @@ def attackers_in_views(run: RunRecords) -> dict[str, float]:
 
 
 def screening_trials(run: RunRecords) -> dict[str, float]:
-    """Screened rules: the share of node-rounds that trained a trial (the rule's
-    aggregate with the peers the val check kept out let in, algorithms/screening.py step
-    6), and the share of those that beat the own model. What trials cost (a second local
-    training each) and what they gave."""
+    """Screened rules: the share of node-rounds that trained a trial (a trial path's
+    model: the rule's aggregate with the peers the val check kept out let in,
+    algorithms/screening.py step 6), and the share of those that beat the own model, each
+    round of a path counted once. What trials cost (a second local training each) and
+    what they gave."""
     screenings = [
         record.diagnostics["screening"]
         for name, record in run.node_rounds()
         if name not in run.attackers and "screening" in record.diagnostics
     ]
     judged = [screening["trial"]["won"] for screening in screenings if "trial" in screening]
-    if not judged:  # no trials (off, the default, or none started): no rows
+    if not judged:  # no trials (off, or none started): no rows
         return {}
     return {"trial_rounds": len(judged) / len(screenings), "trials_won": statistics.fmean(judged)}
 

@@ -14,16 +14,20 @@ from meshfl.algorithms import (
     algorithm_class,
     build_rule,
     parse_params,
+    screening_setting,
 )
 from meshfl.algorithms.base import Aggregate, Context
 from meshfl.algorithms.screening import (
+    TRIAL_ROUNDS,
     Screened,
     ValScores,
     adopts,
+    beats_a_constant_guess,
     copies,
     guard_verdict,
     inflated_claims,
     more_errors_beyond_noise,
+    path_shares,
     scores_of_logits,
     state_digest,
 )
@@ -246,7 +250,7 @@ def test_the_rule_is_told_whom_screening_keeps_out_before_it_aggregates(world):
     tried = screened(world, "fedavg", trials=True)
     told.clear()
     tried.rule.kept_out = told.append
-    aggregate(tried, world, {"h1": world.honest["h1"], "bad": world.attackers["noise"]})
+    aggregate(tried, world, {"h1": world.honest["h1"], "bad": world.attackers["scale"]})
     # First for the trial (step 6), where only causes other than the val check count.
     assert told == [set(), {"bad"}]
 
@@ -277,14 +281,23 @@ def test_a_trial_is_judged_the_next_round_only(world):
     assert "on_trial" in first.diagnostics["screening"]
     later = aggregate(rule, world, {}, round_no=4)  # the node missed round 3
     assert "trial" not in later.diagnostics["screening"]
+    # A path that goes on after a lost round is dropped the same way (fresh models, not
+    # replays of round 2's).
+    peers = {"h1": world.honest["h1"], "bad": world.attackers["scale"]}
+    aggregate(rule, world, {p: {k: v + 1e-6 for k, v in s.items()} for p, s in peers.items()}, 6)
+    rule.context = dataclasses.replace(rule.context, train=lambda *args, **kwargs: None)
+    lost = aggregate(rule, world, {}, round_no=7).diagnostics["screening"]
+    assert lost["trial"]["won"] is False and lost["trial_path_began"] == 6
+    assert "trial" not in aggregate(rule, world, {}, round_no=9).diagnostics["screening"]
 
 
 def test_a_trial_that_trains_worse_than_the_own_model_changes_nothing(world):
     """An attacker let in on trial is let in only where the node ends up no worse: a
-    noise model mixed in is worse after a round of training too, and the node's round
-    ends as it would have without the trial."""
+    scaled update mixed in, whose training goes nowhere, stays worse, and the node's
+    round ends as it would have without the trial."""
     tried, untried = screened(world, "fedavg", trials=True), screened(world, "fedavg")
-    aggregate(tried, world, {"h1": world.honest["h1"], "bad": world.attackers["noise"]})
+    aggregate(tried, world, {"h1": world.honest["h1"], "bad": world.attackers["scale"]})
+    tried.context = dataclasses.replace(tried.context, train=lambda *args, **kwargs: None)
     aggregate(untried, world, {"h1": world.honest["h1"]})
     peers = {"h2": world.honest["h2"]}
     outcome = aggregate(tried, world, peers, round_no=3)
@@ -294,14 +307,96 @@ def test_a_trial_that_trains_worse_than_the_own_model_changes_nothing(world):
     assert all(torch.equal(outcome.state[key], expected.state[key]) for key in expected.state)
 
 
+def test_only_a_model_of_the_nodes_task_is_let_in_on_trial(world):
+    """A model trained on flipped labels from scratch (as an attacker that flips all its
+    run), or noise, alone does no better on the val split than always guessing its most
+    common label; an honest peer's model does, and so does one whose update was scaled
+    or sign-flipped (the val check keeps those out, the trial judges them). The fixture's
+    label flipper trained one round from a good model: it still beats the guess."""
+
+    def models_the_task(state):
+        return beats_a_constant_guess(
+            screened(world, "fedavg")._scores(state, world.data).errors, world.data.y_val
+        )
+
+    initial = build_model("mlp", world.data.input_shape, 10, "last", seed=0).state_dict()
+    flipped = trained(initial, world.data, flip_labels(world.data.y_train, 10), epochs=10)
+    assert models_the_task(world.honest["h1"]) and models_the_task(world.attackers["scale"])
+    assert models_the_task(world.attackers["signflip"])
+    assert models_the_task(world.attackers["labelflip"])
+    assert not models_the_task(flipped)
+    assert not models_the_task(world.attackers["noise"])
+    labels = torch.tensor([0, 0, 0, 1])
+    assert not beats_a_constant_guess(torch.tensor([0.0, 0.0, 0.0, 1.0]), labels), "a tie"
+    assert beats_a_constant_guess(torch.tensor([0.0] * 4), labels)
+    assert beats_a_constant_guess(torch.tensor([]), torch.tensor([])), "no val split"
+    rule = screened(world, "fedavg", trials=True)
+    peers = {"h1": world.honest["h1"], "flip": flipped, "bad": world.attackers["scale"]}
+    first = aggregate(rule, world, peers)
+    assert first.diagnostics["screened_out"] == {"flip": "val_loss", "bad": "val_loss"}
+    assert first.diagnostics["screening"]["on_trial"] == ["bad"]
+    assert set(rule._trial.shares) == {"h0", "h1", "bad"}, "the label-flipped model stays out"
+
+
+def test_a_trial_path_that_loses_goes_on_from_its_trained_model_until_it_is_old(world):
+    """A body from other domains can validate worse for a few rounds of training and
+    better after them: a trial that lost is the next round's path to aggregate and
+    train again, with no new peer kept out, until TRIAL_ROUNDS of it have been judged."""
+    rule = screened(world, "fedavg", trials=True)
+    aggregate(rule, world, {"h1": world.honest["h1"], "bad": world.attackers["scale"]})
+    # Training that goes nowhere keeps the path the scaled update it was: it loses.
+    rule.context = dataclasses.replace(rule.context, train=lambda *args, **kwargs: None)
+    began = 2
+    for round_no in range(began + 1, began + TRIAL_ROUNDS + 2):
+        report = aggregate(rule, world, {}, round_no=round_no).diagnostics["screening"]
+        judged = round_no - began
+        if judged > TRIAL_ROUNDS:
+            assert "trial" not in report, "given up: nothing left to judge"
+            continue
+        assert report["trial"]["won"] is False and report["trial"]["path_rounds"] == judged
+        going_on = judged < TRIAL_ROUNDS
+        assert (report.get("trial_path_began") == began) is going_on, round_no
+
+
+def test_a_path_that_wins_rounds_later_names_each_models_share_in_it(world):
+    """A path that lost in round 3 and went on with a peer let in again wins in round 4:
+    the node carries on from every model the path took in, at its share (the tables
+    count the attackers' among them)."""
+    rule = screened(world, "fedavg", trials=True)
+    bad = world.attackers["scale"]
+    aggregate(rule, world, {"h1": world.honest["h1"], "bad": bad})
+    training = rule.context.train
+    rule.context = dataclasses.replace(rule.context, train=lambda *args, **kwargs: None)
+    again = {key: value + 1e-6 for key, value in bad.items()}  # not a replay of round 2's
+    third = aggregate(rule, world, {"h2": world.honest["h2"], "bad": again}, round_no=3)
+    report = third.diagnostics["screening"]
+    assert report["trial"]["won"] is False and report["on_trial"] == ["bad"]
+    rule.context = dataclasses.replace(rule.context, train=training)
+    initial = build_model("mlp", world.data.input_shape, 10, "last", seed=0).state_dict()
+    fourth = rule.aggregate(4, PeerModel(initial, world.n), {}, world.data)
+    trial = fourth.diagnostics["screening"]["trial"]
+    assert trial["won"] is True and trial["path_rounds"] == 2
+    # Round 2: a third each; round 3: the path's model a third, h2 and the attacker a third.
+    expected = {"h0": 1 / 9, "h1": 1 / 9, "bad": 1 / 9 + 1 / 3, "h2": 1 / 3}
+    assert trial["weights"] == pytest.approx(expected)
+
+
+def test_a_paths_shares_pass_on_at_the_weight_of_its_own_model():
+    first = path_shares({"me": 1.0}, {"me": 0.5, "a": 0.5}, "me")
+    assert first == {"me": 0.5, "a": 0.5}
+    second = path_shares(first, {"me": 0.6, "a": 0.2, "b": 0.2}, "me")
+    assert second == pytest.approx({"me": 0.3, "a": 0.5, "b": 0.2})
+    assert sum(second.values()) == pytest.approx(1.0)
+
+
 def test_a_won_trial_that_the_spike_check_undoes_names_no_peer_weights(world):
     """A trial can beat an own model whose training went astray and still make more val
     errors than the model the round started from: the round is undone (step 5), and the
     node carries on from none of the trial's peers, so its metrics must not name them
     (the experiment tables count those weights as attackers')."""
     rule = screened(world, "fedavg", trials=True)
-    start = aggregate(rule, world, {"h1": world.honest["h1"], "bad": world.attackers["noise"]})
-    # The trial's training goes nowhere, so it stays the mixed-in noise it was.
+    start = aggregate(rule, world, {"h1": world.honest["h1"], "bad": world.attackers["scale"]})
+    # The trial's training goes nowhere, so it stays the mixed-in scaled update it was.
     rule.context = dataclasses.replace(rule.context, train=lambda *args, **kwargs: None)
     astray = noise_like(world.honest["h0"], torch.Generator().manual_seed(2))
     outcome = rule.aggregate(3, PeerModel(astray, world.n), {}, world.data)
@@ -425,7 +520,7 @@ def test_screen_false_builds_the_papers_rule_unchanged(world):
     assert type(build_rule("local", {}, world.context("local"))).__name__ == "Local"
 
 
-def test_trials_are_off_unless_asked_for_and_only_behind_screening(world):
+def test_fedavg_runs_trials_only_when_asked_and_only_behind_screening(world):
     assert build_rule("fedavg", {}, world.context("fedavg")).trials is False
     assert build_rule("fedavg", {"trials": True}, world.context("fedavg")).trials is True
     with pytest.raises(ValueError, match="algorithm.trials: got True with screen: false"):
@@ -437,6 +532,16 @@ def test_trials_are_off_unless_asked_for_and_only_behind_screening(world):
     rule = screened(world, "fedavg")
     first = aggregate(rule, world, {"h1": world.honest["h1"], "bad": world.attackers["scale"]})
     assert "on_trial" not in first.diagnostics["screening"], "off: nothing is put on trial"
+
+
+def test_fedc2i_runs_trials_unless_told_not_to(world):
+    """FedC²I's help on feature shift shows only rounds after it is mixed in, so its
+    trials are on by default; screen: false alone still gives the paper's rule."""
+    context = world.context("fedc2i")
+    assert build_rule("fedc2i", {}, context).trials is True
+    assert build_rule("fedc2i", {"trials": False}, context).trials is False
+    assert type(build_rule("fedc2i", {"screen": False}, context)).__name__ == "FedC2I"
+    assert screening_setting("fedc2i", {"screen": False}) == {"screen": False, "trials": False}
 
 
 class _AddsNoise(PeerAlgorithm):
