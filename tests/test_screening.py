@@ -409,19 +409,29 @@ def test_a_won_trial_that_the_spike_check_undoes_names_no_peer_weights(world):
 
 @pytest.mark.parametrize(("name", "params"), [("pfedsv", {}), ("pfedlia", {"warmup": 1})])
 def test_a_trial_leaves_a_stateful_rule_as_it_would_be_without_it(world, name, params):
-    """pFedSV keeps relevance scores and its k, pFedLIA its lazy scores and groups: the
-    trial's aggregate must not move them, or the round's own aggregate would differ
-    from the rule's untried one."""
+    """pFedSV keeps relevance scores and its k, pFedLIA its lazy scores and groups: a
+    trial path's aggregates must not move them, or the round's own aggregate would
+    differ from the rule's untried one."""
     peers = {"h1": world.honest["h1"], "h2": world.honest["h2"], "bad": world.attackers["signflip"]}
     tried, untried = screened(world, name, True, **params), screened(world, name, **params)
-    # pFedLIA: the warm-up's last round (its anchor), then lazy. Round 3, not 2: round
-    # 1's trial is then dropped unjudged, so only the rewind is compared.
-    for round_no in (1, 3):
+
+    # pFedLIA: the warm-up's last round (its anchor), then lazy. The trial's "training"
+    # flips the signs of its weights, so it loses every round and its path goes on: only
+    # the rewinds of its aggregates are compared.
+    def ruin(model, *args, **kwargs):
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.neg_()
+
+    tried.context = dataclasses.replace(tried.context, train=ruin)
+    for round_no in (1, 2, 3):
         fresh = {peer: {k: v + 1e-6 * round_no for k, v in s.items()} for peer, s in peers.items()}
         outcomes = [aggregate(rule, world, fresh, round_no=round_no) for rule in (tried, untried)]
-        assert outcomes[0].diagnostics["screened_out"] == {"bad": "val_loss"}
-        if round_no == 1:
-            assert "on_trial" in outcomes[0].diagnostics["screening"]
+        assert outcomes[0].diagnostics["screened_out"]["bad"] == "val_loss"
+        report = outcomes[0].diagnostics["screening"]
+        assert report["trial_path_began"] == 1
+        if round_no > 1:
+            assert report["trial"]["won"] is False
         kept = [
             {
                 k: v
