@@ -105,7 +105,7 @@ def screening_setting(name: str, params: dict[str, Any]) -> dict[str, bool]:
         raise ValueError(
             f"algorithm.{TRIALS_KEY}: got True with {SCREEN_KEY}: false; trials are a step "
             f"of validation screening, so set algorithm.{TRIALS_KEY}=false as well (a saved "
-            "FedC²I config lists trials: true)"
+            "config lists every parameter, trials too)"
         )
     return setting
 

@@ -438,7 +438,6 @@ class Screened(PeerAlgorithm):
         shares = path_shares(shares, trial.weights, me)
         self._trial = Trial(round_no, began, trial.state, shares)
         report["on_trial"] = on_trial
-        report["trial_path_began"] = began
 
     def _models_the_task(self, model: PeerModel, data: Any) -> bool:
         """Whether a peer's model alone beats a constant guess on the val split: only

@@ -287,7 +287,7 @@ def test_a_trial_is_judged_the_next_round_only(world):
     aggregate(rule, world, {p: {k: v + 1e-6 for k, v in s.items()} for p, s in peers.items()}, 6)
     rule.context = dataclasses.replace(rule.context, train=lambda *args, **kwargs: None)
     lost = aggregate(rule, world, {}, round_no=7).diagnostics["screening"]
-    assert lost["trial"]["won"] is False and lost["trial_path_began"] == 6
+    assert lost["trial"]["won"] is False and rule._trial is not None, "the path goes on"
     assert "trial" not in aggregate(rule, world, {}, round_no=9).diagnostics["screening"]
 
 
@@ -344,18 +344,30 @@ def test_a_trial_path_that_loses_goes_on_from_its_trained_model_until_it_is_old(
     train again, with no new peer kept out, until TRIAL_ROUNDS of it have been judged."""
     rule = screened(world, "fedavg", trials=True)
     aggregate(rule, world, {"h1": world.honest["h1"], "bad": world.attackers["scale"]})
-    # Training that goes nowhere keeps the path the scaled update it was: it loses.
-    rule.context = dataclasses.replace(rule.context, train=lambda *args, **kwargs: None)
+
+    def flip_signs(model, *args, **kwargs):  # a "training" whose outcome is plain to see
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.neg_()
+
+    # The path is the scaled update mixed in, or its negation: it loses every round.
+    rule.context = dataclasses.replace(rule.context, train=flip_signs)
     began = 2
     for round_no in range(began + 1, began + TRIAL_ROUNDS + 2):
+        judged_model = rule._trial.state if rule._trial is not None else None
         report = aggregate(rule, world, {}, round_no=round_no).diagnostics["screening"]
         judged = round_no - began
         if judged > TRIAL_ROUNDS:
             assert "trial" not in report, "given up: nothing left to judge"
             continue
         assert report["trial"]["won"] is False and report["trial"]["path_rounds"] == judged
-        going_on = judged < TRIAL_ROUNDS
-        assert (report.get("trial_path_began") == began) is going_on, round_no
+        if judged == TRIAL_ROUNDS:
+            assert rule._trial is None, "old: given up"
+            continue
+        # No peer came, so the path's next model is its trained one, aggregated alone.
+        # (The mlp's state is its parameters alone.)
+        next_model = rule._trial.state
+        assert all(torch.equal(next_model[k], -judged_model[k]) for k in judged_model), round_no
 
 
 def test_a_path_that_wins_rounds_later_names_each_models_share_in_it(world):
@@ -429,9 +441,11 @@ def test_a_trial_leaves_a_stateful_rule_as_it_would_be_without_it(world, name, p
         outcomes = [aggregate(rule, world, fresh, round_no=round_no) for rule in (tried, untried)]
         assert outcomes[0].diagnostics["screened_out"]["bad"] == "val_loss"
         report = outcomes[0].diagnostics["screening"]
-        assert report["trial_path_began"] == 1
+        assert "on_trial" in report
         if round_no > 1:
-            assert report["trial"]["won"] is False
+            assert (
+                report["trial"]["won"] is False and report["trial"]["path_rounds"] == round_no - 1
+            )
         kept = [
             {
                 k: v
