@@ -100,7 +100,7 @@ class PeerAlgorithm:
     Params: type = NoParams
     ranks_offers = False
     # Whether validation screening (algorithms/screening.py) may wrap the rule, whether
-    # its trials (step 6) are on unless a node says otherwise, and whether the rule
+    # its trials (step 7) are on unless a node says otherwise, and whether the rule
     # already guards its aggregate on the val split itself (pFedSV).
     screenable = True
     trials_by_default = False

@@ -7,7 +7,15 @@ rule's from the coordinator's. Each key is taken at its latest value over the re
 so a key a rule writes only in some rounds (Fed-Influence's FIL, every
 `evaluate_every` rounds) still counts. Which phrase a rule shows is its entry in the
 registry of launch/measures.py; a rule without one (the baselines) decides nothing a
-column could show.
+column could show. A phrase names only peers the node's last round gave weight: a peer
+the rule ranked first but screening kept out decided nothing.
+
+Where screening ran (algorithms/screening.py), the phrase ends with what it did over
+the whole run, counted from every round's `screened_out` and guard verdict: how many of
+the peers whose models arrived it let into the rule at least once, the peer-rounds it
+kept out by reason, and the rounds whose aggregate the guard refused. A run where
+screening kept every peer out says so, rather than leaving the rule's phrase to read as
+if the rule had learned from them.
 """
 
 from __future__ import annotations
@@ -18,8 +26,10 @@ from typing import Any
 from meshfl.node.metrics import CoordinatorRecord, RoundRecord
 
 Diagnostics = dict[str, Any]
-# (node, its latest diagnostics, the coordinator's latest) -> the phrase, or None
-Decide = Callable[[str, Diagnostics, Diagnostics], str | None]
+Weights = dict[str, float]
+# (node, its latest diagnostics, the coordinator's latest, the weights of its last
+# round) -> the phrase, or None
+Decide = Callable[[str, Diagnostics, Diagnostics, Weights], str | None]
 
 
 def latest_diagnostics(records: Iterable[RoundRecord | CoordinatorRecord]) -> Diagnostics:
@@ -34,6 +44,11 @@ def _names(peers: Iterable[str]) -> str:
     return ",".join(peers) or "none"
 
 
+def _weighted(peers: Iterable[str], weights: Weights) -> list[str]:
+    """`peers` that got weight in the round `weights` is of, in their order."""
+    return [peer for peer in peers if weights.get(peer, 0.0) > 0]
+
+
 def _group(group: list[str] | None, phase: str | None) -> str | None:
     """pFedLIA's group, or why there is none yet."""
     if group is not None:
@@ -43,39 +58,51 @@ def _group(group: list[str] | None, phase: str | None) -> str | None:
     return f"no group ({phase})" if phase else None
 
 
-def pfedlia(node: str, own: Diagnostics, coordinator: Diagnostics) -> str | None:
-    return _group(own.get("group"), own.get("phase"))
+def pfedlia(node: str, own: Diagnostics, coordinator: Diagnostics, weights: Weights) -> str | None:
+    group = own.get("group")
+    return _group(None if group is None else _weighted(group, weights), own.get("phase"))
 
 
-def pfedlia_central(node: str, own: Diagnostics, coordinator: Diagnostics) -> str | None:
+def pfedlia_central(
+    node: str, own: Diagnostics, coordinator: Diagnostics, weights: Weights
+) -> str | None:
     return _group((coordinator.get("groups") or {}).get(node), coordinator.get("phase"))
 
 
-def pfedsv(node: str, own: Diagnostics, coordinator: Diagnostics) -> str | None:
+def pfedsv(node: str, own: Diagnostics, coordinator: Diagnostics, weights: Weights) -> str | None:
     selected = own.get("selected")
-    return None if selected is None else f"top-{len(selected)} {_names(selected)}"
+    if selected is None:
+        return None
+    learned_from = _weighted(selected, weights)
+    return f"top-{len(learned_from)} {_names(learned_from)}"
 
 
-def fedc2i(node: str, own: Diagnostics, coordinator: Diagnostics) -> str | None:
+def fedc2i(node: str, own: Diagnostics, coordinator: Diagnostics, weights: Weights) -> str | None:
+    if "influence_vector" not in own:
+        return None
     influence = {
-        peer: value for peer, value in (own.get("influence_vector") or {}).items() if peer != node
+        peer: value
+        for peer, value in own["influence_vector"].items()
+        if peer != node and weights.get(peer, 0.0) > 0
     }
     if not influence:
-        return "no peer arrived" if "influence_vector" in own else None
+        return "own model only"
     peer = max(sorted(influence), key=influence.__getitem__)
     return f"most influential {peer} (λ {influence[peer]:.2f})"
 
 
-def fedrema(node: str, own: Diagnostics, coordinator: Diagnostics) -> str | None:
-    weights = (coordinator.get("head_weights") or {}).get(node)
-    if weights is None:
+def fedrema(node: str, own: Diagnostics, coordinator: Diagnostics, weights: Weights) -> str | None:
+    head_weights = (coordinator.get("head_weights") or {}).get(node)
+    if head_weights is None:
         return None
     # `ccp_continues` is written in every CCP round; once false, the CCP never restarts.
     period = "CCP ended" if coordinator.get("ccp_continues") is False else "CCP on"
-    return f"{period}; matched {_names(sorted(peer for peer in weights if peer != node))}"
+    return f"{period}; matched {_names(sorted(peer for peer in head_weights if peer != node))}"
 
 
-def fedinfluence(node: str, own: Diagnostics, coordinator: Diagnostics) -> str | None:
+def fedinfluence(
+    node: str, own: Diagnostics, coordinator: Diagnostics, weights: Weights
+) -> str | None:
     fil = coordinator.get("fil") or {}
     if node not in fil:
         return None
@@ -84,13 +111,54 @@ def fedinfluence(node: str, own: Diagnostics, coordinator: Diagnostics) -> str |
     return ("most influential, " if node == most else "") + f"FIL {fil[node]:+.3g}"
 
 
+def screening(records: Iterable[RoundRecord]) -> str | None:
+    """What screening did to a node's peers over the run, or None where it never ran:
+    `let in A/P peers` (P: peers whose models arrived, A: of those, the ones let into
+    the rule in at least one round), the peer-rounds kept out by reason, and how many of
+    the aggregates the guard judged it refused (keeping the own model)."""
+    arrived: set[str] = set()
+    admitted: set[str] = set()
+    kept_out: dict[str, int] = {}
+    judged = refused = 0
+    screened = False
+    for record in records:
+        diagnostics = record.diagnostics or {}
+        if "screening" not in diagnostics:
+            continue
+        screened = True
+        reasons = diagnostics.get("screened_out") or {}
+        received = set(record.received or ())
+        arrived |= received | set(reasons)
+        admitted |= received - set(reasons)
+        for reason in reasons.values():
+            kept_out[reason] = kept_out.get(reason, 0) + 1
+        verdict = diagnostics["screening"].get("adopted")
+        if verdict is not None:
+            judged += 1
+            refused += not verdict
+    if not screened:
+        return None
+    reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(kept_out.items()))
+    phrase = f"screening let in {len(admitted)}/{len(arrived)} peers"
+    phrase += f" (peer-rounds kept out: {reasons})" if reasons else ""
+    return phrase + f", refused {refused}/{judged} aggregates" if judged else phrase
+
+
 def decided_by(
-    decide: Decide, history: dict[str, list[RoundRecord]], coordinator: list[CoordinatorRecord]
+    decide: Decide | None,
+    history: dict[str, list[RoundRecord]],
+    coordinator: list[CoordinatorRecord],
 ) -> dict[str, str]:
-    """node -> what `decide` phrases for it, from each node's metrics records (`history`)
-    and the coordinator's; a node it has no phrase for is left out."""
+    """node -> what `decide` phrases for it (None: a rule with no phrase of its own), from
+    each node's metrics records (`history`) and the coordinator's, followed by what
+    screening did; a node with neither is left out."""
     shared = latest_diagnostics(coordinator)
-    phrases = {
-        node: decide(node, latest_diagnostics(records), shared) for node, records in history.items()
-    }
+    phrases = {}
+    for node, records in history.items():
+        weights = next((r.weights for r in reversed(records) if r.weights), {})
+        parts = [
+            decide(node, latest_diagnostics(records), shared, weights) if decide else None,
+            screening(records),
+        ]
+        phrases[node] = "; ".join(part for part in parts if part)
     return {node: phrase for node, phrase in phrases.items() if phrase}

@@ -96,7 +96,7 @@ def _mean_row(title: str) -> TableRow:
 def attacker_weight(run: RunRecords) -> dict[str, float]:
     """The attackers' share of the honest nodes' aggregation weights: the weight on
     attackers summed per round, averaged over honest nodes and rounds. A round whose
-    node carried on from a screening trial (algorithms/screening.py, step 6) counts the
+    node carried on from a screening trial (algorithms/screening.py, step 7) counts the
     attackers' share of that trial too, times the weight the round gave the node's own
     model."""
     shares = [
@@ -188,7 +188,7 @@ def attackers_in_views(run: RunRecords) -> dict[str, float]:
 def screening_trials(run: RunRecords) -> dict[str, float]:
     """Screened rules: the share of node-rounds that trained a trial (a trial path's
     model: the rule's aggregate with the peers the val check kept out let in,
-    algorithms/screening.py step 6), and the share of those that beat the own model, each
+    algorithms/screening.py step 7), and the share of those that beat the own model, each
     round of a path counted once. What trials cost (a second local training each) and
     what they gave."""
     screenings = [
@@ -484,9 +484,9 @@ def rule_scores(rule: str, run: RunRecords) -> dict[str, Any]:
 def node_decisions(
     rule: str, history: History, coordinator: list[CoordinatorRecord]
 ) -> dict[str, str]:
-    """node -> what `rule` decided for it ({} for a rule that decides nothing to show)."""
-    decide = measures_of(rule).decide
-    return decisions.decided_by(decide, history, coordinator) if decide else {}
+    """node -> what `rule` decided for it, and what screening did where it ran ({} for a
+    rule that decides nothing to show, unscreened)."""
+    return decisions.decided_by(measures_of(rule).decide, history, coordinator)
 
 
 def score_rows() -> dict[str, TableRow]:

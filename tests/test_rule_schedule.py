@@ -151,15 +151,21 @@ def test_every_rule_but_the_baselines_has_a_decision():
     assert decided == set(ALGORITHM_NAMES) - baselines
 
 
-def rounds_of(*diagnostics: dict) -> list[RoundRecord]:
-    return [
+def rounds_of(*diagnostics: dict, weights: dict[str, float] | None = None) -> list[RoundRecord]:
+    """Records of these diagnostics, the last round's with `weights`."""
+    records = [
         RoundRecord(round=index + 1, diagnostics=found) for index, found in enumerate(diagnostics)
     ]
+    records[-1].weights = weights or {}
+    return records
 
 
 def test_peer_rules_decide_from_the_nodes_own_latest_diagnostics():
+    both = {"a": 0.5, "c": 0.5}
     grouped = {
-        "a": rounds_of({"phase": "warmup"}, {"phase": "clustered", "group": ["a", "c"]}),
+        "a": rounds_of(
+            {"phase": "warmup"}, {"phase": "clustered", "group": ["a", "c"]}, weights=both
+        ),
         "b": rounds_of({"phase": "warmup"}),
     }
     assert node_decisions("pfedlia", grouped, []) == {
@@ -167,16 +173,55 @@ def test_peer_rules_decide_from_the_nodes_own_latest_diagnostics():
         "b": "warm-up only, no group",
     }
     influence = {
-        "a": rounds_of({"influence_vector": {"a": 0.5, "b": 0.2, "c": 0.3}}),
-        "b": rounds_of({"influence_vector": {"b": 1.0}}),
+        "a": rounds_of({"influence_vector": {"a": 0.5, "b": 0.2, "c": 0.3}}, weights=both),
+        "b": rounds_of({"influence_vector": {"b": 1.0}}, weights={"b": 1.0}),
     }
     assert node_decisions("fedc2i", influence, []) == {
         "a": "most influential c (λ 0.30)",
-        "b": "no peer arrived",
+        "b": "own model only",
     }
-    top_k = {"a": rounds_of({"selected": ["b", "c", "d"]}, {"selected": ["c"]})}
+    top_k = {"a": rounds_of({"selected": ["b", "c", "d"]}, {"selected": ["c"]}, weights=both)}
     assert node_decisions("pfedsv", top_k, []) == {"a": "top-1 c"}
     assert node_decisions("fedavg", top_k, []) == {}
+
+
+def test_a_decision_names_only_peers_that_got_weight():
+    """A peer the rule ranked first, or grouped with the node, but that screening kept
+    out (or the guard refused) taught the node nothing: the phrase must not name it."""
+    alone = {"a": 1.0}
+    influence = {"a": rounds_of({"influence_vector": {"a": 0.4, "b": 0.6}}, weights=alone)}
+    assert node_decisions("fedc2i", influence, []) == {"a": "own model only"}
+    top_k = {"a": rounds_of({"selected": ["b", "c"]}, weights={"a": 0.5, "c": 0.5})}
+    assert node_decisions("pfedsv", top_k, []) == {"a": "top-1 c"}
+    grouped = {"a": rounds_of({"phase": "clustered", "group": ["a", "b", "c"]}, weights=alone)}
+    assert node_decisions("pfedlia", grouped, []) == {"a": "group a"}
+
+
+def test_a_screened_run_says_what_screening_did_to_each_nodes_peers():
+    def screened(reasons: dict[str, str], adopted: bool | None) -> RoundRecord:
+        verdict = {} if adopted is None else {"adopted": adopted}
+        return RoundRecord(
+            round=1,
+            diagnostics={"screened_out": reasons, "screening": {"judged": True, **verdict}},
+            received=["b", "c", "d"],
+        )
+
+    history = {
+        "a": [
+            screened({"b": "val_loss", "c": "val_loss"}, adopted=False),
+            screened({"b": "val_loss"}, adopted=True),
+            screened({"b": "record", "c": "n_claim", "d": "copy"}, adopted=None),
+        ]
+    }
+    assert node_decisions("fedavg", history, []) == {
+        "a": "screening let in 2/3 peers (peer-rounds kept out: copy 1, n_claim 1, "
+        "record 1, val_loss 3), refused 1/2 aggregates"
+    }
+    history["a"][2].weights = {"a": 1.0}
+    history["a"][2].diagnostics["influence_vector"] = {"a": 0.1, "b": 0.9}
+    assert node_decisions("fedc2i", history, [])["a"].startswith(
+        "own model only; screening let in 2/3 peers"
+    )
 
 
 def test_server_rules_decide_from_the_coordinators_latest_diagnostics():

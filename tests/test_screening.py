@@ -21,7 +21,6 @@ from meshfl.algorithms.screening import (
     TRIAL_ROUNDS,
     Screened,
     ValScores,
-    adopts,
     beats_a_constant_guess,
     copies,
     guard_verdict,
@@ -30,6 +29,7 @@ from meshfl.algorithms.screening import (
     path_shares,
     scores_of_logits,
     state_digest,
+    worse_beyond_noise,
 )
 from meshfl.node.attacks import flip_labels, noise_like, scaled_update
 from meshfl.node.checkpoint import load_checkpoint, save_checkpoint
@@ -105,9 +105,19 @@ def aggregate(rule, world, peers, round_no=2, counts=None):
     return rule.aggregate(round_no, PeerModel(world.honest["h0"], world.n), received, world.data)
 
 
-def test_the_guard_adopts_only_a_finite_aggregate_no_worse_on_val():
-    assert adopts(1.0, 1.0) and adopts(1.0, 0.5)
-    assert not adopts(1.0, 1.01) and not adopts(1.0, float("nan"))
+def test_the_guard_refuses_an_aggregate_only_on_evidence_of_harm_beyond_the_splits_noise():
+    """The burden is on harm: a val loss higher than the own model's by less than two
+    paired standard errors is the split's noise, and the aggregate stands; a split four
+    times the size forgives a quarter as much (the test's power grows with it)."""
+    own = torch.tensor([1.0, 0.5, 1.5, 1.0] * 5)
+    noise = torch.tensor([0.3, -0.2, 0.1, -0.1] * 5)  # mean 0.025, standard error ~0.04
+    assert not worse_beyond_noise(own, own), "a tie"
+    assert not worse_beyond_noise(own, own - 0.5), "help"
+    assert not worse_beyond_noise(own, own + noise + 0.05), "0.075 above, under two errors"
+    assert worse_beyond_noise(own, own + noise + 0.1), "0.125 above: beyond two"
+    assert worse_beyond_noise(own.repeat(4), (own + noise + 0.05).repeat(4)), "80 samples"
+    assert worse_beyond_noise(own, own + 1e-3), "a steady rise of every sample is harm"
+    assert worse_beyond_noise(own, torch.full_like(own, float("nan"))), "not finite"
 
 
 def scores(losses, errors):
@@ -123,7 +133,7 @@ def test_the_guard_refuses_an_aggregate_lower_in_loss_but_wrong_on_more_samples(
     unsure on many, so mean loss alone took an aggregate 12 points worse in accuracy."""
     own = scores([3.0] * 2 + [0.1] * 8, [1] * 2 + [0] * 8)
     unsure = scores([0.6] * 2 + [0.9] * 5 + [0.1] * 3, [0] * 2 + [1] * 5 + [0] * 3)
-    assert adopts(float(own.losses.mean()), float(unsure.losses.mean()))
+    assert float(unsure.losses.mean()) < float(own.losses.mean())
     assert not guard_adopts(own, unsure), "3 more errors in 10"
     swapped = scores([2.0] * 2 + [0.1] * 8, [1, 0, 1] + [0] * 7)
     assert guard_adopts(own, swapped), "as many errors, lower loss"
@@ -169,7 +179,7 @@ def test_copies_within_a_round_and_replays_of_earlier_rounds_are_found():
 def test_fedavg_screening_gives_each_attackers_model_no_weight(world, kind):
     peers = {"h1": world.honest["h1"], "h2": world.honest["h2"], "bad": world.attackers[kind]}
     outcome = aggregate(screened(world, "fedavg"), world, peers)
-    assert outcome.diagnostics["screened_out"].get("bad") == "val_loss"
+    assert outcome.diagnostics["screened_out"].get("bad") in ("distance", "val_loss")
     assert outcome.weights.get("bad", 0.0) == 0.0
     assert outcome.weights.get("h1", 0.0) > 0 and outcome.weights.get("h2", 0.0) > 0
 
@@ -214,13 +224,11 @@ def test_a_resumed_node_does_not_admit_a_peer_it_had_kept_out(world, tmp_path):
     save_checkpoint(path, {"algorithm": before.state_dict()})
     resumed = screened(world, "fedavg")
     resumed.load_state_dict(load_checkpoint(path)["algorithm"])
-    # Next round "bad" sends a model that changes nothing (the node's own, a hair off):
-    # a node without the record admits it; the resumed node still keeps it out.
-    harmless = {key: value + 1e-7 for key, value in world.honest["h0"].items()}
-    outcome = aggregate(resumed, world, {"bad": harmless}, round_no=3)
-    assert outcome.diagnostics["screened_out"].get("bad") == "val_loss"
-    fresh = aggregate(screened(world, "fedavg"), world, {"bad": harmless}, round_no=3)
-    assert "bad" not in fresh.diagnostics["screened_out"], "without the record: admitted"
+    # Next round "bad" is on offer again: a node without the record would fetch it; the
+    # resumed node, whose record of it shows clear harm, does not even download it.
+    offered = {"model": ["bad", "h1"]}
+    assert resumed.wanted(2, offered)["model"] == ["h1"]
+    assert screened(world, "fedavg").wanted(2, offered)["model"] == ["bad", "h1"]
 
 
 def test_a_clearly_harmful_peer_is_not_fetched_until_its_record_fades(world):
@@ -428,12 +436,12 @@ def test_a_trial_leaves_a_stateful_rule_as_it_would_be_without_it(world, name, p
     tried, untried = screened(world, name, True, **params), screened(world, name, **params)
 
     # pFedLIA: the warm-up's last round (its anchor), then lazy. The trial's "training"
-    # flips the signs of its weights, so it loses every round and its path goes on: only
-    # the rewinds of its aggregates are compared.
+    # zeroes its weights (a constant guess), so it loses every round and its path goes
+    # on: only the rewinds of its aggregates are compared.
     def ruin(model, *args, **kwargs):
         with torch.no_grad():
             for parameter in model.parameters():
-                parameter.neg_()
+                parameter.zero_()
 
     tried.context = dataclasses.replace(tried.context, train=ruin)
     for round_no in (1, 2, 3):
@@ -441,7 +449,7 @@ def test_a_trial_leaves_a_stateful_rule_as_it_would_be_without_it(world, name, p
         outcomes = [aggregate(rule, world, fresh, round_no=round_no) for rule in (tried, untried)]
         assert outcomes[0].diagnostics["screened_out"]["bad"] == "val_loss"
         report = outcomes[0].diagnostics["screening"]
-        assert "on_trial" in report
+        assert "on_trial" in report, round_no
         if round_no > 1:
             assert (
                 report["trial"]["won"] is False and report["trial"]["path_rounds"] == round_no - 1
@@ -524,15 +532,25 @@ def test_a_nodes_first_round_has_no_round_start_to_fall_back_to(world):
     ],
 )
 def test_every_peer_rule_behind_screening_leaves_attackers_no_weight(world, name, params):
+    """Screening asks for evidence of harm, so an attacker whose first model hurts this
+    node only slightly at its share (the label flipper here: 1.4 standard errors) may
+    count for one round; by its second its record keeps it out, and every attacker that
+    shows itself (scaled, sign-flipped, noise) is out from the first. The outcome is
+    never worse than the own model on the val split beyond the split's noise."""
     rule = screened(world, name, **params)
     peers = {**{p: s for p, s in world.honest.items() if p != "h0"}, **world.attackers}
-    outcome = aggregate(rule, world, peers)
+    for round_no in (1, 2):
+        fresh = {  # new models every round, or the second would be a replay
+            peer: {key: value + 1e-6 * round_no for key, value in state.items()}
+            for peer, state in peers.items()
+        }
+        outcome = aggregate(rule, world, fresh, round_no=round_no)
+        out = set(outcome.diagnostics["screened_out"])
+        assert set(world.attackers) - {"labelflip"} <= out, round_no
+        own = rule._scores(world.honest["h0"], world.data).losses
+        assert not worse_beyond_noise(own, rule._scores(outcome.state, world.data).losses)
     assert not set(outcome.weights) & set(world.attackers), outcome.weights
-    assert set(world.attackers) <= set(outcome.diagnostics["screened_out"])
-    own_loss = float(rule._scores(world.honest["h0"], world.data).losses.mean())
-    assert float(rule._scores(outcome.state, world.data).losses.mean()) <= own_loss + 1e-6, (
-        "never worse than the own model on the val split"
-    )
+    assert set(world.attackers) <= out
     assert rule.layouts("model") == rule.rule.layouts("model")
 
 
@@ -602,14 +620,19 @@ def test_pfedsv_behind_screening_settles_k_on_the_peers_it_admits(world):
     downloading models that screening throws away."""
     rule = screened(world, "pfedsv")
     peers = {**{p: s for p, s in world.honest.items() if p != "h0"}, **world.attackers}
-    for round_no in (1, 2):  # five of the six peers, then the rest: all met once
+    kept_out: set[str] = set()
+    # Five of the six peers, then the rest: all met once; then a third round, for the
+    # set of relevant peers to come out of an update unchanged once every record that
+    # slight harm only began (the label flipper's) has put its peer out.
+    for round_no in (1, 2, 3):
         wanted = rule.wanted(round_no, {"model": sorted(peers)})["model"]
         fresh = {  # new models every round, or the second would be a replay
             peer: {key: value + 1e-6 * round_no for key, value in peers[peer].items()}
             for peer in wanted
         }
         outcome = aggregate(rule, world, fresh, round_no=round_no)
-    assert set(world.attackers) <= set(outcome.diagnostics["screened_out"])
+        kept_out |= set(outcome.diagnostics["screened_out"])
+    assert set(world.attackers) <= kept_out
     assert set(world.attackers) <= rule.explored
     assert all(rule.relevance[peer] <= 0 for peer in world.attackers)
     relevant = [peer for peer, score in rule.relevance.items() if score > 0]
