@@ -95,6 +95,11 @@ class PeerRecords:
         its model mixed in minus the own model alone)."""
         self._add(peer, round_no, harm_z(differences))
 
+    def convict(self, peer: str, round_no: int) -> None:
+        """`peer`'s model of round `round_no` was no model of the task (screening.py's
+        distance check): the worst one round's evidence can say, as a clipped z."""
+        self._add(peer, round_no, HARM_CLIP)
+
     def pass_over(self, peer: str, round_no: int) -> None:
         """`peer` was kept out unmeasured in round `round_no` (its model not even
         fetched): its record fades as after a round of no evidence, so that it is

@@ -13,8 +13,9 @@ A round at node i:
    d_j = ‖θ_i − θ_j‖ (self: the smallest peer distance in S), normalized; when no
    weight is positive the node keeps its own model. Then the val guard (on by default,
    not in the paper; `val_guard=false` is the paper's rule): the node adopts the
-   weighted average only when its val loss is at most its own model's and its val errors
-   are no more than the own model's beyond noise (the screening guard). A peer's Shapley
+   weighted average unless the val split gives evidence that it harms the node: its val
+   loss above the own model's beyond two paired standard errors, or more val errors
+   beyond noise (the screening guard). A peer's Shapley
    value credits what it scores alone, so a peer that knows half of the node's labels
    earns weight even where averaging it in hurts (README, pFedSV results). (With a
    shared body, "own model" is the own head on the mesh body: the guard weighs heads
@@ -97,8 +98,8 @@ class PFedSVParams:
     k_min: int = 1
     k_max: int = 5
     distance: bool = True  # divide Shapley values by the model distance (Eq. 6)
-    # Not in the paper: adopt the Shapley-weighted model only when its val loss is at most
-    # the own model's, else keep the own model (README, pFedSV results). False: the paper.
+    # Not in the paper: keep the own model where the Shapley-weighted one harms it on the
+    # val split beyond noise (screening.py's guard; README, pFedSV results). False: the paper.
     val_guard: bool = True
     shared_body: bool = False
     dp_clip: float | None = None  # C: norm bound of the published update; None: no DP
@@ -284,7 +285,7 @@ def _guard_verdict(
     own_logits: torch.Tensor, average_logits: torch.Tensor, y_val: torch.Tensor
 ) -> tuple[bool, dict[str, float]]:
     """Whether the val guard adopts the Shapley-weighted average (the screening guard:
-    no higher val loss, no more val errors beyond noise), with the figures it judged by."""
+    no harm to val loss or val errors beyond noise), with the figures it judged by."""
     adopt, figures = guard_verdict(
         scores_of_logits(own_logits, y_val), scores_of_logits(average_logits, y_val)
     )

@@ -7,13 +7,15 @@ rule's from the coordinator's. Each key is taken at its latest value over the re
 so a key a rule writes only in some rounds (Fed-Influence's FIL, every
 `evaluate_every` rounds) still counts. Which phrase a rule shows is its entry in the
 registry of launch/measures.py; a rule without one (the baselines) decides nothing a
-column could show. A phrase names only peers the node's last round gave weight: a peer
-the rule ranked first but screening kept out decided nothing.
+column could show. A peer-to-peer rule's phrase names only peers the node's last round
+gave weight: a peer the rule ranked first but screening kept out (or whose aggregate the
+guard refused) taught the node nothing, and a node that kept its own model says so.
 
 Where screening ran (algorithms/screening.py), the phrase ends with what it did over
-the whole run, counted from every round's `screened_out` and guard verdict: how many of
-the peers whose models arrived it let into the rule at least once, the peer-rounds it
-kept out by reason, and the rounds whose aggregate the guard refused. A run where
+the whole run, counted from every round's `screened_out` and guard verdict (pFedSV's own
+val guard's included): how many of the peers whose models arrived it let into the rule
+at least once, the peer-rounds it kept out by reason (`record`: not even fetched), and
+the aggregates the guard refused. A run where
 screening kept every peer out says so, rather than leaving the rule's phrase to read as
 if the rule had learned from them.
 """
@@ -27,6 +29,7 @@ from meshfl.node.metrics import CoordinatorRecord, RoundRecord
 
 Diagnostics = dict[str, Any]
 Weights = dict[str, float]
+OWN_ONLY = "own model only"  # a node whose last round gave no peer weight
 # (node, its latest diagnostics, the coordinator's latest, the weights of its last
 # round) -> the phrase, or None
 Decide = Callable[[str, Diagnostics, Diagnostics, Weights], str | None]
@@ -74,7 +77,7 @@ def pfedsv(node: str, own: Diagnostics, coordinator: Diagnostics, weights: Weigh
     if selected is None:
         return None
     learned_from = _weighted(selected, weights)
-    return f"top-{len(learned_from)} {_names(learned_from)}"
+    return f"top-{len(learned_from)} {_names(learned_from)}" if learned_from else OWN_ONLY
 
 
 def fedc2i(node: str, own: Diagnostics, coordinator: Diagnostics, weights: Weights) -> str | None:
@@ -86,7 +89,7 @@ def fedc2i(node: str, own: Diagnostics, coordinator: Diagnostics, weights: Weigh
         if peer != node and weights.get(peer, 0.0) > 0
     }
     if not influence:
-        return "own model only"
+        return OWN_ONLY
     peer = max(sorted(influence), key=influence.__getitem__)
     return f"most influential {peer} (λ {influence[peer]:.2f})"
 
@@ -128,11 +131,11 @@ def screening(records: Iterable[RoundRecord]) -> str | None:
         screened = True
         reasons = diagnostics.get("screened_out") or {}
         received = set(record.received or ())
-        arrived |= received | set(reasons)
+        arrived |= received
         admitted |= received - set(reasons)
         for reason in reasons.values():
             kept_out[reason] = kept_out.get(reason, 0) + 1
-        verdict = diagnostics["screening"].get("adopted")
+        verdict = _guard_verdict(record)
         if verdict is not None:
             judged += 1
             refused += not verdict
@@ -141,7 +144,18 @@ def screening(records: Iterable[RoundRecord]) -> str | None:
     reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(kept_out.items()))
     phrase = f"screening let in {len(admitted)}/{len(arrived)} peers"
     phrase += f" (peer-rounds kept out: {reasons})" if reasons else ""
-    return phrase + f", refused {refused}/{judged} aggregates" if judged else phrase
+    return (phrase + f", refused {refused}/{judged} aggregates") if judged else phrase
+
+
+def _guard_verdict(record: RoundRecord) -> bool | None:
+    """Whether the round's guard adopted the rule's aggregate, None where it judged none:
+    screening's verdict, or pFedSV's own val guard's (its figures are in the rule's
+    diagnostics, and a refused aggregate leaves the node its own model alone)."""
+    diagnostics = record.diagnostics or {}
+    verdict = diagnostics["screening"].get("adopted")
+    if verdict is None and "val_loss_aggregate" in diagnostics:
+        return set(record.weights) != {record.node}
+    return verdict
 
 
 def decided_by(

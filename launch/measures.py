@@ -5,7 +5,8 @@ tables: how well it found who shares data, why it helped or hurt), the phrase of
 decided for each node (the `decision` column, launch/decisions.py) and the
 who-learns-from-whom matrices `meshfl report` draws (by their key in launch/report.py).
 Adding a rule means its own module plus one entry here; a rule without an entry (the
-baselines) reports the scores of `EVERY_RULE`, no decision and the weights matrix.
+baselines) reports the scores of `EVERY_RULE`, no decision of its own (behind screening,
+what screening did) and the weights matrix.
 
 Each score is a small function of a `RunRecords`, the nodes' metrics records with the
 data facts their partition wrote: it returns the keys it could compute, {} where the run

@@ -16,13 +16,15 @@ from meshfl.algorithms import (
     parse_params,
     screening_setting,
 )
-from meshfl.algorithms.base import Aggregate, Context
+from meshfl.algorithms.base import Aggregate, Context, weighted_average
+from meshfl.algorithms.evidence import harm_z
 from meshfl.algorithms.screening import (
     TRIAL_ROUNDS,
     Screened,
     ValScores,
     beats_a_constant_guess,
     copies,
+    far_models,
     guard_verdict,
     inflated_claims,
     more_errors_beyond_noise,
@@ -116,7 +118,8 @@ def test_the_guard_refuses_an_aggregate_only_on_evidence_of_harm_beyond_the_spli
     assert not worse_beyond_noise(own, own + noise + 0.05), "0.075 above, under two errors"
     assert worse_beyond_noise(own, own + noise + 0.1), "0.125 above: beyond two"
     assert worse_beyond_noise(own.repeat(4), (own + noise + 0.05).repeat(4)), "80 samples"
-    assert worse_beyond_noise(own, own + 1e-3), "a steady rise of every sample is harm"
+    assert not worse_beyond_noise(own, own + 1e-3), "a steady rise too small to matter"
+    assert worse_beyond_noise(own, own + 0.05), "a steady rise of 0.05 nats is harm"
     assert worse_beyond_noise(own, torch.full_like(own, float("nan"))), "not finite"
 
 
@@ -637,3 +640,43 @@ def test_pfedsv_behind_screening_settles_k_on_the_peers_it_admits(world):
     assert all(rule.relevance[peer] <= 0 for peer in world.attackers)
     relevant = [peer for peer, score in rule.relevance.items() if score > 0]
     assert 1 <= outcome.diagnostics["k_next"] == len(relevant) < 5
+
+
+def test_a_model_three_times_the_rounds_median_distance_is_kept_out_once_three_came():
+    base = {"w": torch.zeros(4)}
+
+    def at(length):
+        return {"w": torch.tensor([length, 0.0, 0.0, 0.0])}
+
+    near = {"a": at(1.0), "b": at(1.2), "c": at(0.9)}
+    assert far_models(base, near) == set()
+    assert far_models(base, {**near, "scaled": at(3.7)}) == {"scaled"}, "3.7 > 3 x 1.1"
+    assert far_models(base, {**near, "edge": at(3.0)}) == set(), "3.0 <= 3 x 1.1"
+    assert far_models(base, {**near, "nan": {"w": torch.full((4,), float("nan"))}}) == {"nan"}
+    assert far_models(base, {"one": at(100.0)}) == set(), "alone, nothing to stand out from"
+    assert far_models(base, {"a": at(1.0), "scaled": at(100.0)}) == set(), "nor of two"
+    assert far_models(base, {}) == set()
+
+
+def test_a_peer_kept_out_for_distance_is_not_fetched_next_round(world):
+    rule = screened(world, "fedavg")
+    peers = {p: s for p, s in world.honest.items() if p != "h0"}
+    outcome = aggregate(rule, world, {**peers, "big": world.attackers["scale"]}, round_no=1)
+    assert outcome.diagnostics["screened_out"] == {"big": "distance"}
+    assert rule.wanted(2, {"model": ["big", "h1", "h2"]})["model"] == ["h1", "h2"]
+
+
+def test_each_peer_is_judged_at_its_share_of_an_equal_average_of_the_models_judged(world):
+    """Mixed at its share (here a third: two peers judged, with the own model), not half
+    and half: the record is that of the mix at that share. Copies kept out first do not
+    shrink it."""
+    peers = {p: s for p, s in world.honest.items() if p != "h0"}
+    copies_of_one = {"c1": world.attackers["noise"], "c2": world.attackers["noise"]}
+    rule = screened(world, "fedavg")
+    outcome = aggregate(rule, world, {**peers, **copies_of_one}, round_no=1)
+    assert outcome.diagnostics["screened_out"] == {"c1": "copy", "c2": "copy"}
+    own = world.honest["h0"]
+    for peer, state in peers.items():
+        mix = weighted_average({"own": own, peer: state}, {"own": 2 / 3, peer: 1 / 3})
+        differences = rule._scores(mix, world.data).losses - rule._scores(own, world.data).losses
+        assert outcome.diagnostics["evidence"][peer] == round(harm_z(differences), 3), peer
