@@ -428,7 +428,9 @@ class Screened(PeerAlgorithm):
         worth_a_trial = path is not None or "val_loss" in reasons.values()
         if self.trials and own_scored is not None and worth_a_trial:
             self._next_trial_model(round_no, own, path, received, reasons, report, data)
+        rule_clock = time.perf_counter()
         outcome = self._rule_aggregate(round_no, own, received, reasons, data)
+        report["rule_seconds"] = time.perf_counter() - rule_clock  # of `seconds`: the rule's
         outcome, scores = self._guard(outcome, own_scored, report, data)
         if start is not None:
             outcome, scores = self._unless_a_spike((outcome, scores), start, report, data)
