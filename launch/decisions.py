@@ -48,8 +48,9 @@ def _names(peers: Iterable[str]) -> str:
 
 
 def _weighted(peers: Iterable[str], weights: Weights) -> list[str]:
-    """`peers` that got weight in the round `weights` is of, in their order."""
-    return [peer for peer in peers if weights.get(peer, 0.0) > 0]
+    """`peers` that got weight in the round `weights` is of, in their order; all of them
+    where the records name no weights (metrics of a version that wrote none)."""
+    return [peer for peer in peers if not weights or weights.get(peer, 0.0) > 0]
 
 
 def _group(group: list[str] | None, phase: str | None) -> str | None:
@@ -83,11 +84,8 @@ def pfedsv(node: str, own: Diagnostics, coordinator: Diagnostics, weights: Weigh
 def fedc2i(node: str, own: Diagnostics, coordinator: Diagnostics, weights: Weights) -> str | None:
     if "influence_vector" not in own:
         return None
-    influence = {
-        peer: value
-        for peer, value in own["influence_vector"].items()
-        if peer != node and weights.get(peer, 0.0) > 0
-    }
+    vector = own["influence_vector"]
+    influence = {peer: vector[peer] for peer in _weighted(vector, weights) if peer != node}
     if not influence:
         return OWN_ONLY
     peer = max(sorted(influence), key=influence.__getitem__)
