@@ -30,8 +30,11 @@ def test_a_noise_attacker_is_screened_out_by_every_honest_node_on_a_live_mesh(tm
             assert "node3" not in record["weights"]
         first, *later = history
         assert "node3" in first["received"], "the attacker's blob was taken in..."
-        assert first["diagnostics"]["screened_out"]["node3"] == "val_loss", (
-            "...and screened out on the node's own val split"
+        # Noise is far from every model trained on anyone's data: out by its distance
+        # (or, should it come near, on the node's own val split).
+        assert first["diagnostics"]["screened_out"]["node3"] in ("distance", "val_loss"), (
+            "...and screened out the round it arrived"
         )
         for record in later:  # its record keeps it out (once clear, not even downloaded)
-            assert record["diagnostics"]["screened_out"]["node3"] in ("val_loss", "record")
+            reason = record["diagnostics"]["screened_out"]["node3"]
+            assert reason in ("distance", "val_loss", "record")
