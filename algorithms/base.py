@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import math
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
@@ -277,6 +278,15 @@ def sample_weights(models: Mapping[str, PeerModel | Upload]) -> dict[str, float]
 def state_part(state: State, keys: Iterable[str]) -> State:
     """The entries of `state` under `keys` (a body, a head), in the order of `keys`."""
     return {key: state[key] for key in keys}
+
+
+def model_distance(first: State, second: State, keys: Iterable[str] | None = None) -> float:
+    """‖first − second‖ over the floating-point entries (integer buffers mean no distance)."""
+    total = 0.0
+    for key in keys if keys is not None else first:
+        if first[key].is_floating_point():
+            total += float((first[key].double() - second[key].double()).pow(2).sum())
+    return math.sqrt(total)
 
 
 def weighted_average(states: dict[str, State], weights: dict[str, float]) -> State:

@@ -73,6 +73,7 @@ from .base import (
     ReceivedModels,
     State,
     draw_seed,
+    model_distance,
     sample_weights,
     state_part,
     weighted_average,
@@ -225,15 +226,6 @@ def _distance_of(player: str, own: str, distances: dict[str, float]) -> float:
     return min(peer_distances) if peer_distances else 1.0  # alone: any constant will do
 
 
-def model_distance(first: State, second: State, keys: Iterable[str] | None = None) -> float:
-    """‖first − second‖ over the floating-point entries (integer buffers mean no distance)."""
-    total = 0.0
-    for key in keys if keys is not None else first:
-        if first[key].is_floating_point():
-            total += float((first[key].double() - second[key].double()).pow(2).sum())
-    return math.sqrt(total)
-
-
 # --------------------------------------------------------------------------- top-k and k
 
 
@@ -289,7 +281,7 @@ def _guard_verdict(
     adopt, figures = guard_verdict(
         scores_of_logits(own_logits, y_val), scores_of_logits(average_logits, y_val)
     )
-    return adopt, {"v_aggregate": accuracy(average_logits, y_val), **figures}
+    return adopt, {"v_aggregate": accuracy(average_logits, y_val), "adopted": adopt, **figures}
 
 
 def uniform_average(states: Sequence[State]) -> State:

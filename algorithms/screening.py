@@ -39,7 +39,8 @@ meshfl node has). Around the rule's `aggregate`, for the whole models received
    model.
 5. Guard: the rule's aggregate is adopted unless the val split gives evidence that it
    harms the node: its val loss not finite, or above the own model's by more than
-   HARM_STANDARD_ERRORS paired standard errors (`worse_beyond_noise`), or its val errors
+   HARM_BOUND paired standard errors, the test a peer with no record faces
+   (`worse_beyond_noise`), or its val errors
    more than the own model's beyond noise (`more_errors_beyond_noise`); else the node
    keeps the own model. The burden is on harm, not help: an average of models that
    trained apart fits each node's data less than its own model for the first rounds
@@ -120,9 +121,10 @@ from .base import (
     Rewind,
     State,
     draw_seed,
+    model_distance,
     weighted_average,
 )
-from .evidence import NEGLIGIBLE_LOSS, PeerRecords
+from .evidence import HARM_BOUND, PeerRecords, harm_z
 
 N_CLAIM_FACTOR = 4
 MEMORY_ROUNDS = 3
@@ -139,12 +141,6 @@ TRIALS_KEY = "trials"  # step 7, the rule's `trials_by_default` unless set: see 
 # better from then on (FedC²I on Office-Caltech, seed 0: the paper rule's models pass
 # the own ones in test accuracy in the fourth or fifth round of mixing).
 TRIAL_ROUNDS = 5
-# The guard refuses an aggregate whose mean val loss is above the own model's by more
-# than this many paired standard errors (a one-sided test of harm at about 2%). One
-# standard error refused too much on small shards (mild skew: 1.7 points under FedAvg
-# unscreened; Dirichlet(0.3): its worst node 2.6 points under Local's, against 0.3
-# at two), and the strict "no higher" before it left nodes alone where peers help.
-HARM_STANDARD_ERRORS = 2.0
 # The digests screening remembers, in the node's checkpoint beside the rule's own state:
 # a node that resumes still knows the models of its last rounds, and a replay of one.
 MEMORY_KEY = "screening_memory"
@@ -155,19 +151,18 @@ RECORDS_KEY = "peer_records"  # the evidence about each peer, kept for the same 
 
 
 def worse_beyond_noise(own_losses: torch.Tensor, other_losses: torch.Tensor) -> bool:
-    """Whether another model's per-sample val losses are above the own model's by more
-    than HARM_STANDARD_ERRORS standard errors of their paired mean difference (one-sided:
-    only harm counts; the standard error taken as at least NEGLIGIBLE_LOSS, so a rise too
-    small to matter is no evidence however steady), or not finite where the own model's
-    are. The test's power grows with the split: on 30 samples it forgives what 300 would
-    not."""
+    """Whether another model's per-sample val losses show harm against the own model's
+    as a peer with no record must not (evidence.py: their mean difference beyond
+    HARM_BOUND standard errors, each at least NEGLIGIBLE_LOSS), or are not finite where
+    the own model's are. A one-sided test at about 2%, whose power grows with the split:
+    on 30 samples it forgives what 300 would not. At one standard error it refused too
+    much on small shards (mild skew: 1.7 points under FedAvg unscreened; Dirichlet(0.3):
+    the worst node 2.6 points under Local's, against 0.3 at two)."""
     if not torch.isfinite(other_losses).all():
         return True
     if not torch.isfinite(own_losses).all():  # the own model is the broken one
         return False
-    differences = (other_losses - own_losses).double()
-    noise = float(differences.std()) / math.sqrt(len(differences)) if len(differences) > 1 else 0.0
-    return float(differences.mean()) > HARM_STANDARD_ERRORS * max(noise, NEGLIGIBLE_LOSS)
+    return harm_z(other_losses - own_losses) > HARM_BOUND
 
 
 def guard_verdict(own: ValScores, aggregate: ValScores) -> tuple[bool, dict[str, float]]:
@@ -193,21 +188,11 @@ def inflated_claims(own_n: int, claims: dict[str, int]) -> set[str]:
     return {peer for peer, n in claims.items() if n > bound}
 
 
-def distance(one: State, other: State) -> float:
-    """The Euclidean distance between two models' float tensors."""
-    squares = sum(
-        float((one[key].double() - other[key].double()).pow(2).sum())
-        for key in one
-        if one[key].is_floating_point()
-    )
-    return math.sqrt(squares)
-
-
 def far_models(reference: State, states: Mapping[str, State]) -> set[str]:
     """Models further from `reference` than DISTANCE_FACTOR times the median distance of
     `states` from it (step 3); not finite counts as far. It takes three models for a far
     one to show against the median: of one or two, none is ever far."""
-    distances = {name: distance(reference, state) for name, state in states.items()}
+    distances = {name: model_distance(reference, state) for name, state in states.items()}
     finite = [value for value in distances.values() if math.isfinite(value)]
     bound = DISTANCE_FACTOR * statistics.median(finite) if finite else 0.0
     return {name for name, value in distances.items() if not value <= bound}
@@ -560,6 +545,8 @@ class Screened(PeerAlgorithm):
         if outcome.weights == {me: 1.0}:  # the own model (or a rule's variant of it)
             return outcome, own_scores if outcome.state is own_state else None
         if self.rule.guards_aggregate:  # judged by the rule itself (pFedSV's val guard)
+            if "adopted" in outcome.diagnostics:  # its verdict, where it judged one
+                report["adopted"] = outcome.diagnostics["adopted"]
             return outcome, None
         scores = self._scores(outcome.state, data)
         report["adopted"], figures = guard_verdict(own_scores, scores)

@@ -13,9 +13,9 @@ guard refused) taught the node nothing, and a node that kept its own model says 
 
 Where screening ran (algorithms/screening.py), the phrase ends with what it did over
 the whole run, counted from every round's `screened_out` and guard verdict (pFedSV's own
-val guard's included): how many of the peers whose models arrived it let into the rule
-at least once, the peer-rounds it kept out by reason (`record`: not even fetched), and
-the aggregates the guard refused. A run where
+val guard's included: screening's report carries it): how many of the peers whose
+models arrived it let into the rule at least once, the peer-rounds it kept out by reason
+(`record`: not even fetched), and the aggregates the guard refused. A run where
 screening kept every peer out says so, rather than leaving the rule's phrase to read as
 if the rule had learned from them.
 """
@@ -133,7 +133,7 @@ def screening(records: Iterable[RoundRecord]) -> str | None:
         admitted |= received - set(reasons)
         for reason in reasons.values():
             kept_out[reason] = kept_out.get(reason, 0) + 1
-        verdict = _guard_verdict(record)
+        verdict = diagnostics["screening"].get("adopted")  # whichever guard judged
         if verdict is not None:
             judged += 1
             refused += not verdict
@@ -143,17 +143,6 @@ def screening(records: Iterable[RoundRecord]) -> str | None:
     phrase = f"screening let in {len(admitted)}/{len(arrived)} peers"
     phrase += f" (peer-rounds kept out: {reasons})" if reasons else ""
     return (phrase + f", refused {refused}/{judged} aggregates") if judged else phrase
-
-
-def _guard_verdict(record: RoundRecord) -> bool | None:
-    """Whether the round's guard adopted the rule's aggregate, None where it judged none:
-    screening's verdict, or pFedSV's own val guard's (its figures are in the rule's
-    diagnostics, and a refused aggregate leaves the node its own model alone)."""
-    diagnostics = record.diagnostics or {}
-    verdict = diagnostics["screening"].get("adopted")
-    if verdict is None and "val_loss_aggregate" in diagnostics:
-        return set(record.weights) != {record.node}
-    return verdict
 
 
 def decided_by(

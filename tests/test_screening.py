@@ -18,6 +18,7 @@ from meshfl.algorithms import (
 )
 from meshfl.algorithms.base import Aggregate, Context, weighted_average
 from meshfl.algorithms.evidence import harm_z
+from meshfl.algorithms.pfedsv import _guard_verdict as pfedsv_guard
 from meshfl.algorithms.screening import (
     TRIAL_ROUNDS,
     Screened,
@@ -680,3 +681,18 @@ def test_each_peer_is_judged_at_its_share_of_an_equal_average_of_the_models_judg
         mix = weighted_average({"own": own, peer: state}, {"own": 2 / 3, peer: 1 / 3})
         differences = rule._scores(mix, world.data).losses - rule._scores(own, world.data).losses
         assert outcome.diagnostics["evidence"][peer] == round(harm_z(differences), 3), peer
+
+
+def test_screening_reports_the_verdict_of_a_rule_that_guards_its_own_aggregate(world):
+    """pFedSV judges its Shapley-weighted average with the screening guard itself; the
+    verdict must reach screening's report, where the run's decision phrase counts the
+    aggregates refused, as it does for every other rule."""
+    rule = screened(world, "pfedsv", k=2, k_max=2)
+    peers = {p: s for p, s in world.honest.items() if p != "h0"}
+    outcome = aggregate(rule, world, peers, round_no=1)
+    assert outcome.diagnostics["adopted"] in (True, False)
+    assert outcome.diagnostics["screening"]["adopted"] == outcome.diagnostics["adopted"]
+    own = torch.tensor([[4.0, 0.0], [0.0, 4.0]])
+    assert pfedsv_guard(own, own, torch.tensor([0, 1]))[1]["adopted"] is True
+    wrong = torch.tensor([[0.0, 4.0], [4.0, 0.0]])
+    assert pfedsv_guard(own, wrong, torch.tensor([0, 1]))[1]["adopted"] is False
