@@ -82,6 +82,22 @@ def harm_z(differences: torch.Tensor) -> float:
     return min(max(mean / max(noise, NEGLIGIBLE_LOSS), -BENEFIT_CLIP), HARM_CLIP)
 
 
+def sign_z(differences: torch.Tensor) -> float:
+    """The evidence of the signs alone: how many samples the other model does worse on,
+    less how many it does better on, in standard deviations of that count were each a
+    coin flip; 0 where the mean difference is below NEGLIGIBLE_LOSS (consistent, but too
+    small to matter). The mean's test (`harm_z`) misses a model worse on nearly every
+    sample when it is much better on a few: a node's own model confidently wrong on two
+    val samples inflates the standard error of the mean differences, and an average of
+    models that trained apart, 0.5 nats worse in mean loss and worse on 26 samples of 30,
+    passed it at 1.5 standard errors and cost that node 24 test points."""
+    d = differences.double()
+    if len(d) == 0 or not float(d.mean()) > NEGLIGIBLE_LOSS:
+        return 0.0
+    worse, better = int((d > 0).sum()), int((d < 0).sum())
+    return (worse - better) / math.sqrt(worse + better)
+
+
 class PeerRecords:
     """Each peer's decayed sum of evidence of harm (positive) or help (negative)."""
 

@@ -124,7 +124,7 @@ from .base import (
     model_distance,
     weighted_average,
 )
-from .evidence import HARM_BOUND, PeerRecords, harm_z
+from .evidence import HARM_BOUND, PeerRecords, harm_z, sign_z
 
 N_CLAIM_FACTOR = 4
 MEMORY_ROUNDS = 3
@@ -152,17 +152,20 @@ RECORDS_KEY = "peer_records"  # the evidence about each peer, kept for the same 
 
 def worse_beyond_noise(own_losses: torch.Tensor, other_losses: torch.Tensor) -> bool:
     """Whether another model's per-sample val losses show harm against the own model's
-    as a peer with no record must not (evidence.py: their mean difference beyond
-    HARM_BOUND standard errors, each at least NEGLIGIBLE_LOSS), or are not finite where
-    the own model's are. A one-sided test at about 2%, whose power grows with the split:
-    on 30 samples it forgives what 300 would not. At one standard error it refused too
-    much on small shards (mild skew: 1.7 points under FedAvg unscreened; Dirichlet(0.3):
-    the worst node 2.6 points under Local's, against 0.3 at two)."""
+    beyond HARM_BOUND (evidence.py): in their mean difference, in standard errors of at
+    least NEGLIGIBLE_LOSS each, as a peer with no record is judged; or in how many
+    samples it worsens against how many it betters (`sign_z`), where a few samples
+    dominate the mean; or they are not finite where the own model's are. One-sided tests
+    at about 2%, whose power grows with the split: on 30 samples they forgive what 300
+    would not. At one standard error the mean's test refused too much on small shards
+    (mild skew: 1.7 points under FedAvg unscreened; Dirichlet(0.3): the worst node 2.6
+    points under Local's, against 0.3 at two)."""
     if not torch.isfinite(other_losses).all():
         return True
     if not torch.isfinite(own_losses).all():  # the own model is the broken one
         return False
-    return harm_z(other_losses - own_losses) > HARM_BOUND
+    differences = other_losses - own_losses
+    return max(harm_z(differences), sign_z(differences)) > HARM_BOUND
 
 
 def guard_verdict(own: ValScores, aggregate: ValScores) -> tuple[bool, dict[str, float]]:
@@ -177,6 +180,8 @@ def guard_verdict(own: ValScores, aggregate: ValScores) -> tuple[bool, dict[str,
         "val_loss_aggregate": float(aggregate.losses.mean()),
         "val_errors_own": int(own.errors.sum()),
         "val_errors_aggregate": int(aggregate.errors.sum()),
+        "harm_z": round(harm_z(aggregate.losses - own.losses), 3),
+        "sign_z": round(sign_z(aggregate.losses - own.losses), 3),
     }
     harmed = worse_beyond_noise(own.losses, aggregate.losses)
     return not harmed and not more_errors_beyond_noise(own.errors, aggregate.errors), figures

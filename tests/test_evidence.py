@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshfl.algorithms.evidence import BENEFIT_CLIP, HARM_BOUND, HARM_CLIP, PeerRecords, harm_z
+from meshfl.algorithms.evidence import (
+    BENEFIT_CLIP,
+    HARM_BOUND,
+    HARM_CLIP,
+    PeerRecords,
+    harm_z,
+    sign_z,
+)
 
 VAL = 30  # a small val split: one sample is 3.3 points
 
@@ -25,6 +32,17 @@ def test_one_rounds_evidence_is_the_mean_in_standard_errors_clipped():
     assert harm_z(torch.zeros(VAL)) == 0.0
     assert harm_z(torch.full((VAL,), 1e-4)) < 0.1, "consistent, and far too small to matter"
     assert harm_z(torch.empty(0)) == 0.0
+
+
+def test_the_signs_evidence_counts_samples_worsened_against_samples_bettered():
+    assert sign_z(torch.tensor([0.5] * 25 + [-0.5] * 5)) == pytest.approx(20 / 30**0.5)
+    assert sign_z(torch.tensor([0.5] * 15 + [-0.5] * 15)) == 0.0, "as many each way"
+    assert sign_z(torch.tensor([0.5] * 20 + [0.0] * 10)) == pytest.approx(20 / 20**0.5), (
+        "ties are no evidence either way"
+    )
+    assert sign_z(torch.full((VAL,), 1e-4)) == 0.0, "consistent, and far too small to matter"
+    assert sign_z(torch.tensor([0.1] * 29 + [-9.0])) == 0.0, "a mean of help is not harm"
+    assert sign_z(torch.empty(0)) == 0.0
 
 
 def test_clear_harm_is_kept_out_in_the_round_it_shows():

@@ -124,6 +124,18 @@ def test_the_guard_refuses_an_aggregate_only_on_evidence_of_harm_beyond_the_spli
     assert worse_beyond_noise(own, torch.full_like(own, float("nan"))), "not finite"
 
 
+def test_the_guard_sees_harm_on_most_samples_that_a_few_samples_hide_from_the_mean():
+    """An average of models that trained apart can be worse on nearly every val sample
+    and much better on the few the own model is confidently wrong on: the mean's
+    standard error swells and its test passes; the signs show the harm."""
+    own = torch.tensor([0.2] * 26 + [3.0] * 4)
+    widely_worse = own + torch.tensor([0.8] * 26 + [-2.5] * 4)  # mean +0.36, 1.7 errors
+    assert worse_beyond_noise(own, widely_worse), "worse on 26 samples of 30"
+    mixed = own + torch.tensor([0.8] * 18 + [-0.5] * 12)  # worse on 18, better on 12
+    assert not worse_beyond_noise(own, mixed + torch.tensor([0.0] * 29 + [-6.0]))
+    assert not worse_beyond_noise(own, own + 1e-3), "consistent, far too small to matter"
+
+
 def scores(losses, errors):
     return ValScores(torch.tensor(losses), torch.tensor(errors, dtype=torch.float64))
 
