@@ -150,28 +150,34 @@ RECORDS_KEY = "peer_records"  # the evidence about each peer, kept for the same 
 # --------------------------------------------------------------------------- pure checks
 
 
-def worse_beyond_noise(own_losses: torch.Tensor, other_losses: torch.Tensor) -> bool:
+def worse_beyond_noise(
+    own_losses: torch.Tensor, other_losses: torch.Tensor, by_signs: bool = False
+) -> bool:
     """Whether another model's per-sample val losses show harm against the own model's
     beyond HARM_BOUND (evidence.py): in their mean difference, in standard errors of at
-    least NEGLIGIBLE_LOSS each, as a peer with no record is judged; or in how many
-    samples it worsens against how many it betters (`sign_z`), where a few samples
-    dominate the mean; or they are not finite where the own model's are. One-sided tests
-    at about 2%, whose power grows with the split: on 30 samples they forgive what 300
-    would not. At one standard error the mean's test refused too much on small shards
-    (mild skew: 1.7 points under FedAvg unscreened; Dirichlet(0.3): the worst node 2.6
-    points under Local's, against 0.3 at two)."""
+    least NEGLIGIBLE_LOSS each, as a peer with no record is judged; with `by_signs`,
+    also in how many samples it worsens against how many it betters (`sign_z`); or they
+    are not finite where the own model's are. One-sided tests at about 2%, whose power
+    grows with the split: on 30 samples they forgive what 300 would not. At one standard
+    error the mean's test refused too much on small shards (mild skew: 1.7 points under
+    FedAvg unscreened; Dirichlet(0.3): the worst node 2.6 points under Local's, against
+    0.3 at two)."""
     if not torch.isfinite(other_losses).all():
         return True
     if not torch.isfinite(own_losses).all():  # the own model is the broken one
         return False
     differences = other_losses - own_losses
-    return max(harm_z(differences), sign_z(differences)) > HARM_BOUND
+    signs = sign_z(differences) if by_signs else 0.0
+    return max(harm_z(differences), signs) > HARM_BOUND
 
 
-def guard_verdict(own: ValScores, aggregate: ValScores) -> tuple[bool, dict[str, float]]:
+def guard_verdict(
+    own: ValScores, aggregate: ValScores, far: bool = False
+) -> tuple[bool, dict[str, float]]:
     """Whether the guard takes an aggregate over the own model, with the figures it
     judged by: no evidence of harm, in val loss or in val errors, beyond the noise of
-    the split. With no val split there is nothing to judge by, and the aggregate
+    the split; for an aggregate `far` from the own model (`a_far_jump`), no harm on most
+    samples either. With no val split there is nothing to judge by, and the aggregate
     stands."""
     if len(own.losses) == 0:
         return True, {}
@@ -180,11 +186,22 @@ def guard_verdict(own: ValScores, aggregate: ValScores) -> tuple[bool, dict[str,
         "val_loss_aggregate": float(aggregate.losses.mean()),
         "val_errors_own": int(own.errors.sum()),
         "val_errors_aggregate": int(aggregate.errors.sum()),
-        "harm_z": round(harm_z(aggregate.losses - own.losses), 3),
-        "sign_z": round(sign_z(aggregate.losses - own.losses), 3),
     }
-    harmed = worse_beyond_noise(own.losses, aggregate.losses)
+    harmed = worse_beyond_noise(own.losses, aggregate.losses, by_signs=far)
     return not harmed and not more_errors_beyond_noise(own.errors, aggregate.errors), figures
+
+
+def a_far_jump(aggregate: State, own: State, start: State) -> bool:
+    """Whether the aggregate lies further from the own model than DISTANCE_FACTOR times
+    what the round's own training moved it (from the round start). An aggregate of a
+    mesh that trains together lies about one round's training away (the median over
+    MNIST Dirichlet(1) small shards: 0.9); where nodes have gone their own ways for
+    rounds, the average of everyone's models lies many rounds away (USPS Dirichlet(0.5):
+    a median of 4.5 by round 6, 8.6 by round 10) and is a model of nobody's training.
+    On a 30-sample split the mean's test let such averages in where they were worse on
+    26 samples of 30 and better on the few the own model got confidently wrong, and
+    they cost 24 test points; the signs show that harm."""
+    return model_distance(aggregate, own) > DISTANCE_FACTOR * model_distance(own, start)
 
 
 def inflated_claims(own_n: int, claims: dict[str, int]) -> set[str]:
@@ -421,7 +438,7 @@ class Screened(PeerAlgorithm):
         rule_clock = time.perf_counter()
         outcome = self._rule_aggregate(round_no, own, received, reasons, data)
         report["rule_seconds"] = time.perf_counter() - rule_clock  # of `seconds`: the rule's
-        outcome, scores = self._guard(outcome, own_scored, report, data)
+        outcome, scores = self._guard(outcome, own_scored, start, report, data)
         if start is not None:
             outcome, scores = self._unless_a_spike((outcome, scores), start, report, data)
         self._remember(round_no, [state_digest(outcome.state)])
@@ -538,11 +555,12 @@ class Screened(PeerAlgorithm):
         self,
         outcome: Aggregate,
         own_scored: tuple[State, ValScores] | None,
+        start: tuple[State, ValScores] | None,
         report: dict[str, Any],
         data: Any,
     ) -> tuple[Aggregate, ValScores | None]:
         """The rule's outcome, or the own model where the guard refuses the aggregate,
-        with its val scores where known."""
+        with its val scores where known; `start`, the round start where known."""
         me = self.context.node
         if own_scored is None:
             return outcome, None
@@ -554,7 +572,9 @@ class Screened(PeerAlgorithm):
                 report["adopted"] = outcome.diagnostics["adopted"]
             return outcome, None
         scores = self._scores(outcome.state, data)
-        report["adopted"], figures = guard_verdict(own_scores, scores)
+        far = start is not None and a_far_jump(outcome.state, own_state, start[0])
+        report["adopted"], figures = guard_verdict(own_scores, scores, far)
+        report["far_jump"] = far
         report.update(figures)
         if report["adopted"]:
             return outcome, scores

@@ -23,6 +23,7 @@ from meshfl.algorithms.screening import (
     TRIAL_ROUNDS,
     Screened,
     ValScores,
+    a_far_jump,
     beats_a_constant_guess,
     copies,
     far_models,
@@ -124,16 +125,26 @@ def test_the_guard_refuses_an_aggregate_only_on_evidence_of_harm_beyond_the_spli
     assert worse_beyond_noise(own, torch.full_like(own, float("nan"))), "not finite"
 
 
-def test_the_guard_sees_harm_on_most_samples_that_a_few_samples_hide_from_the_mean():
-    """An average of models that trained apart can be worse on nearly every val sample
-    and much better on the few the own model is confidently wrong on: the mean's
-    standard error swells and its test passes; the signs show the harm."""
+def test_a_far_aggregate_must_not_be_worse_on_most_samples_as_well():
+    """An average of models that trained apart for rounds can be worse on nearly every
+    val sample and much better on the few the own model is confidently wrong on: the
+    mean's standard error swells and its test passes. For an aggregate far from the own
+    model, the signs are evidence too; for a near one, the mean alone decides."""
     own = torch.tensor([0.2] * 26 + [3.0] * 4)
     widely_worse = own + torch.tensor([0.8] * 26 + [-2.5] * 4)  # mean +0.36, 1.7 errors
-    assert worse_beyond_noise(own, widely_worse), "worse on 26 samples of 30"
+    assert not worse_beyond_noise(own, widely_worse), "the mean's test alone passes it"
+    assert worse_beyond_noise(own, widely_worse, by_signs=True), "worse on 26 samples of 30"
     mixed = own + torch.tensor([0.8] * 18 + [-0.5] * 12)  # worse on 18, better on 12
-    assert not worse_beyond_noise(own, mixed + torch.tensor([0.0] * 29 + [-6.0]))
-    assert not worse_beyond_noise(own, own + 1e-3), "consistent, far too small to matter"
+    assert not worse_beyond_noise(own, mixed - 0.2, by_signs=True)
+    assert not worse_beyond_noise(own, own + 1e-3, by_signs=True), "too small to matter"
+
+
+def test_an_aggregate_is_far_when_it_lies_many_rounds_of_training_away():
+    start = {"w": torch.zeros(4)}
+    own = {"w": torch.tensor([1.0, 0.0, 0.0, 0.0])}  # the round's training moved it by 1
+    near = {"w": torch.tensor([0.5, 1.0, 0.0, 0.0])}
+    far = {"w": torch.tensor([1.0, 4.0, 0.0, 0.0])}
+    assert not a_far_jump(near, own, start) and a_far_jump(far, own, start)
 
 
 def scores(losses, errors):
