@@ -40,9 +40,10 @@ meshfl node has). Around the rule's `aggregate`, for the whole models received
 5. Guard: the rule's aggregate is adopted unless the val split gives evidence that it
    harms the node: its val loss not finite, or above the own model's by more than
    HARM_BOUND paired standard errors, the test a peer with no record faces
-   (`worse_beyond_noise`), or its val errors
-   more than the own model's beyond noise (`more_errors_beyond_noise`); else the node
-   keeps the own model. The burden is on harm, not help: an average of models that
+   (`worse_beyond_noise`), or its val errors more than the own model's beyond noise
+   (`more_errors_beyond_noise`), or, for an aggregate far from the own model
+   (`a_far_jump`), it is worse on most val samples beyond HARM_BOUND (`sign_z`); else
+   the node keeps the own model. The burden is on harm, not help: an average of models that
    trained apart fits each node's data less than its own model for the first rounds
    (0.3 nats above it in round 1 on small shards) and pays later, from the common start
    it gives; a guard that asked each aggregate to prove on 30 samples that it helps left
