@@ -496,7 +496,9 @@ class PFedSV(PeerAlgorithm):
         model.load_state_dict(players_states[self.context.node])  # any player: one body
         body, head = cast(torch.nn.Module, model.body), cast(torch.nn.Module, model.head)
         features = batched_logits(body, x_val)
-        prefix = "head."  # head_keys are the model's state keys under its `head` module
+        # head_keys are the state keys under the head module: `head.` for a model split
+        # as node/models.py splits them; a task's model says where its head lies.
+        prefix = str(getattr(model, "head_prefix", "head."))
 
         def head_only(state: State) -> torch.Tensor:
             head.load_state_dict(

@@ -38,6 +38,12 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--algorithm", help="aggregation rule, e.g. fedavg, local")
     parser.add_argument(
+        "--task",
+        metavar="FILE|MODULE",
+        help="your own model and data: a task file (task.py) or module defining model() "
+        "and data(node) (see docs/tasks.md); default: the built-in model and dataset",
+    )
+    parser.add_argument(
         "--dataset",
         help="digits (embedded), mnist, fmnist, usps, cifar10, "
         "mnistm, femnist, office, synthetic, digit5, npz:PATH",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -19,6 +19,7 @@ from meshfl.node import config as cfgmod
 # The config fields that have a flag of their own (cli.py), by the flag's dest.
 _FLAG_FIELDS = {
     "algorithm": "algorithm",
+    "task": "task",
     "dataset": "data.dataset",
     "data_root": "data.root",
     "partition": "data.partition",
@@ -104,6 +105,9 @@ def resolve_config(source: ConfigSource, check: bool = True) -> cfgmod.MeshConfi
     False."""
     cfg = cfgmod.load_config(source.path)
     cfg = cfgmod.apply_overrides(cfg, list(source.overrides))
+    if cfg.task is not None and cfg.task.endswith(".py"):
+        # The file this command means, wherever the nodes it starts (or a rerun) stand.
+        cfg = replace(cfg, task=str(Path(cfg.task).expanduser().resolve()))
     if check:
         cfgmod.validate(cfg)
         # The node runs the rule parameters the check fitted to `rounds` (a warm-up).
