@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from . import config as cfgmod
+from .data_rules import NPZ_PREFIX, DataError
 from .models import body_keys, build_model, head_keys, seeded
 from .splits import NodeData, load_node_data
 
@@ -99,6 +100,12 @@ class BuiltinTask:
         settings = node.data
         listed = cfgmod.listed_peer(self.cfg, node.name)
         own = listed is not None and listed.data is not None and listed.data.dataset is not None
+        if own and settings["dataset"].startswith(NPZ_PREFIX) and settings["classes"] is None:
+            raise DataError(
+                f"peer {node.name}: its own file {settings['dataset']!r} needs data.classes "
+                "(the mesh's number of classes): nodes that read their own files count "
+                "their classes alike only when the config says how many there are"
+            )
         return load_node_data(
             settings["dataset"],
             settings["root"],

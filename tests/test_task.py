@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from meshfl.algorithms.base import weighted_average
-from meshfl.node.config import DataOverride, MeshConfig, PeerConfig
+from meshfl.node.config import DataConfig, DataOverride, MeshConfig, PeerConfig
 from meshfl.node.data_rules import DataError
 from meshfl.node.task import (
     NodeInfo,
@@ -234,6 +234,9 @@ def three_peers(**data) -> MeshConfig:
 
 def test_a_peer_that_names_its_own_file_trains_on_all_of_it(tmp_path):
     cfg = three_peers(dataset=npz_file(tmp_path / "own.npz", range(10), 12))
+    with pytest.raises(DataError, match="needs data.classes"):
+        task_of(cfg).node_data(node_info(cfg, "node0", 0, 3))
+    cfg = replace(cfg, data=replace(cfg.data, classes=10))
     data = task_of(cfg).node_data(node_info(cfg, "node0", 0, 3))
     assert data.info["n_train"] + data.info["n_val"] + data.info["n_test"] == 120
     shared = task_of(cfg).node_data(node_info(cfg, "node1", 1, 3))
@@ -241,10 +244,14 @@ def test_a_peer_that_names_its_own_file_trains_on_all_of_it(tmp_path):
 
 
 def test_a_file_whose_labels_skip_a_class_is_refused_unless_the_classes_are_set(tmp_path):
-    from_one = three_peers(dataset=npz_file(tmp_path / "one.npz", range(1, 11)))
+    """Labels 1..10, or a file lacking a class, would size the model apart from the
+    other nodes' (another mesh id: a node that trains alone while its table says
+    finished)."""
+    from_one = MeshConfig(data=DataConfig(dataset=npz_file(tmp_path / "one.npz", range(1, 11))))
     with pytest.raises(DataError, match=r"labels 1..10 leave class 0 with no sample"):
         task_of(from_one).node_data(node_info(from_one, "node0", 0, 3))
-    lacking = three_peers(dataset=npz_file(tmp_path / "gap.npz", [0, 1, 2, 4, 5, 6, 7, 8, 9]))
+    gap = npz_file(tmp_path / "gap.npz", [0, 1, 2, 4, 5, 6, 7, 8, 9])
+    lacking = MeshConfig(data=DataConfig(dataset=gap))
     with pytest.raises(DataError, match="set data.classes"):
         task_of(lacking).node_data(node_info(lacking, "node0", 0, 3))
     sized = replace(lacking, data=replace(lacking.data, classes=10))
