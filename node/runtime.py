@@ -708,7 +708,7 @@ def build_node(options: NodeOptions, role: type[Node] = Node) -> Node:
     data = task.node_data(node_info(cfg, options.name, options.node_index, options.num_nodes))
     new_model = task.model_maker(data)
     model = new_model()
-    train = training_recipe(cfg)
+    train = training_recipe(cfg, task.training)
     algorithm = build_rule(
         cfg.algorithm.name,
         cfg.algorithm.params,

@@ -9,7 +9,9 @@ line) or an importable module (`task: package.module`) that defines
         ...
 
 and, if it likes, `head = "name"`: the module (as `model().get_submodule` names it)
-that forms the classifier head, which FedC²I, FedReMa and pFedSV's shared body read.
+that forms the classifier head, which FedC²I, FedReMa and pFedSV's shared body read;
+`batch_size`, `loss(logits, labels)` and `optimizer(parameters)` in place of the mesh's
+batch size, cross-entropy and optimizer.
 Each of train, val and test is a torch `Dataset` of (input, label) pairs or an
 `(inputs, labels)` pair of arrays or tensors. `data` is told who the node is
 (`NodeInfo`): its name, index, the node count, the mesh's seed and the data settings
@@ -48,6 +50,7 @@ from . import config as cfgmod
 from .data_rules import NPZ_PREFIX, DataError
 from .models import body_keys, build_model, head_keys, seeded
 from .splits import NodeData, load_node_data
+from .trainer import TrainingChoices
 
 # How many samples a data split's torch Dataset yields per step while it is read into
 # memory (a DataLoader batch; the node then holds each split as two tensors).
@@ -75,7 +78,10 @@ class NodeInfo:
 
 class Task(Protocol):
     """What a node needs of a task: its data, a builder of the mesh's initial model,
-    and which state keys form the classifier head."""
+    which state keys form the classifier head, and its choices about training."""
+
+    @property
+    def training(self) -> TrainingChoices: ...
 
     def node_data(self, node: NodeInfo) -> NodeData: ...
 
@@ -93,6 +99,7 @@ class BuiltinTask:
     config's `model:` and `data:` settings name them."""
 
     cfg: cfgmod.MeshConfig
+    training: TrainingChoices = TrainingChoices()  # the config's, all of them
 
     def node_data(self, node: NodeInfo) -> NodeData:
         """The node's shard of the mesh's partition; or, where its peer entry names a
@@ -184,6 +191,19 @@ class UserTask:
             self.fail(f"head: got {head!r}; expected the name of a module of the model")
         return head
 
+    @property
+    def training(self) -> TrainingChoices:
+        """The task's `batch_size`, `loss(logits, labels)` and `optimizer(parameters)`,
+        where it defines them."""
+        batch_size = getattr(self.module, "batch_size", None)
+        if batch_size is not None and not (isinstance(batch_size, int) and batch_size >= 1):
+            self.fail(f"batch_size: got {batch_size!r}; expected an integer >= 1")
+        functions = {name: getattr(self.module, name, None) for name in ("loss", "optimizer")}
+        for name, function in functions.items():
+            if function is not None and not callable(function):
+                self.fail(f"{name}: got {type(function).__name__}; expected a function")
+        return TrainingChoices(batch_size, functions["loss"], functions["optimizer"])
+
     def fail(self, problem: str) -> NoReturn:
         raise TaskError(f"task {self.source}: {problem}")
 
@@ -246,7 +266,28 @@ class UserTask:
         if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
             got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits)
             self.fail(f"model() must map a batch to logits (batch, classes); it gave {got}")
+        self._check_training(model, logits)
         return int(logits.shape[1])
+
+    def _check_training(self, model: nn.Module, logits: torch.Tensor) -> None:
+        """The task's loss on one batch of logits, and its optimizer on the model's
+        parameters, as training will call them."""
+        choices = self.training
+        if choices.loss is not None:
+            labels = logits.argmax(dim=1)
+            try:
+                value = choices.loss(logits, labels)
+            except Exception as err:
+                self.fail(f"loss(logits, labels) raised {_where(err, self.module)}")
+            if not (isinstance(value, torch.Tensor) and value.dim() == 0):
+                self.fail("loss(logits, labels) must return a scalar tensor")
+        if choices.optimizer is not None:
+            try:
+                optimizer = choices.optimizer(list(model.parameters()))
+            except Exception as err:
+                self.fail(f"optimizer(parameters) raised {_where(err, self.module)}")
+            if not all(callable(getattr(optimizer, m, None)) for m in ("step", "zero_grad")):
+                self.fail("optimizer(parameters) must return an optimizer (step, zero_grad)")
 
     def model_maker(self, data: NodeData | None) -> Callable[[], nn.Module]:
         """Seeded: every call, on every node, gives the mesh's initial model."""

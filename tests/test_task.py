@@ -71,16 +71,30 @@ def test_the_head_a_task_names_splits_the_state_and_gives_the_rules_its_features
     assert torch.allclose(model.head(features), model(data.x_val))
 
 
+def test_a_task_trains_with_its_own_batch_size_loss_and_optimizer():
+    task = user_task()
+    choices = task.training
+    assert choices.batch_size == 30 and choices.loss is not None
+    data = task.node_data(node())
+    model = task.model_maker(data)()
+    before = model.state_dict()["net.classifier.weight"].clone()
+    mean_loss = training_recipe(MeshConfig(local_epochs=2), choices)(
+        model, data.x_train, data.y_train, None, seed=0
+    )
+    assert mean_loss > 0 and int(model.state_dict()["net.batches_seen"]) == 6
+    assert not torch.equal(before, model.state_dict()["net.classifier.weight"])
+
+
 def test_frozen_layers_stay_and_integer_buffers_are_kept_local_when_averaged():
     task = user_task()
     data = task.node_data(node())
     model = task.model_maker(data)()
     frozen_before = model.state_dict()["net.frozen.weight"].clone()
-    train = training_recipe(MeshConfig(local_epochs=1))
+    train = training_recipe(MeshConfig(local_epochs=1), task.training)
     train(model, data.x_train, data.y_train, None, seed=0)
     state = {key: value.clone() for key, value in model.state_dict().items()}
     assert torch.equal(state["net.frozen.weight"], frozen_before), "frozen: not trained"
-    assert int(state["net.batches_seen"]) > 0
+    assert int(state["net.batches_seen"]) == 3, "90 samples in the task's batches of 30"
     fresh = task.model_maker(data)().state_dict()
     mixed = weighted_average({"own": state, "peer": fresh}, {"own": 0.5, "peer": 0.5})
     assert mixed["net.batches_seen"].dtype == torch.long
@@ -143,6 +157,20 @@ MISTAKES = {
     "a head that names no module": (
         GOOD_DATA + "\nhead = 'classifier'\n\ndef model():\n    return nn.Linear(5, 3)\n",
         ["head: 'classifier' names no module"],
+    ),
+    "a loss that gives no scalar": (
+        GOOD_DATA + "\ndef model():\n    return nn.Linear(5, 3)\n\n"
+        "def loss(logits, labels):\n    return logits\n",
+        ["loss(logits, labels) must return a scalar tensor"],
+    ),
+    "an optimizer that is none": (
+        GOOD_DATA + "\ndef model():\n    return nn.Linear(5, 3)\n\n"
+        "def optimizer(parameters):\n    return parameters\n",
+        ["optimizer(parameters) must return an optimizer"],
+    ),
+    "a batch size of none": (
+        GOOD_DATA + "\nbatch_size = 0\n\ndef model():\n    return nn.Linear(5, 3)\n",
+        ["batch_size: got 0"],
     ),
     "data raises": (
         "from torch import nn\n\ndef model():\n    return nn.Linear(5, 3)\n\n"
