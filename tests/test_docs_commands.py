@@ -84,6 +84,7 @@ SLOW = {
     "meshfl launch --nodes 16 --rounds 20 --quiet --set local_epochs=1 --set momentum=0 "
     "--set algorithm.screen=false",
     "meshfl launch --task examples/breast_cancer_task.py --algorithm fedc2i",
+    "meshfl launch --task my-task/task.py",
 }
 
 TRAINING_COMMANDS = {"launch", "node", "host", "join", "coordinator"}

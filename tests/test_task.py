@@ -287,3 +287,44 @@ def test_a_file_whose_labels_skip_a_class_is_refused_unless_the_classes_are_set(
     too_few = replace(lacking, data=replace(lacking.data, classes=5))
     with pytest.raises(DataError, match="labels run up to 9, but data.classes is 5"):
         task_of(too_few).node_data(node_info(too_few, "node0", 0, 3))
+
+
+# --------------------------------------------------------------------------- meshfl new
+
+
+def test_meshfl_new_writes_a_task_and_a_peers_yaml_that_run_as_they_are(tmp_path):
+    """From any folder: the task file a peers.yaml names lies beside the peers.yaml."""
+    folder = tmp_path / "mine"
+    made = subprocess.run(
+        [sys.executable, "-m", "meshfl.launch.cli", "new", str(folder)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert made.returncode == 0, made.stderr
+    again = subprocess.run(
+        [sys.executable, "-m", "meshfl.launch.cli", "new", str(folder)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert again.returncode == 2 and "refusing to overwrite" in again.stderr
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    config = write_config(tmp_path / "ports.yaml", 4)  # free ports for the four peers
+    peers_yaml = (folder / "peers.yaml").read_text()
+    for index, peer in enumerate(config["peers"]):
+        peers_yaml = peers_yaml.replace(f"tcp://127.0.0.1:{7700 + index}", peer["listen"])
+    (folder / "peers.yaml").write_text(peers_yaml)
+    result = subprocess.run(
+        [sys.executable, "-m", "meshfl.launch.cli", "launch", "--config", "../mine/peers.yaml"]
+        + ["--rounds", "2", "--quiet", "--out", str(tmp_path / "run")],
+        cwd=elsewhere,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["task"] == str(folder / "task.py")
+    assert summary["mean_test_acc"] > 0.5
