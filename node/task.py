@@ -67,7 +67,7 @@ class NodeInfo:
     """Who a node is, as a task's `data` function is told: its `name` and `index` in the
     mesh's peer list, the number of `nodes`, the mesh's `seed`, and `data`: the data
     settings of its peer entry over the mesh-wide ones (root, partition,
-    samples_per_node, split, dataset)."""
+    samples_per_node, split, dataset, classes)."""
 
     name: str
     index: int
