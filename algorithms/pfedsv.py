@@ -316,6 +316,11 @@ class PFedSV(PeerAlgorithm):
     """Shapley-value coalitions with dynamic top-k downloads, computed by every peer."""
 
     name = "pfedsv"
+
+    @classmethod
+    def reads_head(cls, params: Any) -> bool:
+        return bool(params.shared_body)  # it then downloads and scores heads alone
+
     Params = PFedSVParams
     ranks_offers = True  # top-k of the round's offers: asked once, over the whole listing
 

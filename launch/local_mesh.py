@@ -125,4 +125,5 @@ def _check_data(cfg: cfgmod.MeshConfig) -> None:
     set_torch_threads(os.cpu_count() or 1)  # one thread: all cores among that many
     task = task_of(cfg)
     first = cfg.peers[0].name
-    task.model_maker(task.node_data(node_info(cfg, first, 0, len(cfg.peers))))()
+    model = task.model_maker(task.node_data(node_info(cfg, first, 0, len(cfg.peers))))()
+    task.check_rule(cfg.algorithm, model)

@@ -167,7 +167,7 @@ MODELS: tuple[str, ...] = tuple(_ARCHITECTURES)
 
 # Held while a model is built from the global RNG: torch's is one per process, and the
 # nodes of a host build their models on threads of their own.
-_GLOBAL_RNG = threading.Lock()
+_GLOBAL_RNG = threading.RLock()  # re-entrant: a task's model() may build one of ours
 
 
 def _check_arguments(name: str, input_shape: tuple[int, ...], num_classes: int, head: str) -> None:

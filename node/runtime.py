@@ -45,7 +45,7 @@ from .metrics import RoundRecord
 from .models import model_schema
 from .neighbours import neighbours_to_drop
 from .splits import NodeData
-from .task import node_info, task_of
+from .task import Task, node_info, task_of
 from .trainer import (
     TrainRecipe,
     evaluate,
@@ -708,11 +708,12 @@ def build_node(options: NodeOptions, role: type[Node] = Node) -> Node:
     data = task.node_data(node_info(cfg, options.name, options.node_index, options.num_nodes))
     new_model = task.model_maker(data)
     model = new_model()
+    task.check_rule(cfg.algorithm, model)
     train = training_recipe(cfg, task.training)
     algorithm = build_rule(
         cfg.algorithm.name,
         cfg.algorithm.params,
-        rule_context(options, data, model, new_model, train, task.split_keys(model)),
+        rule_context(options, data, model, new_model, train, task),
     )
     schema = model_digest(model)
     endpoint = Endpoint(
@@ -752,19 +753,19 @@ def rule_context(
     model: torch.nn.Module,
     new_model: Callable[[], torch.nn.Module],
     train: TrainRecipe,
-    split_keys: tuple[tuple[str, ...], tuple[str, ...]],
+    task: Task,
 ) -> Context:
-    """What the node's rule may know about, and do in, this node (algorithms.Context);
-    `split_keys`, the model's body and head state keys."""
+    """What the node's rule may know about, and do in, this node (algorithms.Context):
+    the task gives the model's body and head keys, and may choose the batch size."""
     cfg = options.config
-    body, head = split_keys
+    body, head = task.split_keys(model)
     return Context(
         options.name,
         cfg.seed,
         data.num_classes,
         body,
         head,
-        batch_size=cfg.batch_size,
+        batch_size=task.training.batch_size or cfg.batch_size,
         new_model=new_model,
         train=train,
         data=data,

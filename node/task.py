@@ -29,14 +29,16 @@ interface, whichever kind it runs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import importlib
 import importlib.util
+import random
 import sys
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -89,6 +91,8 @@ class Task(Protocol):
 
     def split_keys(self, model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]: ...
 
+    def check_rule(self, algorithm: cfgmod.AlgorithmConfig, model: nn.Module) -> None: ...
+
 
 # --------------------------------------------------------------------------- built in
 
@@ -134,6 +138,9 @@ class BuiltinTask:
 
     def split_keys(self, model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
         return tuple(body_keys(model)), tuple(head_keys(model))
+
+    def check_rule(self, algorithm: cfgmod.AlgorithmConfig, model: nn.Module) -> None:
+        """Nothing to check: the config's own check matched model.head to the rule."""
 
 
 # --------------------------------------------------------------------------- a user's
@@ -215,9 +222,13 @@ class UserTask:
         if not isinstance(splits, Sequence) or len(splits) != len(SPLITS):
             self.fail(f"data() returned {type(splits).__name__}; expected (train, val, test)")
         tensors = [self._tensors(name, split) for name, split in zip(SPLITS, splits, strict=True)]
-        (x_train, y_train), (x_val, y_val), (x_test, y_test) = tensors
-        if len(y_train) == 0:
+        if len(tensors[0][1]) == 0:
             self.fail("data(): the train split is empty")
+        sample_shape = tuple(tensors[0][0].shape[1:])
+        tensors = [  # an empty Dataset says nothing of its inputs' shape: the train split's
+            (x if len(y) else x.reshape(0, *sample_shape), y) for x, y in tensors
+        ]
+        (x_train, y_train), (x_val, y_val), (x_test, y_test) = tensors
         shapes = {
             name: tuple(x.shape[1:]) for name, (x, y) in zip(SPLITS, tensors, strict=True) if len(y)
         }
@@ -241,49 +252,68 @@ class UserTask:
         )
 
     def _tensors(self, name: str, split: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """A split as float inputs and int64 labels."""
+        """A split as inputs (float32, or int64 where they are whole numbers: an
+        embedding's token ids) and int64 labels, one class index per input."""
         try:
             x, y = _read_split(split)
         except Exception as err:
             self.fail(f"data(): the {name} split cannot be read: {_where(err, self.module)}")
+        if x.dim() == 0 or y.dim() == 0:
+            self.fail(f"data(): the {name} split holds one value, not a batch of samples")
+        if y.dim() == 2 and y.shape[1] == 1:
+            y = y.reshape(-1)
+        if y.dim() != 1:
+            self.fail(
+                f"data(): the {name} labels have shape {tuple(y.shape)}; expected one class "
+                "index per input (one-hot labels: give their argmax)"
+            )
         if len(x) != len(y):
             self.fail(f"data(): the {name} split has {len(x)} inputs but {len(y)} labels")
         if y.is_floating_point() and not bool((y == y.round()).all()):
             self.fail(f"data(): the {name} labels are not whole numbers (class indices)")
-        return x.float(), y.long().reshape(-1)
+        inputs = x.long() if not (x.is_floating_point() or x.dtype == torch.bool) else x.float()
+        return inputs, y.long()
 
     def _classes(self, x_train: torch.Tensor) -> int:
         """The model's number of logits, from one batch of the train split (which also
         shows whether the model takes this node's inputs at all)."""
         model = self.model_maker(None)()
-        model.eval()
-        try:
-            with torch.no_grad():
-                logits = model(x_train[:2])
-        except Exception as err:
-            shape = tuple(x_train.shape[1:])
-            self.fail(f"model() cannot take this node's inputs of shape {shape}: {err}")
-        if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
-            got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits)
-            self.fail(f"model() must map a batch to logits (batch, classes); it gave {got}")
+        logits = None
+        for training in (False, True):  # evaluation, then a training step's forward
+            model.train(training)
+            try:
+                with torch.set_grad_enabled(training):
+                    logits = model(x_train[:2])
+            except Exception as err:
+                shape = tuple(x_train.shape[1:])
+                self.fail(f"model() cannot take this node's inputs of shape {shape}: {err}")
+            if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+                got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits)
+                self.fail(f"model() must map a batch to logits (batch, classes); it gave {got}")
+        assert logits is not None
         self._check_training(model, logits)
         return int(logits.shape[1])
 
     def _check_training(self, model: nn.Module, logits: torch.Tensor) -> None:
-        """The task's loss on one batch of logits, and its optimizer on the model's
-        parameters, as training will call them."""
+        """The task's loss on one batch of logits, backward through the model, and its
+        optimizer on the model's trainable parameters, as training will call them."""
         choices = self.training
-        if choices.loss is not None:
-            labels = logits.argmax(dim=1)
-            try:
-                value = choices.loss(logits, labels)
-            except Exception as err:
-                self.fail(f"loss(logits, labels) raised {_where(err, self.module)}")
-            if not (isinstance(value, torch.Tensor) and value.dim() == 0):
-                self.fail("loss(logits, labels) must return a scalar tensor")
+        labels = logits.detach().argmax(dim=1)
+        loss = choices.loss or torch.nn.functional.cross_entropy
+        try:
+            value = loss(logits, labels)
+        except Exception as err:
+            self.fail(f"loss(logits, labels) raised {_where(err, self.module)}")
+        if not (isinstance(value, torch.Tensor) and value.dim() == 0):
+            self.fail("loss(logits, labels) must return a scalar tensor")
+        if value.requires_grad:
+            value.backward()
+        elif any(param.requires_grad for param in model.parameters()):
+            self.fail("loss(logits, labels) does not depend on the model's parameters")
         if choices.optimizer is not None:
+            trainable = [param for param in model.parameters() if param.requires_grad]
             try:
-                optimizer = choices.optimizer(list(model.parameters()))
+                optimizer = choices.optimizer(trainable)
             except Exception as err:
                 self.fail(f"optimizer(parameters) raised {_where(err, self.module)}")
             if not all(callable(getattr(optimizer, m, None)) for m in ("step", "zero_grad")):
@@ -294,7 +324,7 @@ class UserTask:
         return functools.partial(self._new_model, data)
 
     def _new_model(self, data: NodeData | None) -> TaskModel:
-        with seeded(self.seed):
+        with seeded(self.seed), _python_and_numpy_seeded(self.seed):
             try:
                 net = self.module.model()
             except Exception as err:
@@ -303,11 +333,34 @@ class UserTask:
             self.fail(f"model() returned {type(net).__name__}; expected a torch.nn.Module")
         model = TaskModel(net, self._checked_head(net))
         if model.head is not None and data is not None and len(data.y_train):
-            with torch.no_grad():
-                model.eval()
-                model.feature_dim = int(model.body(data.x_train[:1]).reshape(1, -1).shape[1])
-                model.train()
+            model.eval()
+            try:
+                with torch.no_grad():
+                    features = model.body(data.x_train[:1])
+            except IndexError:
+                self.fail(f"head: the model's forward never calls {model.head_name!r}")
+            model.feature_dim = int(features.reshape(1, -1).shape[1])
+            model.train()
         return model
+
+    def check_rule(self, algorithm: cfgmod.AlgorithmConfig, model: nn.Module) -> None:
+        """That the config's rule finds in the model what it reads: a head where it
+        reads one (FedC²I, FedReMa, pFedSV with shared_body), one linear layer for
+        FedC²I."""
+        from meshfl.algorithms import algorithm_class, parse_params
+
+        name = algorithm.name
+        rule = algorithm_class(name)
+        if not rule.reads_head(parse_params(name, algorithm.params)):
+            return
+        head = model.head if isinstance(model, TaskModel) else None
+        if head is None:
+            self.fail(f"algorithm {name} reads the classifier head: name its module (head = ...)")
+        if rule.heads == ("last",) and not isinstance(head, nn.Linear):
+            self.fail(
+                f"algorithm {name} reads class vectors as the rows of one nn.Linear head; "
+                f"head {model.head_name!r} is a {type(head).__name__}"
+            )
 
     def _checked_head(self, net: nn.Module) -> str | None:
         name = self.head_name
@@ -342,11 +395,27 @@ def _read_split(split: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _where(err: Exception, module: ModuleType) -> str:
-    """`Type: message (file, line N)` at the deepest frame of the task's own file."""
+    """`Type: message (file, line N)` at the deepest frame of the task's own file, the
+    message's first line only: an error is one line."""
     own = getattr(module, "__file__", None)
     frames = [frame for frame in traceback.extract_tb(err.__traceback__) if frame.filename == own]
     place = f" ({Path(frames[-1].filename).name}, line {frames[-1].lineno})" if frames else ""
-    return f"{type(err).__name__}: {err}{place}"
+    message = (str(err).strip().splitlines() or [""])[0]
+    return f"{type(err).__name__}: {message}{place}"
+
+
+@contextlib.contextmanager
+def _python_and_numpy_seeded(seed: int) -> Iterator[None]:
+    """`random` and numpy's global generator seeded by `seed` while a task builds its
+    model (an initialisation may draw from them), and given back as they were."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    random.seed(seed)
+    np.random.seed(seed)
+    try:
+        yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
 
 
 # --------------------------------------------------------------------------- loading
@@ -359,15 +428,23 @@ def task_of(cfg: cfgmod.MeshConfig) -> Task:
     return UserTask(cfg.task, load_task_module(cfg.task), cfg.seed)
 
 
-@functools.cache
 def load_task_module(source: str) -> ModuleType:
     """The task file (a path ending .py) or module (dotted name) `source` names,
     imported once per process (the nodes of a host share it); TaskError with the
     file's own line where it does not import or lacks model() or data()."""
     if source.endswith(".py"):
-        path = Path(source).expanduser().resolve()
+        return _task_module(source, str(Path(source).expanduser().resolve()))
+    return _task_module(source, None)
+
+
+@functools.cache
+def _task_module(source: str, path_text: str | None) -> ModuleType:
+    if path_text is not None:
+        path = Path(path_text)
         if not path.is_file():
             raise TaskError(f"task {source}: no such file")
+        if str(path.parent) not in sys.path:  # its own helper modules lie beside it
+            sys.path.insert(0, str(path.parent))
         name = "meshfl_task_" + hashlib.sha256(str(path).encode()).hexdigest()[:12]
         spec = importlib.util.spec_from_file_location(name, path)
         assert spec is not None and spec.loader is not None, "a .py file has a spec"

@@ -149,11 +149,15 @@ def _shuffled_batches(
     """Index batches of a fresh permutation per epoch, the last batch of an epoch may be short.
 
     A private generator makes the order depend on ``seed`` alone, not on whatever
-    else drew random numbers in this process.
+    else drew random numbers in this process. A last batch of one sample joins the
+    batch before it: batch normalization cannot train on one sample.
     """
     generator = torch.Generator().manual_seed(seed)
     for _ in range(epochs):
-        yield from torch.randperm(num_samples, generator=generator).split(batch_size)
+        batches = list(torch.randperm(num_samples, generator=generator).split(batch_size))
+        if len(batches) > 1 and len(batches[-1]) == 1:
+            batches[-2:] = [torch.cat(batches[-2:])]
+        yield from batches
 
 
 # train(model, x, y, epochs, seed, max_steps=None) -> mean loss: see training_recipe
@@ -252,16 +256,20 @@ def train_local(
     batches = islice(_shuffled_batches(len(x), epochs, batch_size, seed), max_steps)
     model.train()
     loss_sum, samples_seen = 0.0, 0
-    for step, batch in enumerate(batches):
-        batch = batch.to(device)
-        if before_step is not None:
-            before_step(step)
-        optim.zero_grad()
-        batch_loss = loss_of(model(x[batch]), y[batch])
-        batch_loss.backward()
-        optim.step()
-        loss_sum += batch_loss.item() * len(batch)
-        samples_seen += len(batch)
+    # Dropout draws from torch's global generator: seeded here (and given back after), a
+    # round's training is the same whatever else ran in the process before it.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for step, batch in enumerate(batches):
+            batch = batch.to(device)
+            if before_step is not None:
+                before_step(step)
+            optim.zero_grad()
+            batch_loss = loss_of(model(x[batch]), y[batch])
+            batch_loss.backward()
+            optim.step()
+            loss_sum += batch_loss.item() * len(batch)
+            samples_seen += len(batch)
     return loss_sum / samples_seen if samples_seen else math.nan
 
 

@@ -17,7 +17,7 @@ def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def optimizer(parameters):
-    return torch.optim.SGD(parameters, lr=0.1, momentum=0.9)
+    return torch.optim.SGD(parameters, lr=0.1, momentum=0.5)
 
 
 class Net(nn.Module):
