@@ -976,7 +976,9 @@ def peer_by_name(cfg: MeshConfig, name: str) -> PeerConfig:
 def learns_from(cfg: MeshConfig) -> str:
     """What a mesh learns on, in a word for progress lines and folder names: the task's
     file (or module), else the dataset."""
-    return Path(cfg.task).stem if cfg.task else cfg.data.dataset
+    if cfg.task is None:
+        return cfg.data.dataset
+    return Path(cfg.task).stem if cfg.task.endswith(".py") else cfg.task.rsplit(".", 1)[-1]
 
 
 def listed_peer(cfg: MeshConfig, name: str) -> PeerConfig | None:
