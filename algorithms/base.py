@@ -108,6 +108,12 @@ class PeerAlgorithm:
     guards_aggregate = False
     heads: tuple[str, ...] | None = None  # the model.head settings it can read; None: any
 
+    @classmethod
+    def reads_head(cls, params: Any) -> bool:
+        """Whether the rule, with these parameters, reads the model's classifier head
+        (its own module, its keys, the features it takes): a task must then name it."""
+        return cls.heads is not None
+
     def __init__(self, params: Any, context: Context) -> None:
         self.params = params
         self.context = context

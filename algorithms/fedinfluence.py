@@ -171,7 +171,9 @@ def per_sample_gradients(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor
 ) -> dict[str, torch.Tensor]:
     """Gradient of each sample's cross-entropy, per parameter: name → (samples, *shape),
-    by vectorizing one sample's gradient over the batch (no Python loop over samples)."""
+    by vectorizing one sample's gradient over the batch (no Python loop over samples).
+    In eval mode: a sample's gradient is its own only where batch normalization uses
+    its running statistics (a batch of one has none of its own) and dropout is off."""
     params = {name: p.detach() for name, p in model.named_parameters()}
     buffers = {name: b.detach() for name, b in model.named_buffers()}
 
@@ -181,7 +183,12 @@ def per_sample_gradients(
         logits = functional_call(model, (weights, buffers), (sample.unsqueeze(0),))
         return nn.functional.cross_entropy(logits, label.unsqueeze(0))
 
-    return vmap(grad(loss_of_one), in_dims=(None, 0, 0))(params, x, y)
+    was_training = model.training
+    model.eval()
+    try:
+        return vmap(grad(loss_of_one), in_dims=(None, 0, 0))(params, x, y)
+    finally:
+        model.train(was_training)
 
 
 @torch.no_grad()

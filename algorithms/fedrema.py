@@ -188,6 +188,10 @@ class FedReMa(CoordinatorAlgorithm):
 
     name = "fedrema"
 
+    @classmethod
+    def reads_head(cls, params: Any) -> bool:
+        return True  # it aggregates and compares classifiers
+
     @dataclass(frozen=True)
     class Params:
         delta: float = 0.5  # CCP threshold δ of Eq. 9 (paper: 0.5)

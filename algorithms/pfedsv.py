@@ -316,6 +316,11 @@ class PFedSV(PeerAlgorithm):
     """Shapley-value coalitions with dynamic top-k downloads, computed by every peer."""
 
     name = "pfedsv"
+
+    @classmethod
+    def reads_head(cls, params: Any) -> bool:
+        return bool(params.shared_body)  # it then downloads and scores heads alone
+
     Params = PFedSVParams
     ranks_offers = True  # top-k of the round's offers: asked once, over the whole listing
 
@@ -496,7 +501,9 @@ class PFedSV(PeerAlgorithm):
         model.load_state_dict(players_states[self.context.node])  # any player: one body
         body, head = cast(torch.nn.Module, model.body), cast(torch.nn.Module, model.head)
         features = batched_logits(body, x_val)
-        prefix = "head."  # head_keys are the model's state keys under its `head` module
+        # head_keys are the state keys under the head module: `head.` for a model split
+        # as node/models.py splits them; a task's model says where its head lies.
+        prefix = str(getattr(model, "head_prefix", "head."))
 
         def head_only(state: State) -> torch.Tensor:
             head.load_state_dict(

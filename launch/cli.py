@@ -38,6 +38,12 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--algorithm", help="aggregation rule, e.g. fedavg, local")
     parser.add_argument(
+        "--task",
+        metavar="FILE|MODULE",
+        help="your own model and data: a task file (task.py) or module defining model() "
+        "and data(node) (see docs/tasks.md); default: the built-in model and dataset",
+    )
+    parser.add_argument(
         "--dataset",
         help="digits (embedded), mnist, fmnist, usps, cifar10, "
         "mnistm, femnist, office, synthetic, digit5, npz:PATH",
@@ -265,6 +271,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     keygen.add_argument("path", metavar="PATH")
 
+    new = commands.add_parser(
+        "new",
+        help="write a task file and a peers.yaml to start your own from",
+        description="Write DIR/task.py (a model and each node's data, running as it is on "
+        "the embedded digits: replace its model() and data(node) with yours) and "
+        "DIR/peers.yaml (four nodes on this machine learning it). Then: meshfl launch "
+        "--task DIR/task.py, or meshfl launch --config DIR/peers.yaml. Never overwrites "
+        "a file.",
+    )
+    new.add_argument("directory", metavar="DIR", help="the folder to write (made if missing)")
+
     experiment = commands.add_parser(
         "experiment",
         help="run a named experiment and print its results table",
@@ -351,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         "coordinator": _coordinator,
         "join": _join,
         "keygen": _keygen,
+        "new": _new,
         "bench": _bench,
         "experiment": _experiment,
         "report": _report,
@@ -430,6 +448,23 @@ def _keygen(args: argparse.Namespace) -> int:
     print(f"wrote {Path(args.path)} (mode 0600)")
     print(f"node id:    {identity.id}")
     print(f"public key: {identity.public_key.hex()}")
+    return 0
+
+
+def _new(args: argparse.Namespace) -> int:
+    from importlib.resources import files
+
+    folder = Path(args.directory)
+    names = ("task.py", "peers.yaml")
+    taken = [str(folder / name) for name in names if (folder / name).exists()]
+    if taken:
+        raise UserError(f"{', '.join(taken)} already exist(s); refusing to overwrite")
+    folder.mkdir(parents=True, exist_ok=True)
+    templates = files("meshfl.launch") / "templates"
+    for name in names:
+        (folder / name).write_text((templates / name).read_text(encoding="utf-8"))
+    print(f"wrote {folder / 'task.py'} and {folder / 'peers.yaml'}; run them with")
+    print(f"    meshfl launch --task {folder / 'task.py'}")
     return 0
 
 

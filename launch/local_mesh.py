@@ -18,7 +18,7 @@ from meshfl.node import config as cfgmod
 from meshfl.node.coordinator import COORDINATOR, needs_coordinator
 from meshfl.node.host import forget_restarts
 from meshfl.node.joining import JOINING_DIR
-from meshfl.node.splits import load_node_data
+from meshfl.node.task import node_info, task_of
 from meshfl.node.trainer import set_torch_threads
 from meshfl.protocol.transport import free_ports
 
@@ -100,7 +100,7 @@ def run_mesh(
         if not quiet:
             print(
                 f"meshfl: {len(cfg.peers)} nodes in {len(groups)} processes, "
-                f"{cfg.algorithm.name} on {cfg.data.dataset} ({cfg.data.partition}), "
+                f"{cfg.algorithm.name} on {cfgmod.learns_from(cfg)} ({cfg.data.partition}), "
                 f"{cfg.rounds} rounds -> {out}"
             )
             print(f"meshfl: join this mesh with: meshfl join {joinable} --config {config_path}")
@@ -118,18 +118,12 @@ def _list_processes(out: Path, supervised: list[SupervisedProcess]) -> None:
 
 
 def _check_data(cfg: cfgmod.MeshConfig) -> None:
-    """Load the first node's data here, so a wrong path fails once, before any process.
+    """Load the first node's data and build its model here, so a wrong path or a task
+    that does not fit its data fails once, before any process.
     On one torch thread: an OpenMP thread pool made here would not survive the forks
     of the processes (forked.py), and a child that found it half there could hang."""
     set_torch_threads(os.cpu_count() or 1)  # one thread: all cores among that many
-    data = cfgmod.data_for(cfg, cfg.peers[0])
-    load_node_data(
-        data.dataset,
-        data.root,
-        data.partition,
-        len(cfg.peers),
-        0,
-        cfg.seed,
-        data.samples_per_node,
-        tuple(data.split),
-    )
+    task = task_of(cfg)
+    first = cfg.peers[0].name
+    model = task.model_maker(task.node_data(node_info(cfg, first, 0, len(cfg.peers))))()
+    task.check_rule(cfg.algorithm, model)

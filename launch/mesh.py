@@ -132,4 +132,4 @@ def resume_command(options: LaunchOptions, out: Path) -> str:
 
 def _default_run_dir(cfg: cfgmod.MeshConfig) -> str:
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    return os.path.join("runs", f"{stamp}-{cfg.algorithm.name}-{cfg.data.dataset}")
+    return os.path.join("runs", f"{stamp}-{cfg.algorithm.name}-{cfgmod.learns_from(cfg)}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -19,6 +19,7 @@ from meshfl.node import config as cfgmod
 # The config fields that have a flag of their own (cli.py), by the flag's dest.
 _FLAG_FIELDS = {
     "algorithm": "algorithm",
+    "task": "task",
     "dataset": "data.dataset",
     "data_root": "data.root",
     "partition": "data.partition",
@@ -99,11 +100,22 @@ def joiner_out(name: str | None) -> Path:
     return Path("runs", f"join-{stamp}-{os.getpid()}")
 
 
+def _task_from(cfg: cfgmod.MeshConfig, folder: Path) -> cfgmod.MeshConfig:
+    """`cfg` with its task file's path made absolute from `folder`: the file the
+    command means, wherever the nodes it starts (or a rerun) stand. A module name, or a
+    path already absolute, stays as it is."""
+    if cfg.task is None or not cfg.task.endswith(".py"):
+        return cfg
+    return replace(cfg, task=str((folder / Path(cfg.task).expanduser()).resolve()))
+
+
 def resolve_config(source: ConfigSource, check: bool = True) -> cfgmod.MeshConfig:
     """The config `source` names with its overrides applied; checked unless `check` is
     False."""
     cfg = cfgmod.load_config(source.path)
-    cfg = cfgmod.apply_overrides(cfg, list(source.overrides))
+    if source.path is not None:  # a task file a peers.yaml names lies beside it
+        cfg = _task_from(cfg, Path(source.path).parent)
+    cfg = _task_from(cfgmod.apply_overrides(cfg, list(source.overrides)), Path.cwd())
     if check:
         cfgmod.validate(cfg)
         # The node runs the rule parameters the check fitted to `rounds` (a warm-up).

@@ -467,7 +467,8 @@ def _headline(run: Run) -> str:
         return f"{nodes} (no config.yaml in the run folder)"
     data = run.config.get("data") or {}
     dataset, partition = data.get("dataset", "?"), data.get("partition", "?")
-    return f"{run.algorithm} on {dataset} ({partition}), {nodes}"
+    task = run.config.get("task")
+    return f"{run.algorithm} on {f'task {task}' if task else dataset} ({partition}), {nodes}"
 
 
 # --------------------------------------------------------------------------- the summary

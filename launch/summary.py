@@ -102,6 +102,7 @@ def write_summary(
     )
     summary = {
         "algorithm": cfg.algorithm.name,
+        "task": cfg.task,  # None: the built-in model and dataset
         "dataset": cfg.data.dataset,
         "partition": cfg.data.partition,
         "rounds": cfg.rounds,

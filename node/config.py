@@ -197,6 +197,12 @@ class DataConfig:
     partition: _Partition = "iid"
     samples_per_node: _ShardSize | None = None  # None: the whole shard
     split: _Split = (0.6, 0.2, 0.2)  # train, validation, test
+    # The mesh's number of classes, for labels 0..classes-1; null: the dataset's own (an
+    # npz file's: its largest label + 1, every label below it present). One value for
+    # the whole mesh: a peer's entry cannot change it.
+    classes: (
+        Annotated[int, _rule("an integer >= 2, or null for the dataset's own", ge=2)] | None
+    ) = None
 
 
 @dataclass(frozen=True)
@@ -350,6 +356,11 @@ class MeshConfig:
         BeforeValidator(_section_from_name),
         Field(description="a model name, or a mapping with keys name, head"),
     ] = field(default_factory=ModelConfig)
+    # A task file (path/to/task.py) or module (package.module) with the mesh's model and
+    # each node's data (node/task.py); null: the built-in `model` on the `data` dataset.
+    task: (
+        Annotated[str, _rule("a task file (.py) or module name, or null", min_length=1)] | None
+    ) = None
     data: DataConfig = field(default_factory=DataConfig)
     rounds: _Count = 10
     local_epochs: _Count = 4
@@ -926,7 +937,9 @@ def shared_settings(cfg: MeshConfig) -> dict[str, Any]:
             "name": cfg.algorithm.name,
             "params": {key: value for key, value in params.items() if key != TRIALS_KEY},
         },
-        "model": {"name": cfg.model.name, "head": cfg.model.head},
+        # A task's model is known by its tensor layout (the schema beside these
+        # settings), not by where its file lies on each machine.
+        "model": "task" if cfg.task else {"name": cfg.model.name, "head": cfg.model.head},
     }
 
 
@@ -960,9 +973,24 @@ def peer_by_name(cfg: MeshConfig, name: str) -> PeerConfig:
     raise ConfigError(f"peer name: got {name!r}; allowed: a name listed under peers: {known}")
 
 
-def data_for(cfg: MeshConfig, peer: PeerConfig) -> DataConfig:
-    """The data settings of `peer`: its own overrides on top of the mesh-wide ones."""
-    if peer.data is None:
+def learns_from(cfg: MeshConfig) -> str:
+    """What a mesh learns on, in a word for progress lines and folder names: the task's
+    file (or module), else the dataset."""
+    if cfg.task is None:
+        return cfg.data.dataset
+    return Path(cfg.task).stem if cfg.task.endswith(".py") else cfg.task.rsplit(".", 1)[-1]
+
+
+def listed_peer(cfg: MeshConfig, name: str) -> PeerConfig | None:
+    """The entry of node `name` in the peer list; None for a node not listed there (a
+    joiner from outside the list, the coordinator)."""
+    return next((peer for peer in cfg.peers if peer.name == name), None)
+
+
+def data_for(cfg: MeshConfig, peer: PeerConfig | None) -> DataConfig:
+    """The data settings of `peer`: its own overrides on top of the mesh-wide ones (for
+    no peer, the mesh-wide ones)."""
+    if peer is None or peer.data is None:
         return cfg.data
     changed = {f.name: getattr(peer.data, f.name) for f in fields(peer.data)}
     return replace(cfg.data, **{name: new for name, new in changed.items() if new is not None})
@@ -980,6 +1008,8 @@ __all__ = [
     "apply_overrides",
     "config_schema",
     "data_for",
+    "learns_from",
+    "listed_peer",
     "load_config",
     "local_peers",
     "peer_by_name",

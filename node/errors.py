@@ -10,11 +10,13 @@ from .coordinator import CoordinatorGone
 from .data_rules import DataError
 from .models import ModelError
 from .runtime import JoinError
+from .task import TaskError
 
 USER_ERRORS: tuple[type[Exception], ...] = (
     ConfigError,
     DataError,
     ModelError,
+    TaskError,
     KeyFileError,
     TransportError,
     Refused,

@@ -19,10 +19,11 @@ always measured from the actual input shape rather than hard-coded.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import cast
 
 import torch
@@ -66,6 +67,7 @@ class SplitModel(nn.Module):
         self.input_shape = input_shape
         self.num_classes = num_classes
         self.head_kind = head_kind
+        self.head_prefix = "head."  # the head's state keys start with it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.body(x))
@@ -165,7 +167,7 @@ MODELS: tuple[str, ...] = tuple(_ARCHITECTURES)
 
 # Held while a model is built from the global RNG: torch's is one per process, and the
 # nodes of a host build their models on threads of their own.
-_GLOBAL_RNG = threading.Lock()
+_GLOBAL_RNG = threading.RLock()  # re-entrant: a task's model() may build one of ours
 
 
 def _check_arguments(name: str, input_shape: tuple[int, ...], num_classes: int, head: str) -> None:
@@ -227,15 +229,12 @@ def build_model(
 ) -> SplitModel:
     """Build model ``name`` for inputs of ``input_shape`` (without the batch dimension).
 
-    Weights depend only on ``seed``: the global RNG is forked, so building a model
-    neither reads nor disturbs anyone else's random stream, and one thread builds at a
-    time (the nodes of a host share that RNG).
+    Weights depend only on ``seed`` (`seeded`).
     """
     shape = tuple(int(size) for size in input_shape)
     _check_arguments(name, shape, num_classes, head)
     trunk_builder, hidden_widths, _ = _ARCHITECTURES[name]
-    with _GLOBAL_RNG, torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with seeded(seed):
         trunk = trunk_builder(shape)
         flat_size = _flat_size(name, nn.Sequential(OrderedDict(trunk)), shape)
         dense = _dense_stack(flat_size, hidden_widths, num_classes)
@@ -249,6 +248,16 @@ def build_model(
         num_classes=num_classes,
         head_kind=head,
     )
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Model building seeded by `seed` alone: the global RNG is forked (nothing else's
+    stream is read or disturbed) and one thread builds at a time (the nodes of a host
+    share that RNG)."""
+    with _GLOBAL_RNG, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
 
 
 def body_keys(model: nn.Module) -> list[str]:

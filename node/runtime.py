@@ -42,9 +42,10 @@ from .blobs import RULE_ERROR, UnusableBlob, layout_of, peer_model
 from .checkpoint import MetricsLog, load_checkpoint, save_checkpoint, write_atomically
 from .containment import run_contained
 from .metrics import RoundRecord
-from .models import body_keys, build_model, head_keys, model_schema
+from .models import model_schema
 from .neighbours import neighbours_to_drop
-from .splits import NodeData, load_node_data
+from .splits import NodeData
+from .task import Task, node_info, task_of
 from .trainer import (
     TrainRecipe,
     evaluate,
@@ -527,7 +528,7 @@ class Node:
     def _straggle(self) -> None:
         """A peer given a `train_delay` (to measure what stragglers cost a mesh) sleeps it
         after training."""
-        listed = listed_peer(self.options)
+        listed = cfgmod.listed_peer(self.cfg, self.options.name)
         time.sleep(listed.train_delay if listed else 0.0)
 
     def collect(
@@ -703,14 +704,16 @@ def build_node(options: NodeOptions, role: type[Node] = Node) -> Node:
     endpoint (bound at its listen address), its metrics log and checkpoint path."""
     cfg = options.config
     set_torch_threads(options.local_nodes)
-    data = own_data(options)
-    new_model = model_maker(cfg, data)
+    task = task_of(cfg)
+    data = task.node_data(node_info(cfg, options.name, options.node_index, options.num_nodes))
+    new_model = task.model_maker(data)
     model = new_model()
-    train = training_recipe(cfg)
+    task.check_rule(cfg.algorithm, model)
+    train = training_recipe(cfg, task.training)
     algorithm = build_rule(
         cfg.algorithm.name,
         cfg.algorithm.params,
-        rule_context(options, data, model, new_model, train),
+        rule_context(options, data, model, new_model, train, task),
     )
     schema = model_digest(model)
     endpoint = Endpoint(
@@ -744,53 +747,25 @@ def build_node(options: NodeOptions, role: type[Node] = Node) -> Node:
     return node
 
 
-def listed_peer(options: NodeOptions) -> cfgmod.PeerConfig | None:
-    """This node's entry in the config's peer list; None for a node not listed there (a
-    joiner from outside the list, the coordinator)."""
-    return next((peer for peer in options.config.peers if peer.name == options.name), None)
-
-
-def own_data(options: NodeOptions) -> NodeData:
-    """This node's shard: its listed entry's data settings, else the mesh-wide ones."""
-    cfg = options.config
-    listed = listed_peer(options)
-    settings = cfgmod.data_for(cfg, listed) if listed else cfg.data
-    return load_node_data(
-        settings.dataset,
-        settings.root,
-        settings.partition,
-        options.num_nodes,
-        options.node_index,
-        cfg.seed,
-        settings.samples_per_node,
-        tuple(settings.split),
-    )
-
-
-def model_maker(cfg: cfgmod.MeshConfig, data: NodeData) -> Callable[[], torch.nn.Module]:
-    """Builds the mesh's model for `data` afresh: seeded, so every call (on every node)
-    gives the mesh's initial model."""
-    return lambda: build_model(
-        cfg.model.name, data.input_shape, data.num_classes, cfg.model.head, seed=cfg.seed
-    )
-
-
 def rule_context(
     options: NodeOptions,
     data: NodeData,
     model: torch.nn.Module,
     new_model: Callable[[], torch.nn.Module],
     train: TrainRecipe,
+    task: Task,
 ) -> Context:
-    """What the node's rule may know about, and do in, this node (algorithms.Context)."""
+    """What the node's rule may know about, and do in, this node (algorithms.Context):
+    the task gives the model's body and head keys, and may choose the batch size."""
     cfg = options.config
+    body, head = task.split_keys(model)
     return Context(
         options.name,
         cfg.seed,
         data.num_classes,
-        tuple(body_keys(model)),
-        tuple(head_keys(model)),
-        batch_size=cfg.batch_size,
+        body,
+        head,
+        batch_size=task.training.batch_size or cfg.batch_size,
         new_model=new_model,
         train=train,
         data=data,

@@ -17,6 +17,7 @@ import torch
 
 from .data_rules import (
     MIN_SAMPLES_PER_NODE,
+    NPZ_PREFIX,
     DataError,
     check_dataset_name,
     check_samples_per_node,
@@ -57,11 +58,13 @@ def load_node_data(
     seed: int,
     samples_per_node: int | None = None,
     split: tuple[float, ...] = (0.6, 0.2, 0.2),
+    classes: int | None = None,
 ) -> NodeData:
     """This node's shard of the mesh's partition, split into train/val/test.
 
     Deterministic in its arguments; nodes with different indices get disjoint shards.
     `samples_per_node` counts the shard before its split (digit5: an equal draw per class).
+    `classes`, the mesh's number of classes where set (`pool_classes`).
     """
     check_dataset_name(dataset)
     spec = parse_partition(partition)
@@ -82,7 +85,8 @@ def load_node_data(
                 "use fewer nodes, a milder partition or more samples per node"
             )
         features, labels = pool.features(shard.indices), pool.labels[shard.indices]
-        num_classes, input_shape, info = pool.num_classes, pool.input_shape, shard.info
+        num_classes = pool_classes(dataset, pool.labels, pool.num_classes, classes)
+        input_shape, info = pool.input_shape, shard.info
     split_rng = np.random.default_rng((seed, SPLIT_STREAM, node_index))
     fractions = cast(tuple[float, float, float], split)  # _check_mesh saw three
     train, val, test = stratified_split(labels, fractions, split_rng)
@@ -98,6 +102,30 @@ def load_node_data(
     return NodeData(
         x[train], y[train], x[val], y[val], x[test], y[test], num_classes, tuple(input_shape), info
     )
+
+
+def pool_classes(dataset: str, labels: np.ndarray, own: int, classes: int | None) -> int:
+    """The number of classes a model of this mesh predicts: `classes` where the config
+    sets it (every label must lie below it), else the dataset's `own`. An npz file's own
+    count is its largest label + 1, so it must hold every label below that: a file with
+    labels 1..10, or one lacking a class the other nodes' files have, would otherwise
+    size the model apart from its peers' (another mesh id: a node that trains alone)."""
+    if classes is not None:
+        if labels.max() >= classes:
+            raise DataError(
+                f"dataset {dataset!r}: labels run up to {int(labels.max())}, but "
+                f"data.classes is {classes}: labels are class indices 0..{classes - 1}"
+            )
+        return classes
+    missing = sorted(set(range(own)) - {int(label) for label in np.unique(labels)})
+    if dataset.startswith(NPZ_PREFIX) and missing:
+        raise DataError(
+            f"dataset {dataset!r}: labels {int(labels.min())}..{int(labels.max())} leave "
+            f"class {', '.join(map(str, missing[:5]))} with no sample; labels are class "
+            "indices 0..C-1: renumber them, or set data.classes (the mesh's number of "
+            "classes) where this file lacks a class that others have"
+        )
+    return own
 
 
 def _check_mesh(

@@ -149,22 +149,42 @@ def _shuffled_batches(
     """Index batches of a fresh permutation per epoch, the last batch of an epoch may be short.
 
     A private generator makes the order depend on ``seed`` alone, not on whatever
-    else drew random numbers in this process.
+    else drew random numbers in this process. A last batch of one sample joins the
+    batch before it: batch normalization cannot train on one sample.
     """
     generator = torch.Generator().manual_seed(seed)
     for _ in range(epochs):
-        yield from torch.randperm(num_samples, generator=generator).split(batch_size)
+        batches = list(torch.randperm(num_samples, generator=generator).split(batch_size))
+        if len(batches) > 1 and len(batches[-1]) == 1:
+            batches[-2:] = [torch.cat(batches[-2:])]
+        yield from batches
 
 
 # train(model, x, y, epochs, seed, max_steps=None) -> mean loss: see training_recipe
 TrainRecipe = Callable[..., float]
+# loss(logits, labels) -> a scalar tensor; optimizer(trainable parameters) -> an object
+# with zero_grad() and step(), such as any torch.optim.Optimizer
+LossFunction = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+OptimizerFactory = Callable[[list[nn.Parameter]], "Optimizer | torch.optim.Optimizer"]
 
 
-def training_recipe(cfg: MeshConfig) -> TrainRecipe:
+@dataclass(frozen=True)
+class TrainingChoices:
+    """What a task may choose about its training in place of the mesh's settings
+    (node/task.py): None keeps the config's batch size, cross-entropy, optimizer."""
+
+    batch_size: int | None = None
+    loss: LossFunction | None = None
+    optimizer: OptimizerFactory | None = None
+
+
+def training_recipe(cfg: MeshConfig, choices: TrainingChoices | None = None) -> TrainRecipe:
     """The mesh's local training, `train(model, x, y, epochs, seed, max_steps=None)`: the
     config's optimizer, lr, batch size, momentum and weight decay (epochs None: the
-    mesh's local_epochs); it returns the mean loss. A node trains its own model with it,
-    and so do the rules that train models of their own (algorithms.Context.train)."""
+    mesh's local_epochs), or the task's `choices` where it makes them; it returns the
+    mean loss. A node trains its own model with it, and so do the rules that train
+    models of their own (algorithms.Context.train)."""
+    choices = choices or TrainingChoices()
 
     def train(
         model: nn.Module,
@@ -179,13 +199,15 @@ def training_recipe(cfg: MeshConfig) -> TrainRecipe:
             x,
             y,
             cfg.local_epochs if epochs is None else epochs,
-            cfg.batch_size,
+            choices.batch_size or cfg.batch_size,
             cfg.optimizer,
             cfg.lr,
             seed=seed,
             momentum=cfg.momentum,
             weight_decay=cfg.weight_decay,
             max_steps=max_steps,
+            loss=choices.loss,
+            new_optimizer=choices.optimizer,
         )
 
     return train
@@ -204,6 +226,8 @@ def train_local(
     max_steps: int | None = None,
     weight_decay: float = 0.0,
     before_step: Callable[[int], None] | None = None,
+    loss: LossFunction | None = None,
+    new_optimizer: OptimizerFactory | None = None,
 ) -> float:
     """Train ``model`` in place with cross-entropy; return the mean loss per sample seen.
 
@@ -212,6 +236,7 @@ def train_local(
     ``max_steps`` caps optimizer steps over all epochs (Fed-Influence's ``m`` local
     steps). ``before_step(i)`` runs before step ``i`` (0-based) while the model still
     holds the weights that step starts from (Fed-Influence samples gradients there).
+    `loss` and `new_optimizer` replace cross-entropy and the named optimizer (a task's).
     """
     if len(x) == 0:
         raise ValueError("no training samples: the node's train split is empty")
@@ -221,22 +246,30 @@ def train_local(
         raise ValueError(f"need epochs >= 0 and batch_size >= 1, got {epochs} and {batch_size}")
     device = _model_device(model)
     x, y = x.to(device), y.to(device=device, dtype=torch.long)
-    optim = make_optimizer(
-        optimizer, model.parameters(), lr, momentum=momentum, weight_decay=weight_decay
-    )
+    if new_optimizer is not None:
+        optim = new_optimizer([param for param in model.parameters() if param.requires_grad])
+    else:
+        optim = make_optimizer(
+            optimizer, model.parameters(), lr, momentum=momentum, weight_decay=weight_decay
+        )
+    loss_of = loss or functional.cross_entropy
     batches = islice(_shuffled_batches(len(x), epochs, batch_size, seed), max_steps)
     model.train()
     loss_sum, samples_seen = 0.0, 0
-    for step, batch in enumerate(batches):
-        batch = batch.to(device)
-        if before_step is not None:
-            before_step(step)
-        optim.zero_grad()
-        loss = functional.cross_entropy(model(x[batch]), y[batch])
-        loss.backward()
-        optim.step()
-        loss_sum += loss.item() * len(batch)
-        samples_seen += len(batch)
+    # Dropout draws from torch's global generator: seeded here (and given back after), a
+    # round's training is the same whatever else ran in the process before it.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for step, batch in enumerate(batches):
+            batch = batch.to(device)
+            if before_step is not None:
+                before_step(step)
+            optim.zero_grad()
+            batch_loss = loss_of(model(x[batch]), y[batch])
+            batch_loss.backward()
+            optim.step()
+            loss_sum += batch_loss.item() * len(batch)
+            samples_seen += len(batch)
     return loss_sum / samples_seen if samples_seen else math.nan
 
 

@@ -10,7 +10,8 @@ Two promises are checked on README.md and every docs/*.md page:
 
 What "as written" allows, to keep the test short: a command that trains runs 2 rounds
 (`--rounds 2` replaces the rounds it gives, or is added), and the example peers.yaml
-that the `meshfl host` commands name is copied with its four ports moved to free ones,
+that the `meshfl host` commands name is copied with its four ports moved to free ones
+(and examples/ beside it, for the task files the pages run),
 so that tests running beside this one cannot collide with it. The commands of one code
 block run in order in one fresh folder, so that `meshfl report runs/first` reads the run
 that the block's `meshfl launch --out runs/first` made. A command ending in `&` runs in
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -41,6 +43,7 @@ NEEDS_DATA_ROOT = "needs a data root (the MNIST files)"
 NEEDS_LAN = "needs the LAN of the guide (machines at 192.168.1.10 to .13)"
 NEEDS_MEMBER_KEY = NEEDS_LAN + " and a member's public key in place of 9a41..."
 NEEDS_RAY = "needs a running Ray cluster"
+READERS_TASK = "names the task file (or module) the reader writes"
 SKIPPED: dict[str, str] = {
     "meshfl launch --dataset mnist --data-root ~/data --partition dirichlet:0.5 "
     "--nodes 8 --rounds 5 --out runs/mnist": NEEDS_DATA_ROOT,
@@ -55,6 +58,9 @@ SKIPPED: dict[str, str] = {
     "meshfl launch --nodes 500 --ray 192.168.1.10:6379 --dataset mnist --data-root /data": (
         NEEDS_RAY + " and a data root"
     ),
+    "meshfl launch --task my_task.py --algorithm fedavg --nodes 4": READERS_TASK,
+    "meshfl node --config peers.yaml --name alpha --task my_task.py": NEEDS_LAN,
+    "meshfl launch --task mypackage.meshfl_task": READERS_TASK,
 }
 
 # Programs other than meshfl that code blocks show, and why the test leaves them alone.
@@ -77,6 +83,8 @@ SLOW = {
     "meshfl launch --set attack.nodes=[node3] --set attack.kind=labelflip",
     "meshfl launch --nodes 16 --rounds 20 --quiet --set local_epochs=1 --set momentum=0 "
     "--set algorithm.screen=false",
+    "meshfl launch --task examples/breast_cancer_task.py --algorithm fedc2i",
+    "meshfl launch --task my-task/task.py",
 }
 
 TRAINING_COMMANDS = {"launch", "node", "host", "join", "coordinator"}
@@ -289,8 +297,10 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def example_config_on_free_ports(folder: Path) -> None:
-    """The repository's peers.yaml, in folder, with its loopback ports moved to free ones."""
+def example_files(folder: Path) -> None:
+    """What the pages' commands name, in folder: the repository's examples/, and its
+    peers.yaml with its loopback ports moved to free ones."""
+    shutil.copytree(REPOSITORY / "examples", folder / "examples")
     text = (REPOSITORY / "peers.yaml").read_text()
     text = re.sub(r"tcp://127\.0\.0\.1:\d+", lambda _: f"tcp://127.0.0.1:{free_port()}", text)
     (folder / "peers.yaml").write_text(text)
@@ -342,7 +352,7 @@ def block_cases() -> list[object]:
 
 @pytest.mark.parametrize("commands", block_cases())
 def test_documented_commands_run(commands: list[Command], tmp_path: Path) -> None:
-    example_config_on_free_ports(tmp_path)
+    example_files(tmp_path)
     in_background: list[tuple[subprocess.Popen[str], Command]] = []
     try:
         for command in commands:

@@ -15,6 +15,7 @@ from meshfl.algorithms.fedinfluence import (
     clients_to_cleanse,
     combinatorial_terms,
     mixing_weights,
+    per_sample_gradients,
     pick_clients,
     propagate,
     update_client_flags,
@@ -374,3 +375,21 @@ def test_checkpoint_round_trip_continues_identically():
         for key, value in rule.fip_of(client).items():
             assert torch.equal(value, copy.fip_of(client)[key])
     assert rule.client_flags == copy.client_flags
+
+
+def test_per_sample_gradients_of_a_model_with_batch_normalization():
+    """A batch of one has no statistics of its own: each sample's gradient is taken on
+    the running ones (eval mode), and the model is left in the mode it was in."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.ReLU(), torch.nn.Linear(6, 3)
+    )
+    x, y = torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])
+    gradients = per_sample_gradients(model, x, y)
+    assert model.training, "left as it came"
+    model.eval()
+    for i in range(len(y)):
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
+        for name, param in model.named_parameters():
+            assert torch.allclose(gradients[name][i], param.grad, atol=1e-6), (name, i)

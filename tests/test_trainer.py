@@ -206,3 +206,33 @@ def test_set_torch_threads_divides_the_cores():
             set_torch_threads(0)
     finally:
         torch.set_num_threads(previous)
+
+
+def test_a_last_batch_of_one_sample_joins_the_batch_before_it():
+    """Batch normalization cannot train on one sample: 65 samples in batches of 32
+    are 32 and 33, not 32, 32 and 1."""
+    from meshfl.node.trainer import _shuffled_batches
+
+    sizes = [len(batch) for batch in _shuffled_batches(65, 1, 32, seed=0)]
+    assert sizes == [32, 33]
+    assert [len(b) for b in _shuffled_batches(66, 1, 32, seed=0)] == [32, 32, 2]
+    assert [len(b) for b in _shuffled_batches(1, 2, 32, seed=0)] == [1, 1]
+
+
+def test_training_with_dropout_repeats_whatever_ran_before_it():
+    """Dropout draws from torch's global generator; a round's training seeds it, so two
+    nodes of one host (or one node run twice) train alike from the same start."""
+    from meshfl.node.trainer import train_local
+
+    x, y = torch.randn(40, 5), torch.arange(40) % 3
+
+    def trained(draws_before: int) -> torch.Tensor:
+        torch.manual_seed(123)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(5, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 3)
+        )
+        torch.rand(draws_before)  # whatever else the process drew
+        train_local(model, x, y, 2, 8, "sgd", 0.1, seed=7)
+        return model[0].weight.detach().clone()
+
+    assert torch.equal(trained(0), trained(17))

@@ -40,6 +40,7 @@ NOT_TRAINING = {
     "mesh",
     "algorithm",
     "model",
+    "task",  # the model and data; its own training choices are tested in test_task.py
     "data",
     "rounds",
     "seed",
