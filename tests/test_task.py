@@ -15,11 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from meshfl.algorithms.base import weighted_average
 from meshfl.launch.options import ConfigSource, resolve_config
 from meshfl.node.config import AlgorithmConfig, DataConfig, DataOverride, MeshConfig, PeerConfig
 from meshfl.node.data_rules import DataError
+from meshfl.node.runtime import PLANTED_FAILURES
 from meshfl.node.task import (
     NodeInfo,
     TaskError,
@@ -29,7 +31,7 @@ from meshfl.node.task import (
     task_of,
 )
 from meshfl.node.trainer import training_recipe
-from tests.nodes import write_config
+from tests.nodes import meshfl, records, start_node, stop, wait_round, write_config
 
 TASK = Path(__file__).parent / "tasks" / "digits_task.py"
 
@@ -326,6 +328,58 @@ def test_a_mesh_of_processes_learns_a_users_task(tmp_path):
         assert last["test_acc"] > 0.5, (name, last["test_acc"])  # chance: 0.1
         heard = {peer for record in records for peer in record.get("received", ())}
         assert len(heard) == 2, "it took in both peers' blobs (in some round)"
+
+
+def test_a_task_node_killed_mid_run_resumes_from_its_checkpoint(tmp_path, monkeypatch):
+    """A node of a task fails in round 3 and `--restarts 1` brings it back: it resumes
+    from its checkpoint (the task's state, buffers included) and the mesh finishes."""
+    monkeypatch.setenv(PLANTED_FAILURES, "node1:3")  # the launch's processes inherit it
+    out = tmp_path / "run"
+    launch = meshfl(
+        *("launch", "--task", str(TASK), "--nodes", "3", "--rounds", "6", "--restarts", "1"),
+        *("--set", "heartbeat_interval=0.3", "--set", "peer_timeout=1.5"),
+        *("--set", "round_timeout=10", "--quiet", "--out", str(out)),
+        log=tmp_path / "launch.log",
+    )
+    try:
+        assert launch.wait(timeout=300) == 0, (tmp_path / "launch.log").read_text()
+    finally:
+        stop([launch])
+    nodes = {node["name"]: node for node in json.loads((out / "summary.json").read_text())["nodes"]}
+    assert {name: (node["status"], node["round"]) for name, node in nodes.items()} == {
+        name: ("finished", 6) for name in ("node0", "node1", "node2")
+    }
+    assert nodes["node1"]["restarts"] == 1
+    assert "resumed from the checkpoint of round 2" in (out / "node1" / "node.log").read_text()
+
+
+def test_nodes_of_a_task_on_their_own_and_a_joiner_learn_it_together(tmp_path):
+    """`meshfl node` per peer of a peers.yaml naming the task, and `meshfl join` through
+    one member's address: the joiner runs the same task and takes part."""
+    config = tmp_path / "peers.yaml"
+    settings = write_config(config, 3, task=str(TASK), rounds=30)
+    for peer in settings["peers"]:  # rounds long enough for the joiner to start and join
+        peer["train_delay"] = 0.3
+    config.write_text(yaml.safe_dump(settings))
+    out = tmp_path / "out"
+    nodes = [start_node(config, f"node{index}", out) for index in range(3)]
+    joiner = None
+    try:
+        wait_round(out, "node0", 1, timeout=120)
+        listen = yaml.safe_load(config.read_text())["peers"][1]["listen"]
+        joiner = meshfl(
+            *("join", listen, "--config", str(config), "--name", "delta", "--out", str(out)),
+            log=tmp_path / "delta.log",
+        )
+        for process in [*nodes, joiner]:
+            assert process.wait(timeout=240) == 0, (tmp_path / "delta.log").read_text()[-2000:]
+    finally:
+        stop([*nodes, *([joiner] if joiner else [])])
+    joined = records(out, "delta")
+    assert joined and joined[-1]["round"] == 30 and joined[-1]["test_acc"] > 0.5
+    assert any(record.get("received") for record in joined), "it took in members' models"
+    members = {peer for record in records(out, "node0") for peer in record.get("received", ())}
+    assert "delta" in members, "and the members took in its"
 
 
 # --------------------------------------------------------------------------- own files
