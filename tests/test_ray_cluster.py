@@ -178,6 +178,21 @@ def test_a_coordinated_rule_runs_its_coordinator_in_a_host_of_its_own(ray_cluste
     assert run_id is not None and not scratch_folder(run_id).exists(), "a finished run leaves none"
 
 
+def test_a_users_task_runs_on_the_ray_cluster(ray_cluster, out):
+    """The task file travels by its path: every Ray node of this machine reads it."""
+    task = Path(__file__).parent / "tasks" / "digits_task.py"
+    mesh = launch(ray_cluster, out, "--task", str(task), "--nodes", "4", "--rounds", "3")
+    try:
+        assert mesh.wait(timeout=RUN_LIMIT_S) == 0, out.with_suffix(".log").read_text()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(mesh.pid, signal.SIGKILL)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["task"] == str(task)
+    assert [node["status"] for node in summary["nodes"]] == ["finished"] * 4
+    assert all(node["test_acc"] > 0.5 for node in summary["nodes"])
+
+
 def test_without_ray_installed_launch_says_how_to_install_it(monkeypatch, capsys, tmp_path):
     monkeypatch.setitem(sys.modules, "ray", None)  # what an install without the extra sees
     assert main(["launch", "--ray", "auto", "--out", str(tmp_path / "run")]) == 2
