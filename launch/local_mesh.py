@@ -100,7 +100,7 @@ def run_mesh(
         if not quiet:
             print(
                 f"meshfl: {len(cfg.peers)} nodes in {len(groups)} processes, "
-                f"{cfg.algorithm.name} on {cfgmod.learns_from(cfg)} ({cfg.data.partition}), "
+                f"{cfg.algorithm.name} on {cfgmod.learning(cfg)}, "
                 f"{cfg.rounds} rounds -> {out}"
             )
             print(f"meshfl: join this mesh with: meshfl join {joinable} --config {config_path}")

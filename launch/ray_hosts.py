@@ -244,7 +244,7 @@ def _run_on_cluster(
             print(
                 f"meshfl: {len(cfg.peers)} nodes in {sum(len(m.hosts) for m in machines)} "
                 f"hosts on {len(machines)} Ray nodes at {address}, {cfg.algorithm.name} on "
-                f"{cfgmod.learns_from(cfg)} ({cfg.data.partition}), {cfg.rounds} rounds -> {out}",
+                f"{cfgmod.learning(cfg)}, {cfg.rounds} rounds -> {out}",
                 flush=True,
             )
         _supervise(ray, machines, config_text, out, address, cfg.rounds, restarts, quiet)

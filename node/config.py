@@ -621,6 +621,7 @@ def validate(cfg: MeshConfig) -> None:
     _checked(cfg)
     _check_algorithm(cfg.algorithm)
     _check_model(cfg.model, cfg.algorithm.name)
+    _check_task(cfg)
     _check_optimizer(cfg.optimizer)
     _check_rule_schedule(cfg)
     _check_timing(cfg)
@@ -681,6 +682,17 @@ def _check_model(model: ModelConfig, algorithm: str) -> None:
         heads is None or model.head in heads,
         f"{', '.join(heads or ())} with algorithm {algorithm}",
     )
+
+
+def _check_task(cfg: MeshConfig) -> None:
+    """A task's model decides the number of classes (the width of its logits): a
+    data.classes beside it would be a setting that does nothing."""
+    if cfg.task is not None and cfg.data.classes is not None:
+        raise _field_error(
+            "data.classes",
+            cfg.data.classes,
+            "null with a task: the task's model gives the number of classes (its logits)",
+        )
 
 
 def _check_optimizer(optimizer: str) -> None:
@@ -981,6 +993,14 @@ def learns_from(cfg: MeshConfig) -> str:
     return Path(cfg.task).stem if cfg.task.endswith(".py") else cfg.task.rsplit(".", 1)[-1]
 
 
+def learning(cfg: MeshConfig) -> str:
+    """What a mesh learns on, for a progress line: `task NAME`, or the dataset with its
+    partition."""
+    if cfg.task is not None:
+        return f"task {learns_from(cfg)}"
+    return f"{cfg.data.dataset} ({cfg.data.partition})"
+
+
 def listed_peer(cfg: MeshConfig, name: str) -> PeerConfig | None:
     """The entry of node `name` in the peer list; None for a node not listed there (a
     joiner from outside the list, the coordinator)."""
@@ -1008,6 +1028,7 @@ __all__ = [
     "apply_overrides",
     "config_schema",
     "data_for",
+    "learning",
     "learns_from",
     "listed_peer",
     "load_config",

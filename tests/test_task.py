@@ -470,3 +470,12 @@ def test_meshfl_new_writes_a_task_and_a_peers_yaml_that_run_as_they_are(tmp_path
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["task"] == str(folder / "task.py")
     assert summary["mean_test_acc"] > 0.5
+
+
+def test_data_classes_beside_a_task_is_refused_by_name():
+    from meshfl.node.config import ConfigError, validate
+
+    cfg = MeshConfig(task=str(TASK), data=DataConfig(classes=10))
+    with pytest.raises(ConfigError, match="data.classes.*the task's model gives the number"):
+        validate(cfg)
+    validate(replace(cfg, data=DataConfig()))
