@@ -17,6 +17,7 @@ import pytest
 import torch
 import yaml
 
+from meshfl.algorithms import ALGORITHM_NAMES
 from meshfl.algorithms.base import weighted_average
 from meshfl.launch.options import ConfigSource, resolve_config
 from meshfl.node.config import AlgorithmConfig, DataConfig, DataOverride, MeshConfig, PeerConfig
@@ -328,6 +329,26 @@ def test_a_mesh_of_processes_learns_a_users_task(tmp_path):
         assert last["test_acc"] > 0.5, (name, last["test_acc"])  # chance: 0.1
         heard = {peer for record in records for peer in record.get("received", ())}
         assert len(heard) == 2, "it took in both peers' blobs (in some round)"
+
+
+@pytest.mark.slow  # thirteen small meshes of real processes, about 80 s on two cores
+@pytest.mark.parametrize("rule", ALGORITHM_NAMES)
+def test_every_rule_learns_a_users_task(tmp_path, rule):
+    """Each rule, the coordinator's included, on a task with batch normalization,
+    dropout, a frozen layer, an integer buffer and its own loss and optimizer."""
+    out = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "meshfl.launch.cli", "launch", "--task", str(TASK)]
+        + ["--algorithm", rule, "--nodes", "3", "--rounds", "2", "--out", str(out), "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert [node["status"] for node in summary["nodes"]] == ["finished"] * 3
+    if rule != "fedinfluence":  # five SGD steps a round: two rounds are near chance
+        assert summary["mean_test_acc"] > 0.3, summary["mean_test_acc"]  # chance: 0.1
 
 
 def test_a_task_node_killed_mid_run_resumes_from_its_checkpoint(tmp_path, monkeypatch):
