@@ -73,6 +73,17 @@ def meshfl(*args: str, log: Path | None = None) -> subprocess.Popen:
     )
 
 
+def launch_to_end(log: Path, out: Path, *args: str, timeout: float = 300) -> dict[str, Any]:
+    """`meshfl launch --out OUT ARGS` run until it exits 0 (killed if it does not within
+    `timeout`); its summary's nodes by name."""
+    launch = meshfl("launch", "--out", str(out), *args, log=log)
+    try:
+        assert launch.wait(timeout=timeout) == 0, log.read_text()
+    finally:
+        stop([launch])
+    return {node["name"]: node for node in json.loads((out / "summary.json").read_text())["nodes"]}
+
+
 def start_node(config: Path, name: str, out: Path) -> subprocess.Popen:
     (out / name).mkdir(parents=True, exist_ok=True)
     return meshfl(

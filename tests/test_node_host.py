@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 from pathlib import Path
 
@@ -10,7 +9,7 @@ import pytest
 import yaml
 
 from meshfl.node.runtime import PLANTED_FAILURES
-from tests.nodes import meshfl, records, stop, write_config
+from tests.nodes import launch_to_end, meshfl, records, stop, write_config
 
 pytestmark = pytest.mark.slow  # real processes over real sockets
 
@@ -84,19 +83,13 @@ def test_a_node_that_fails_in_a_host_is_back_within_three_rounds_and_finishes_wi
 ):
     monkeypatch.setenv(PLANTED_FAILURES, "node1:3")  # the launch's processes inherit it
     out = tmp_path / "run"
-    launch = meshfl(
-        *("launch", "--nodes", "4", "--hosts", "1", "--rounds", "20", "--restarts", "1"),
+    summary = launch_to_end(
+        tmp_path / "launch.log",
+        out,
+        *("--nodes", "4", "--hosts", "1", "--rounds", "20", "--restarts", "1"),
         *("--set", "heartbeat_interval=0.3", "--set", "peer_timeout=1.5"),
-        *("--set", "round_timeout=10", "--quiet", "--out", str(out)),
-        log=tmp_path / "launch.log",
+        *("--set", "round_timeout=10", "--quiet"),
     )
-    try:
-        assert launch.wait(timeout=300) == 0, (tmp_path / "launch.log").read_text()
-    finally:
-        stop([launch])
-    summary = {
-        node["name"]: node for node in json.loads((out / "summary.json").read_text())["nodes"]
-    }
     assert {name: (node["status"], node["round"]) for name, node in summary.items()} == {
         name: ("finished", 20) for name in ("node0", "node1", "node2", "node3")
     }

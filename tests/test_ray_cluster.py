@@ -87,6 +87,16 @@ def wait_for(condition, what: str, launch: subprocess.Popen) -> None:
         time.sleep(0.2)
 
 
+def finished_summary(mesh: subprocess.Popen, out: Path) -> dict:
+    """The run's summary.json once `meshfl launch --ray` has exited 0 (killed if not)."""
+    try:
+        assert mesh.wait(timeout=RUN_LIMIT_S) == 0, out.with_suffix(".log").read_text()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(mesh.pid, signal.SIGKILL)
+    return json.loads((out / "summary.json").read_text())
+
+
 def host_of(address: str) -> str:
     return address.removeprefix("tcp://").rsplit(":", 1)[0]
 
@@ -165,12 +175,7 @@ def test_a_mesh_spread_over_two_ray_nodes_learns_gathers_its_folder_and_survives
 @pytest.mark.slow
 def test_a_coordinated_rule_runs_its_coordinator_in_a_host_of_its_own(ray_cluster, out):
     mesh = launch(ray_cluster, out, "--nodes", "6", "--rounds", "3", "--algorithm", "fedavg_server")
-    try:
-        assert mesh.wait(timeout=RUN_LIMIT_S) == 0, out.with_suffix(".log").read_text()
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(mesh.pid, signal.SIGKILL)
-    summary = json.loads((out / "summary.json").read_text())
+    summary = finished_summary(mesh, out)
     assert [node["status"] for node in summary["nodes"]] == ["finished"] * 6
     assert ["coordinator"] in [host["nodes"] for host in processes(out)]
     assert len(records(out, "coordinator")) == 3, "the coordinator's metrics came back"
@@ -178,16 +183,12 @@ def test_a_coordinated_rule_runs_its_coordinator_in_a_host_of_its_own(ray_cluste
     assert run_id is not None and not scratch_folder(run_id).exists(), "a finished run leaves none"
 
 
+@pytest.mark.slow
 def test_a_users_task_runs_on_the_ray_cluster(ray_cluster, out):
     """The task file travels by its path: every Ray node of this machine reads it."""
     task = Path(__file__).parent / "tasks" / "digits_task.py"
     mesh = launch(ray_cluster, out, "--task", str(task), "--nodes", "4", "--rounds", "3")
-    try:
-        assert mesh.wait(timeout=RUN_LIMIT_S) == 0, out.with_suffix(".log").read_text()
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(mesh.pid, signal.SIGKILL)
-    summary = json.loads((out / "summary.json").read_text())
+    summary = finished_summary(mesh, out)
     assert summary["task"] == str(task)
     assert [node["status"] for node in summary["nodes"]] == ["finished"] * 4
     assert all(node["test_acc"] > 0.5 for node in summary["nodes"])

@@ -32,7 +32,7 @@ from meshfl.node.task import (
     task_of,
 )
 from meshfl.node.trainer import training_recipe
-from tests.nodes import meshfl, records, start_node, stop, wait_round, write_config
+from tests.nodes import launch_to_end, meshfl, records, start_node, stop, wait_round, write_config
 
 TASK = Path(__file__).parent / "tasks" / "digits_task.py"
 
@@ -356,17 +356,13 @@ def test_a_task_node_killed_mid_run_resumes_from_its_checkpoint(tmp_path, monkey
     from its checkpoint (the task's state, buffers included) and the mesh finishes."""
     monkeypatch.setenv(PLANTED_FAILURES, "node1:3")  # the launch's processes inherit it
     out = tmp_path / "run"
-    launch = meshfl(
-        *("launch", "--task", str(TASK), "--nodes", "3", "--rounds", "6", "--restarts", "1"),
+    nodes = launch_to_end(
+        tmp_path / "launch.log",
+        out,
+        *("--task", str(TASK), "--nodes", "3", "--rounds", "6", "--restarts", "1"),
         *("--set", "heartbeat_interval=0.3", "--set", "peer_timeout=1.5"),
-        *("--set", "round_timeout=10", "--quiet", "--out", str(out)),
-        log=tmp_path / "launch.log",
+        *("--set", "round_timeout=10", "--quiet"),
     )
-    try:
-        assert launch.wait(timeout=300) == 0, (tmp_path / "launch.log").read_text()
-    finally:
-        stop([launch])
-    nodes = {node["name"]: node for node in json.loads((out / "summary.json").read_text())["nodes"]}
     assert {name: (node["status"], node["round"]) for name, node in nodes.items()} == {
         name: ("finished", 6) for name in ("node0", "node1", "node2")
     }
