@@ -59,13 +59,13 @@ def command_status(command: Callable[[], int]) -> int:
     except KeyboardInterrupt as interrupt:
         return getattr(interrupt, "exit_code", EXIT_INTERRUPTED)
     except Exception as err:
-        if _is_user_error(err):
+        if is_user_error(err):
             print(f"meshfl: error: {err}", file=sys.stderr)
             return EXIT_USAGE
         raise
 
 
-def _is_user_error(err: Exception) -> bool:
+def is_user_error(err: Exception) -> bool:
     # A config's mistakes first: the node's other errors load torch, which a command whose
     # config is wrong, --help, keygen and status do without.
     from meshfl.node.config import ConfigError

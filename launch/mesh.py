@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from meshfl.node import config as cfgmod
 
@@ -51,12 +52,29 @@ class LaunchOptions:
 
 def launch(options: LaunchOptions) -> int:
     """`meshfl launch`: run the mesh, print its table; EXIT_NODE_FAILED when a node failed."""
+    from .summary import failed_nodes, print_table
+
+    summary, out = run_launch(options)
+    print_table(summary)
+    failed = failed_nodes(summary)
+    if failed:
+        print(
+            f"meshfl: {len(failed)} of {len(summary['nodes'])} nodes failed: "
+            f"{', '.join(failed)} (see {out / 'summary.json'})",
+            file=sys.stderr,
+        )
+        return EXIT_NODE_FAILED
+    return 0
+
+
+def run_launch(options: LaunchOptions) -> tuple[dict[str, Any], Path]:
+    """Run the mesh `options` describe to its end: its summary (summary.json's content)
+    and its run folder. UserError for a mistake in the flags or the config."""
     options = _resumed(options)
     cfg = resolve_config(options.config, check=False)  # the runner checks it with its addresses
     _check_flags(options, cfg)
     # Imported once the flags and the config are known to be good: the runners load torch.
     from .local_mesh import run_mesh, with_local_peers
-    from .summary import failed_nodes, print_table
 
     if options.nodes is not None or options.config.path is None:
         cfg = with_local_peers(cfg, options.nodes if options.nodes is not None else len(cfg.peers))
@@ -71,16 +89,7 @@ def launch(options: LaunchOptions) -> int:
     except KeyboardInterrupt:  # Ctrl-C, SIGTERM, SIGHUP: the nodes are stopped by now
         print(f"meshfl: stopped; resume with: {resume_command(options, out)}", file=sys.stderr)
         raise
-    print_table(summary)
-    failed = failed_nodes(summary)
-    if failed:
-        print(
-            f"meshfl: {len(failed)} of {len(summary['nodes'])} nodes failed: "
-            f"{', '.join(failed)} (see {out / 'summary.json'})",
-            file=sys.stderr,
-        )
-        return EXIT_NODE_FAILED
-    return 0
+    return summary, out
 
 
 def _resumed(options: LaunchOptions) -> LaunchOptions:

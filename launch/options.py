@@ -17,7 +17,7 @@ from pathlib import Path
 from meshfl.node import config as cfgmod
 
 # The config fields that have a flag of their own (cli.py), by the flag's dest.
-_FLAG_FIELDS = {
+FLAG_FIELDS = {
     "algorithm": "algorithm",
     "task": "task",
     "dataset": "data.dataset",
@@ -76,7 +76,7 @@ def config_source(args: argparse.Namespace) -> ConfigSource:
     overrides in that order."""
     named = [
         f"{key}={getattr(args, flag)}"
-        for flag, key in _FLAG_FIELDS.items()
+        for flag, key in FLAG_FIELDS.items()
         if getattr(args, flag, None) is not None
     ]
     return ConfigSource(args.config, (*named, *args.assignments))

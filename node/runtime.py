@@ -37,6 +37,7 @@ from meshfl.protocol.transport import TransportOptions, contact
 from meshfl.protocol.wire import Blob, make_blob
 
 from . import config as cfgmod
+from .about import mesh_about, other_mesh_line
 from .attacks import Attack, attack_for
 from .blobs import RULE_ERROR, UnusableBlob, layout_of, peer_model
 from .checkpoint import MetricsLog, load_checkpoint, save_checkpoint, write_atomically
@@ -272,7 +273,13 @@ class Node:
         )
         self.endpoint.start(self.options.bootstrap)
         try:
-            joined = self.endpoint.wait_joined(timeout=self.cfg.round_timeout)
+            joined = self.endpoint.wait_joined(
+                self.cfg.round_timeout, until_other_mesh=self.options.joining
+            )
+            other_mesh = next(iter(self.endpoint.other_meshes.values()), None)
+            if self.options.joining and not joined and other_mesh is not None:
+                ours = self.endpoint.settings.about or {}
+                raise JoinError(other_mesh_line(self.options.name, ours, other_mesh))
             if self.options.joining and not joined:
                 raise JoinError(
                     f"no mesh member answered at {', '.join(self.options.bootstrap)} "
@@ -716,12 +723,15 @@ def build_node(options: NodeOptions, role: type[Node] = Node) -> Node:
         rule_context(options, data, model, new_model, train, task),
     )
     schema = model_digest(model)
+    about = mesh_about(cfg, model, data.num_classes, schema)
     endpoint = Endpoint(
         Identity.load_or_create(options.key_path),
         mesh_id(cfg, schema),
-        endpoint_settings(options, role.DIRECT_KINDS, state_to_arrays(model)),
+        endpoint_settings(options, role.DIRECT_KINDS, state_to_arrays(model), about),
         schema=schema,
     )
+    if not options.joining:  # a joiner says it once, as the reason it stops
+        endpoint.on_other_mesh = lambda met: log.warning(other_mesh_line(options.name, about, met))
     options.out_dir.mkdir(parents=True, exist_ok=True)
     node = role(
         options,
@@ -774,9 +784,13 @@ def rule_context(
 
 
 def endpoint_settings(
-    options: NodeOptions, direct_kinds: frozenset[str], model: Mapping[str, Any]
+    options: NodeOptions,
+    direct_kinds: frozenset[str],
+    model: Mapping[str, Any],
+    about: dict[str, str | int],
 ) -> EndpointSettings:
-    """The endpoint a node of `options` runs; `model`, its arrays, sizes what it takes in."""
+    """The endpoint a node of `options` runs; `model`, its arrays, sizes what it takes in;
+    `about` says what its mesh is to nodes of another (node/about.py)."""
     cfg = options.config
     allowlist = None
     if cfg.closed:
@@ -792,6 +806,7 @@ def endpoint_settings(
         crowd=options.host_nodes,
         direct_kinds=direct_kinds,
         transport=TransportOptions(max_frame_bytes=frame_limit(model, direct_kinds)),
+        about=about,
     )
 
 

@@ -146,6 +146,10 @@ class BuiltinTask:
 # --------------------------------------------------------------------------- a user's
 
 
+# A task's own module is the `net` of its TaskModel: what its state keys start with.
+USER_PREFIX = "net."
+
+
 class TaskModel(nn.Module):
     """A task's model with the split the rules read: `head`, the module the task names
     (None where it names none), `body(x)`, the features that module takes (caught on
@@ -167,7 +171,7 @@ class TaskModel(nn.Module):
 
     @property
     def head_prefix(self) -> str:
-        return f"net.{self.head_name}."
+        return f"{USER_PREFIX}{self.head_name}."
 
     def body(self, x: torch.Tensor) -> torch.Tensor:
         """The head's input for a batch `x`."""

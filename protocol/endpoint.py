@@ -85,6 +85,18 @@ WORKER_ERROR = "worker_error"  # the worker raised: a bug, contained and logged
 VIEW_FULL, NOT_LINKED = "view_full", "not_linked"
 # Hellos of ours still waiting for their `peers` answer; the oldest are given up first.
 MAX_HELLOS_OUT = 1024
+# Nodes of other meshes noted (and answered) at most: strangers cannot grow it for good.
+MAX_OTHER_MESHES = 64
+
+
+@dataclass(frozen=True)
+class OtherMesh:
+    """A node of another mesh that said hello, and what it says its mesh is (its
+    `about`, WIRE.md 7.8): enough for a human to see how the two meshes differ."""
+
+    name: str
+    address: str
+    about: dict[str, str | int]
 
 
 @dataclass(frozen=True)
@@ -129,6 +141,9 @@ class EndpointSettings:
     # None: a full mesh, every node a peer of every other; else bounded views (WIRE.md 7.7).
     views: ViewSettings | None = None
     crowd: int = 1  # nodes in this process, this one included (membership.PeerTable)
+    # What this node's mesh is, for a human (WIRE.md 7.8): sent in every hello, so a node
+    # of another mesh can say how the two differ. None: nothing said.
+    about: dict[str, str | int] | None = None
 
     @property
     def address(self) -> str:
@@ -251,6 +266,10 @@ class Endpoint:
         # Whether the node wants no link with the peer of this name (its record shows
         # clear harm): called on the worker thread, so it must only read.
         self.shuns: Callable[[str], bool] = lambda name: False
+        # Nodes of other meshes that said hello, by key, and what the node is told of each
+        # as it is met (on the worker thread: it must be quick).
+        self.other_meshes: dict[bytes, OtherMesh] = {}
+        self.on_other_mesh: Callable[[OtherMesh], None] = lambda met: None
         # One handler per kind of WIRE.md section 4; the decoder lets no other kind through.
         self._handlers: dict[str, Callable[[Message], None]] = {
             "hello": self._on_hello,
@@ -387,9 +406,18 @@ class Endpoint:
                 self.passive.add(Candidate(key, address))
         return first
 
-    def wait_joined(self, timeout: float) -> bool:
-        """True once a peer answered our hello; raises Refused if the mesh refused us."""
-        self._joined.wait(timeout)
+    def wait_joined(self, timeout: float, until_other_mesh: bool = False) -> bool:
+        """True once a peer answered our hello; raises Refused if the mesh refused us.
+        `until_other_mesh`: stop waiting, too, once a node of another mesh said hello
+        while no peer has (a joiner that dialled the wrong mesh learns it at once)."""
+        with self._changed:
+            self._changed.wait_for(
+                lambda: (
+                    self._joined.is_set()
+                    or (until_other_mesh and bool(self.other_meshes) and not self.table.alive())
+                ),
+                timeout,
+            )
         if self._refusal:
             raise Refused(self._refusal)
         return self._joined.is_set()
@@ -656,6 +684,8 @@ class Endpoint:
 
     def _hello_body(self, wants_peers: bool = True) -> dict[str, Any]:
         body: dict[str, Any] = {"name": self.settings.name, "addr": self.address}
+        if self.settings.about is not None:
+            body["about"] = self.settings.about
         if not wants_peers:
             body["list"] = False  # answer with yourself only: we know the mesh (WIRE.md 7.1)
         return body
@@ -964,14 +994,19 @@ class Endpoint:
         try:
             message = self.decoder.decode(received.frames)
         except Rejected as rejection:
-            self._log_rejection(received.routing_id, rejection)
             refused = rejection.message
+            if rejection.reason != "wrong_mesh" or refused is None:
+                self._log_rejection(received.routing_id, rejection)  # else the node says more
             if rejection.reason == "duplicate_key" and refused is not None:
                 with self._lock:
                     self._refuse(refused)
             elif refused is not None and refused.kind == "blob":
                 with self._lock:  # the holder will not send that blob: look elsewhere now
                     self.blobs.holder_failed(refused.sender, id_of_record(refused.body["record"]))
+            elif rejection.reason == "wrong_mesh" and refused is not None:
+                with self._lock:
+                    self._meet_other_mesh(refused)
+                    self._changed.notify_all()
             return
         with self._lock:
             if message.sender == self.identity.public_key and message.instance == self.instance:
@@ -1016,6 +1051,20 @@ class Endpoint:
             if self.table.conflicting_instance(message.sender, message.instance, address):
                 return "duplicate_key"
         return None
+
+    def _meet_other_mesh(self, message: Message) -> None:
+        """A signed hello of another mesh that says what that mesh is: noted once per key,
+        told to the node, and answered with our own hello unless it answers ours, so that its
+        node can say how the two differ too (WIRE.md 7.8). Neither joins the other."""
+        if message.sender in self.other_meshes or len(self.other_meshes) >= MAX_OTHER_MESHES:
+            return
+        body = message.body
+        met = OtherMesh(body["name"], body["addr"], dict(body["about"]))
+        self.other_meshes[message.sender] = met
+        if self.settings.about is not None and met.address not in self._hellos_out:
+            # (a node we greeted has our `about` already: its answer is not answered)
+            self._send(met.address, "hello", self._hello_body(False), once=True, key=message.sender)
+        self.on_other_mesh(met)
 
     def _refuse(self, message: Message) -> None:
         address = message.body.get("addr")

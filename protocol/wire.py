@@ -398,6 +398,8 @@ def _check_keys_and_addresses(message: Message) -> None:
         raise Rejected("bad_address", f"{message.kind}.body.addr")
     if message.kind == "hello" and not isinstance(body.get("list", True), bool):
         raise Rejected("bad_header", "hello.body.list is not a bool")
+    if message.kind == "hello" and "about" in body and not is_about(body["about"]):
+        raise Rejected("bad_header", "hello.body.about is not a short map of text")
     if message.kind == "announce" and not is_usable_public_key(body["origin"]):
         raise Rejected(WEAK_KEY, "announce origin")
     if message.kind == "peers" and not isinstance(body.get("linked", True), bool):
@@ -410,6 +412,29 @@ def _check_keys_and_addresses(message: Message) -> None:
                 raise Rejected(WEAK_KEY, "peers entry")
             if not is_wire_endpoint(entry["addr"]):
                 raise Rejected("bad_address", "peers entry")
+
+
+# A hello's optional `about` (WIRE.md 7.8): what the sender's mesh is, for a human.
+MAX_ABOUT_FIELDS = 16
+MAX_ABOUT_TEXT = 256
+
+
+def is_about(value: Any) -> bool:
+    """Whether `value` is a well-formed `about`: a map of at most 16 fields, each a
+    name of at most 32 characters and a value that is text of at most 256 or an int."""
+    return (
+        isinstance(value, dict)
+        and len(value) <= MAX_ABOUT_FIELDS
+        and all(
+            isinstance(name, str)
+            and 0 < len(name) <= 32
+            and (
+                (isinstance(text, str) and len(text) <= MAX_ABOUT_TEXT)
+                or (isinstance(text, int) and not isinstance(text, bool))
+            )
+            for name, text in value.items()
+        )
+    )
 
 
 def _check_cards(message: Message) -> None:
@@ -427,6 +452,14 @@ def _check_cards(message: Message) -> None:
         fault = card_shape_fault(card)
         if fault is not None:
             raise Rejected(WEAK_KEY if fault.endswith("weak") else "bad_header", fault)
+
+
+def _authentic_about(message: Message, header_bytes: bytes, signature: bytes) -> Message | None:
+    """A hello of another mesh that says what that mesh is (`about`) and is signed by
+    its sender, for the receiver to name both meshes (WIRE.md 7.8); else None."""
+    if message.kind != "hello" or "about" not in message.body:
+        return None
+    return message if verify(message.sender, signature, HEADER_CONTEXT + header_bytes) else None
 
 
 def _check_signature(message: Message, header_bytes: bytes, signature: bytes) -> None:
@@ -541,7 +574,7 @@ class Decoder:
         message = self._check_header(header)
         _check_keys_and_addresses(message)
         if not self._same_mesh(header["mesh"], message.kind):
-            raise Rejected("wrong_mesh")
+            raise Rejected("wrong_mesh", message=_authentic_about(message, header_bytes, signature))
         return message, header, header_bytes, signature
 
     def _note_seq(self, sender: bytes, seq: int) -> None:

@@ -399,6 +399,61 @@ def test_nodes_of_a_task_on_their_own_and_a_joiner_learn_it_together(tmp_path):
     assert "delta" in members, "and the members took in its"
 
 
+def test_a_joiner_with_another_task_is_told_in_one_line_how_the_meshes_differ(tmp_path):
+    """A joiner whose task has a wider hidden layer dials a member: both say, in one line
+    naming both tasks and models, that the other runs another mesh; the joiner stops at
+    once rather than waiting out its round timeout, and neither learns from the other."""
+    config = tmp_path / "peers.yaml"
+    settings = write_config(config, 2, task=str(TASK), rounds=40)
+    settings["round_timeout"] = 60.0
+    for peer in settings["peers"]:
+        peer["train_delay"] = 0.2
+    config.write_text(yaml.safe_dump(settings))
+    wide = tmp_path / "wide_task.py"
+    wide.write_text(
+        TASK.read_text()
+        .replace("nn.Linear(64, 32)", "nn.Linear(64, 48)")
+        .replace("BatchNorm1d(32)", "BatchNorm1d(48)")
+        .replace("Linear(32, 10)", "Linear(48, 10)")
+    )
+    out = tmp_path / "out"
+    nodes = [start_node(config, f"node{index}", out) for index in range(2)]
+    try:
+        wait_round(out, "node0", 1, timeout=120)
+        listen = settings["peers"][1]["listen"]
+        joined = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "meshfl.launch.cli",
+                "join",
+                listen,
+                "--config",
+                str(config),
+                "--task",
+                str(wide),
+                "--name",
+                "wide",
+                "--out",
+                str(out),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=50,
+        )
+        member_log = (out / "node1" / "node.log").read_text()
+    finally:
+        stop(nodes)
+    assert joined.returncode != 0
+    said = [line for line in joined.stderr.splitlines() if "runs another mesh" in line]
+    assert len(said) == 1, joined.stderr[-2000:]
+    assert "task: its digits_task.py, ours wide_task.py" in said[0]
+    assert "classifier.weight 10×32, ours" in said[0] and "classifier.weight 10×48" in said[0]
+    assert "Traceback" not in joined.stderr
+    heard = [line for line in member_log.splitlines() if "wide at tcp://" in line]
+    assert len(heard) == 1 and "task: its wide_task.py, ours digits_task.py" in heard[0]
+
+
 # --------------------------------------------------------------------------- own files
 
 
