@@ -55,6 +55,11 @@ SKIPPED: dict[str, str] = {
     "--listen tcp://192.168.1.13:7700 --key keys/delta.pem": NEEDS_LAN,
     "meshfl status 9a41...@tcp://192.168.1.10:7700": NEEDS_MEMBER_KEY,
     "meshfl launch --nodes 500 --ray auto --rounds 20 --out runs/big": NEEDS_RAY,
+    "meshfl bench against --nodes N --rounds 5 --repeats 3 --set "
+    "task=examples/flower_digits_task.py --set algorithm.name=fedavg --set "
+    "algorithm.screen=false --set local_epochs=1 -- python flower_fedavg_digits.py "
+    "--nodes N --rounds 5": "runs Flower's simulation beside meshfl (flwr in its own venv), "
+    "minutes at each size",
     "meshfl launch --nodes 500 --ray 192.168.1.10:6379 --dataset mnist --data-root /data": (
         NEEDS_RAY + " and a data root"
     ),
@@ -81,8 +86,6 @@ SLOW = {
     "meshfl launch --out runs/first",
     "meshfl host --config peers.yaml --names node0,node1 --out run --local-nodes 2 &",
     "meshfl launch --set attack.nodes=[node3] --set attack.kind=labelflip",
-    "meshfl launch --nodes 16 --rounds 20 --quiet --set local_epochs=1 --set momentum=0 "
-    "--set algorithm.screen=false",
     "meshfl launch --task examples/breast_cancer_task.py --algorithm fedc2i",
     "meshfl launch --task my-task/task.py",
 }
