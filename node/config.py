@@ -370,6 +370,10 @@ class MeshConfig:
     momentum: Annotated[float, _finite("a number >= 0 and < 1", ge=0, lt=1), _FROM_TEXT] = 0.5
     weight_decay: Annotated[float, _finite("a finite number >= 0", ge=0), _FROM_TEXT] = 0.0
     seed: Annotated[int, _rule(f"an integer 0 to {_MAX_SEED}", ge=0, le=_MAX_SEED)] = 0
+    # FedBN: each node keeps its own BatchNorm layers (weights and running statistics),
+    # reading every peer's as its own (node/runtime.py). A node's own affair, not the
+    # mesh's: peers that differ in it still exchange the same blobs.
+    local_batchnorm: Annotated[bool, _rule("true or false")] = False
     # How long a round waits for the models it wants; a node host of more than 10 nodes
     # stretches it as it does liveness (node/runtime.py, `Node.model_wait`).
     round_timeout: _Seconds = 30.0

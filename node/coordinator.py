@@ -257,7 +257,7 @@ class ClientNode(Node):
             except Exception as error:  # the coordinator's tensors made the rule raise
                 self._refuse_personal(RULE_ERROR, error)
                 continue
-            self.model.load_state_dict(state)
+            self.model.load_state_dict(self.with_own_local(PeerModel(state, 1)).state)
             if in_flight is not None and meta["round"] > in_flight.round:
                 self._record(in_flight, meta.get("weights", {}))
             if not meta["train"]:

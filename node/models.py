@@ -280,3 +280,17 @@ def model_schema(model: nn.Module) -> list[tuple[str, str, tuple[int, ...]]]:
         (key, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
         for key, tensor in model.state_dict().items()
     )
+
+
+BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+def batchnorm_keys(model: nn.Module) -> frozenset[str]:
+    """The state keys of the model's BatchNorm layers: their weights, biases, running
+    statistics and batch counters (what FedBN keeps local)."""
+    return frozenset(
+        f"{name}.{key}" if name else key
+        for name, module in model.named_modules()
+        if isinstance(module, BATCHNORMS)
+        for key in module.state_dict()
+    )

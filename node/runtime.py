@@ -43,7 +43,7 @@ from .blobs import RULE_ERROR, UnusableBlob, layout_of, peer_model
 from .checkpoint import MetricsLog, load_checkpoint, save_checkpoint, write_atomically
 from .containment import run_contained
 from .metrics import RoundRecord
-from .models import model_schema
+from .models import batchnorm_keys, model_schema
 from .neighbours import neighbours_to_drop
 from .splits import NodeData
 from .task import Task, node_info, task_of
@@ -201,6 +201,8 @@ class Node:
         self.cpu: AbstractContextManager[Any] = contextlib.nullcontext()
         self._last_neighbours: set[str] = set()  # when the last round began (bounded mesh)
         self._suspects: set[str] = set()  # peers whose input made the rule raise last round
+        # FedBN (`local_batchnorm`): the entries every model taken in carries as ours.
+        self.local_keys = batchnorm_keys(model) if self.cfg.local_batchnorm else frozenset()
 
     @property
     def identity(self) -> Identity:
@@ -649,8 +651,17 @@ class Node:
                     log.warning("%s: refused %s's blob: %s", self.options.name, name, error)
                     intake.refuse(kind, name, error.reason)
                     continue
-                intake.received.setdefault(kind, {})[name] = model
+                intake.received.setdefault(kind, {})[name] = self.with_own_local(model)
         return intake
+
+    def with_own_local(self, model: PeerModel) -> PeerModel:
+        """`model` with this node's own values in its local entries (`local_keys`): every
+        rule then averages, scores and screens the peers' models as they would be here,
+        with our BatchNorm layers, and an average of them leaves ours as they are."""
+        ours = self.model.state_dict()
+        for key in self.local_keys & model.state.keys():
+            model.state[key] = ours[key].detach().clone()
+        return model
 
     def _aggregate(self, round_no: int, intake: PeerIntake) -> Aggregate:
         """The rule's aggregate of the admitted peers' models, contained: a peer whose
