@@ -204,16 +204,17 @@ class UserTask:
 
     @property
     def training(self) -> TrainingChoices:
-        """The task's `batch_size`, `loss(logits, labels)` and `optimizer(parameters)`,
-        where it defines them."""
+        """The task's `batch_size`, `loss(logits, labels)`, `optimizer(parameters)` and
+        `augment(x)`, where it defines them."""
         batch_size = getattr(self.module, "batch_size", None)
         if batch_size is not None and not (isinstance(batch_size, int) and batch_size >= 1):
             self.fail(f"batch_size: got {batch_size!r}; expected an integer >= 1")
-        functions = {name: getattr(self.module, name, None) for name in ("loss", "optimizer")}
+        names = ("loss", "optimizer", "augment")
+        functions = {name: getattr(self.module, name, None) for name in names}
         for name, function in functions.items():
             if function is not None and not callable(function):
                 self.fail(f"{name}: got {type(function).__name__}; expected a function")
-        return TrainingChoices(batch_size, functions["loss"], functions["optimizer"])
+        return TrainingChoices(batch_size, *functions.values())
 
     def fail(self, problem: str) -> NoReturn:
         raise TaskError(f"task {self.source}: {problem}")
@@ -285,9 +286,10 @@ class UserTask:
         logits = None
         for training in (False, True):  # evaluation, then a training step's forward
             model.train(training)
+            inputs = self._augmented(x_train[:2]) if training else x_train[:2]
             try:
                 with torch.set_grad_enabled(training):
-                    logits = model(x_train[:2])
+                    logits = model(inputs)
             except Exception as err:
                 shape = tuple(x_train.shape[1:])
                 self.fail(f"model() cannot take this node's inputs of shape {shape}: {err}")
@@ -297,6 +299,20 @@ class UserTask:
         assert logits is not None
         self._check_training(model, logits)
         return int(logits.shape[1])
+
+    def _augmented(self, x: torch.Tensor) -> torch.Tensor:
+        """One batch through the task's `augment`, checked as training will take it."""
+        augment = self.training.augment
+        if augment is None:
+            return x
+        try:
+            out = augment(x.clone())
+        except Exception as err:
+            self.fail(f"augment(x) raised {_where(err, self.module)}")
+        if not (isinstance(out, torch.Tensor) and out.dim() >= 1 and len(out) == len(x)):
+            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            self.fail(f"augment(x) must return a batch of {len(x)} inputs; it gave {got}")
+        return out
 
     def _check_training(self, model: nn.Module, logits: torch.Tensor) -> None:
         """The task's loss on one batch of logits, backward through the model, and its

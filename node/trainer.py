@@ -166,16 +166,19 @@ TrainRecipe = Callable[..., float]
 # with zero_grad() and step(), such as any torch.optim.Optimizer
 LossFunction = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 OptimizerFactory = Callable[[list[nn.Parameter]], "Optimizer | torch.optim.Optimizer"]
+Augmentation = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
 class TrainingChoices:
     """What a task may choose about its training in place of the mesh's settings
-    (node/task.py): None keeps the config's batch size, cross-entropy, optimizer."""
+    (node/task.py): None keeps the config's batch size, cross-entropy, optimizer; and
+    `augment`, what each training batch goes through first (None: nothing)."""
 
     batch_size: int | None = None
     loss: LossFunction | None = None
     optimizer: OptimizerFactory | None = None
+    augment: Augmentation | None = None
 
 
 def training_recipe(cfg: MeshConfig, choices: TrainingChoices | None = None) -> TrainRecipe:
@@ -208,6 +211,7 @@ def training_recipe(cfg: MeshConfig, choices: TrainingChoices | None = None) -> 
             max_steps=max_steps,
             loss=choices.loss,
             new_optimizer=choices.optimizer,
+            augment=choices.augment,
         )
 
     return train
@@ -228,6 +232,7 @@ def train_local(
     before_step: Callable[[int], None] | None = None,
     loss: LossFunction | None = None,
     new_optimizer: OptimizerFactory | None = None,
+    augment: Augmentation | None = None,
 ) -> float:
     """Train ``model`` in place with cross-entropy; return the mean loss per sample seen.
 
@@ -236,7 +241,9 @@ def train_local(
     ``max_steps`` caps optimizer steps over all epochs (Fed-Influence's ``m`` local
     steps). ``before_step(i)`` runs before step ``i`` (0-based) while the model still
     holds the weights that step starts from (Fed-Influence samples gradients there).
-    `loss` and `new_optimizer` replace cross-entropy and the named optimizer (a task's).
+    `loss` and `new_optimizer` replace cross-entropy and the named optimizer (a task's);
+    `augment` takes each batch of inputs before the model does (a task's augmentation,
+    drawing from torch's generator, seeded like dropout).
     """
     if len(x) == 0:
         raise ValueError("no training samples: the node's train split is empty")
@@ -265,7 +272,8 @@ def train_local(
             if before_step is not None:
                 before_step(step)
             optim.zero_grad()
-            batch_loss = loss_of(model(x[batch]), y[batch])
+            inputs = x[batch] if augment is None else augment(x[batch])
+            batch_loss = loss_of(model(inputs), y[batch])
             batch_loss.backward()
             optim.step()
             loss_sum += batch_loss.item() * len(batch)

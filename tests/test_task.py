@@ -89,6 +89,28 @@ def test_a_task_trains_with_its_own_batch_size_loss_and_optimizer():
     assert not torch.equal(before, model.state_dict()["net.classifier.weight"])
 
 
+def test_a_tasks_augmentation_takes_every_training_batch_seeded_by_the_round(tmp_path):
+    """`augment(x)` runs on each batch before the model (noise here), drawing from
+    torch's generator as dropout does: the same seed trains the same model."""
+    source = TASK.read_text() + (
+        "\n\ncalls = []\n\ndef augment(x):\n    calls.append(len(x))\n"
+        "    return x + 0.1 * torch.randn_like(x)\n"
+    )
+    task = UserTask(
+        str(write_task(tmp_path, source)), load_task_module(str(tmp_path / "task.py")), 0
+    )
+    data = task.node_data(node())
+    recipe = training_recipe(MeshConfig(local_epochs=1), task.training)
+    trained = []
+    for seed in (0, 0, 1):
+        model = task.model_maker(data)()
+        task.module.calls.clear()
+        recipe(model, data.x_train, data.y_train, None, seed=seed)
+        trained.append(model.state_dict()["net.classifier.weight"])
+        assert task.module.calls == [30, 30, 30]  # 90 training samples, batches of 30
+    assert torch.equal(trained[0], trained[1]) and not torch.equal(trained[0], trained[2])
+
+
 def test_frozen_layers_stay_and_integer_buffers_are_kept_local_when_averaged():
     task = user_task()
     data = task.node_data(node())
@@ -171,6 +193,11 @@ MISTAKES = {
         GOOD_DATA + "\ndef model():\n    return nn.Linear(5, 3)\n\n"
         "def optimizer(parameters):\n    return parameters\n",
         ["optimizer(parameters) must return an optimizer"],
+    ),
+    "an augmentation that drops the batch": (
+        GOOD_DATA + "\ndef model():\n    return nn.Linear(5, 3)\n\n"
+        "def augment(x):\n    return x[:1]\n",
+        ["augment(x) must return a batch of 2 inputs; it gave (1, 5)"],
     ),
     "a batch size of none": (
         GOOD_DATA + "\nbatch_size = 0\n\ndef model():\n    return nn.Linear(5, 3)\n",
