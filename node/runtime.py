@@ -436,7 +436,9 @@ class Node:
         if self.endpoint.views is not None:
             # Places freed after the last round are being filled. Published first, so
             # no neighbour waits on this; a newcomer hears of our blob when it links.
+            view_clock = time.perf_counter()
             self.wait_for_neighbours()
+            seconds["view_wait"] = time.perf_counter() - view_clock
         deadline = time.monotonic() + self.model_wait
         neighbours = {peer.public_key: peer.name for peer in self.endpoint.alive_peers()}
         alive = set(neighbours)

@@ -17,6 +17,7 @@ BENCHMARKS = {
     "fedinfluence": "Fed-Influence against exact leave-one-out, cleansing and overhead",
     "faults": "a bounded mesh losing some of its processes at once: do views refill?",
     "against": "a mesh beside another program doing the same job (Flower), alternately",
+    "views": "neighbours chosen by benefit against random ones: wall time and where it goes",
 }
 
 
