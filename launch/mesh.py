@@ -52,9 +52,9 @@ class LaunchOptions:
 
 def launch(options: LaunchOptions) -> int:
     """`meshfl launch`: run the mesh, print its table; EXIT_NODE_FAILED when a node failed."""
-    from .summary import failed_nodes, print_table
-
     summary, out = run_launch(options)
+    from .summary import failed_nodes, print_table  # torch: once the config read well
+
     print_table(summary)
     failed = failed_nodes(summary)
     if failed:

@@ -660,6 +660,8 @@ class Node:
         """`model` with this node's own values in its local entries (`local_keys`): every
         rule then averages, scores and screens the peers' models as they would be here,
         with our BatchNorm layers, and an average of them leaves ours as they are."""
+        if not self.local_keys:
+            return model
         ours = self.model.state_dict()
         for key in self.local_keys & model.state.keys():
             model.state[key] = ours[key].detach().clone()

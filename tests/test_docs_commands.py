@@ -55,6 +55,10 @@ SKIPPED: dict[str, str] = {
     "--listen tcp://192.168.1.13:7700 --key keys/delta.pem": NEEDS_LAN,
     "meshfl status 9a41...@tcp://192.168.1.10:7700": NEEDS_MEMBER_KEY,
     "meshfl launch --nodes 500 --ray auto --rounds 20 --out runs/big": NEEDS_RAY,
+    "meshfl bench views --nodes 60 --rounds 12 --repeats 3 --set data.dataset=mnist --set "
+    "data.root=DIR --set data.partition=clusters:5 --set data.samples_per_node=300": (
+        NEEDS_DATA_ROOT + "; six 60-node runs, minutes"
+    ),
     "meshfl bench against --nodes N --rounds 5 --repeats 3 --set "
     "task=examples/flower_digits_task.py --set algorithm.name=fedavg --set "
     "algorithm.screen=false --set local_epochs=1 -- python flower_fedavg_digits.py "

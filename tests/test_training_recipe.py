@@ -53,6 +53,7 @@ NOT_TRAINING = {
     "coordinator",
     "attack",
     "topology",  # whom a node learns from, not how it trains
+    "local_batchnorm",  # what a node takes of its peers' models (test_fedbn.py)
     "peers",
 }
 
