@@ -71,7 +71,7 @@ def other_mesh_line(me: str, ours: Mapping[str, str | int], met: OtherMesh) -> s
     """One line naming both meshes: each field where they differ, theirs and ours. The
     other side's words come from the network: printed only as plain, printable text."""
     differing = [field for field in FIELDS if field in ours and met.about.get(field) != ours[field]]
-    if "model" in differing:  # the layout digest adds nothing to the words
+    if "model" in differing and "layout" in differing:  # the digest adds nothing to words
         differing.remove("layout")
     differences = [
         f"{field}: its {_printable(met.about.get(field, '?'))}, ours {_printable(ours[field])}"

@@ -52,6 +52,7 @@ from .wire import (
     Limits,
     Message,
     Rejected,
+    SignedClaim,
     announce_body,
     encode,
     new_instance,
@@ -207,6 +208,7 @@ class Endpoint:
         self.status_extra: Callable[[], dict[str, Any]] | None = None
         self._status_answers = _RateLimit(settings.status_per_second)
         self._unlink_answers = _RateLimit(settings.status_per_second)
+        self._about_checks = _RateLimit(settings.status_per_second)
         self._started = time.monotonic()
         self._inboxes: dict[str, queue.Queue[Message]] = defaultdict(queue.Queue)
         self._queued: Counter[tuple[str, bytes]] = Counter()  # (kind, sender) in the inboxes
@@ -995,7 +997,7 @@ class Endpoint:
             message = self.decoder.decode(received.frames)
         except Rejected as rejection:
             refused = rejection.message
-            if rejection.reason != "wrong_mesh" or refused is None:
+            if rejection.claim is None:
                 self._log_rejection(received.routing_id, rejection)  # else the node says more
             if rejection.reason == "duplicate_key" and refused is not None:
                 with self._lock:
@@ -1003,9 +1005,9 @@ class Endpoint:
             elif refused is not None and refused.kind == "blob":
                 with self._lock:  # the holder will not send that blob: look elsewhere now
                     self.blobs.holder_failed(refused.sender, id_of_record(refused.body["record"]))
-            elif rejection.reason == "wrong_mesh" and refused is not None:
+            elif rejection.claim is not None:
                 with self._lock:
-                    self._meet_other_mesh(refused)
+                    self._meet_other_mesh(rejection.claim)
                     self._changed.notify_all()
             return
         with self._lock:
@@ -1052,11 +1054,16 @@ class Endpoint:
                 return "duplicate_key"
         return None
 
-    def _meet_other_mesh(self, message: Message) -> None:
+    def _meet_other_mesh(self, claim: SignedClaim) -> None:
         """A signed hello of another mesh that says what that mesh is: noted once per key,
         told to the node, and answered with our own hello unless it answers ours, so that its
-        node can say how the two differ too (WIRE.md 7.8). Neither joins the other."""
+        node can say how the two differ too (WIRE.md 7.8). Neither joins the other. Its
+        signature is checked only for a new key, room left and at most status_per_second
+        a second: another mesh's hellos must not buy a flood of signature checks."""
+        message = claim.message
         if message.sender in self.other_meshes or len(self.other_meshes) >= MAX_OTHER_MESHES:
+            return
+        if not self._about_checks.allow() or not claim.authentic():
             return
         body = message.body
         met = OtherMesh(body["name"], body["addr"], dict(body["about"]))

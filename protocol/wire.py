@@ -113,11 +113,31 @@ REJECTION_REASONS = (
 class Rejected(Exception):
     """A message the decoder refused; `reason` is one of REJECTION_REASONS."""
 
-    def __init__(self, reason: str, detail: str = "", message: Message | None = None) -> None:
+    def __init__(
+        self,
+        reason: str,
+        detail: str = "",
+        message: Message | None = None,
+        claim: SignedClaim | None = None,
+    ) -> None:
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
         self.detail = detail
         self.message = message  # set when the rejected message was authentic (signature ok)
+        self.claim = claim  # a hello of another mesh saying what it is, signature unchecked
+
+
+@dataclass(frozen=True)
+class SignedClaim:
+    """A message refused before its signature was checked, kept with what checks it:
+    the receiver decides whether it is worth a signature check (WIRE.md 7.8)."""
+
+    message: Message
+    header_bytes: bytes
+    signature: bytes
+
+    def authentic(self) -> bool:
+        return _signed_by_sender(self.message, self.header_bytes, self.signature)
 
 
 @dataclass(frozen=True)
@@ -454,16 +474,20 @@ def _check_cards(message: Message) -> None:
             raise Rejected(WEAK_KEY if fault.endswith("weak") else "bad_header", fault)
 
 
-def _authentic_about(message: Message, header_bytes: bytes, signature: bytes) -> Message | None:
-    """A hello of another mesh that says what that mesh is (`about`) and is signed by
-    its sender, for the receiver to name both meshes (WIRE.md 7.8); else None."""
+def _about_claim(message: Message, header_bytes: bytes, signature: bytes) -> SignedClaim | None:
+    """A hello of another mesh that says what that mesh is (`about`), for the receiver
+    to name both meshes once it checked the signature (WIRE.md 7.8); else None."""
     if message.kind != "hello" or "about" not in message.body:
         return None
-    return message if verify(message.sender, signature, HEADER_CONTEXT + header_bytes) else None
+    return SignedClaim(message, header_bytes, signature)
+
+
+def _signed_by_sender(message: Message, header_bytes: bytes, signature: bytes) -> bool:
+    return verify(message.sender, signature, HEADER_CONTEXT + header_bytes)
 
 
 def _check_signature(message: Message, header_bytes: bytes, signature: bytes) -> None:
-    if not verify(message.sender, signature, HEADER_CONTEXT + header_bytes):
+    if not _signed_by_sender(message, header_bytes, signature):
         raise Rejected("bad_signature")
 
 
@@ -574,7 +598,7 @@ class Decoder:
         message = self._check_header(header)
         _check_keys_and_addresses(message)
         if not self._same_mesh(header["mesh"], message.kind):
-            raise Rejected("wrong_mesh", message=_authentic_about(message, header_bytes, signature))
+            raise Rejected("wrong_mesh", claim=_about_claim(message, header_bytes, signature))
         return message, header, header_bytes, signature
 
     def _note_seq(self, sender: bytes, seq: int) -> None:

@@ -578,3 +578,16 @@ def test_data_classes_beside_a_task_is_refused_by_name():
     with pytest.raises(ConfigError, match="data.classes.*the task's model gives the number"):
         validate(cfg)
     validate(replace(cfg, data=DataConfig()))
+
+
+def test_the_other_mesh_line_names_each_field_that_differs_and_only_those():
+    from meshfl.node.about import other_mesh_line
+    from meshfl.protocol.endpoint import OtherMesh
+
+    ours = {"mesh": "lab", "task": "a.py", "classes": 10, "model": "m1", "layout": "ab"}
+    met = OtherMesh("beta", "tcp://10.0.0.2:7700", {**ours, "model": "m2", "classes": 9})
+    line = other_mesh_line("alpha", ours, met)
+    assert line.startswith("alpha: beta at tcp://10.0.0.2:7700 runs another mesh")
+    assert line.endswith("classes: its 9, ours 10; model: its m2, ours m1")
+    hostile = OtherMesh("x", "tcp://10.0.0.3:1", {**ours, "task": "a\nb\x1b[2J"})
+    assert other_mesh_line("alpha", ours, hostile).endswith("task: its a?b?[2J, ours a.py")
