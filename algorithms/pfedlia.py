@@ -12,6 +12,12 @@ publishes the same kinds in a round and nobody waits on a kind a peer never send
    scores I(i,j) = Σ_{z ∈ val_i} [L(z, θ_0) − L(z, θ̃_j)] (Eq. 1; self included), splits
    the scores by 2-means (seeded, n_init = 10) and keeps the higher-mean cluster, plus
    itself, as its group. It fetches every model in this round and averages its group's.
+   With `split: harm` (the default) a peer of the lower cluster joins the group too
+   unless its lazy model's val loss is above the higher cluster's mean by the evidence
+   screening asks for (evidence.HARM_BOUND paired standard errors): 2-means always cuts
+   the scores in two, and where the peers' data are alike (iid shards) the cut falls
+   through noise and leaves out 3 to 5 of 9 peers who would help. `split: 2-means` is the
+   paper's rule.
 3. Rounds > W+1: FedAvg over the group only (groups may be asymmetric). Only the group's
    models are downloaded.
 
@@ -20,7 +26,8 @@ Peers that arrive late. From round W+1 on every node keeps announcing its lazy m
 digest, and a blob travels only when someone asks for it, so this costs announces, not
 bytes. A node that has never scored a peer asks for that peer's lazy blob, scores it
 against its own θ_0 and puts it in its group when the score is nearer the beneficial
-2-means center than the other one: clustering is not redone, the newcomer is placed on
+2-means center than the other one (or, with `split: harm`, when its lazy model does no
+harm beside the higher cluster's): clustering is not redone, the newcomer is placed on
 the existing split. A newcomer (or any node without θ_0, e.g. one that joined during the
 lazy round) fetches every anchor in its first round, takes their average as θ_0 (over a
 full mesh the anchors are bit-identical), trains its own lazy model from it, scores
@@ -55,7 +62,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -75,6 +82,7 @@ from .base import (
     weighted_average,
 )
 from .baselines import FedAvg
+from .evidence import HARM_BOUND, harm_z
 
 LAZY, ANCHOR, TRUTH = "lazy", "anchor", "truth"
 NOT_READY_KEY = "pfedlia.not_ready"  # the placeholder a node announces before it has θ_0
@@ -143,6 +151,9 @@ class PFedLIAParams:
     oracle: bool = False  # group by the true clusters instead of lazy influence
     # True: the run is the warm-up alone, on purpose (FedAvg; no lazy phase, no groups).
     warmup_only: bool = False
+    # "harm": the lower 2-means cluster's peers stay in the group unless their lazy models
+    # do harm beside the higher cluster's; "2-means": the paper's split as it falls.
+    split: Literal["harm", "2-means"] = "harm"
 
     def __post_init__(self) -> None:
         if self.warmup is not None and self.warmup < 0:
@@ -171,20 +182,44 @@ class PFedLIAParams:
 # --------------------------------------------------------------------------- lazy influence
 
 
+def validation_losses(
+    model: torch.nn.Module, state: State, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024
+) -> torch.Tensor:
+    """L(z, state) for every z of (x, y): the per-sample cross-entropy, as float64."""
+    model.load_state_dict(state)
+    model.eval()
+    with torch.no_grad():
+        return torch.cat(
+            [
+                functional.cross_entropy(
+                    model(x[start : start + batch_size]),
+                    y[start : start + batch_size],
+                    reduction="none",
+                ).double()
+                for start in range(0, len(y), batch_size)
+            ]
+            or [torch.zeros(0, dtype=torch.float64)]
+        )
+
+
 def validation_loss_sum(
     model: torch.nn.Module, state: State, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024
 ) -> float:
     """Σ_z L(z, state) over (x, y): cross-entropy summed, not averaged, as in Eq. 1."""
-    model.load_state_dict(state)
-    model.eval()
-    total = 0.0
-    with torch.no_grad():
-        for start in range(0, len(y), batch_size):
-            logits = model(x[start : start + batch_size])
-            total += float(
-                functional.cross_entropy(logits, y[start : start + batch_size], reduction="sum")
-            )
-    return total
+    return float(validation_losses(model, state, x, y, batch_size).sum())
+
+
+def lazy_validation_losses(
+    model: torch.nn.Module,
+    lazy_models: Mapping[str, State],
+    x_val: torch.Tensor,
+    y_val: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """Each lazy model θ̃_j's per-sample val losses L(z, θ̃_j)."""
+    return {
+        peer: validation_losses(model, state, x_val, y_val)
+        for peer, state in sorted(lazy_models.items())
+    }
 
 
 def lazy_influence_scores(
@@ -197,10 +232,18 @@ def lazy_influence_scores(
     """I(i,j) = Σ_{z∈val_i} [L(z,θ_0) − L(z,θ̃_j)] for every lazy model θ̃_j given: positive
     when j's few steps from θ_0 lowered i's validation loss."""
     anchor_loss = validation_loss_sum(model, anchor, x_val, y_val)
-    return {
-        peer: anchor_loss - validation_loss_sum(model, state, x_val, y_val)
-        for peer, state in sorted(lazy_models.items())
-    }
+    return influence_scores(anchor_loss, lazy_validation_losses(model, lazy_models, x_val, y_val))
+
+
+def influence_scores(anchor_loss: float, losses: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    """Eq. 1 from the anchor's summed val loss and each lazy model's per-sample losses."""
+    return {peer: anchor_loss - float(loss.sum()) for peer, loss in losses.items()}
+
+
+def harmless_beside(losses: torch.Tensor, reference: torch.Tensor) -> bool:
+    """Whether a lazy model's per-sample val losses are not above the `reference` ones
+    (the higher cluster's mean) by evidence of harm: HARM_BOUND paired standard errors."""
+    return harm_z(losses - reference) <= HARM_BOUND
 
 
 def train_lazy_model(
@@ -355,7 +398,11 @@ class PFedLIA(PeerAlgorithm):
         self.anchor: State | None = None  # θ_0
         self.lazy_model: State | None = None  # θ̃ of this node
         self.scores: dict[str, float] = {}  # I(self, peer), self included
+        self.lazy_losses: dict[str, torch.Tensor] = {}  # L(z, θ̃_peer) per val sample
         self.split: Split | None = None
+        # The higher cluster's mean per-sample val loss, which `split: harm` holds a
+        # peer of the lower cluster against.
+        self.reference: torch.Tensor | None = None
         self.group: set[str] | None = None  # None until this node has clustered
         self._fedavg = FedAvg(NoParams(), context)
         self._newly_scored: list[str] = []
@@ -459,20 +506,39 @@ class PFedLIA(PeerAlgorithm):
         if self.node not in self.scores and self.lazy_model is not None:
             unscored[self.node] = self.lazy_model
         assert self.anchor is not None, "scoring starts once the anchor is agreed"
-        new_scores = lazy_influence_scores(
-            self.scratch_model(), self.anchor, unscored, data.x_val, data.y_val
-        )
+        model = self.scratch_model()
+        losses = lazy_validation_losses(model, unscored, data.x_val, data.y_val)
+        anchor_loss = validation_loss_sum(model, self.anchor, data.x_val, data.y_val)
+        new_scores = influence_scores(anchor_loss, losses)
         self.scores.update(new_scores)
+        self.lazy_losses.update(losses)
         self._newly_scored = sorted(new_scores)
         if self.split is None and len(self.scores) >= 2:
             beneficial, self.split = two_means_split(self.scores, self.context.seed)
-            self.group = beneficial | {self.node}
+            self.reference = self._mean_losses(beneficial)
+            self.group = beneficial | {self.node} | set(filter(self._harmless, self.scores))
         elif self.split is not None:
             self.group = (self.group or {self.node}) | {
-                peer for peer, score in new_scores.items() if self.split.is_beneficial(score)
+                peer
+                for peer, score in new_scores.items()
+                if self.split.is_beneficial(score) or self._harmless(peer)
             }
         else:
             self.group = {self.node}  # alone so far: the split waits for a second score
+
+    def _mean_losses(self, peers: Iterable[str]) -> torch.Tensor | None:
+        """The per-sample val losses of `peers`' lazy models, averaged (None: no losses
+        kept for any of them, as in a checkpoint of a version that kept none)."""
+        kept = [self.lazy_losses[peer] for peer in peers if peer in self.lazy_losses]
+        return torch.stack(kept).mean(dim=0) if kept else None
+
+    def _harmless(self, peer: str) -> bool:
+        """`split: harm`: a peer whose lazy model does no harm beside the higher cluster's
+        belongs to the group wherever 2-means put it."""
+        if self.params.split != "harm" or self.reference is None:
+            return False
+        losses = self.lazy_losses.get(peer)
+        return losses is not None and harmless_beside(losses, self.reference)
 
     def _agreed_anchor(self, anchors: Mapping[str, PeerModel]) -> State | None:
         """θ_0 for a node that missed the warm-up's end: the average of the anchors that
@@ -536,6 +602,8 @@ class PFedLIA(PeerAlgorithm):
             "anchor": self.anchor,
             "lazy_model": self.lazy_model,
             "scores": self.scores,
+            "lazy_losses": self.lazy_losses,
+            "reference": self.reference,
             "split": split,
             "group": None if self.group is None else sorted(self.group),
             "truths": self.truths,
@@ -544,6 +612,8 @@ class PFedLIA(PeerAlgorithm):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.anchor, self.lazy_model = state["anchor"], state["lazy_model"]
         self.scores = dict(state["scores"])
+        self.lazy_losses = dict(state.get("lazy_losses", {}))
+        self.reference = state.get("reference")
         self.split = None if state["split"] is None else Split(*state["split"])
         self.group = None if state["group"] is None else set(state["group"])
         self.truths = {**state["truths"], **self.truths}  # this run's own data wins

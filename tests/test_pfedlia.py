@@ -27,6 +27,7 @@ from meshfl.algorithms.pfedlia import (
     groups_ari,
     lazy_influence_scores,
     precision_recall,
+    harmless_beside,
     two_means_split,
     validation_loss_sum,
 )
@@ -343,7 +344,7 @@ def test_the_checkpointed_state_restores_anchor_scores_split_and_group():
     restored, _ = make_node("a", 0, warmup=1)
     restored.load_state_dict(torch.load(buffer, weights_only=True))
     assert restored.scores == rule.scores and restored.group == rule.group
-    assert restored.split == rule.split
+    assert restored.split == rule.split and torch.equal(restored.reference, rule.reference)
     assert torch.equal(restored.anchor["weight"], rule.anchor["weight"])
     offered = {MODEL: ["b", "c", "d"], LAZY: ["b", "c", "d"], ANCHOR: ["b", "c", "d"]}
     assert restored.wanted(3, offered) == rule.wanted(3, offered)
@@ -358,14 +359,16 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
-def test_on_real_digits_every_node_groups_with_exactly_its_true_cluster(one_torch_thread):
+def digits_mesh(partition: str, **params) -> tuple[Mesh, dict]:
+    """Six pFedLIA nodes on real digits, `partition` of them, each trained by the mesh's
+    recipe between rounds; and their data by name."""
     from meshfl.node.models import build_model
     from meshfl.node.splits import load_node_data
     from meshfl.node.trainer import train_local
 
     names = [f"node{i}" for i in range(6)]
     datas = {
-        name: load_node_data("digits", None, "clusters:2", 6, i, 0) for i, name in enumerate(names)
+        name: load_node_data("digits", None, partition, 6, i, 0) for i, name in enumerate(names)
     }
 
     def new_model() -> nn.Module:
@@ -385,7 +388,7 @@ def test_on_real_digits_every_node_groups_with_exactly_its_true_cluster(one_torc
     nodes = {
         name: (
             PFedLIA(
-                PFedLIAParams(warmup=2),
+                PFedLIAParams(warmup=2, **params),
                 Context(name, 0, 10, (), (), new_model=new_model, train=train, data=datas[name]),
             ),
             datas[name],
@@ -394,13 +397,44 @@ def test_on_real_digits_every_node_groups_with_exactly_its_true_cluster(one_torc
     }
     mesh = Mesh(nodes, local_training)
     mesh.states = {name: new_model().state_dict() for name in names}
+    return mesh, datas
+
+
+def groups_after_three_rounds(mesh: Mesh) -> dict[str, list[str]]:
     for round_no in (1, 2, 3):
         outcomes = mesh.round(round_no)
+    return {name: outcome.diagnostics["group"] for name, outcome in outcomes.items()}
+
+
+@pytest.mark.parametrize("split", ["harm", "2-means"])
+def test_on_real_digits_every_node_groups_with_exactly_its_true_cluster(one_torch_thread, split):
+    mesh, datas = digits_mesh("clusters:2", split=split)
+    groups = groups_after_three_rounds(mesh)
+    names = sorted(groups)
     truth = {name: datas[name].info["true_cluster"] for name in names}
-    groups = {name: outcomes[name].diagnostics["group"] for name in names}
     for name in names:
         assert groups[name] == sorted(peer for peer in names if truth[peer] == truth[name])
     assert groups_ari(groups, truth) == 1.0
+
+
+def test_on_alike_shards_the_default_keeps_the_peers_the_papers_split_leaves_out(
+    one_torch_thread,
+):
+    # 2-means always cuts the scores in two; on iid shards the cut falls through noise.
+    paper = groups_after_three_rounds(digits_mesh("iid", split="2-means")[0])
+    default = groups_after_three_rounds(digits_mesh("iid")[0])
+    everyone = sorted(paper)
+    assert any(group != everyone for group in paper.values())
+    assert all(group == everyone for group in default.values())
+
+
+def test_a_lazy_model_is_harmless_beside_the_reference_unless_worse_beyond_the_noise():
+    reference = torch.tensor([0.5, 1.0, 0.2, 0.8, 0.4, 0.6])
+    noise = torch.tensor([0.1, -0.1, 0.05, -0.05, 0.1, -0.1])
+    assert harmless_beside(reference + noise, reference)
+    assert harmless_beside(reference - 1.0, reference), "better is never harm"
+    assert not harmless_beside(reference + 1.0 + noise, reference)
+    assert not harmless_beside(reference + math.inf, reference)
 
 
 # --------------------------------------------------------------------------- ground truth
