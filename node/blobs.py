@@ -3,6 +3,10 @@
 A signature proves who sent a blob, not that it is usable. Before any rule sees a
 peer's tensors the node checks, in this order (the first failure names the reason):
 
+    codec         the tensors decode under the codec the signed meta names
+                  (protocol/codecs.py): a known codec, scales that are finite, not
+                  negative and as many as the blocks. Every later check, and every
+                  rule, sees the decoded float32 tensors.
     layout        the tensors (names, order, wire dtypes, shapes) are one of the
                   layouts the rule expects for the blob's kind: the mesh's model, a
                   part of it, or the rule's own small tensors. The schema digest in
@@ -23,19 +27,22 @@ from __future__ import annotations
 
 import reprlib
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
 
 from meshfl.algorithms import PeerModel
 from meshfl.algorithms.base import Layout
-from meshfl.protocol.wire import Blob, wire_dtype
+from meshfl.protocol import codecs
+from meshfl.protocol.identity import Identity
+from meshfl.protocol.wire import MAX_DIMENSIONS, Blob, make_blob, wire_dtype
 
 # Beyond 2**53 a float weight no longer holds the count exactly; no node has that many
 # samples. (A count merely inflated below it cannot be told from a big dataset.)
 MAX_SAMPLE_COUNT = 2**53
 RULE_ERROR = "rule_error"
-REFUSAL_REASONS = ("layout", "sample_count", "not_finite", "meta", RULE_ERROR)
+REFUSAL_REASONS = ("codec", "layout", "sample_count", "not_finite", "meta", RULE_ERROR)
 
 
 class UnusableBlob(ValueError):
@@ -47,18 +54,40 @@ class UnusableBlob(ValueError):
         self.reason = reason
 
 
-def blob_layout(blob: Blob) -> Layout:
-    return tuple((info.name, info.dtype, tuple(info.shape)) for info in blob.index)
-
-
 def layout_of(arrays: Mapping[str, np.ndarray]) -> Layout:
-    """The layout of tensors as they travel (what `make_blob` would index)."""
+    """The layout of tensors as they travel without a codec (what `make_blob` would
+    index for them)."""
     return tuple((name, wire_dtype(array), tuple(array.shape)) for name, array in arrays.items())
 
 
-def tensors_from_blob(blob: Blob) -> dict[str, torch.Tensor]:
-    # One copy: the received bytes are read-only ZeroMQ buffers.
-    return {name: torch.from_numpy(np.array(array)) for name, array in blob.arrays().items()}
+def signed_blob(
+    identity: Identity,
+    round_no: int,
+    kind: str,
+    arrays: Mapping[str, np.ndarray],
+    schema: bytes,
+    meta: Mapping[str, Any],
+    codec: str,
+) -> Blob:
+    """`arrays` encoded by `codec` and signed as a blob, the codec named in its meta."""
+    encoded, named = codecs.encode(arrays, codec)
+    return make_blob(identity, round_no, kind, encoded, schema, {**meta, **named})
+
+
+def decoded_arrays(blob: Blob) -> dict[str, np.ndarray]:
+    """The blob's tensors decoded by the codec its meta names, each in memory of its own
+    (one copy at most: what needed no decoding is a view of the received bytes), or
+    UnusableBlob."""
+    received = blob.arrays()
+    try:
+        decoded = codecs.decode(received, blob.meta)
+    except codecs.CodecError as error:
+        what = f"{reprlib.repr(blob.kind)} blob of round {blob.round}"
+        raise UnusableBlob("codec", f"{what}: {error}") from None
+    return {
+        name: np.array(array) if array is received.get(name) else array
+        for name, array in decoded.items()
+    }
 
 
 def describe_mismatch(got: Layout, expected: tuple[Layout, ...]) -> str:
@@ -93,7 +122,13 @@ def peer_model(
     The blob's layout must be one of `expected`, or pass `fits` where one is given (the
     refusal still says where it departs from `expected`)."""
     what = f"{reprlib.repr(blob.kind)} blob of round {blob.round}"
-    layout = blob_layout(blob)
+    claimed = max((len(info.shape) for info in blob.index), default=0)
+    if claimed > MAX_DIMENSIONS:  # numpy could not even hold its arrays
+        raise UnusableBlob(
+            "layout", f"{what}: its tensors are not the mesh's schema: {claimed} dimensions"
+        )
+    arrays = decoded_arrays(blob)
+    layout = layout_of(arrays)
     if not (fits(layout) if fits is not None else layout in expected):
         raise UnusableBlob(
             "layout",
@@ -105,7 +140,7 @@ def peer_model(
             "sample_count",
             f"{what}: its sample count n is {reprlib.repr(n)}, not an integer in 1..2**53",
         )
-    tensors = tensors_from_blob(blob)
+    tensors = {name: torch.from_numpy(array) for name, array in arrays.items()}
     spoilt = [
         name
         for name, tensor in tensors.items()

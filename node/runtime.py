@@ -34,12 +34,12 @@ from meshfl.protocol.identity import Identity, node_id
 from meshfl.protocol.membership import liveness_stretch
 from meshfl.protocol.offers import Offer
 from meshfl.protocol.transport import TransportOptions, contact
-from meshfl.protocol.wire import Blob, make_blob
+from meshfl.protocol.wire import Blob
 
 from . import config as cfgmod
 from .about import mesh_about, other_mesh_line
 from .attacks import Attack, attack_for
-from .blobs import RULE_ERROR, UnusableBlob, layout_of, peer_model
+from .blobs import RULE_ERROR, UnusableBlob, layout_of, peer_model, signed_blob
 from .checkpoint import MetricsLog, load_checkpoint, save_checkpoint, write_atomically
 from .containment import run_contained
 from .metrics import RoundRecord
@@ -424,13 +424,14 @@ class Node:
         publications, claimed = self.attack.tamper(round_no, publications, len(self.data.y_train))
         for kind, state in publications.items():
             self.endpoint.publish(
-                make_blob(
+                signed_blob(
                     self.identity,
                     round_no,
                     kind,
                     state_to_arrays(state),
                     self.schema,
                     {"n": claimed},
+                    self.cfg.compression,
                 )
             )
         if self.endpoint.views is not None:

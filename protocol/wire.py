@@ -73,6 +73,7 @@ DTYPES: dict[str, np.dtype[Any]] = {  # wire name -> numpy dtype; nothing else i
     "float16": np.dtype("<f2"),
     "float32": np.dtype("<f4"),
     "float64": np.dtype("<f8"),
+    "bfloat16": np.dtype("<u2"),  # bits only: codecs.py widens it to float32
     "int8": np.dtype("i1"),
     "uint8": np.dtype("u1"),
     "int16": np.dtype("<i2"),

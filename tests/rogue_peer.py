@@ -25,6 +25,7 @@ from meshfl.node import config as cfgmod
 from meshfl.node.coordinator import ClientNode, _RoundInFlight
 from meshfl.node.runtime import Node, build_node
 from meshfl.node.trainer import state_to_arrays
+from meshfl.protocol import codecs
 from meshfl.protocol.identity import Identity
 from meshfl.protocol.wire import RECORD_CONTEXT, Blob, TensorInfo, frames_digest, make_blob
 
@@ -42,7 +43,12 @@ MUTATIONS = {
     "100 dimensions": "shape_mismatch",
     "nan": "not_finite",
     "huge n": "sample_count",
+    # Lies in a codec's own fields (protocol/codecs.py), in an int8 blob.
+    "nan scale": "codec",
+    "scales of no tensor": "codec",
+    "unknown codec": "codec",
 }
+CODEC_LIES = {lie for lie, reason in MUTATIONS.items() if reason == "codec"}
 
 
 # The order of the lies is drawn at random once (seeded, so that a failure replays), and
@@ -77,9 +83,26 @@ def mutate(arrays: dict[str, np.ndarray], how: str) -> dict[str, np.ndarray]:
     return arrays
 
 
+def codec_lie(arrays: dict[str, np.ndarray], how: str) -> tuple[dict[str, np.ndarray], dict]:
+    """`arrays` as an int8 blob would carry them, and its meta, lying in one field."""
+    encoded, meta = codecs.encode(arrays, "int8")
+    first = list(arrays)[0]
+    if how == "nan scale":
+        encoded[first + codecs.SCALES] = encoded[first + codecs.SCALES].copy()
+        encoded[first + codecs.SCALES][0] = np.nan
+    elif how == "scales of no tensor":
+        encoded["spare" + codecs.SCALES] = np.ones(1, dtype=np.float32)
+    elif how == "unknown codec":
+        meta["codec"] = "zstd"
+    return encoded, meta
+
+
 def mutated_blob(node: Node, round_no: int, kind: str, how: str, meta: dict) -> Blob:
     arrays = mutate(state_to_arrays(node.model), how)
     meta = {**meta, "n": 2**63 if how == "huge n" else len(node.data.y_train)}
+    if how in CODEC_LIES:
+        arrays, named = codec_lie(arrays, how)
+        meta.update(named)
     if how == "100 dimensions":
         last = list(arrays)[-1]
         return _claiming_shape(

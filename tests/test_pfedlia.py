@@ -25,9 +25,9 @@ from meshfl.algorithms.pfedlia import (
     PFedLIAParams,
     Split,
     groups_ari,
+    harmless_beside,
     lazy_influence_scores,
     precision_recall,
-    harmless_beside,
     two_means_split,
     validation_loss_sum,
 )

@@ -1,0 +1,143 @@
+"""How a blob's float tensors travel: as they are, as half floats, or as blockwise int8.
+
+The sender names the codec in the blob's signed `meta` (`codec`, and `block` for int8),
+so a receiver decodes whatever it is sent and the signature covers the bytes as they
+travel. Decoding turns a blob's arrays back into float32 ones; every field a codec adds
+is checked like any other input (WIRE.md 9.2), and a blob that fails is refused with
+`CodecError`. Integer tensors (counters, token tables) always travel as they are.
+
+    none   float32 as float32
+    fp16   float32 as IEEE half; a tensor with a value beyond half's range stays float32
+    bf16   float32 as bfloat16 (the upper 16 bits, rounded to nearest even), wire dtype
+           `bfloat16`: float32's range, 8 bits of mantissa
+    int8   float32 as int8 q with a float32 scale per block of `block` values of the
+           flattened tensor: x ≈ q * scale, scale = max |x| of the block / 127. The
+           scales travel as a tensor of their own, named NAME#scales, after NAME.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+CODECS = ("none", "fp16", "bf16", "int8")
+INT8_BLOCK = 128  # values per scale: 4 bytes of scale per 128 of data, 0.26 of float32
+MIN_BLOCK, MAX_BLOCK = 8, 1 << 16
+SCALES = "#scales"  # suffix of an int8 tensor's scales; '#' is in no torch state-dict key
+HALF_MAX = float(np.finfo(np.float16).max)
+
+Arrays = Mapping[str, np.ndarray]
+
+
+class CodecError(ValueError):
+    """A blob whose codec fields do not decode (unknown codec, forged scales, ...)."""
+
+
+def encode(arrays: Arrays, codec: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """`arrays` as they travel under `codec`, and the meta entries that name it."""
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
+    if codec == "none":
+        return dict(arrays), {}
+    if codec == "int8":
+        encoded: dict[str, np.ndarray] = {}
+        for name, array in arrays.items():
+            if array.dtype == np.float32:
+                encoded[name], encoded[name + SCALES] = _int8(array, INT8_BLOCK)
+            else:
+                encoded[name] = array
+        return encoded, {"codec": codec, "block": INT8_BLOCK}
+    narrow = _half if codec == "fp16" else _bfloat16
+    return {
+        name: narrow(array) if array.dtype == np.float32 else array
+        for name, array in arrays.items()
+    }, {"codec": codec}
+
+
+def decode(arrays: Arrays, meta: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """A received blob's arrays as float32 tensors again, or CodecError naming what is
+    wrong. Arrays may be read-only views of the received bytes; what comes back may
+    share memory with them where nothing needed decoding."""
+    codec = meta.get("codec", "none")
+    if codec not in CODECS:
+        raise CodecError(f"codec {str(codec)[:32]!r} is none of {', '.join(CODECS)}")
+    if codec == "none":
+        return dict(arrays)
+    if codec == "int8":
+        return _decode_int8(arrays, meta.get("block"))
+    wire = np.dtype("<f2") if codec == "fp16" else BFLOAT16
+    return {name: _widen(array) if array.dtype == wire else array for name, array in arrays.items()}
+
+
+# --------------------------------------------------------------------------- halves
+
+BFLOAT16 = np.dtype("<u2")  # bfloat16's bits; numpy has no bfloat16 arithmetic
+
+
+def _half(array: np.ndarray) -> np.ndarray:
+    if array.size and not float(np.abs(array).max()) <= HALF_MAX:
+        return array  # inf in half would be refused as not finite: keep it whole
+    return array.astype("<f2")
+
+
+def _bfloat16(array: np.ndarray) -> np.ndarray:
+    bits = np.ascontiguousarray(array, dtype="<f4").view("<u4")
+    # Round to nearest, ties to even: add 0x7FFF plus the lowest bit that survives.
+    rounded = bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
+    return (rounded >> np.uint32(16)).astype(BFLOAT16)
+
+
+def _widen(array: np.ndarray) -> np.ndarray:
+    if array.dtype == BFLOAT16:
+        return (array.astype("<u4") << np.uint32(16)).view("<f4")
+    return array.astype("<f4")
+
+
+# --------------------------------------------------------------------------- int8
+
+
+def _int8(array: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    flat = np.ascontiguousarray(array, dtype="<f4").reshape(-1)
+    blocks = -(-flat.size // block)
+    padded = np.zeros(blocks * block, dtype="<f4")
+    padded[: flat.size] = flat
+    rows = padded.reshape(blocks, block)
+    scales = np.abs(rows).max(axis=1) / np.float32(127)
+    safe = np.where(scales > 0, scales, np.float32(1))
+    q = np.rint(rows / safe[:, None]).clip(-127, 127).astype(np.int8)
+    return q.reshape(-1)[: flat.size].reshape(array.shape), scales.astype("<f4")
+
+
+def _decode_int8(arrays: Arrays, block: Any) -> dict[str, np.ndarray]:
+    if isinstance(block, bool) or not isinstance(block, int) or not MIN_BLOCK <= block <= MAX_BLOCK:
+        raise CodecError(
+            f"int8 block is {str(block)[:32]}, not an integer in {MIN_BLOCK}..{MAX_BLOCK}"
+        )
+    decoded: dict[str, np.ndarray] = {}
+    for name, array in arrays.items():
+        if name.endswith(SCALES):
+            if name[: -len(SCALES)] not in arrays:
+                raise CodecError(f"{name[:64]!r}: scales of no tensor")
+            continue
+        scales = arrays.get(name + SCALES)
+        decoded[name] = array if scales is None else _dequantize(name, array, scales, block)
+    return decoded
+
+
+def _dequantize(name: str, q: np.ndarray, scales: np.ndarray, block: int) -> np.ndarray:
+    where = repr(name[:64])
+    if q.dtype != np.int8:
+        raise CodecError(f"{where}: has scales but is {q.dtype}, not int8")
+    blocks = -(-q.size // block)
+    if scales.dtype != np.float32 or scales.shape != (blocks,):
+        raise CodecError(
+            f"{where}: scales are {scales.dtype} {scales.shape}, not float32 ({blocks},)"
+        )
+    if not (np.isfinite(scales).all() and (scales >= 0).all()):
+        raise CodecError(f"{where}: a scale is negative or not finite")
+    values = np.zeros(blocks * block, dtype="<f4")
+    values[: q.size] = q.reshape(-1)
+    values = values.reshape(blocks, block) * scales[:, None]
+    return values.reshape(-1)[: q.size].reshape(q.shape)

@@ -1,0 +1,133 @@
+"""Blobs that travel compressed: each codec decodes to float32 tensors near the sent
+ones at the bytes it promises, and every lie in a codec's own fields is refused by name."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from meshfl.node.blobs import UnusableBlob, layout_of, peer_model, signed_blob
+from meshfl.node.models import build_model
+from meshfl.node.trainer import state_to_arrays
+from meshfl.protocol import codecs
+from meshfl.protocol.identity import Identity
+from meshfl.protocol.wire import make_blob
+from tests.rogue_peer import CODEC_LIES, codec_lie
+
+PEER = Identity.generate()
+MODEL = build_model("cnn", (1, 28, 28), 10, seed=0)
+ARRAYS = state_to_arrays(MODEL)
+LAYOUT = layout_of(ARRAYS)
+FLOAT_BYTES = sum(array.nbytes for array in ARRAYS.values())
+
+# codec -> (bytes against float32 at most, largest error against the largest |value|)
+PROMISES = {
+    "none": (1.0, 0.0),
+    "fp16": (0.5, 2**-11),
+    "bf16": (0.5, 2**-8),
+    "int8": (0.27, 1 / 254),
+}
+
+
+def received(codec: str):
+    return peer_model(signed_blob(PEER, 1, "model", ARRAYS, b"", {"n": 3}, codec), (LAYOUT,))
+
+
+@pytest.mark.parametrize("codec", codecs.CODECS)
+def test_each_codec_arrives_as_float32_tensors_near_the_sent_ones_at_its_bytes(codec):
+    blob = signed_blob(PEER, 1, "model", ARRAYS, b"", {"n": 3}, codec)
+    most_bytes, most_error = PROMISES[codec]
+    assert blob.size <= most_bytes * FLOAT_BYTES
+    model = peer_model(blob, (LAYOUT,))
+    assert model.n_samples == 3 and layout_of(state_to_arrays(model.state)) == LAYOUT
+    for name, array in ARRAYS.items():
+        error = float(np.abs(model.state[name].numpy() - array).max(initial=0.0))
+        assert error <= most_error * float(np.abs(array).max(initial=0.0)) + 1e-12, name
+
+
+def test_the_codec_is_in_the_signed_record_and_the_signature_covers_the_bytes_sent():
+    blob = signed_blob(PEER, 1, "model", ARRAYS, b"", {"n": 3}, "int8")
+    assert blob.meta == {"n": 3, "codec": "int8", "block": codecs.INT8_BLOCK}
+    again = make_blob(PEER, 1, "model", codecs.encode(ARRAYS, "int8")[0], b"", blob.meta)
+    assert again.record == blob.record, "the record names the encoded tensors"
+
+
+def test_a_received_tensor_is_writable_memory_of_its_own():
+    for codec in codecs.CODECS:
+        for tensor in received(codec).state.values():
+            tensor.add_(0)  # the bytes a socket received are read-only
+
+
+def test_half_keeps_a_tensor_beyond_its_range_whole_rather_than_send_infinity():
+    arrays = {"big": np.array([1e6, -3.0], dtype=np.float32), "small": np.ones(2, np.float32)}
+    encoded, meta = codecs.encode(arrays, "fp16")
+    assert encoded["big"].dtype == np.float32 and encoded["small"].dtype == np.float16
+    assert codecs.decode(encoded, meta)["big"].tolist() == [1e6, -3.0]
+
+
+def test_bfloat16_rounds_to_nearest_even():
+    values = np.array([1.0, 1 + 2**-8, 1 + 3 * 2**-8, -2.5, 0.0], dtype=np.float32)
+    encoded, meta = codecs.encode({"x": values}, "bf16")
+    assert codecs.decode(encoded, meta)["x"].tolist() == [1.0, 1.0, 1 + 2**-6, -2.5, 0.0]
+
+
+def test_int8_keeps_a_zero_block_zero_and_integer_tensors_as_they_are():
+    arrays = {"w": np.zeros(300, np.float32), "count": np.array([7], dtype=np.int64)}
+    encoded, meta = codecs.encode(arrays, "int8")
+    decoded = codecs.decode(encoded, meta)
+    assert not decoded["w"].any() and decoded["count"].dtype == np.int64
+
+
+@pytest.mark.parametrize("lie", sorted(CODEC_LIES))
+def test_a_lie_in_a_codecs_fields_is_refused_as_codec(lie):
+    arrays, meta = codec_lie(ARRAYS, lie)
+    with pytest.raises(UnusableBlob) as refused:
+        peer_model(make_blob(PEER, 1, "model", arrays, b"", {"n": 3, **meta}), (LAYOUT,))
+    assert refused.value.reason == "codec"
+
+
+def forged(what: str):
+    """A forger of one int8 field of the first tensor (its scales, its values, the block)."""
+    scales = FIRST + codecs.SCALES
+
+    def forge(arrays: dict, meta: dict) -> None:
+        if what == "negative scale":
+            arrays[scales] = -arrays[scales] - 1
+        elif what == "one scale short":
+            arrays[scales] = arrays[scales][:-1]
+        elif what == "float64 scales":
+            arrays[scales] = arrays[scales].astype(np.float64)
+        elif what == "int16 values":
+            arrays[FIRST] = arrays[FIRST].astype(np.int16)
+        elif what == "tiny block":
+            meta["block"] = 3
+        elif what == "boolean block":
+            meta["block"] = True
+
+    return forge
+
+
+FIRST = list(ARRAYS)[0]
+
+
+@pytest.mark.parametrize(
+    "what, words",
+    [
+        ("negative scale", "negative"),
+        ("one scale short", r"scales are float32 \(\d+,\)"),
+        ("float64 scales", "float64"),
+        ("int16 values", "not int8"),
+        ("tiny block", "block is 3"),
+        ("boolean block", "block is True"),
+    ],
+)
+def test_forged_int8_fields_are_refused_with_what_is_wrong(what, words):
+    arrays, meta = codecs.encode(ARRAYS, "int8")
+    forged(what)(arrays, meta)
+    with pytest.raises(codecs.CodecError, match=words):
+        codecs.decode(arrays, meta)
+
+
+def test_an_unknown_codec_to_send_is_refused_by_name():
+    with pytest.raises(ValueError, match="unknown codec 'zip'"):
+        codecs.encode(ARRAYS, "zip")
