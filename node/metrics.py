@@ -83,6 +83,8 @@ class RoundRecord(_Round):
     transport_fetches: list[dict[str, Any]] | None = None  # every blob pulled in the round
     attacker: bool | None = None  # the node ran an attack this round
     bytes_sent_by_kind: dict[str, int] | None = None  # message kind -> bytes, since start
+    compression: str | None = None  # the codec of the blobs the node published
+    published_bytes: int | None = None  # their tensors' bytes as they travel
     # A bounded mesh's only (WIRE.md 7.7): the neighbours when the round began and when
     # it ended (before any was dropped: places freed after a round are filled while the
     # next one runs), the ones new since the last round began, and the ones the node

@@ -422,18 +422,19 @@ class Node:
 
         clock = time.perf_counter()
         publications, claimed = self.attack.tamper(round_no, publications, len(self.data.y_train))
+        published_bytes = 0
         for kind, state in publications.items():
-            self.endpoint.publish(
-                signed_blob(
-                    self.identity,
-                    round_no,
-                    kind,
-                    state_to_arrays(state),
-                    self.schema,
-                    {"n": claimed},
-                    self.cfg.compression,
-                )
+            blob = signed_blob(
+                self.identity,
+                round_no,
+                kind,
+                state_to_arrays(state),
+                self.schema,
+                {"n": claimed},
+                self.cfg.compression,
             )
+            self.endpoint.publish(blob)
+            published_bytes += blob.size
         if self.endpoint.views is not None:
             # Places freed after the last round are being filled. Published first, so
             # no neighbour waits on this; a newcomer hears of our blob when it links.
@@ -491,6 +492,8 @@ class Node:
                 bytes_in=after["bytes_in"] - stats_before["bytes_in"],
                 bytes_out=after["bytes_out"] - stats_before["bytes_out"],
                 bytes_sent_by_kind=after["bytes_sent_by_kind"],  # since the node started
+                compression=self.cfg.compression,
+                published_bytes=published_bytes,
                 rejections=after["rejections"],
                 seconds=seconds,
                 n_train=len(self.data.y_train),
