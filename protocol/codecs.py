@@ -100,14 +100,19 @@ def _widen(array: np.ndarray) -> np.ndarray:
 
 def _int8(array: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
     flat = np.ascontiguousarray(array, dtype="<f4").reshape(-1)
-    blocks = -(-flat.size // block)
-    padded = np.zeros(blocks * block, dtype="<f4")
-    padded[: flat.size] = flat
-    rows = padded.reshape(blocks, block)
-    scales = np.abs(rows).max(axis=1) / np.float32(127)
-    safe = np.where(scales > 0, scales, np.float32(1))
-    q = np.rint(rows / safe[:, None]).clip(-127, 127).astype(np.int8)
-    return q.reshape(-1)[: flat.size].reshape(array.shape), scales.astype("<f4")
+    full = flat.size - flat.size % block
+    rows = [flat[:full].reshape(-1, block)] + ([flat[full:][None, :]] if full < flat.size else [])
+    # max |x| as max and -min: no temporary array of absolute values
+    peaks = [np.maximum(part.max(axis=1), -part.min(axis=1)) for part in rows if part.size]
+    scales = (np.concatenate(peaks) if peaks else np.zeros(0, "<f4")) / np.float32(127)
+    inverse = np.divide(1, scales, out=np.zeros_like(scales), where=scales > 0)
+    q = np.empty(flat.size, dtype=np.int8)
+    for part, begin in zip(rows, (0, full), strict=False):
+        factors = inverse[begin // block : begin // block + len(part), None]
+        scaled = part * factors
+        np.rint(scaled, out=scaled)  # within [-127, 127]: the peak maps to ±127
+        q[begin : begin + part.size] = scaled.reshape(-1)
+    return q.reshape(array.shape), scales.astype("<f4")
 
 
 def _decode_int8(arrays: Arrays, block: Any) -> dict[str, np.ndarray]:
@@ -137,7 +142,13 @@ def _dequantize(name: str, q: np.ndarray, scales: np.ndarray, block: int) -> np.
         )
     if not (np.isfinite(scales).all() and (scales >= 0).all()):
         raise CodecError(f"{where}: a scale is negative or not finite")
-    values = np.zeros(blocks * block, dtype="<f4")
-    values[: q.size] = q.reshape(-1)
-    values = values.reshape(blocks, block) * scales[:, None]
-    return values.reshape(-1)[: q.size].reshape(q.shape)
+    flat, values = q.reshape(-1), np.empty(q.size, dtype="<f4")
+    full = q.size - q.size % block
+    np.multiply(
+        flat[:full].reshape(-1, block),
+        scales[: full // block, None],
+        out=values[:full].reshape(-1, block),
+    )
+    if full < q.size:
+        np.multiply(flat[full:], scales[-1], out=values[full:])
+    return values.reshape(q.shape)
