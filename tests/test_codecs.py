@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from meshfl.node.blobs import UnusableBlob, layout_of, peer_model, signed_blob
 from meshfl.node.models import build_model
@@ -131,3 +133,32 @@ def test_forged_int8_fields_are_refused_with_what_is_wrong(what, words):
 def test_an_unknown_codec_to_send_is_refused_by_name():
     with pytest.raises(ValueError, match="unknown codec 'zip'"):
         codecs.encode(ARRAYS, "zip")
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    codec=st.sampled_from(codecs.CODECS[1:]),
+    block=st.one_of(st.integers(-5, 1 << 17), st.booleans(), st.text(max_size=3), st.none()),
+    scale=st.floats(allow_nan=True, allow_infinity=True, width=32),
+    cut=st.integers(0, 3),
+    rename=st.booleans(),
+)
+def test_whatever_a_codecs_fields_say_decoding_gives_float32_or_a_codec_error(
+    codec, block, scale, cut, rename
+):
+    arrays = {"w": np.linspace(-1, 1, 300, dtype=np.float32), "b": np.ones(3, np.float32)}
+    encoded, meta = codecs.encode(arrays, codec)
+    if codec == "int8":
+        meta["block"] = block
+        scales = encoded["w" + codecs.SCALES]
+        encoded["w" + codecs.SCALES] = np.append(scales[: len(scales) - cut], scale)
+        if rename:
+            encoded["x" + codecs.SCALES] = encoded.pop("b" + codecs.SCALES)
+    try:
+        decoded = codecs.decode(encoded, meta)
+    except codecs.CodecError:
+        return
+    assert set(decoded) == set(arrays)
+    for name, array in decoded.items():
+        assert array.dtype == np.float32 and array.shape == arrays[name].shape
+        assert np.isfinite(array).all(), "a scale that passed is finite"
