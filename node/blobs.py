@@ -115,19 +115,35 @@ def _common_prefix(a: Layout, b: Layout) -> int:
     return count
 
 
+def delta_arrays(blob: Blob, base: Mapping[str, np.ndarray] | None) -> dict[str, np.ndarray]:
+    """A delta blob's model (node/deltas.py): `base` with its changes, or UnusableBlob."""
+    try:
+        if base is None:
+            raise codecs.CodecError("a delta against a base this node does not hold")
+        return codecs.apply_delta(blob.arrays(), blob.meta, base)
+    except codecs.CodecError as error:
+        what = f"{reprlib.repr(blob.kind)} blob of round {blob.round}"
+        raise UnusableBlob("codec", f"{what}: {error}") from None
+
+
 def peer_model(
-    blob: Blob, expected: tuple[Layout, ...], fits: Callable[[Layout], bool] | None = None
+    blob: Blob,
+    expected: tuple[Layout, ...],
+    fits: Callable[[Layout], bool] | None = None,
+    base: Mapping[str, np.ndarray] | None = None,
+    delta: bool = False,
 ) -> PeerModel:
     """The blob's tensors and sample count, or UnusableBlob (see the module docstring).
     The blob's layout must be one of `expected`, or pass `fits` where one is given (the
-    refusal still says where it departs from `expected`)."""
+    refusal still says where it departs from `expected`). A `delta` blob's tensors are
+    its changes to `base` (node/deltas.py), checked as the model they make."""
     what = f"{reprlib.repr(blob.kind)} blob of round {blob.round}"
     claimed = max((len(info.shape) for info in blob.index), default=0)
     if claimed > MAX_DIMENSIONS:  # numpy could not even hold its arrays
         raise UnusableBlob(
             "layout", f"{what}: its tensors are not the mesh's schema: {claimed} dimensions"
         )
-    arrays = decoded_arrays(blob)
+    arrays = delta_arrays(blob, base) if delta else decoded_arrays(blob)
     layout = layout_of(arrays)
     if not (fits(layout) if fits is not None else layout in expected):
         raise UnusableBlob(

@@ -374,10 +374,12 @@ class MeshConfig:
     # reading every peer's as its own (node/runtime.py). A node's own affair, not the
     # mesh's: peers that differ in it still exchange the same blobs.
     local_batchnorm: Annotated[bool, _rule("true or false")] = False
-    # How this node's blobs travel (protocol/codecs.py). A node's own affair: each blob
-    # names its codec in its signed record and a receiver decodes whatever it is sent.
+    # How this node's blobs travel (protocol/codecs.py; topk: node/deltas.py). A node's
+    # own affair: each blob names its codec in its signed record and a receiver decodes
+    # whatever it is sent.
     compression: Annotated[
-        Literal["none", "fp16", "bf16", "int8"], Field(description="none, fp16, bf16 or int8")
+        Literal["none", "fp16", "bf16", "int8", "topk"],
+        Field(description="none, fp16, bf16, int8 or topk"),
     ] = "none"
     # How long a round waits for the models it wants; a node host of more than 10 nodes
     # stretches it as it does liveness (node/runtime.py, `Node.model_wait`).

@@ -25,16 +25,18 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import msgpack
+import numpy as np
 import torch
 
 from meshfl.algorithms import Aggregate, Context, PeerAlgorithm, PeerModel, build_rule
 from meshfl.algorithms.base import MODEL, draw_seed, weighted_average
+from meshfl.protocol.codecs import TOPK
 from meshfl.protocol.endpoint import Endpoint, EndpointSettings
 from meshfl.protocol.identity import Identity, node_id
 from meshfl.protocol.membership import liveness_stretch
 from meshfl.protocol.offers import Offer
 from meshfl.protocol.transport import TransportOptions, contact
-from meshfl.protocol.wire import Blob
+from meshfl.protocol.wire import Blob, make_blob
 
 from . import config as cfgmod
 from .about import mesh_about, other_mesh_line
@@ -42,6 +44,7 @@ from .attacks import Attack, attack_for
 from .blobs import RULE_ERROR, UnusableBlob, layout_of, peer_model, signed_blob
 from .checkpoint import MetricsLog, load_checkpoint, save_checkpoint, write_atomically
 from .containment import run_contained
+from .deltas import DELTA, DeltaGossip
 from .metrics import RoundRecord
 from .models import batchnorm_keys, model_schema
 from .neighbours import neighbours_to_drop
@@ -203,6 +206,8 @@ class Node:
         self._suspects: set[str] = set()  # peers whose input made the rule raise last round
         # FedBN (`local_batchnorm`): the entries every model taken in carries as ours.
         self.local_keys = batchnorm_keys(model) if self.cfg.local_batchnorm else frozenset()
+        # `compression: topk`: models travel as deltas against public copies (deltas.py).
+        self.deltas = DeltaGossip() if self.cfg.compression == TOPK else None
 
     @property
     def identity(self) -> Identity:
@@ -401,6 +406,8 @@ class Node:
         seconds: dict[str, float] = {}
         stats_before = self.endpoint.stats()
         self.endpoint.set_round(round_no)
+        if self.deltas is not None:
+            self.deltas.start(round_no, state_to_arrays(self.model))
         with self.cpu:  # seconds are counted once the CPU is ours, here and below
             clock = time.perf_counter()
             self.attack.start_round(self.model)  # a no-op on an honest node
@@ -424,17 +431,9 @@ class Node:
         publications, claimed = self.attack.tamper(round_no, publications, len(self.data.y_train))
         published_bytes = 0
         for kind, state in publications.items():
-            blob = signed_blob(
-                self.identity,
-                round_no,
-                kind,
-                state_to_arrays(state),
-                self.schema,
-                {"n": claimed},
-                self.cfg.compression,
-            )
-            self.endpoint.publish(blob)
-            published_bytes += blob.size
+            for blob in self._blobs_of(round_no, kind, state_to_arrays(state), claimed):
+                self.endpoint.publish(blob)
+                published_bytes += blob.size
         if self.endpoint.views is not None:
             # Places freed after the last round are being filled. Published first, so
             # no neighbour waits on this; a newcomer hears of our blob when it links.
@@ -451,7 +450,7 @@ class Node:
 
         with self.cpu:
             clock = time.perf_counter()
-            intake = self.peer_models(blobs)
+            intake = self.peer_models(blobs, round_no)
             self.attack.observe(intake.received)
             outcome = self._aggregate(round_no, intake)
             self.model.load_state_dict(outcome.state)
@@ -617,15 +616,42 @@ class Node:
     def _choose(
         self, round_no: int, offered: dict[str, dict[str, Offer]], everything: bool
     ) -> dict[tuple[str, str], Offer]:
-        """The offers to fetch, by (kind, peer name): the algorithm's `wanted`."""
+        """The offers to fetch, by (kind, peer name): the algorithm's `wanted`; a model
+        as its delta where this node holds the delta's base (deltas.py)."""
         listing = {kind: sorted(by_name) for kind, by_name in offered.items()}
         wanted = listing if everything else self.algorithm.wanted(round_no, listing)
-        return {
+        chosen = {
             (kind, name): offered[kind][name]
             for kind, names in wanted.items()
             for name in names
             if name in offered.get(kind, {})
         }
+        if self.deltas is not None and not everything:
+            names = {peer.public_key: peer.name for peer in self.endpoint.peers()}
+            for offer in self.endpoint.offers(round_no, DELTA):
+                name = names.get(offer.origin)
+                if (MODEL, name) in chosen and self.deltas.base_for(name, round_no) is not None:
+                    chosen[(MODEL, name)] = offer
+        return chosen
+
+    def _blobs_of(
+        self, round_no: int, kind: str, arrays: dict[str, np.ndarray], claimed: int
+    ) -> list[Blob]:
+        """What this node publishes of a rule's `kind`: its arrays, signed under the
+        node's codec; under `topk` a model is its delta and its whole public copy."""
+        meta = {"n": claimed}
+        if self.deltas is None or kind != MODEL:
+            codec = "none" if self.cfg.compression == TOPK else self.cfg.compression
+            return [signed_blob(self.identity, round_no, kind, arrays, self.schema, meta, codec)]
+        public, delta = self.deltas.publish(arrays)
+        blobs = []
+        if delta is not None:  # announced first: a peer that sees the model sees it
+            changes, named = delta
+            blobs.append(
+                make_blob(self.identity, round_no, DELTA, changes, self.schema, {**meta, **named})
+            )
+        blobs.append(make_blob(self.identity, round_no, kind, public, self.schema, meta))
+        return blobs
 
     def _fetches_since(self, start: int) -> list[dict[str, Any]]:
         """What the endpoint pulled since its `start`-th fetch: origin by peer name."""
@@ -644,20 +670,27 @@ class Node:
     def _state_copy(self) -> dict[str, torch.Tensor]:
         return {key: value.detach().clone() for key, value in self.model.state_dict().items()}
 
-    def peer_models(self, blobs: dict[str, dict[str, Blob]]) -> PeerIntake:
+    def peer_models(self, blobs: dict[str, dict[str, Blob]], round_no: int = 0) -> PeerIntake:
         """The round's blobs as peer models by kind and peer name; a blob that fails the
         checks of node/blobs.py is refused (logged; the round goes on without it)."""
         intake = PeerIntake()
+        public_copies: dict[str, dict[str, np.ndarray]] = {}
         for kind, by_peer in in_peer_order(blobs).items():  # kinds too, for a rule of several
             expected = self.algorithm.layouts(kind)
             for name, blob in in_peer_order(by_peer).items():
+                delta = blob.kind == DELTA and self.deltas is not None
+                base = self.deltas.base_for(name, round_no) if delta and self.deltas else None
                 try:
-                    model = peer_model(blob, expected)
+                    model = peer_model(blob, expected, base=base, delta=delta)
                 except UnusableBlob as error:
                     log.warning("%s: refused %s's blob: %s", self.options.name, name, error)
                     intake.refuse(kind, name, error.reason)
                     continue
+                if kind == MODEL:
+                    public_copies[name] = {k: v.numpy() for k, v in model.state.items()}
                 intake.received.setdefault(kind, {})[name] = self.with_own_local(model)
+        if self.deltas is not None:
+            self.deltas.took_in(round_no, public_copies)
         return intake
 
     def with_own_local(self, model: PeerModel) -> PeerModel:

@@ -13,14 +13,20 @@ is checked like any other input (WIRE.md 9.2), and a blob that fails is refused 
     int8   float32 as int8 q with a float32 scale per block of `block` values of the
            flattened tensor: x ≈ q * scale, scale = max |x| of the block / 127. The
            scales travel as a tensor of their own, named NAME#scales, after NAME.
+
+A delta (`encode_delta`, `apply_delta`; WIRE.md 9.3) is another kind of blob: the
+largest entries of a model's change against a base both sides hold, named by the
+base's digest. It is not one of CODECS, for it decodes only beside its base.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+from blake3 import blake3
 
 CODECS = ("none", "fp16", "bf16", "int8")
 INT8_BLOCK = 128  # values per scale: 4 bytes of scale per 128 of data, 0.26 of float32
@@ -152,3 +158,79 @@ def _dequantize(name: str, q: np.ndarray, scales: np.ndarray, block: int) -> np.
     if full < q.size:
         np.multiply(flat[full:], scales[-1], out=values[full:])
     return values.reshape(q.shape)
+
+
+# --------------------------------------------------------------------------- top-k deltas
+
+TOPK = "topk"
+INDICES, VALUES = "#indices", "#values"  # suffixes of a delta's two tensors per tensor
+
+
+def base_digest(arrays: Arrays) -> bytes:
+    """The digest a delta names its base by: BLAKE3 over every tensor's name, dtype,
+    shape and bytes, in order (a base differing in any of them is another base)."""
+    digest = blake3()
+    for name, array in arrays.items():
+        shape = ",".join(str(size) for size in array.shape)
+        digest.update(f"{name}|{array.dtype.str}|{shape}|".encode())
+        digest.update(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
+    return digest.digest()
+
+
+def encode_delta(
+    arrays: Arrays, base: Arrays, fraction: float
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """The change from `base` to `arrays` as it travels: for each float32 tensor its
+    ceil(fraction * size) largest changes (indices ascending, int32; values float16);
+    other tensors whole. The meta names the codec and the base's digest."""
+    encoded: dict[str, np.ndarray] = {}
+    for name, array in arrays.items():
+        if array.dtype != np.float32:
+            encoded[name] = array
+            continue
+        change = (np.asarray(array, dtype="<f4") - base[name]).reshape(-1)
+        keep = min(change.size, math.ceil(fraction * change.size))
+        top = np.argpartition(np.abs(change), change.size - keep)[change.size - keep :]
+        top.sort()
+        encoded[name + INDICES] = top.astype("<i4")
+        encoded[name + VALUES] = change[top].astype("<f2")
+    return encoded, {"codec": TOPK, "base": base_digest(base)}
+
+
+def apply_delta(delta: Arrays, meta: Mapping[str, Any], base: Arrays) -> dict[str, np.ndarray]:
+    """`base` with `delta`'s changes added (float32), or CodecError where the delta is
+    not one of `base` (another digest, other tensors) or its fields do not hold."""
+    if meta.get("codec") != TOPK or meta.get("base") != base_digest(base):
+        raise CodecError("a delta against a base this node does not hold")
+    expected = {
+        key
+        for name, array in base.items()
+        for key in ((name + INDICES, name + VALUES) if array.dtype == np.float32 else (name,))
+    }
+    if set(delta) != expected:
+        raise CodecError("a delta whose tensors are not its base's")
+    applied = {}
+    for name, array in base.items():
+        if array.dtype != np.float32:
+            applied[name] = np.array(delta[name])
+            continue
+        indices, values = delta[name + INDICES], delta[name + VALUES]
+        _check_sparse(name, indices, values, array.size)
+        flat = np.array(array, dtype="<f4").reshape(-1)
+        flat[indices] += values.astype("<f4")
+        applied[name] = flat.reshape(array.shape)
+    return applied
+
+
+def _check_sparse(name: str, indices: np.ndarray, values: np.ndarray, size: int) -> None:
+    where = repr(name[:64])
+    if indices.dtype != np.int32 or values.dtype != np.float16:
+        raise CodecError(f"{where}: indices {indices.dtype} and values {values.dtype}")
+    if indices.ndim != 1 or indices.shape != values.shape:
+        raise CodecError(f"{where}: {indices.shape} indices for {values.shape} values")
+    if indices.size and not (indices[0] >= 0 and indices[-1] < size):
+        raise CodecError(f"{where}: an index out of 0..{size - 1}")
+    if indices.size > 1 and not (np.diff(indices) > 0).all():
+        raise CodecError(f"{where}: indices not ascending and unique")
+    if not np.isfinite(values).all():
+        raise CodecError(f"{where}: a value is not finite")

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshfl.node.blobs import UnusableBlob, layout_of, peer_model, signed_blob
+from meshfl.node.deltas import DELTA, DeltaGossip
 from meshfl.node.models import build_model
 from meshfl.node.trainer import state_to_arrays
 from meshfl.protocol import codecs
@@ -162,3 +163,111 @@ def test_whatever_a_codecs_fields_say_decoding_gives_float32_or_a_codec_error(
     for name, array in decoded.items():
         assert array.dtype == np.float32 and array.shape == arrays[name].shape
         assert np.isfinite(array).all(), "a scale that passed is finite"
+
+
+# --------------------------------------------------------------------------- top-k deltas
+
+
+def changed(arrays, seed=1, scale=0.01):
+    rng = np.random.default_rng(seed)
+    return {
+        name: array + (scale * rng.standard_normal(array.shape)).astype(array.dtype)
+        if array.dtype == np.float32
+        else array + 1
+        for name, array in arrays.items()
+    }
+
+
+def test_a_delta_carries_a_few_bytes_and_the_largest_changes_of_each_tensor():
+    after = changed(ARRAYS)
+    delta, meta = codecs.encode_delta(after, ARRAYS, 0.06)
+    assert sum(array.nbytes for array in delta.values()) <= 0.1 * FLOAT_BYTES
+    applied = codecs.apply_delta(delta, meta, ARRAYS)
+    for name, array in ARRAYS.items():
+        change = (after[name] - array).reshape(-1)
+        kept = (applied[name] - array).reshape(-1) != 0
+        if array.dtype == np.float32:
+            assert np.abs(change[kept]).min() >= np.abs(change[~kept]).max(initial=0.0)
+        else:
+            assert np.array_equal(applied[name], after[name]), "integer tensors whole"
+
+
+def test_error_feedback_sends_what_a_delta_left_out_in_later_rounds():
+    node = DeltaGossip(fraction=0.06)
+    node.start(1, ARRAYS)
+    target = changed(ARRAYS)
+    gaps = []
+    for _ in range(20):  # the model stands still: its public copy closes in on it
+        public, _ = node.publish(target)
+        gaps.append(max(float(np.abs(public[k] - target[k]).max()) for k in ARRAYS))
+    assert gaps[-1] < 0.01 * gaps[0]
+
+
+def test_a_receiver_rebuilds_the_senders_public_copy_bit_for_bit():
+    sender, receiver = DeltaGossip(), DeltaGossip()
+    sender.start(1, ARRAYS)
+    receiver.start(1, ARRAYS)
+    model = ARRAYS
+    for round_no in (1, 2, 3):
+        model = changed(model, seed=round_no)
+        public, (delta, meta) = sender.publish(model)
+        blob = make_blob(PEER, round_no, DELTA, delta, b"", {"n": 3, **meta})
+        base = receiver.base_for("peer", round_no)
+        got = peer_model(blob, (LAYOUT,), base=base, delta=True)
+        rebuilt = {name: tensor.numpy() for name, tensor in got.state.items()}
+        assert all(np.array_equal(rebuilt[name], public[name]) for name in public)
+        receiver.took_in(round_no, {"peer": rebuilt})
+    assert receiver.base_for("peer", 5) is None, "a round missed: no base"
+
+
+def delta_lie(what: str):
+    delta, meta = codecs.encode_delta(changed(ARRAYS), ARRAYS, 0.06)
+    indices = FIRST + codecs.INDICES
+    if what == "another base":
+        meta["base"] = bytes(32)
+    elif what == "index out of range":
+        delta[indices] = delta[indices].copy()
+        delta[indices][-1] = ARRAYS[FIRST].size
+    elif what == "repeated index":
+        delta[indices] = delta[indices].copy()
+        delta[indices][1] = delta[indices][0]
+    elif what == "negative index":
+        delta[indices] = delta[indices].copy()
+        delta[indices][0] = -1
+    elif what == "values not finite":
+        values = FIRST + codecs.VALUES
+        delta[values] = delta[values].copy()
+        delta[values][0] = np.inf
+    elif what == "values of another length":
+        delta[FIRST + codecs.VALUES] = delta[FIRST + codecs.VALUES][:-1]
+    elif what == "a tensor missing":
+        del delta[FIRST + codecs.VALUES]
+    return delta, meta
+
+
+@pytest.mark.parametrize(
+    "what",
+    [
+        "another base",
+        "index out of range",
+        "repeated index",
+        "negative index",
+        "values not finite",
+        "values of another length",
+        "a tensor missing",
+    ],
+)
+def test_a_lying_delta_is_refused_as_codec(what):
+    delta, meta = delta_lie(what)
+    blob = make_blob(PEER, 1, DELTA, delta, b"", {"n": 3, **meta})
+    with pytest.raises(UnusableBlob) as refused:
+        peer_model(blob, (LAYOUT,), base=ARRAYS, delta=True)
+    assert refused.value.reason == "codec"
+
+
+def test_a_delta_against_a_base_never_held_is_refused_as_codec():
+    delta, meta = codecs.encode_delta(changed(ARRAYS), ARRAYS, 0.06)
+    blob = make_blob(PEER, 4, DELTA, delta, b"", {"n": 3, **meta})
+    with pytest.raises(UnusableBlob, match="does not hold") as refused:
+        peer_model(blob, (LAYOUT,), base=DeltaGossip().base_for("peer", 4), delta=True)
+    assert refused.value.reason == "codec"

@@ -1,0 +1,78 @@
+"""`compression: topk`: a node's model travels as the largest entries of its change.
+
+CHOCO-style gossip of public copies. Every node keeps a *public* copy of its model: what
+its peers hold of it. Each round it publishes two blobs of the same model: a delta
+(kind `model~delta`: the top TOPK_FRACTION of each tensor's change from its public copy,
+protocol/codecs.py `encode_delta`) and the whole public copy after that change (kind
+`model`, float32). What the delta leaves out stays in the difference between the model
+and its public copy, so it travels in a later round (error feedback, kept by the
+sender). Announces are digests, so offering both costs a few bytes: a peer that holds
+the origin's public copy of the round before fetches the delta and adds it; a peer that
+does not (a newcomer, a new neighbour, one that missed a round) fetches the whole one.
+
+In round 1 every node's base is the mesh's seeded initial model, which every node
+builds alike, so no whole model travels in a mesh that starts together. A delta names
+its base by digest, so a receiver whose base differs (a task whose model() is not
+seeded) refuses it as `codec` and fetches that peer's whole model a round later.
+
+What a receiver keeps: each peer's public copy of the last round, for the peers whose
+model it took in then (one model per such peer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from meshfl.protocol import codecs
+
+DELTA = "model~delta"  # the blob kind of a model's delta; never one a rule publishes
+TOPK_FRACTION = 0.06  # of each tensor's entries: 6 bytes each, 0.09 of float32's bytes
+
+Arrays = dict[str, np.ndarray]
+
+
+def owned(arrays: Mapping[str, np.ndarray]) -> Arrays:
+    return {name: np.array(array) for name, array in arrays.items()}
+
+
+class DeltaGossip:
+    """A node's public copy, and what it holds of each peer's."""
+
+    def __init__(self, fraction: float = TOPK_FRACTION) -> None:
+        self.fraction = fraction
+        self.public: Arrays | None = None  # what peers hold of this node's model
+        self.initial: Arrays | None = None  # the mesh's initial model, round 1's base
+        self._peers: dict[str, tuple[int, Arrays]] = {}  # name -> (round, public copy)
+
+    def start(self, round_no: int, model: Mapping[str, np.ndarray]) -> None:
+        """Before round `round_no` trains: a mesh's first round starts from its initial
+        model, the base of round 1's deltas, on both sides."""
+        if round_no == 1 and self.initial is None:
+            self.initial = owned(model)
+            self.public = self.initial
+
+    def publish(self, model: Mapping[str, np.ndarray]) -> tuple[Arrays, tuple[Arrays, dict] | None]:
+        """The whole public copy to publish after this round's change, and the delta
+        (its arrays and meta) that makes it from the last one; None where there is no
+        last one (a node resumed or joined mid-run publishes whole models first)."""
+        if self.public is None:
+            self.public = owned(model)
+            return self.public, None
+        delta, meta = codecs.encode_delta(model, self.public, self.fraction)
+        self.public = codecs.apply_delta(delta, meta, self.public)
+        return self.public, (delta, meta)
+
+    def base_for(self, peer: str, round_no: int) -> Arrays | None:
+        """The base of `peer`'s delta of round `round_no`: its public copy of the round
+        before, where this node took it in, or the initial model in round 1."""
+        held = self._peers.get(peer)
+        if held is not None and held[0] == round_no - 1:
+            return held[1]
+        return self.initial if round_no == 1 else None
+
+    def took_in(self, round_no: int, models: Mapping[str, Arrays]) -> None:
+        """The public copies that arrived in round `round_no`, by peer: the bases of
+        their next deltas. Peers not among them would need a base this node lacks."""
+        self._peers = {peer: (round_no, owned(arrays)) for peer, arrays in models.items()}
