@@ -54,6 +54,7 @@ NOT_TRAINING = {
     "attack",
     "topology",  # whom a node learns from, not how it trains
     "local_batchnorm",  # what a node takes of its peers' models (test_fedbn.py)
+    "compression",  # how a node's blobs travel (test_codecs.py, test_compressed_mesh.py)
     "peers",
 }
 

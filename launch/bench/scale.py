@@ -58,6 +58,7 @@ class ScaleResult:
     down_marks: int
     failed: bool
     topology: str = "auto"
+    compression: str = "none"  # the codec of the blobs every node sent
     connections: tuple[float, int] = (0.0, 0)  # per node after its last round: mean, most
 
     def line(self) -> str:
@@ -70,6 +71,7 @@ class ScaleResult:
         )
         return (
             f"nodes={self.nodes} topology={self.topology} hosts={self.hosts} "
+            f"compression={self.compression} "
             f"rounds={self.rounds} "
             f"wall_s={self.wall_s:.1f} pss_mb={self.pss_mb:.0f} "
             f"pss_per_node_mb={self.pss_mb / self.nodes:.1f} "
@@ -163,7 +165,8 @@ def run_size(
         sent_bytes(out),
         down_marks(out),
         process.returncode != 0,
-        topology=topology_of(settings),
+        topology=setting_of(settings, "topology.neighbours", "auto"),
+        compression=setting_of(settings, "compression", "none"),
         connections=open_connections(out),
     )
 
@@ -182,10 +185,10 @@ def launch_command(
     return command
 
 
-def topology_of(settings: list[str]) -> str:
-    """The topology.neighbours a run's --set gave (the last one counts), or auto."""
-    given = [s.split("=", 1)[1] for s in settings if s.startswith("topology.neighbours=")]
-    return given[-1] if given else "auto"
+def setting_of(settings: list[str], key: str, default: str) -> str:
+    """The value a run's --set gave `key` (the last one counts), or `default`."""
+    given = [s.split("=", 1)[1] for s in settings if s.startswith(f"{key}=")]
+    return given[-1] if given else default
 
 
 def open_connections(out: Path) -> tuple[float, int]:
