@@ -15,6 +15,13 @@ builds alike, so no whole model travels in a mesh that starts together. A delta 
 its base by digest, so a receiver whose base differs (a task whose model() is not
 seeded) refuses it as `codec` and fetches that peer's whole model a round later.
 
+A peer's public copy lags its model by what its deltas have not carried yet, and
+where a round's change is dense (an aggregate replaces the whole model) that lag is
+most of the model's change. Every node's copy lags alike, by a part that is mostly the
+mesh's common change, so a node reads a peer's copy as x̂_j + (x_i − x̂_i), its own lag
+added (`read_as`): the rule then mixes x_i + Σ w_j (x̂_j − x̂_i), CHOCO-SGD's consensus
+step, and the common lag cancels.
+
 What a receiver keeps: each peer's public copy of the last round, for the peers whose
 model it took in then (one model per such peer).
 """
@@ -24,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import numpy as np
+import torch
 
 from meshfl.protocol import codecs
 
@@ -76,3 +84,19 @@ class DeltaGossip:
         """The public copies that arrived in round `round_no`, by peer: the bases of
         their next deltas. Peers not among them would need a base this node lacks."""
         self._peers = {peer: (round_no, owned(arrays)) for peer, arrays in models.items()}
+
+    def lag(self, model: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This node's model less its public copy, float entries only: what its own
+        deltas have not carried yet (nothing before its first publication)."""
+        if self.public is None:
+            return {}
+        return {
+            name: tensor - torch.from_numpy(self.public[name])
+            for name, tensor in model.items()
+            if tensor.is_floating_point() and name in self.public
+        }
+
+
+def read_as(copy: Mapping[str, torch.Tensor], lag: Mapping[str, torch.Tensor]) -> dict:
+    """A peer's public copy as this node reads it: with this node's own `lag` added."""
+    return {name: tensor + lag[name] if name in lag else tensor for name, tensor in copy.items()}

@@ -44,7 +44,7 @@ from .attacks import Attack, attack_for
 from .blobs import RULE_ERROR, UnusableBlob, layout_of, peer_model, signed_blob
 from .checkpoint import MetricsLog, load_checkpoint, save_checkpoint, write_atomically
 from .containment import run_contained
-from .deltas import DELTA, DeltaGossip
+from .deltas import DELTA, DeltaGossip, read_as
 from .metrics import RoundRecord
 from .models import batchnorm_keys, model_schema
 from .neighbours import neighbours_to_drop
@@ -675,6 +675,7 @@ class Node:
         checks of node/blobs.py is refused (logged; the round goes on without it)."""
         intake = PeerIntake()
         public_copies: dict[str, dict[str, np.ndarray]] = {}
+        own_lag = self.deltas.lag(self.model.state_dict()) if self.deltas is not None else {}
         for kind, by_peer in in_peer_order(blobs).items():  # kinds too, for a rule of several
             expected = self.algorithm.layouts(kind)
             for name, blob in in_peer_order(by_peer).items():
@@ -686,8 +687,9 @@ class Node:
                     log.warning("%s: refused %s's blob: %s", self.options.name, name, error)
                     intake.refuse(kind, name, error.reason)
                     continue
-                if kind == MODEL:
+                if kind == MODEL and self.deltas is not None:
                     public_copies[name] = {k: v.numpy() for k, v in model.state.items()}
+                    model = PeerModel(read_as(model.state, own_lag), model.n_samples)
                 intake.received.setdefault(kind, {})[name] = self.with_own_local(model)
         if self.deltas is not None:
             self.deltas.took_in(round_no, public_copies)
