@@ -36,7 +36,7 @@ from meshfl.algorithms import PeerModel
 from meshfl.algorithms.base import Layout
 from meshfl.protocol import codecs
 from meshfl.protocol.identity import Identity
-from meshfl.protocol.wire import MAX_DIMENSIONS, Blob, make_blob, wire_dtype
+from meshfl.protocol.wire import Blob, make_blob, wire_dtype
 
 # Beyond 2**53 a float weight no longer holds the count exactly; no node has that many
 # samples. (A count merely inflated below it cannot be told from a big dataset.)
@@ -115,6 +115,19 @@ def _common_prefix(a: Layout, b: Layout) -> int:
     return count
 
 
+def _check_layout(
+    what: str,
+    layout: Layout,
+    expected: tuple[Layout, ...],
+    fits: Callable[[Layout], bool] | None,
+) -> None:
+    if not (fits(layout) if fits is not None else layout in expected):
+        raise UnusableBlob(
+            "layout",
+            f"{what}: its tensors are not the mesh's schema: {describe_mismatch(layout, expected)}",
+        )
+
+
 def delta_arrays(blob: Blob, base: Mapping[str, np.ndarray] | None) -> dict[str, np.ndarray]:
     """A delta blob's model (node/deltas.py): `base` with its changes, or UnusableBlob."""
     try:
@@ -138,18 +151,17 @@ def peer_model(
     refusal still says where it departs from `expected`). A `delta` blob's tensors are
     its changes to `base` (node/deltas.py), checked as the model they make."""
     what = f"{reprlib.repr(blob.kind)} blob of round {blob.round}"
-    claimed = max((len(info.shape) for info in blob.index), default=0)
-    if claimed > MAX_DIMENSIONS:  # numpy could not even hold its arrays
-        raise UnusableBlob(
-            "layout", f"{what}: its tensors are not the mesh's schema: {claimed} dimensions"
-        )
+    index = tuple((info.name, info.dtype, tuple(info.shape)) for info in blob.index)
+    if len({name for name, _, _ in index}) < len(index):
+        raise UnusableBlob("layout", f"{what}: two of its tensors have one name")
+    if not delta:  # a delta's layout is its base's, checked once applied
+        try:
+            layout = codecs.decoded_layout(index, blob.meta)
+        except codecs.CodecError as error:
+            raise UnusableBlob("codec", f"{what}: {error}") from None
+        _check_layout(what, layout, expected, fits)
     arrays = delta_arrays(blob, base) if delta else decoded_arrays(blob)
-    layout = layout_of(arrays)
-    if not (fits(layout) if fits is not None else layout in expected):
-        raise UnusableBlob(
-            "layout",
-            f"{what}: its tensors are not the mesh's schema: {describe_mismatch(layout, expected)}",
-        )
+    _check_layout(what, layout_of(arrays), expected, fits)
     n = blob.meta.get("n", 1)
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SAMPLE_COUNT:
         raise UnusableBlob(

@@ -34,8 +34,10 @@ import numpy as np
 import torch
 
 from meshfl.protocol import codecs
+from meshfl.protocol.wire import Blob
 
 DELTA = "model~delta"  # the blob kind of a model's delta; never one a rule publishes
+PUBLIC = "public"  # meta of a `model` blob that is a public copy (true), not the model
 TOPK_FRACTION = 0.06  # of each tensor's entries: 6 bytes each, 0.09 of float32's bytes
 
 Arrays = dict[str, np.ndarray]
@@ -100,3 +102,9 @@ class DeltaGossip:
 def read_as(copy: Mapping[str, torch.Tensor], lag: Mapping[str, torch.Tensor]) -> dict:
     """A peer's public copy as this node reads it: with this node's own `lag` added."""
     return {name: tensor + lag[name] if name in lag else tensor for name, tensor in copy.items()}
+
+
+def is_public_copy(blob: Blob) -> bool:
+    """Whether a peer's model blob is its public copy (a delta's, or one it says it is),
+    read with this node's lag added; any other is the peer's model as it is."""
+    return blob.kind == DELTA or blob.meta.get(PUBLIC) is True

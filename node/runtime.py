@@ -44,7 +44,7 @@ from .attacks import Attack, attack_for
 from .blobs import RULE_ERROR, UnusableBlob, layout_of, peer_model, signed_blob
 from .checkpoint import MetricsLog, load_checkpoint, save_checkpoint, write_atomically
 from .containment import run_contained
-from .deltas import DELTA, DeltaGossip, read_as
+from .deltas import DELTA, PUBLIC, DeltaGossip, is_public_copy, read_as
 from .metrics import RoundRecord
 from .models import batchnorm_keys, model_schema
 from .neighbours import neighbours_to_drop
@@ -390,7 +390,7 @@ class Node:
         blobs = self.collect(
             current, {MODEL}, {peer.public_key for peer in peers}, deadline, everything=True
         )
-        models = self.peer_models(blobs).received.get(MODEL, {})
+        models = self.peer_models(blobs, current).received.get(MODEL, {})
         if models:
             uniform = {name: 1 / len(models) for name in models}
             self.model.load_state_dict(
@@ -650,7 +650,9 @@ class Node:
             blobs.append(
                 make_blob(self.identity, round_no, DELTA, changes, self.schema, {**meta, **named})
             )
-        blobs.append(make_blob(self.identity, round_no, kind, public, self.schema, meta))
+        blobs.append(
+            make_blob(self.identity, round_no, kind, public, self.schema, {**meta, PUBLIC: True})
+        )
         return blobs
 
     def _fetches_since(self, start: int) -> list[dict[str, Any]]:
@@ -689,7 +691,8 @@ class Node:
                     continue
                 if kind == MODEL and self.deltas is not None:
                     public_copies[name] = {k: v.numpy() for k, v in model.state.items()}
-                    model = PeerModel(read_as(model.state, own_lag), model.n_samples)
+                    if is_public_copy(blob):  # another codec's model is the model itself
+                        model = PeerModel(read_as(model.state, own_lag), model.n_samples)
                 intake.received.setdefault(kind, {})[name] = self.with_own_local(model)
         if self.deltas is not None:
             self.deltas.took_in(round_no, public_copies)

@@ -28,6 +28,8 @@ from typing import Any
 import numpy as np
 from blake3 import blake3
 
+from .wire import wire_dtype
+
 CODECS = ("none", "fp16", "bf16", "int8")
 INT8_BLOCK = 128  # values per scale: 4 bytes of scale per 128 of data, 0.26 of float32
 MIN_BLOCK, MAX_BLOCK = 8, 1 << 16
@@ -60,6 +62,32 @@ def encode(arrays: Arrays, codec: str) -> tuple[dict[str, np.ndarray], dict[str,
         name: narrow(array) if array.dtype == np.float32 else array
         for name, array in arrays.items()
     }, {"codec": codec}
+
+
+Layout = tuple[tuple[str, str, tuple[int, ...]], ...]  # (name, wire dtype, shape) each
+
+
+def decoded_layout(layout: Layout, meta: Mapping[str, Any]) -> Layout:
+    """The layout a blob's tensors will have once decoded, read off its index alone: a
+    receiver refuses a blob of the wrong model before decoding makes it up to four times
+    bigger. CodecError where the codec is unknown (the tensors' own fields are checked
+    when they are decoded)."""
+    codec = meta.get("codec", "none")
+    if codec not in CODECS:
+        raise CodecError(f"codec {str(codec)[:32]!r} is none of {', '.join(CODECS)}")
+    narrow = {"fp16": "float16", "bf16": "bfloat16", "int8": "int8"}.get(codec)
+    names = {name for name, _, _ in layout}
+    return tuple(
+        (name, "float32" if dtype == narrow and _widens(codec, name, names) else dtype, shape)
+        for name, dtype, shape in layout
+        if not (codec == "int8" and name.endswith(SCALES))
+    )
+
+
+def _widens(codec: str, name: str, names: set[str]) -> bool:
+    """Whether a tensor of the codec's narrow dtype decodes to float32 (under int8 only
+    one with scales: an int8 tensor without them is an integer tensor)."""
+    return codec != "int8" or name + SCALES in names
 
 
 def decode(arrays: Arrays, meta: Mapping[str, Any]) -> dict[str, np.ndarray]:
@@ -127,12 +155,14 @@ def _decode_int8(arrays: Arrays, block: Any) -> dict[str, np.ndarray]:
             f"int8 block is {str(block)[:32]}, not an integer in {MIN_BLOCK}..{MAX_BLOCK}"
         )
     decoded: dict[str, np.ndarray] = {}
-    for name, array in arrays.items():
+    names = list(arrays)
+    for at, name in enumerate(names):
         if name.endswith(SCALES):
-            if name[: -len(SCALES)] not in arrays:
-                raise CodecError(f"{name[:64]!r}: scales of no tensor")
+            owner = name[: -len(SCALES)]
+            if at == 0 or names[at - 1] != owner or owner.endswith(SCALES):
+                raise CodecError(f"{name[:64]!r}: scales of no tensor right before them")
             continue
-        scales = arrays.get(name + SCALES)
+        array, scales = arrays[name], arrays.get(name + SCALES)
         decoded[name] = array if scales is None else _dequantize(name, array, scales, block)
     return decoded
 
@@ -172,7 +202,7 @@ def base_digest(arrays: Arrays) -> bytes:
     digest = blake3()
     for name, array in arrays.items():
         shape = ",".join(str(size) for size in array.shape)
-        digest.update(f"{name}|{array.dtype.str}|{shape}|".encode())
+        digest.update(f"{name}|{wire_dtype(array)}|{shape}|".encode())
         digest.update(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
     return digest.digest()
 
@@ -228,9 +258,10 @@ def _check_sparse(name: str, indices: np.ndarray, values: np.ndarray, size: int)
         raise CodecError(f"{where}: indices {indices.dtype} and values {values.dtype}")
     if indices.ndim != 1 or indices.shape != values.shape:
         raise CodecError(f"{where}: {indices.shape} indices for {values.shape} values")
-    if indices.size and not (indices[0] >= 0 and indices[-1] < size):
+    # Compared, not subtracted: int32 differences wrap around.
+    if not ((indices >= 0).all() and (indices < size).all()):
         raise CodecError(f"{where}: an index out of 0..{size - 1}")
-    if indices.size > 1 and not (np.diff(indices) > 0).all():
+    if not (indices[1:] > indices[:-1]).all():
         raise CodecError(f"{where}: indices not ascending and unique")
     if not np.isfinite(values).all():
         raise CodecError(f"{where}: a value is not finite")

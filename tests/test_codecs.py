@@ -3,13 +3,16 @@ ones at the bytes it promises, and every lie in a codec's own fields is refused 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshfl.node.blobs import UnusableBlob, layout_of, peer_model, signed_blob
-from meshfl.node.deltas import DELTA, DeltaGossip
+from meshfl.node.deltas import DELTA, PUBLIC, DeltaGossip, is_public_copy, read_as
 from meshfl.node.models import build_model
 from meshfl.node.trainer import state_to_arrays
 from meshfl.protocol import codecs
@@ -271,3 +274,52 @@ def test_a_delta_against_a_base_never_held_is_refused_as_codec():
     with pytest.raises(UnusableBlob, match="does not hold") as refused:
         peer_model(blob, (LAYOUT,), base=DeltaGossip().base_for("peer", 4), delta=True)
     assert refused.value.reason == "codec"
+
+
+def test_indices_whose_differences_wrap_around_are_refused_not_a_crash():
+    delta, meta = codecs.encode_delta(changed(ARRAYS), ARRAYS, 0.06)
+    delta[FIRST + codecs.INDICES] = np.array([0, 10, -2147483643], dtype=np.int32)
+    delta[FIRST + codecs.VALUES] = np.ones(3, dtype=np.float16)
+    with pytest.raises(codecs.CodecError, match="out of"):
+        codecs.apply_delta(delta, meta, ARRAYS)
+
+
+@pytest.mark.parametrize("how", ["scales first", "scales of scales"])
+def test_int8_scales_come_right_after_their_tensor_and_nowhere_else(how):
+    arrays, meta = codecs.encode(ARRAYS, "int8")
+    scales = FIRST + codecs.SCALES
+    if how == "scales first":
+        arrays = {scales: arrays.pop(scales), **arrays}
+    else:
+        arrays[scales + codecs.SCALES] = np.array([np.nan], dtype=np.float32)
+    with pytest.raises(codecs.CodecError, match="scales of no tensor"):
+        codecs.decode(arrays, meta)
+
+
+def test_a_blob_naming_one_tensor_twice_is_refused_as_layout():
+    honest = make_blob(PEER, 1, "model", ARRAYS, b"", {"n": 3})
+    doubled = dataclasses.replace(
+        honest, index=[*honest.index, honest.index[0]], frames=[*honest.frames, honest.frames[0]]
+    )
+    with pytest.raises(UnusableBlob) as refused:
+        peer_model(doubled, (LAYOUT,))
+    assert refused.value.reason == "layout"
+
+
+def test_a_compressed_blob_of_another_model_is_refused_before_it_is_decoded(monkeypatch):
+    other = state_to_arrays(build_model("mlp", (1, 28, 28), 10, seed=0))
+    blob = signed_blob(PEER, 1, "model", other, b"", {"n": 3}, "int8")
+    monkeypatch.setattr(codecs, "decode", lambda *_: pytest.fail("decoded"))
+    with pytest.raises(UnusableBlob) as refused:
+        peer_model(blob, (LAYOUT,))
+    assert refused.value.reason == "layout"
+
+
+def test_only_public_copies_are_read_with_the_nodes_lag():
+    lag = {FIRST: torch.ones_like(torch.from_numpy(ARRAYS[FIRST]))}
+    state = {name: torch.from_numpy(array) for name, array in ARRAYS.items()}
+    read = read_as(state, lag)
+    assert torch.equal(read[FIRST], state[FIRST] + 1)
+    whole = make_blob(PEER, 1, "model", ARRAYS, b"", {"n": 3})
+    public = make_blob(PEER, 1, "model", ARRAYS, b"", {"n": 3, PUBLIC: True})
+    assert not is_public_copy(whole) and is_public_copy(public)
