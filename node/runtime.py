@@ -627,10 +627,12 @@ class Node:
             if name in offered.get(kind, {})
         }
         if self.deltas is not None and not everything:
-            names = {peer.public_key: peer.name for peer in self.endpoint.peers()}
+            name_of = {peer.public_key: peer.name for peer in self.endpoint.peers()}
             for offer in self.endpoint.offers(round_no, DELTA):
-                name = names.get(offer.origin)
-                if (MODEL, name) in chosen and self.deltas.base_for(name, round_no) is not None:
+                name = name_of.get(offer.origin)
+                if name is None or (MODEL, name) not in chosen:
+                    continue
+                if self.deltas.base_for(name, round_no) is not None:
                     chosen[(MODEL, name)] = offer
         return chosen
 
