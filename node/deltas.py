@@ -71,7 +71,7 @@ class DeltaGossip:
             self.public = owned(model)
             return self.public, None
         delta, meta = codecs.encode_delta(model, self.public, self.fraction)
-        self.public = codecs.apply_delta(delta, meta, self.public)
+        self.public = codecs.apply_delta(delta, meta, self.public, digest=meta["base"])
         return self.public, (delta, meta)
 
     def base_for(self, peer: str, round_no: int) -> Arrays | None:
@@ -82,10 +82,12 @@ class DeltaGossip:
             return held[1]
         return self.initial if round_no == 1 else None
 
-    def took_in(self, round_no: int, models: Mapping[str, Arrays]) -> None:
+    def took_in(self, round_no: int, copies: Mapping[str, Arrays]) -> None:
         """The public copies that arrived in round `round_no`, by peer: the bases of
-        their next deltas. Peers not among them would need a base this node lacks."""
-        self._peers = {peer: (round_no, owned(arrays)) for peer, arrays in models.items()}
+        their next deltas. Peers not among them would need a base this node lacks.
+        Kept as they are: a rule reads them only through `read_as`, which makes new
+        float tensors, so nothing writes into them."""
+        self._peers = {peer: (round_no, dict(arrays)) for peer, arrays in copies.items()}
 
     def lag(self, model: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This node's model less its public copy, float entries only: what its own

@@ -683,18 +683,18 @@ class Node:
         for kind, by_peer in in_peer_order(blobs).items():  # kinds too, for a rule of several
             expected = self.algorithm.layouts(kind)
             for name, blob in in_peer_order(by_peer).items():
-                delta = blob.kind == DELTA and self.deltas is not None
-                base = self.deltas.base_for(name, round_no) if delta and self.deltas else None
+                delta = self.deltas is not None and blob.kind == DELTA
+                base = self.deltas.base_for(name, round_no) if self.deltas and delta else None
                 try:
                     model = peer_model(blob, expected, base=base, delta=delta)
                 except UnusableBlob as error:
                     log.warning("%s: refused %s's blob: %s", self.options.name, name, error)
                     intake.refuse(kind, name, error.reason)
                     continue
-                if kind == MODEL and self.deltas is not None:
+                if kind == MODEL and self.deltas is not None and is_public_copy(blob):
+                    # The base of the peer's next delta; any other model is read as it is.
                     public_copies[name] = {k: v.numpy() for k, v in model.state.items()}
-                    if is_public_copy(blob):  # another codec's model is the model itself
-                        model = PeerModel(read_as(model.state, own_lag), model.n_samples)
+                    model = PeerModel(read_as(model.state, own_lag), model.n_samples)
                 intake.received.setdefault(kind, {})[name] = self.with_own_local(model)
         if self.deltas is not None:
             self.deltas.took_in(round_no, public_copies)

@@ -227,10 +227,13 @@ def encode_delta(
     return encoded, {"codec": TOPK, "base": base_digest(base)}
 
 
-def apply_delta(delta: Arrays, meta: Mapping[str, Any], base: Arrays) -> dict[str, np.ndarray]:
+def apply_delta(
+    delta: Arrays, meta: Mapping[str, Any], base: Arrays, digest: bytes | None = None
+) -> dict[str, np.ndarray]:
     """`base` with `delta`'s changes added (float32), or CodecError where the delta is
-    not one of `base` (another digest, other tensors) or its fields do not hold."""
-    if meta.get("codec") != TOPK or meta.get("base") != base_digest(base):
+    not one of `base` (another digest, other tensors) or its fields do not hold.
+    `digest`: the base's, where the caller has it (a sender that just encoded)."""
+    if meta.get("codec") != TOPK or meta.get("base") != (digest or base_digest(base)):
         raise CodecError("a delta against a base this node does not hold")
     expected = {
         key
