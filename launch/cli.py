@@ -9,6 +9,7 @@ processes it forks.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import sys
 from collections.abc import Callable
@@ -359,6 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # A crash in native code (torch, zmq) prints every thread's Python stack to stderr,
+    # which is a node's log; the processes launch forks inherit it.
+    faulthandler.enable(all_threads=True)
     quiet_command = args.command not in ("node", "host", "join", "coordinator")
     configure_logging(logging.WARNING if quiet_command and not args.verbose else logging.INFO)
     handlers: dict[str, Callable[[argparse.Namespace], int]] = {

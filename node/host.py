@@ -282,7 +282,11 @@ class NodeHost:
         """Build and run node `options.name`; at the host's `first` start of it, it
         joins the mesh together with the host's other nodes (joining.py)."""
         try:
-            node = self.make_node(options)
+            # Built at the CPU like all of a host's torch work: in a process just forked,
+            # two threads making their first torch calls at once can crash it (a
+            # SIGSEGV in a Linear's forward, about once in 1,200 forks of four threads).
+            with self.cpu:
+                node = self.make_node(options)
         finally:
             if first:
                 self._joining.built()
