@@ -59,13 +59,20 @@ def main(argv: list[str]) -> int:
         "--repeats", type=positive(int), default=3, help="runs of each (default: 3)"
     )
     add_assignments(parser, "a config change for both selections, repeatable")
+    parser.add_argument(
+        "--keep",
+        metavar="DIR",
+        type=Path,
+        help="keep each run's folder under DIR (to read with meshfl report); default: none kept",
+    )
     args = parser.parse_args(argv)
     walls: dict[str, list[float]] = {selection: [] for selection in SELECTIONS}
     accuracies: dict[str, list[float]] = {selection: [] for selection in SELECTIONS}
     with tempfile.TemporaryDirectory(prefix="meshfl-views-") as scratch:
+        runs = args.keep or Path(scratch)
         for repeat in range(args.repeats):
             for selection in SELECTIONS:
-                out = Path(scratch) / f"{selection}{repeat}"
+                out = runs / f"{selection}{repeat}"
                 settings = [*args.assignments, f"topology.select={selection}"]
                 run = run_size(args.nodes, None, args.rounds, out, settings)
                 summary = json.loads((out / "summary.json").read_text())
