@@ -152,8 +152,6 @@ def peer_model(
     its changes to `base` (node/deltas.py), checked as the model they make."""
     what = f"{reprlib.repr(blob.kind)} blob of round {blob.round}"
     index = tuple((info.name, info.dtype, tuple(info.shape)) for info in blob.index)
-    if len({name for name, _, _ in index}) < len(index):
-        raise UnusableBlob("layout", f"{what}: two of its tensors have one name")
     if not delta:  # a delta's layout is its base's, checked once applied
         try:
             layout = codecs.decoded_layout(index, blob.meta)

@@ -107,6 +107,7 @@ REJECTION_REASONS = (
     "bad_origin_signature",
     "forbidden_dtype",
     "shape_mismatch",
+    "duplicate_tensor",
     "schema_mismatch",
 )
 
@@ -686,6 +687,9 @@ class Decoder:
         if not verify(origin, body["sig"], RECORD_CONTEXT + body["record"]):
             raise Rejected("bad_origin_signature")
         index = [self._tensor_info(entry) for entry in raw_index]
+        # Read by name everywhere past here: a second tensor of one name would hide the first.
+        if len({info.name for info in index}) < len(index):
+            raise Rejected("duplicate_tensor", "two tensors of one name")
         if len(index) != len(frames):
             raise Rejected("shape_mismatch", f"{len(index)} tensors, {len(frames)} frames")
         for info, frame in zip(index, frames, strict=True):

@@ -3,8 +3,6 @@ ones at the bytes it promises, and every lie in a codec's own fields is refused 
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
@@ -294,16 +292,6 @@ def test_int8_scales_come_right_after_their_tensor_and_nowhere_else(how):
         arrays[scales + codecs.SCALES] = np.array([np.nan], dtype=np.float32)
     with pytest.raises(codecs.CodecError, match="scales of no tensor"):
         codecs.decode(arrays, meta)
-
-
-def test_a_blob_naming_one_tensor_twice_is_refused_as_layout():
-    honest = make_blob(PEER, 1, "model", ARRAYS, b"", {"n": 3})
-    doubled = dataclasses.replace(
-        honest, index=[*honest.index, honest.index[0]], frames=[*honest.frames, honest.frames[0]]
-    )
-    with pytest.raises(UnusableBlob) as refused:
-        peer_model(doubled, (LAYOUT,))
-    assert refused.value.reason == "layout"
 
 
 def test_a_compressed_blob_of_another_model_is_refused_before_it_is_decoded(monkeypatch):

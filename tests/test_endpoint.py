@@ -339,6 +339,12 @@ def craft_shape_mismatch(scene):
     return blob_message(scene, blob)
 
 
+def craft_duplicate_tensor(scene):
+    # Two tensors named "w": read by name, the second would hide the first.
+    index = [["w", "float32", [1], 4], ["w", "float32", [1], 4]]
+    return blob_message(scene, hand_made_blob(scene.origin, [bytes(4), bytes(4)], index))
+
+
 def craft_schema_mismatch(scene):
     return blob_message(scene, small_blob(scene.origin, schema=b"another model"))
 
@@ -392,6 +398,7 @@ CRAFTS = {
     "digest_mismatch": craft_digest_mismatch,
     "forbidden_dtype": craft_forbidden_dtype,
     "shape_mismatch": craft_shape_mismatch,
+    "duplicate_tensor": craft_duplicate_tensor,
     "schema_mismatch": craft_schema_mismatch,
     "duplicate_key": craft_duplicate_key,
     "weak_key": craft_weak_key,
