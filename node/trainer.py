@@ -278,6 +278,9 @@ def train_local(
             optim.step()
             loss_sum += batch_loss.item() * len(batch)
             samples_seen += len(batch)
+    # The last step's gradients serve nothing past it: kept, they would be one more copy
+    # of the model in every node until its next round.
+    model.zero_grad(set_to_none=True)
     return loss_sum / samples_seen if samples_seen else math.nan
 
 

@@ -33,6 +33,11 @@ log = logging.getLogger("meshfl.endpoint")
 # Rejected after decoding: a blob whose signed record is not what its announce said
 # (WIRE.md 7.4). Counted beside the decoder's reasons.
 OFFER_MISMATCH = "offer_mismatch"
+# How many rounds a node's own blobs outlive their round: a peer one round behind still
+# fetches them, and one further behind skips to the round its peers are in (the round
+# loop's catch-up) rather than fetch old ones. Each round kept is one more copy of the
+# model in memory, in every node.
+OWN_ROUNDS_KEPT = 1
 
 # How the endpoint sends a message: to an address, of a kind, with a body and a blob.
 Send = Callable[..., None]
@@ -142,11 +147,11 @@ class BlobExchange:
     # --- the node's side: each takes the lock -----------------------------------------
 
     def forget_before(self, round_no: int) -> None:
-        """Forget the offers and blobs of rounds before `round_no` (own blobs are kept a
-        little longer, for peers catching up)."""
+        """Forget the offers and blobs of rounds before `round_no`; own blobs are kept
+        OWN_ROUNDS_KEPT rounds longer, for peers one round behind."""
         with self.lock:
             self.offer_book.forget_before(round_no)
-            self.store.forget_before(round_no, self.own_key, self.offer_book.keep_rounds)
+            self.store.forget_before(round_no, self.own_key, OWN_ROUNDS_KEPT)
 
     def hold(self, blob: Blob) -> None:
         """Keep a blob of ours for fetching, and among the latest to re-announce."""

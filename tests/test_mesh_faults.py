@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -235,7 +236,7 @@ def test_a_torn_metrics_tail_resumes_and_a_truncated_checkpoint_is_one_clear_lin
     config = tmp_path / "peers.yaml"
     write_config(config, 1, rounds=2)
     node = ["node", "--config", str(config), "--name", "node0", "--out", str(tmp_path)]
-    run_node = [*(["python", "-m", "meshfl.launch.cli"]), *node]
+    run_node = [sys.executable, "-m", "meshfl.launch.cli", *node]
     first = subprocess.run(run_node, capture_output=True, text=True, timeout=120)
     assert first.returncode == 0, first.stderr
     folder = tmp_path / "node0"
