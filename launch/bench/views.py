@@ -6,8 +6,12 @@ Each repeat runs `meshfl launch --nodes N` twice, with `topology.select=benefit`
 reads what the nodes wrote: the wall time of the run, its mean test accuracy, and the
 median over node-rounds of where a round's time went (metrics.jsonl `seconds`):
 training, the wait for the view to fill its free places (`view_wait`), the wait for
-the models (`communicate` less the view wait), aggregation and evaluation. It prints
-each run, then the medians and benefit's ratio to random:
+the models (`communicate` less the view wait), aggregation and evaluation; beside them
+the CPU seconds the whole run took (every process of it), the neighbours new to a node
+in a round (`tried`: candidates on trial), and the models and bytes a node took in a
+round. On one machine that holds the whole mesh, wall time follows the CPU the mesh
+spends, and a node that took in more of its peers' models spent more of it. It prints
+each run, then the medians and benefit's ratios to random:
 
     meshfl bench views --nodes 60 --rounds 12 --repeats 3 \\
         --set data.dataset=mnist --set data.root=DIR --set data.partition=clusters:5
@@ -16,6 +20,7 @@ each run, then the medians and benefit's ratio to random:
 from __future__ import annotations
 
 import json
+import resource
 import statistics
 import sys
 import tempfile
@@ -46,9 +51,32 @@ def phase_medians(out: Path) -> dict[str, float]:
     return {phase: statistics.median(values) for phase, values in seconds.items() if values}
 
 
-def describe(selection: str, wall: float, accuracy: float, phases: dict[str, float]) -> str:
-    split = " ".join(f"{phase}={seconds:.2f}" for phase, seconds in phases.items())
-    return f"{selection}: wall_s={wall:.1f} mean_test_acc={accuracy:.4f} median s/round: {split}"
+def intake(out: Path) -> dict[str, float]:
+    """Per node-round, means: the neighbours new to the node (`tried`), the models it
+    took in, and the MB it took in."""
+    rows = [record for metrics in out.glob("*/metrics.jsonl") for record in records(metrics)]
+    if not rows:
+        return {}
+    return {
+        "tried": statistics.mean(len(record.tried or ()) for record in rows),
+        "models_in": statistics.mean(len(record.received) for record in rows),
+        "mb_in": statistics.mean(record.bytes_in for record in rows) / 1e6,
+    }
+
+
+def children_cpu_s() -> float:
+    """CPU seconds of every process this one has waited for (a launch's, its forks')."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def describe(selection: str, wall: float, cpu: float, accuracy: float, out: Path) -> str:
+    phases = " ".join(f"{phase}={seconds:.2f}" for phase, seconds in phase_medians(out).items())
+    taken = " ".join(f"{what}={value:.2f}" for what, value in intake(out).items())
+    return (
+        f"{selection}: wall_s={wall:.1f} cpu_s={cpu:.1f} mean_test_acc={accuracy:.4f} "
+        f"median s/round: {phases}; per node-round: {taken}"
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -67,6 +95,7 @@ def main(argv: list[str]) -> int:
     )
     args = parser.parse_args(argv)
     walls: dict[str, list[float]] = {selection: [] for selection in SELECTIONS}
+    cpus: dict[str, list[float]] = {selection: [] for selection in SELECTIONS}
     accuracies: dict[str, list[float]] = {selection: [] for selection in SELECTIONS}
     with tempfile.TemporaryDirectory(prefix="meshfl-views-") as scratch:
         runs = args.keep or Path(scratch)
@@ -74,21 +103,27 @@ def main(argv: list[str]) -> int:
             for selection in SELECTIONS:
                 out = runs / f"{selection}{repeat}"
                 settings = [*args.assignments, f"topology.select={selection}"]
+                cpu_before = children_cpu_s()
                 run = run_size(args.nodes, None, args.rounds, out, settings)
+                cpus[selection].append(children_cpu_s() - cpu_before)
                 summary = json.loads((out / "summary.json").read_text())
                 walls[selection].append(run.wall_s)
                 accuracies[selection].append(summary["mean_test_acc"])
                 line = describe(
-                    selection, run.wall_s, accuracies[selection][-1], phase_medians(out)
+                    selection, run.wall_s, cpus[selection][-1], accuracies[selection][-1], out
                 )
                 print(f"repeat {repeat + 1} {line}", flush=True)
-    medians = {selection: statistics.median(walls[selection]) for selection in SELECTIONS}
+    wall = {selection: statistics.median(walls[selection]) for selection in SELECTIONS}
+    cpu = {selection: statistics.median(cpus[selection]) for selection in SELECTIONS}
     print(
-        f"medians: benefit wall_s={medians['benefit']:.1f} "
-        f"mean_test_acc={statistics.median(accuracies['benefit']):.4f}; random "
-        f"wall_s={medians['random']:.1f} "
-        f"mean_test_acc={statistics.median(accuracies['random']):.4f}; "
-        f"benefit/random wall={medians['benefit'] / medians['random']:.2f}x"
+        "medians: "
+        + "; ".join(
+            f"{selection} wall_s={wall[selection]:.1f} cpu_s={cpu[selection]:.1f} "
+            f"mean_test_acc={statistics.median(accuracies[selection]):.4f}"
+            for selection in SELECTIONS
+        )
+        + f"; benefit/random wall={wall['benefit'] / wall['random']:.2f}x "
+        f"cpu={cpu['benefit'] / cpu['random']:.2f}x"
     )
     return 0
 
