@@ -266,7 +266,10 @@ class TopologyConfig:
     neighbours past that. `select`: how a node of a bounded mesh changes its
     neighbours after each round: `benefit` drops the one that did least for its own
     validation split, `random` a random one (gossip learning); either way a candidate
-    from the passive view takes its place, so exploring never stops."""
+    from the passive view takes its place, so exploring never stops. `group_by`: how a
+    bounded view groups addresses to limit the places one group holds (a quarter of
+    each view): `auto` by /24 or /48 network for public addresses, by IP for private
+    ones (a LAN), by port on the loopback (a mesh on one machine: no limit binds)."""
 
     __pydantic_config__ = _SECTION
 
@@ -276,13 +279,18 @@ class TopologyConfig:
     select: Annotated[Literal["benefit", "random"], Field(description="benefit or random")] = (
         "benefit"
     )
+    group_by: Annotated[
+        Literal["auto", "network", "ip", "port"], Field(description="auto, network, ip or port")
+    ] = "auto"
 
     def views(self, mesh_size: int) -> ViewSettings | None:
         """The views of each node of a `mesh_size`-node mesh; None: a full mesh."""
         if self.neighbours == "all" or (self.neighbours == "auto" and mesh_size <= FULL_MESH_UP_TO):
             return None
         size = DEFAULT_NEIGHBOURS if self.neighbours == "auto" else int(self.neighbours)
-        return ViewSettings.keeping(size, friends_first=self.select == "benefit")
+        return ViewSettings.keeping(
+            size, friends_first=self.select == "benefit", group_by=self.group_by
+        )
 
     def connections(self, mesh_size: int) -> int:
         """The most peers each node of a `mesh_size`-node mesh holds connections to."""

@@ -80,3 +80,29 @@ def resolved(address: str) -> str:
         return address
     ip = sockaddr[0]
     return f"tcp://[{ip}]:{port}" if family == socket.AF_INET6 else f"tcp://{ip}:{port}"
+
+
+# How a bounded view groups the addresses it limits (WIRE.md 7.7): `auto` by /24 (IPv4)
+# or /48 (IPv6) network for global addresses, by IP address for the others (private,
+# link-local: a LAN's machines share one network), by address and port on the loopback
+# (a mesh on one machine); or every address by `network`, by `ip`, or by `port` (no
+# limit binds while each node has a port of its own).
+GROUPINGS = ("auto", "network", "ip", "port")
+NETWORK_BITS = {4: 24, 6: 48}
+
+
+@functools.lru_cache(maxsize=4096)
+def network_group(address: str, by: str = "auto") -> str:
+    """The group `address` counts against, under the grouping `by` (GROUPINGS). A
+    hostname is a group of its own; so is anything that is not a TCP endpoint."""
+    endpoint = tcp_endpoint(address)
+    if endpoint is None or not _is_ip(endpoint[0]):
+        return address
+    ip = ipaddress.ip_address(endpoint[0].strip("[]"))
+    if by == "auto":
+        by = "port" if ip.is_loopback else "network" if ip.is_global else "ip"
+    if by == "port":
+        return address
+    if by == "ip":
+        return str(ip)
+    return str(ipaddress.ip_network(f"{ip}/{NETWORK_BITS[ip.version]}", strict=False))

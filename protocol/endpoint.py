@@ -84,6 +84,7 @@ WORKER_ERROR = "worker_error"  # the worker raised: a bug, contained and logged
 # Bounded views (WIRE.md 7.7): a greeting while the node has all the neighbours it takes,
 # a shuffle from a node that is not a neighbour (views.py counts the rest).
 VIEW_FULL, NOT_LINKED = "view_full", "not_linked"
+GROUP_FULL = "group_full"  # a bounded view holds all the peers one network group may
 # Hellos of ours still waiting for their `peers` answer; the oldest are given up first.
 MAX_HELLOS_OUT = 1024
 # Nodes of other meshes noted (and answered) at most: strangers cannot grow it for good.
@@ -248,7 +249,11 @@ class Endpoint:
         # Bounded views (views.py): the peer table is the active view, these the rest.
         self.views = settings.views
         self._rng = random.Random(self.instance)
-        self.passive = PassiveView(self.views.passive if self.views else 0, self._rng)
+        self.passive = (
+            PassiveView(self.views.passive, self._rng, self.views.limits.of_node_at(self.address))
+            if self.views
+            else PassiveView(0, self._rng)
+        )
         self.shuffles = (
             Shuffles(
                 make_card(identity, mesh_id, settings.name, self.address),
@@ -585,6 +590,7 @@ class Endpoint:
                 "bytes_out": self.transport.bytes_out,
                 "bytes_sent_by_kind": self.transport.sent_by_kind(),  # what left
                 "rejections": self.rejections(),
+                "candidates_refused": self.passive.refused,  # past views.Limits
                 "received": dict(self.received),
                 "dropped": self.transport.dropped,
                 "fetched": len(self.blobs.fetch_log),
@@ -846,7 +852,10 @@ class Endpoint:
                 self.passive.discard(candidate.key)  # the node wants no link with it
         exclude = set(self.table.entries) | {self.identity.public_key}
         friends = self.table.entries.keys() if self.views.friends_first else ()
-        chosen = self.passive.take(short, exclude, friends)
+        linked = [entry.address for entry in self.table.entries.values()] + [
+            address for address in self._hellos_out if not self.table.at(address)
+        ]
+        chosen = self.passive.take(short, exclude, friends, linked)
         for candidate in chosen:
             self._learn(candidate.addr, candidate.key, from_its_owner=False)
         return [(candidate.addr, False) for candidate in chosen]
@@ -937,6 +946,9 @@ class Endpoint:
         ):
             # No room, or none for a peer it shuns, or for anyone once it is done.
             self.flow_rejections[VIEW_FULL] += 1
+            return False
+        if known is None and self._group_is_full(address):
+            self.flow_rejections[GROUP_FULL] += 1
             return False
         # New here: it will be dialled, so it counts as unreached, whoever it is.
         self._make_room(public_key)
@@ -1126,6 +1138,9 @@ class Endpoint:
         ):
             self._turn_away(message.sender, address)
             return
+        if self.table.get(message.sender) is None and self._group_is_full(address):
+            self._turn_away(message.sender, address, GROUP_FULL)
+            return
         if not self._take_in(message, name, address):
             return
         if self.shuffles is not None:
@@ -1180,11 +1195,21 @@ class Endpoint:
         held = self._links() + (self._greeting(besides=greeter) if greeter is not None else 0)
         return held >= self.views.most
 
-    def _turn_away(self, key: bytes, address: str) -> None:
-        """Answer the hello of a node this full view cannot take: with some neighbours
-        to try instead, and `linked: false` (WIRE.md 7.7). The answer goes over a
-        connection of its own, so nothing stays open to the greeter."""
-        self.flow_rejections[VIEW_FULL] += 1
+    def _group_is_full(self, address: str) -> bool:
+        """Whether a bounded view holds as many peers of `address`'s network group as one
+        group may hold (views.Limits; never in a full mesh)."""
+        limits = self.passive.limits
+        group = limits.group(address)
+        if self.views is None or group is None:
+            return False
+        held = sum(limits.group(entry.address) == group for entry in self.table.entries.values())
+        return held >= limits.neighbours
+
+    def _turn_away(self, key: bytes, address: str, reason: str = VIEW_FULL) -> None:
+        """Answer the hello of a node this view cannot take (`reason`): with some
+        neighbours to try instead, and `linked: false` (WIRE.md 7.7). The answer goes
+        over a connection of its own, so nothing stays open to the greeter."""
+        self.flow_rejections[reason] += 1
         body = self._peers_body(self._listed(key), linked=False)
         self._send(address, "peers", body, once=True, key=key)
 
@@ -1242,7 +1267,8 @@ class Endpoint:
                 answering = item
             elif key != own and self.table.get(key) is None:
                 # The answering node's neighbours, as it named them.
-                self.passive.add(Candidate(key, address, name=name, via=message.sender))
+                sender = message.sender
+                self.passive.add(Candidate(key, address, name=name, via=sender, source=sender))
         if answering is not None:
             self._answered_by(message, answering["name"], answering["addr"])
         self._joined.set()

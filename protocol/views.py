@@ -28,7 +28,7 @@ from typing import Any
 
 import msgpack
 
-from .addresses import is_wire_endpoint
+from .addresses import is_wire_endpoint, network_group
 from .identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, is_usable_public_key, verify
 from .membership import PEER_NAME, PeerEntry
 
@@ -40,6 +40,33 @@ MAX_CARDS = 32
 SHUFFLES_PER_ROUND = 4
 BAD_CARD = "bad_card"
 UNSOLICITED_CARDS = "unsolicited_cards"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """How many places of a node's views one group of addresses (`group_by`, see
+    addresses.GROUPINGS) may hold, and how many candidates one source's word may fill:
+    identities cost nothing, addresses and networks do, so an operator of many keys
+    on few machines gets no more places than a few honest nodes would (WIRE.md 7.7).
+    A node's active view holds at most `neighbours` peers of one group, its passive view
+    at most `candidates` of one group and `per_source` that one node told it of. Its own
+    group (`own`: its machine, or its network) is not limited, nor are addresses grouped
+    by port (a mesh on one machine)."""
+
+    group_by: str = "auto"
+    neighbours: int = 2
+    candidates: int = 4
+    per_source: int = 8
+    own: str = ""
+
+    def group(self, address: str) -> str | None:
+        """The group `address` counts against; None where it is not limited."""
+        group = network_group(address, self.group_by)
+        return None if group in (address, self.own) else group
+
+    def of_node_at(self, address: str) -> Limits:
+        """These limits as the node listening at `address` applies them."""
+        return replace(self, own=network_group(address, self.group_by))
 
 
 @dataclass(frozen=True)
@@ -56,14 +83,21 @@ class ViewSettings:
     # Greet first the candidates a neighbour named as its own neighbours; off, candidates
     # are drawn at random (gossip learning's peer sampling).
     friends_first: bool = True
+    limits: Limits = Limits()
 
     @classmethod
-    def keeping(cls, neighbours: int, friends_first: bool = True) -> ViewSettings:
+    def keeping(
+        cls, neighbours: int, friends_first: bool = True, group_by: str = "auto"
+    ) -> ViewSettings:
         """The views of a node keeping `neighbours` neighbours: it takes in two more
         before turning greeters away (room for newcomers; each greeter past its own
         choice is one more stranger in its view), and keeps four times as many
-        candidates (at least 32)."""
-        return cls(neighbours, neighbours + 2, max(32, 4 * neighbours), friends_first=friends_first)
+        candidates (at least 32). One group of addresses holds at most a quarter of
+        either view (at least 2 places of each), and one source's word fills at most a
+        quarter of the candidates."""
+        passive = max(32, 4 * neighbours)
+        limits = Limits(group_by, max(2, neighbours // 4), max(2, passive // 8), passive // 4)
+        return cls(neighbours, neighbours + 2, passive, friends_first=friends_first, limits=limits)
 
     def shuffle_period(self, stretch: float, round_length: float | None) -> float:
         """Seconds between two shuffles a node starts: `shuffle_interval` stretched as
@@ -155,25 +189,31 @@ def _signed_by_owner(card: Card, mesh_id: bytes) -> bool:
 @dataclass(frozen=True)
 class Candidate:
     """A node this one could greet: its key, where it listens, its card if it has one,
-    its name where something named it (a contact given at start is nameless), and the
-    neighbour that named it as one of its own neighbours (`via`), if one did."""
+    its name where something named it (a contact given at start is nameless), the
+    neighbour that named it as one of its own neighbours (`via`), if one did, and the
+    node whose message told of it (`source`; none for a contact given at start)."""
 
     key: bytes
     addr: str
     card: Card | None = None
     name: str = ""
     via: bytes = b""
+    source: bytes = b""
 
 
 class PassiveView:
-    """At most `size` candidates, one per key. When full, a newcomer takes the place of
-    an entry this node just sent away in a shuffle (it lives on at the partner's), else
-    of a random one, so the view keeps turning over (HyParView)."""
+    """At most `size` candidates, one per key, and within `limits` (per group of
+    addresses and per source): a newcomer past them is refused, and those already held
+    keep their places. When full, a newcomer takes the place of an entry this node just
+    sent away in a shuffle (it lives on at the partner's), else of a random one, so the
+    view keeps turning over (HyParView)."""
 
-    def __init__(self, size: int, rng: random.Random) -> None:
+    def __init__(self, size: int, rng: random.Random, limits: Limits = Limits()) -> None:
         self.size = size
         self.rng = rng
+        self.limits = limits
         self.entries: dict[bytes, Candidate] = {}
+        self.refused = 0  # newcomers past the limits, for the node's counts
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -194,26 +234,51 @@ class PassiveView:
             return True
         if self.size <= 0:
             return False
+        if self._crowded(candidate):
+            self.refused += 1
+            return False
         if len(self.entries) >= self.size:
             leaving = [key for key in sent_away if key in self.entries]
             del self.entries[leaving[0] if leaving else self.rng.choice(list(self.entries))]
         self.entries[candidate.key] = candidate
         return True
 
+    def _crowded(self, candidate: Candidate) -> bool:
+        """Whether `candidate`'s group, or its source, holds all the places it may."""
+        group = self.limits.group(candidate.addr)
+        if group is None:
+            return False
+        held = self.entries.values()
+        if sum(self.limits.group(entry.addr) == group for entry in held) >= self.limits.candidates:
+            return True
+        told = sum(entry.source == candidate.source for entry in held)
+        return bool(candidate.source) and told >= self.limits.per_source
+
     def discard(self, key: bytes) -> Candidate | None:
         return self.entries.pop(key, None)
 
     def take(
-        self, count: int, exclude: Collection[bytes], friends: Collection[bytes] = ()
+        self,
+        count: int,
+        exclude: Collection[bytes],
+        friends: Collection[bytes] = (),
+        linked: Iterable[str] = (),
     ) -> list[Candidate]:
         """Up to `count` random candidates not in `exclude`, removed from the view: first
         those a neighbour in `friends` named as its own neighbours (whom a node's chosen
-        neighbours chose are likelier to help it too), then any."""
+        neighbours chose are likelier to help it too), then any; none of a group that
+        the addresses `linked` to already (the neighbours' and those greeted) and the
+        ones chosen before it fill to `limits.neighbours`."""
         free = [key for key in self.entries if key not in exclude]
         vouched = [key for key in free if self.entries[key].via in friends]
         rest = [key for key in free if self.entries[key].via not in friends]
-        chosen = self.rng.sample(vouched, min(count, len(vouched)))
-        chosen += self.rng.sample(rest, min(count - len(chosen), len(rest)))
+        held = Counter(self.limits.group(address) for address in linked)
+        chosen: list[bytes] = []
+        for key in self.rng.sample(vouched, len(vouched)) + self.rng.sample(rest, len(rest)):
+            group = self.limits.group(self.entries[key].addr)
+            if len(chosen) < count and (group is None or held[group] < self.limits.neighbours):
+                held[group] += 1
+                chosen.append(key)
         return [self.entries.pop(key) for key in chosen]
 
     def cards(self, count: int, exclude: Collection[bytes] = ()) -> list[Card]:
@@ -344,7 +409,7 @@ class Shuffles:
             return
         cards = self._checked(body)
         if cards is not None:
-            self._take(cards, sent)
+            self._take(cards, sent, sender)
 
     def _checked(self, body: dict[str, Any]) -> list[Card] | None:
         """The cards of a message's `body` if every one is signed by its owner; else None
@@ -359,12 +424,13 @@ class Shuffles:
         self,
         cards: list[Card],
         sent_away: Sequence[bytes],
-        sender: bytes = b"",
+        sender: bytes,
         vouched: Collection[bytes] = (),
     ) -> None:
-        """Keep the cards of nodes that are not peers yet as candidates; those of the
-        `sender`'s own neighbours (`vouched`) as named by it."""
+        """Keep the cards the `sender` passed on, of nodes that are not peers yet, as
+        candidates it told of; those of its own neighbours (`vouched`) as named by it."""
         for card in cards:
             if card.key != self.card.key and not self._is_peer(card.key):
                 via = sender if card.key in vouched else b""
-                self.passive.add(Candidate(card.key, card.addr, card, card.name, via), sent_away)
+                candidate = Candidate(card.key, card.addr, card, card.name, via, source=sender)
+                self.passive.add(candidate, sent_away)

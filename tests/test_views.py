@@ -22,12 +22,14 @@ import pytest
 import zmq
 
 from meshfl.node.config import MeshConfig
+from meshfl.protocol.addresses import network_group
 from meshfl.protocol.endpoint import Endpoint, EndpointSettings
 from meshfl.protocol.identity import Identity
 from meshfl.protocol.transport import TransportError, contact, free_ports
 from meshfl.protocol.views import (
     MAX_CARDS,
     Candidate,
+    Limits,
     PassiveView,
     ViewSettings,
     checked_card,
@@ -70,10 +72,12 @@ def mesh():
         endpoint.close()
 
 
-def _endpoint(name: str, identity: Identity | None = None, **settings) -> Endpoint:
+def _endpoint(
+    name: str, identity: Identity | None = None, host: str = "127.0.0.1", **settings
+) -> Endpoint:
     settings.setdefault("views", SMALL_VIEWS)
     for _ in range(5):  # a port found free can be taken before we bind it
-        listen = f"tcp://127.0.0.1:{free_ports(1)[0]}"
+        listen = f"tcp://{host}:{free_ports(1)[0]}"
         try:
             return Endpoint(
                 identity or Identity.generate(), MESH, EndpointSettings(name, listen, **settings)
@@ -489,9 +493,9 @@ def shuffle_from(peer: RawPeer, cards: list[dict], kind: str = "shuffle") -> Non
     peer.send(peer.frames(kind, {"cards": cards}))
 
 
-def linked_raw_peer(context: zmq.Context, endpoint: Endpoint) -> RawPeer:
+def linked_raw_peer(context: zmq.Context, endpoint: Endpoint, name: str = "raw") -> RawPeer:
     """A hand-driven node that greets `endpoint` and is taken as its neighbour."""
-    peer = RawPeer(context, endpoint.contact)
+    peer = RawPeer(context, endpoint.contact, name=name)
     peer.send(peer.frames("hello", {"name": peer.name, "addr": peer.address, "list": False}))
     assert poll_until(lambda: peer.identity.public_key in endpoint.table.entries, 5)
     return peer
@@ -631,3 +635,119 @@ def test_candidates_named_by_a_neighbour_are_greeted_first():
 def test_cards_pack_to_plain_msgpack():
     card = make_card(Identity.generate(), MESH, "n", "tcp://127.0.0.1:9")
     assert checked_card(msgpack.unpackb(msgpack.packb(card.packed())), MESH) == card
+
+
+# --- what one group of addresses, and one source, may hold ------------------------------
+
+
+@pytest.mark.parametrize(
+    ("address", "auto", "network"),
+    [
+        ("tcp://8.8.4.7:5000", "8.8.4.0/24", "8.8.4.0/24"),
+        ("tcp://192.168.1.7:5000", "192.168.1.7", "192.168.1.0/24"),  # a LAN: by machine
+        ("tcp://127.0.0.1:5000", "tcp://127.0.0.1:5000", "127.0.0.0/24"),  # one machine
+        ("tcp://[2a00:1450:4001::5]:7", "2a00:1450:4001::/48", "2a00:1450:4001::/48"),
+        ("tcp://[::1]:7", "tcp://[::1]:7", "::/48"),
+    ],
+)
+def test_addresses_group_by_network_on_the_internet_by_machine_on_a_lan(address, auto, network):
+    assert network_group(address) == auto
+    assert network_group(address, "network") == network
+    assert network_group(address, "port") == address
+
+
+def test_the_default_views_give_one_group_a_quarter_of_each():
+    limits = ViewSettings.keeping(8).limits
+    assert (limits.group_by, limits.neighbours, limits.candidates, limits.per_source) == (
+        "auto",
+        2,
+        4,
+        8,
+    )
+
+
+ONE_MACHINE = Limits(group_by="ip", neighbours=2, candidates=3, per_source=3)
+OTHER_ADDRESS = "127.0.0.2"
+LIMITED = replace(SMALL_VIEWS, limits=ONE_MACHINE)
+
+
+def test_greeters_from_one_address_get_only_its_groups_places(context):
+    # The node listens at another address of the loopback: its own group is not limited.
+    node = _endpoint("node", host=OTHER_ADDRESS, views=LIMITED)
+    try:
+        node.start()
+        greeters = [RawPeer(context, node.contact, name=f"g{index}") for index in range(4)]
+        for greeter in greeters:
+            greeter.send(greeter.frames("hello", {"name": greeter.name, "addr": greeter.address}))
+        assert poll_until(lambda: node.flow_rejections["group_full"] == 2, 5)
+        assert len(node.table.entries) == ONE_MACHINE.neighbours
+        turned_away = [g for g in greeters if g.public_key not in node.table.entries]
+        for greeter in turned_away:  # told so, with others to try instead
+            assert greeter.expect("peers", 5).body["linked"] is False
+    finally:
+        node.close()
+
+
+def cards_at(hosts: list[str]) -> list[dict]:
+    return [
+        make_card(Identity.generate(), MESH, f"c{index}", f"tcp://{host}:{7000 + index}").packed()
+        for index, host in enumerate(hosts)
+    ]
+
+
+@pytest.mark.parametrize(
+    "hosts",
+    [["127.0.0.1"] * 6, [f"127.0.0.{10 + index}" for index in range(6)]],
+    ids=["one address", "one source"],
+)
+def test_one_shuffle_fills_no_more_candidates_than_its_group_and_its_source_may(context, hosts):
+    # Six at one address share one group's 3 places; six at six addresses, told of by
+    # one neighbour, fill their source's 3. A view of one neighbour: full, it greets none.
+    views = replace(LIMITED, neighbours=1, most=2)
+    node = _endpoint("node", host=OTHER_ADDRESS, views=views)
+    try:
+        node.start()
+        peer = linked_raw_peer(context, node)
+        shuffle_from(peer, cards_at(hosts))
+        assert poll_until(lambda: node.received["shuffle"] == 1, 5)
+        assert len(node.passive) == 3
+        assert node.stats()["candidates_refused"] == 3
+    finally:
+        node.close()
+
+
+def test_a_nodes_own_group_is_not_limited(context):
+    node = _endpoint("node", views=LIMITED)  # at 127.0.0.1, as its greeters are
+    try:
+        node.start()
+        for index in range(4):
+            linked_raw_peer(context, node, name=f"g{index}")
+        assert node.flow_rejections["group_full"] == 0
+    finally:
+        node.close()
+
+
+def test_a_mesh_on_one_machine_is_not_limited():
+    view = PassiveView(8, random.Random(0), ViewSettings.keeping(8).limits)
+    source = Identity.generate().public_key
+    for index in range(8):
+        view.add(
+            Candidate(
+                Identity.generate().public_key, f"tcp://127.0.0.1:{7000 + index}", source=source
+            )
+        )
+    assert len(view) == 8 and view.refused == 0
+    assert len(view.take(8, exclude=(), linked=["tcp://127.0.0.1:6999"] * 3)) == 8
+
+
+def test_a_view_greets_no_more_candidates_of_one_group_than_it_may_hold():
+    view = PassiveView(8, random.Random(0), Limits("network", neighbours=2, candidates=8))
+    crowd = [Identity.generate().public_key for _ in range(5)]
+    for index, key in enumerate(crowd):
+        view.add(Candidate(key, f"tcp://203.0.113.{index + 1}:7"))
+    loner = Identity.generate().public_key
+    view.add(Candidate(loner, "tcp://198.51.100.1:7"))
+    linked = ["tcp://203.0.113.200:7"]  # a neighbour of that network already
+    taken = view.take(4, exclude=(), linked=linked)
+    assert {candidate.key for candidate in taken} - {loner} <= set(crowd)
+    assert len(taken) == 2 and loner in {candidate.key for candidate in taken}

@@ -59,8 +59,8 @@ def intake(out: Path) -> dict[str, float]:
         return {}
     return {
         "tried": statistics.mean(len(record.tried or ()) for record in rows),
-        "models_in": statistics.mean(len(record.received) for record in rows),
-        "mb_in": statistics.mean(record.bytes_in for record in rows) / 1e6,
+        "models_in": statistics.mean(len(record.received or ()) for record in rows),
+        "mb_in": statistics.mean(record.bytes_in or 0 for record in rows) / 1e6,
     }
 
 
