@@ -360,9 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # A crash in native code (torch, zmq) prints every thread's Python stack to stderr,
-    # which is a node's log; the processes launch forks inherit it.
-    faulthandler.enable(all_threads=True)
+    _trace_crashes()
     quiet_command = args.command not in ("node", "host", "join", "coordinator")
     configure_logging(logging.WARNING if quiet_command and not args.verbose else logging.INFO)
     handlers: dict[str, Callable[[argparse.Namespace], int]] = {
@@ -380,6 +378,16 @@ def main(argv: list[str] | None = None) -> int:
         "config": _config,
     }
     return command_status(partial(handlers[args.command], args))
+
+
+def _trace_crashes() -> None:
+    """A crash in native code (torch, zmq) prints every thread's Python stack to stderr,
+    which is a node's log; the processes launch forks inherit it. Not where stderr is no
+    file (a notebook, or a caller capturing it)."""
+    try:
+        faulthandler.enable(all_threads=True)
+    except (AttributeError, ValueError, OSError):  # io.UnsupportedOperation is both
+        pass
 
 
 # Each command imports its module when run: most load torch, which --help, keygen and

@@ -268,8 +268,9 @@ class TopologyConfig:
     validation split, `random` a random one (gossip learning); either way a candidate
     from the passive view takes its place, so exploring never stops. `group_by`: how a
     bounded view groups addresses to limit the places one group holds (a quarter of
-    each view): `auto` by /24 or /48 network for public addresses, by IP for private
-    ones (a LAN), by port on the loopback (a mesh on one machine: no limit binds)."""
+    the neighbours, an eighth of the candidates): `auto` by /24 or /48 network for
+    global addresses and not at all for loopback, private and link-local ones (one
+    machine, a LAN); `network`, `ip` or `port` for every address."""
 
     __pydantic_config__ = _SECTION
 

@@ -223,6 +223,7 @@ class NodeHost:
         self.make_node = make_node
         self.restarts = restarts
         self.cpu = threading.Lock()
+        self._building = threading.Lock()
         self.ends: dict[str, NodeEnd] = {}
         self.nodes: dict[str, Node] = {}
         self._stopping = threading.Event()
@@ -282,10 +283,11 @@ class NodeHost:
         """Build and run node `options.name`; at the host's `first` start of it, it
         joins the mesh together with the host's other nodes (joining.py)."""
         try:
-            # Built at the CPU like all of a host's torch work: in a process just forked,
-            # two threads making their first torch calls at once can crash it (a
-            # SIGSEGV in a Linear's forward, about once in 1,200 forks of four threads).
-            with self.cpu:
+            # One build at a time: in a process just forked, two threads making their
+            # first torch calls at once can crash it (a SIGSEGV in a Linear's forward,
+            # about once in 1,200 forks of four threads). A build that hangs holds the
+            # builds after it, not the nodes already running.
+            with self._building:
                 node = self.make_node(options)
         finally:
             if first:

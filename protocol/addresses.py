@@ -83,10 +83,10 @@ def resolved(address: str) -> str:
 
 
 # How a bounded view groups the addresses it limits (WIRE.md 7.7): `auto` by /24 (IPv4)
-# or /48 (IPv6) network for global addresses, by IP address for the others (private,
-# link-local: a LAN's machines share one network), by address and port on the loopback
-# (a mesh on one machine); or every address by `network`, by `ip`, or by `port` (no
-# limit binds while each node has a port of its own).
+# or /48 (IPv6) network for global addresses, and any other (loopback, private,
+# link-local: one machine, or a LAN one operator runs) by address and port, so that no
+# limit binds there; or every address by `network`, by `ip` (a LAN of machines not all
+# trusted alike), or by `port`.
 GROUPINGS = ("auto", "network", "ip", "port")
 NETWORK_BITS = {4: 24, 6: 48}
 
@@ -99,8 +99,10 @@ def network_group(address: str, by: str = "auto") -> str:
     if endpoint is None or not _is_ip(endpoint[0]):
         return address
     ip = ipaddress.ip_address(endpoint[0].strip("[]"))
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped  # ::ffff:a.b.c.d is a.b.c.d
     if by == "auto":
-        by = "port" if ip.is_loopback else "network" if ip.is_global else "ip"
+        by = "network" if ip.is_global else "port"
     if by == "port":
         return address
     if by == "ip":

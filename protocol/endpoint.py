@@ -1198,12 +1198,14 @@ class Endpoint:
     def _group_is_full(self, address: str) -> bool:
         """Whether a bounded view holds as many peers of `address`'s network group as one
         group may hold (views.Limits; never in a full mesh)."""
+        if self.views is None:
+            return False
         limits = self.passive.limits
         group = limits.group(address)
-        if self.views is None or group is None:
+        if group is None:
             return False
-        held = sum(limits.group(entry.address) == group for entry in self.table.entries.values())
-        return held >= limits.neighbours
+        linked = [entry for entry in self.table.entries.values() if entry.state != LEFT]
+        return sum(limits.group(entry.address) == group for entry in linked) >= limits.neighbours
 
     def _turn_away(self, key: bytes, address: str, reason: str = VIEW_FULL) -> None:
         """Answer the hello of a node this view cannot take (`reason`): with some
@@ -1282,8 +1284,9 @@ class Endpoint:
             if self._link_answering(message, name, address):
                 self.shuffles.keep(key, message.body.get("card"), address)
                 return
-            # It linked us, but we cannot take it (no room left, or a node we shun by
-            # name, known before by address alone): it must hear so.
+            # It linked us, but we cannot take it (no room left, none for its network
+            # group, or a node we shun by name, known before by address alone): it must
+            # hear so.
             self._send(address, "unlink", {}, once=True, key=key)
             if not self.table.at(address):
                 # The connection our hello opened, once the unlink is out over it.

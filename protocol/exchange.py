@@ -33,10 +33,10 @@ log = logging.getLogger("meshfl.endpoint")
 # Rejected after decoding: a blob whose signed record is not what its announce said
 # (WIRE.md 7.4). Counted beside the decoder's reasons.
 OFFER_MISMATCH = "offer_mismatch"
-# How many rounds a node's own blobs outlive their round: a peer one round behind still
-# fetches them, and one further behind skips to the round its peers are in (the round
-# loop's catch-up) rather than fetch old ones. Each round kept is one more copy of the
-# model in memory, in every node.
+# How many rounds a node's own blobs outlive their round: a neighbour one round behind
+# still fetches them. Live neighbours are never further apart unless one let a round's
+# deadline pass, and that one goes on with the models still served (a `miss` for the
+# others). Each round kept is one more copy of the model in memory, in every node.
 OWN_ROUNDS_KEPT = 1
 
 # How the endpoint sends a message: to an address, of a kind, with a body and a blob.

@@ -93,8 +93,8 @@ class ViewSettings:
         before turning greeters away (room for newcomers; each greeter past its own
         choice is one more stranger in its view), and keeps four times as many
         candidates (at least 32). One group of addresses holds at most a quarter of
-        either view (at least 2 places of each), and one source's word fills at most a
-        quarter of the candidates."""
+        the neighbours and an eighth of the candidates (at least 2 places of each), and
+        one source's word fills at most a quarter of the candidates."""
         passive = max(32, 4 * neighbours)
         limits = Limits(group_by, max(2, neighbours // 4), max(2, passive // 8), passive // 4)
         return cls(neighbours, neighbours + 2, passive, friends_first=friends_first, limits=limits)
@@ -228,6 +228,10 @@ class PassiveView:
             newer = candidate.card is not None and (
                 known.card is None or candidate.card.issued > known.card.issued
             )
+            moving = newer and candidate.addr != known.addr
+            if moving and self._crowded(candidate, besides=candidate.key):
+                self.refused += 1
+                return False  # not into a group, or from a source, with no place left
             card = candidate.card if newer else known.card
             via = candidate.via or known.via  # the latest word of a neighbour counts
             self.entries[candidate.key] = replace(candidate if newer else known, card=card, via=via)
@@ -243,12 +247,13 @@ class PassiveView:
         self.entries[candidate.key] = candidate
         return True
 
-    def _crowded(self, candidate: Candidate) -> bool:
-        """Whether `candidate`'s group, or its source, holds all the places it may."""
+    def _crowded(self, candidate: Candidate, besides: bytes = b"") -> bool:
+        """Whether `candidate`'s group, or its source, holds all the places it may (not
+        counting the entry of key `besides`)."""
         group = self.limits.group(candidate.addr)
         if group is None:
             return False
-        held = self.entries.values()
+        held = [entry for key, entry in self.entries.items() if key != besides]
         if sum(self.limits.group(entry.addr) == group for entry in held) >= self.limits.candidates:
             return True
         told = sum(entry.source == candidate.source for entry in held)

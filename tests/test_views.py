@@ -644,19 +644,20 @@ def test_cards_pack_to_plain_msgpack():
     ("address", "auto", "network"),
     [
         ("tcp://8.8.4.7:5000", "8.8.4.0/24", "8.8.4.0/24"),
-        ("tcp://192.168.1.7:5000", "192.168.1.7", "192.168.1.0/24"),  # a LAN: by machine
+        ("tcp://192.168.1.7:5000", "tcp://192.168.1.7:5000", "192.168.1.0/24"),  # a LAN
+        ("tcp://[::ffff:8.8.4.7]:5000", "8.8.4.0/24", "8.8.4.0/24"),  # IPv4 as IPv6
         ("tcp://127.0.0.1:5000", "tcp://127.0.0.1:5000", "127.0.0.0/24"),  # one machine
         ("tcp://[2a00:1450:4001::5]:7", "2a00:1450:4001::/48", "2a00:1450:4001::/48"),
         ("tcp://[::1]:7", "tcp://[::1]:7", "::/48"),
     ],
 )
-def test_addresses_group_by_network_on_the_internet_by_machine_on_a_lan(address, auto, network):
+def test_addresses_group_by_network_on_the_internet_and_not_on_a_lan(address, auto, network):
     assert network_group(address) == auto
     assert network_group(address, "network") == network
     assert network_group(address, "port") == address
 
 
-def test_the_default_views_give_one_group_a_quarter_of_each():
+def test_the_default_views_give_one_group_a_quarter_of_the_neighbours():
     limits = ViewSettings.keeping(8).limits
     assert (limits.group_by, limits.neighbours, limits.candidates, limits.per_source) == (
         "auto",
@@ -725,6 +726,20 @@ def test_a_nodes_own_group_is_not_limited(context):
         assert node.flow_rejections["group_full"] == 0
     finally:
         node.close()
+
+
+def test_a_candidate_cannot_move_into_a_group_that_is_full():
+    view = PassiveView(8, random.Random(0), ONE_MACHINE)
+    cards = [make_card(Identity.generate(), MESH, "c", "tcp://10.0.0.1:7") for _ in range(3)]
+    for card in cards:
+        view.add(Candidate(card.key, card.addr, card))
+    mover = Identity.generate()
+    old = make_card(mover, MESH, "m", "tcp://10.0.0.2:7")
+    view.add(Candidate(mover.public_key, old.addr, old))
+    time.sleep(0.001)  # a later card
+    new = make_card(mover, MESH, "m", "tcp://10.0.0.1:8")
+    assert not view.add(Candidate(mover.public_key, new.addr, new))
+    assert view.entries[mover.public_key].addr == old.addr
 
 
 def test_a_mesh_on_one_machine_is_not_limited():

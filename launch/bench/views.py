@@ -52,14 +52,21 @@ def phase_medians(out: Path) -> dict[str, float]:
 
 
 def intake(out: Path) -> dict[str, float]:
-    """Per node-round, means: the neighbours new to the node (`tried`), the models it
-    took in, and the MB it took in."""
-    rows = [record for metrics in out.glob("*/metrics.jsonl") for record in records(metrics)]
+    """Per node-round after the first (where every neighbour is new), means: the
+    neighbours new to the node (`tried`), the models it fetched, and the MB it took in."""
+    rows = [
+        record
+        for metrics in out.glob("*/metrics.jsonl")
+        for record in records(metrics)
+        if record.round > 1
+    ]
     if not rows:
         return {}
     return {
         "tried": statistics.mean(len(record.tried or ()) for record in rows),
-        "models_in": statistics.mean(len(record.received or ()) for record in rows),
+        "models_in": statistics.mean(
+            len((record.fetched or {}).get("model", ())) for record in rows
+        ),
         "mb_in": statistics.mean(record.bytes_in or 0 for record in rows) / 1e6,
     }
 
@@ -94,6 +101,8 @@ def main(argv: list[str]) -> int:
         help="keep each run's folder under DIR (to read with meshfl report); default: none kept",
     )
     args = parser.parse_args(argv)
+    if args.keep is not None and args.keep.exists() and any(args.keep.iterdir()):
+        parser.error(f"--keep {args.keep}: not empty; the runs go into a folder of their own")
     walls: dict[str, list[float]] = {selection: [] for selection in SELECTIONS}
     cpus: dict[str, list[float]] = {selection: [] for selection in SELECTIONS}
     accuracies: dict[str, list[float]] = {selection: [] for selection in SELECTIONS}
