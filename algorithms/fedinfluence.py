@@ -380,6 +380,7 @@ class FedInfluence(CoordinatorAlgorithm):
                     recorded.setdefault(name, []).append(grads.reshape(sample_count, -1))
             batch = torch.randperm(len(y), generator=batches)[:batch_size]
             losses.append(self._sgd_step(model, x[batch], y[batch]))
+        model.zero_grad(set_to_none=True)  # as training does: no copy of the model kept
         dtype = _GRADIENT_DTYPES[self.params.gradient_dtype]
         extras = {name: torch.stack(steps).to(dtype) for name, steps in recorded.items()}
         return sum(losses) / len(losses), extras

