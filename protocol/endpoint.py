@@ -852,10 +852,8 @@ class Endpoint:
                 self.passive.discard(candidate.key)  # the node wants no link with it
         exclude = set(self.table.entries) | {self.identity.public_key}
         friends = self.table.entries.keys() if self.views.friends_first else ()
-        linked = [entry.address for entry in self.table.entries.values()] + [
-            address for address in self._hellos_out if not self.table.at(address)
-        ]
-        chosen = self.passive.take(short, exclude, friends, linked)
+        greeted = [address for address in self._hellos_out if not self.table.at(address)]
+        chosen = self.passive.take(short, exclude, friends, self._linked_addresses() + greeted)
         for candidate in chosen:
             self._learn(candidate.addr, candidate.key, from_its_owner=False)
         return [(candidate.addr, False) for candidate in chosen]
@@ -1195,17 +1193,17 @@ class Endpoint:
         held = self._links() + (self._greeting(besides=greeter) if greeter is not None else 0)
         return held >= self.views.most
 
+    def _linked_addresses(self) -> list[str]:
+        """The addresses of a bounded view's neighbours (those that left not counted)."""
+        return [entry.address for entry in self.table.entries.values() if entry.state != LEFT]
+
     def _group_is_full(self, address: str) -> bool:
         """Whether a bounded view holds as many peers of `address`'s network group as one
         group may hold (views.Limits; never in a full mesh)."""
         if self.views is None:
             return False
         limits = self.passive.limits
-        group = limits.group(address)
-        if group is None:
-            return False
-        linked = [entry for entry in self.table.entries.values() if entry.state != LEFT]
-        return sum(limits.group(entry.address) == group for entry in linked) >= limits.neighbours
+        return limits.crowded(address, self._linked_addresses(), limits.neighbours)
 
     def _turn_away(self, key: bytes, address: str, reason: str = VIEW_FULL) -> None:
         """Answer the hello of a node this view cannot take (`reason`): with some

@@ -64,6 +64,11 @@ class Limits:
         group = network_group(address, self.group_by)
         return None if group in (address, self.own) else group
 
+    def crowded(self, address: str, held: Iterable[str], most: int) -> bool:
+        """Whether the addresses `held` fill `address`'s group to `most` places."""
+        group = self.group(address)
+        return group is not None and sum(self.group(other) == group for other in held) >= most
+
     def of_node_at(self, address: str) -> Limits:
         """These limits as the node listening at `address` applies them."""
         return replace(self, own=network_group(address, self.group_by))
@@ -250,11 +255,10 @@ class PassiveView:
     def _crowded(self, candidate: Candidate, besides: bytes = b"") -> bool:
         """Whether `candidate`'s group, or its source, holds all the places it may (not
         counting the entry of key `besides`)."""
-        group = self.limits.group(candidate.addr)
-        if group is None:
+        if self.limits.group(candidate.addr) is None:
             return False
         held = [entry for key, entry in self.entries.items() if key != besides]
-        if sum(self.limits.group(entry.addr) == group for entry in held) >= self.limits.candidates:
+        if self.limits.crowded(candidate.addr, (e.addr for e in held), self.limits.candidates):
             return True
         told = sum(entry.source == candidate.source for entry in held)
         return bool(candidate.source) and told >= self.limits.per_source

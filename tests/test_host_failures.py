@@ -196,3 +196,20 @@ def test_a_host_hands_the_interpreter_lock_on_less_often_while_it_runs_and_not_a
     NodeHost([options(tmp_path, "a"), options(tmp_path, "b")], make_node).run()
     assert seen == [SWITCH_INTERVAL_S] * 2
     assert sys.getswitchinterval() == before != SWITCH_INTERVAL_S
+
+
+def test_a_host_builds_its_nodes_one_at_a_time(tmp_path):
+    # In a process just forked, two threads making their first torch calls at once can
+    # crash it: no two builds may overlap.
+    building, most = [0], [0]
+
+    def make_node(each: NodeOptions) -> StandIn:
+        building[0] += 1
+        most[0] = max(most[0], building[0])
+        time.sleep(0.05)  # long enough for the other threads to start theirs
+        building[0] -= 1
+        return StandIn(each.name, [])
+
+    ends = NodeHost([options(tmp_path, name) for name in "abcd"], make_node).run()
+    assert {end.status for end in ends.values()} == {FINISHED}
+    assert most[0] == 1

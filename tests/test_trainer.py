@@ -79,6 +79,14 @@ def test_same_seed_gives_identical_weights_and_another_seed_does_not(digits):
     assert not _same_weights(trained(seed=5), trained(seed=6))
 
 
+def test_training_keeps_no_gradients_past_its_round(digits):
+    # Kept, they would be one more copy of the model in every node until its next round.
+    x_train, y_train, _, _ = digits
+    model = build_model("mlp", (1, 8, 8), num_classes=10, seed=0)
+    train_local(model, x_train[:64], y_train[:64], 1, 32, "sgd", 0.05, 0)
+    assert all(param.grad is None for param in model.parameters())
+
+
 def test_max_steps_caps_steps_across_epochs_and_hook_sees_each_step(digits):
     x_train, y_train, _, _ = digits
     model = build_model("logreg", (1, 8, 8), num_classes=10)

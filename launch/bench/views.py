@@ -26,6 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from meshfl.node.metrics import RoundRecord
+
 from ..options import add_assignments
 from ..summary import records
 from .flags import add_rounds, bench_parser, positive
@@ -35,39 +37,40 @@ SELECTIONS = ("benefit", "random")
 PHASES = ("train", "view_wait", "model_wait", "aggregate", "evaluate")
 
 
-def phase_medians(out: Path) -> dict[str, float]:
+def run_records(out: Path) -> list[RoundRecord]:
+    """Every round record of the run in `out`, read once."""
+    return [
+        record for metrics in sorted(out.glob("*/metrics.jsonl")) for record in records(metrics)
+    ]
+
+
+def phase_medians(rows: list[RoundRecord]) -> dict[str, float]:
     """The median seconds of each phase over the run's node-rounds."""
     seconds: dict[str, list[float]] = {phase: [] for phase in PHASES}
-    for metrics in sorted(out.glob("*/metrics.jsonl")):
-        for record in records(metrics):
-            spent = dict(record.seconds)
-            view = spent.get("view_wait", 0.0)
-            if "communicate" in spent:
-                spent["model_wait"] = spent["communicate"] - view
-            spent["view_wait"] = view
-            for phase in PHASES:
-                if phase in spent:
-                    seconds[phase].append(spent[phase])
+    for record in rows:
+        spent = dict(record.seconds)
+        view = spent.get("view_wait", 0.0)
+        if "communicate" in spent:
+            spent["model_wait"] = spent["communicate"] - view
+        spent["view_wait"] = view
+        for phase in PHASES:
+            if phase in spent:
+                seconds[phase].append(spent[phase])
     return {phase: statistics.median(values) for phase, values in seconds.items() if values}
 
 
-def intake(out: Path) -> dict[str, float]:
+def intake(rows: list[RoundRecord]) -> dict[str, float]:
     """Per node-round after the first (where every neighbour is new), means: the
     neighbours new to the node (`tried`), the models it fetched, and the MB it took in."""
-    rows = [
-        record
-        for metrics in out.glob("*/metrics.jsonl")
-        for record in records(metrics)
-        if record.round > 1
-    ]
-    if not rows:
+    later = [record for record in rows if record.round > 1]
+    if not later:
         return {}
     return {
-        "tried": statistics.mean(len(record.tried or ()) for record in rows),
+        "tried": statistics.mean(len(record.tried or ()) for record in later),
         "models_in": statistics.mean(
-            len((record.fetched or {}).get("model", ())) for record in rows
+            len((record.fetched or {}).get("model", ())) for record in later
         ),
-        "mb_in": statistics.mean(record.bytes_in or 0 for record in rows) / 1e6,
+        "mb_in": statistics.mean(record.bytes_in or 0 for record in later) / 1e6,
     }
 
 
@@ -78,8 +81,9 @@ def children_cpu_s() -> float:
 
 
 def describe(selection: str, wall: float, cpu: float, accuracy: float, out: Path) -> str:
-    phases = " ".join(f"{phase}={seconds:.2f}" for phase, seconds in phase_medians(out).items())
-    taken = " ".join(f"{what}={value:.2f}" for what, value in intake(out).items())
+    rows = run_records(out)
+    phases = " ".join(f"{phase}={seconds:.2f}" for phase, seconds in phase_medians(rows).items())
+    taken = " ".join(f"{what}={value:.2f}" for what, value in intake(rows).items())
     return (
         f"{selection}: wall_s={wall:.1f} cpu_s={cpu:.1f} mean_test_acc={accuracy:.4f} "
         f"median s/round: {phases}; per node-round: {taken}"
