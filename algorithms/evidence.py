@@ -68,10 +68,10 @@ BENEFIT_CLIP = 1.0
 NEGLIGIBLE_LOSS = 0.01  # nats per val sample: a mean change below it is not evidence
 
 
-def harm_z(differences: torch.Tensor) -> float:
+def harm_z(differences: torch.Tensor, negligible: float = NEGLIGIBLE_LOSS) -> float:
     """One round's evidence from the per-sample loss differences (mixed minus own): their
-    mean in standard errors (at least NEGLIGIBLE_LOSS each), clipped; anything not
-    finite is the worst harm."""
+    mean in standard errors (at least `negligible` each), clipped; anything not finite
+    is the worst harm."""
     d = differences.double()
     if len(d) == 0:
         return 0.0
@@ -79,20 +79,23 @@ def harm_z(differences: torch.Tensor) -> float:
         return HARM_CLIP
     mean = float(d.mean())
     noise = float(d.std()) / math.sqrt(len(d)) if len(d) > 1 else 0.0
-    return min(max(mean / max(noise, NEGLIGIBLE_LOSS), -BENEFIT_CLIP), HARM_CLIP)
+    scale = max(noise, negligible)
+    if scale == 0:  # every difference the same: its sign is all the evidence there is
+        return HARM_CLIP if mean > 0 else (-BENEFIT_CLIP if mean < 0 else 0.0)
+    return min(max(mean / scale, -BENEFIT_CLIP), HARM_CLIP)
 
 
-def sign_z(differences: torch.Tensor) -> float:
+def sign_z(differences: torch.Tensor, negligible: float = NEGLIGIBLE_LOSS) -> float:
     """The evidence of the signs alone: how many samples the other model does worse on,
     less how many it does better on, in standard deviations of that count were each a
-    coin flip; 0 where the mean difference is below NEGLIGIBLE_LOSS (consistent, but too
-    small to matter). The mean's test (`harm_z`) misses a model worse on nearly every
+    coin flip; 0 where the mean difference is not above `negligible` (consistent, but
+    too small to matter). The mean's test (`harm_z`) misses a model worse on nearly every
     sample when it is much better on a few: a node's own model confidently wrong on two
     val samples inflates the standard error of the mean differences, and an average of
     models that trained apart, 0.5 nats worse in mean loss and worse on 26 samples of 30,
     passed it at 1.5 standard errors and cost that node 24 test points."""
     d = differences.double()
-    if len(d) == 0 or not float(d.mean()) > NEGLIGIBLE_LOSS:
+    if len(d) == 0 or not float(d.mean()) > negligible:
         return 0.0
     worse, better = int((d > 0).sum()), int((d < 0).sum())
     return (worse - better) / math.sqrt(worse + better)

@@ -13,11 +13,15 @@ publishes the same kinds in a round and nobody waits on a kind a peer never send
    the scores by 2-means (seeded, n_init = 10) and keeps the higher-mean cluster, plus
    itself, as its group. It fetches every model in this round and averages its group's.
    With `split: harm` (the default) a peer of the lower cluster joins the group too
-   unless its lazy model's val loss is above the higher cluster's mean by the evidence
-   screening asks for (evidence.HARM_BOUND paired standard errors): 2-means always cuts
-   the scores in two, and where the peers' data are alike (iid shards) the cut falls
-   through noise and leaves out 3 to 5 of 9 peers who would help. `split: 2-means` is the
-   paper's rule.
+   unless its lazy model, mixed into the average of the group's lazy models at the share
+   an equal average would give it, does harm by the evidence screening asks for: the val
+   loss up by evidence.HARM_BOUND paired standard errors, or most val samples worse by
+   as many (evidence.sign_z). 2-means always cuts the scores in two, and where the peers'
+   data are alike (iid shards) or mildly skewed the cut falls through noise and leaves
+   out peers who would help. Judged alone, a lazy model of a mildly skewed shard forgets
+   the node's other labels; in the group's average it adds its data, while a lazy model
+   of another cluster is worse, mixed in, on most of the node's samples.
+   `split: 2-means` is the paper's rule.
 3. Rounds > W+1: FedAvg over the group only (groups may be asymmetric). Only the group's
    models are downloaded.
 
@@ -27,7 +31,7 @@ digest, and a blob travels only when someone asks for it, so this costs announce
 bytes. A node that has never scored a peer asks for that peer's lazy blob, scores it
 against its own θ_0 and puts it in its group when the score is nearer the beneficial
 2-means center than the other one (or, with `split: harm`, when its lazy model does no
-harm beside the higher cluster's): clustering is not redone, the newcomer is placed on
+harm mixed into the group's): clustering is not redone, the newcomer is placed on
 the existing split. A newcomer (or any node without θ_0, e.g. one that joined during the
 lazy round) fetches every anchor in its first round, takes their average as θ_0 (over a
 full mesh the anchors are bit-identical), trains its own lazy model from it, scores
@@ -82,7 +86,7 @@ from .base import (
     weighted_average,
 )
 from .baselines import FedAvg
-from .evidence import HARM_BOUND, harm_z
+from .evidence import HARM_BOUND, NEGLIGIBLE_LOSS, harm_z, sign_z
 
 LAZY, ANCHOR, TRUTH = "lazy", "anchor", "truth"
 NOT_READY_KEY = "pfedlia.not_ready"  # the placeholder a node announces before it has θ_0
@@ -151,8 +155,8 @@ class PFedLIAParams:
     oracle: bool = False  # group by the true clusters instead of lazy influence
     # True: the run is the warm-up alone, on purpose (FedAvg; no lazy phase, no groups).
     warmup_only: bool = False
-    # "harm": the lower 2-means cluster's peers stay in the group unless their lazy models
-    # do harm beside the higher cluster's; "2-means": the paper's split as it falls.
+    # "harm": the lower 2-means cluster's peers stay in the group unless their lazy models,
+    # mixed into the group's, do harm; "2-means": the paper's split as it falls.
     split: Literal["harm", "2-means"] = "harm"
 
     def __post_init__(self) -> None:
@@ -240,10 +244,36 @@ def influence_scores(anchor_loss: float, losses: Mapping[str, torch.Tensor]) -> 
     return {peer: anchor_loss - float(loss.sum()) for peer, loss in losses.items()}
 
 
+@dataclass(frozen=True)
+class LazyGroup:
+    """The average of a group's lazy models (`members` of them) and its per-sample val
+    losses: what `split: harm` mixes a peer of the lower cluster into."""
+
+    state: State
+    members: int
+    losses: torch.Tensor
+
+    def mixed_with(self, peer: State) -> State:
+        """The group's lazy average with `peer` as one more member, at an equal share."""
+        share = 1 / (self.members + 1)
+        return weighted_average(
+            {"group": self.state, "peer": peer}, {"group": 1 - share, "peer": share}
+        )
+
+
 def harmless_beside(losses: torch.Tensor, reference: torch.Tensor) -> bool:
-    """Whether a lazy model's per-sample val losses are not above the `reference` ones
-    (the higher cluster's mean) by evidence of harm: HARM_BOUND paired standard errors."""
-    return harm_z(losses - reference) <= HARM_BOUND
+    """Whether per-sample val losses show no evidence of harm against the `reference`
+    ones: neither their mean above it by HARM_BOUND paired standard errors, nor worse on
+    most samples by HARM_BOUND (`sign_z`). A lazy model of another cluster, mixed in at
+    a small share, is worse a little on nearly every sample. A change too small to
+    matter is none (evidence.NEGLIGIBLE_LOSS), but small is measured against the loss
+    there is to lose: where the group's lazy model is near certain on the val split (one
+    label per node: 0.001 nats a sample), a tenth of another label's model moves its
+    losses by less than the floor, and on every sample the same way."""
+    differences = losses - reference
+    negligible = NEGLIGIBLE_LOSS * min(1.0, float(reference.mean()))
+    evidence = max(harm_z(differences, negligible), sign_z(differences, negligible))
+    return evidence <= HARM_BOUND
 
 
 def train_lazy_model(
@@ -398,11 +428,10 @@ class PFedLIA(PeerAlgorithm):
         self.anchor: State | None = None  # θ_0
         self.lazy_model: State | None = None  # θ̃ of this node
         self.scores: dict[str, float] = {}  # I(self, peer), self included
-        self.lazy_losses: dict[str, torch.Tensor] = {}  # L(z, θ̃_peer) per val sample
         self.split: Split | None = None
-        # The higher cluster's mean per-sample val loss, which `split: harm` holds a
-        # peer of the lower cluster against.
-        self.reference: torch.Tensor | None = None
+        # The lazy models of the group 2-means chose, averaged: `split: harm` mixes a
+        # peer of the lower cluster into it.
+        self.lazy_group: LazyGroup | None = None
         self.group: set[str] | None = None  # None until this node has clustered
         self._fedavg = FedAvg(NoParams(), context)
         self._newly_scored: list[str] = []
@@ -511,34 +540,48 @@ class PFedLIA(PeerAlgorithm):
         anchor_loss = validation_loss_sum(model, self.anchor, data.x_val, data.y_val)
         new_scores = influence_scores(anchor_loss, losses)
         self.scores.update(new_scores)
-        self.lazy_losses.update(losses)
         self._newly_scored = sorted(new_scores)
         if self.split is None and len(self.scores) >= 2:
             beneficial, self.split = two_means_split(self.scores, self.context.seed)
-            self.reference = self._mean_losses(beneficial)
-            self.group = beneficial | {self.node} | set(filter(self._harmless, self.scores))
+            self.group = beneficial | {self.node}
+            known = dict(unscored)
+            if self.lazy_model is not None:  # it may have scored itself in an earlier round
+                known[self.node] = self.lazy_model
+            self.lazy_group = self._lazy_group(
+                {peer: known[peer] for peer in sorted(self.group) if peer in known}, data
+            )
         elif self.split is not None:
             self.group = (self.group or {self.node}) | {
-                peer
-                for peer, score in new_scores.items()
-                if self.split.is_beneficial(score) or self._harmless(peer)
+                peer for peer, score in new_scores.items() if self.split.is_beneficial(score)
             }
         else:
             self.group = {self.node}  # alone so far: the split waits for a second score
+            return
+        self.group |= {
+            peer
+            for peer, state in unscored.items()
+            if peer not in self.group and self._harmless(state, data)
+        }
 
-    def _mean_losses(self, peers: Iterable[str]) -> torch.Tensor | None:
-        """The per-sample val losses of `peers`' lazy models, averaged (None: no losses
-        kept for any of them, as in a checkpoint of a version that kept none)."""
-        kept = [self.lazy_losses[peer] for peer in peers if peer in self.lazy_losses]
-        return torch.stack(kept).mean(dim=0) if kept else None
+    def _lazy_group(self, lazy_models: Mapping[str, State], data: Any) -> LazyGroup | None:
+        """The group's lazy models averaged, with its val losses (`split: harm` only)."""
+        if self.params.split != "harm" or not lazy_models:
+            return None
+        state = weighted_average(
+            dict(lazy_models), dict.fromkeys(lazy_models, 1 / len(lazy_models))
+        )
+        losses = validation_losses(self.scratch_model(), state, data.x_val, data.y_val)
+        return LazyGroup(state, len(lazy_models), losses)
 
-    def _harmless(self, peer: str) -> bool:
-        """`split: harm`: a peer whose lazy model does no harm beside the higher cluster's
-        belongs to the group wherever 2-means put it."""
-        if self.params.split != "harm" or self.reference is None:
+    def _harmless(self, lazy_model: State, data: Any) -> bool:
+        """`split: harm`: a peer whose lazy model, mixed into the group's lazy average at
+        its share, does no harm beyond the noise belongs to the group wherever 2-means
+        put it."""
+        if self.lazy_group is None:
             return False
-        losses = self.lazy_losses.get(peer)
-        return losses is not None and harmless_beside(losses, self.reference)
+        mixed = self.lazy_group.mixed_with(lazy_model)
+        losses = validation_losses(self.scratch_model(), mixed, data.x_val, data.y_val)
+        return harmless_beside(losses, self.lazy_group.losses)
 
     def _agreed_anchor(self, anchors: Mapping[str, PeerModel]) -> State | None:
         """θ_0 for a node that missed the warm-up's end: the average of the anchors that
@@ -602,8 +645,7 @@ class PFedLIA(PeerAlgorithm):
             "anchor": self.anchor,
             "lazy_model": self.lazy_model,
             "scores": self.scores,
-            "lazy_losses": self.lazy_losses,
-            "reference": self.reference,
+            "lazy_group": None if self.lazy_group is None else vars(self.lazy_group),
             "split": split,
             "group": None if self.group is None else sorted(self.group),
             "truths": self.truths,
@@ -612,8 +654,8 @@ class PFedLIA(PeerAlgorithm):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.anchor, self.lazy_model = state["anchor"], state["lazy_model"]
         self.scores = dict(state["scores"])
-        self.lazy_losses = dict(state.get("lazy_losses", {}))
-        self.reference = state.get("reference")
+        group = state.get("lazy_group")  # absent from a version that judged peers alone
+        self.lazy_group = None if group is None else LazyGroup(**group)
         self.split = None if state["split"] is None else Split(*state["split"])
         self.group = None if state["group"] is None else set(state["group"])
         self.truths = {**state["truths"], **self.truths}  # this run's own data wins

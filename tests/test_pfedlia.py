@@ -16,11 +16,13 @@ from torch.nn import functional
 
 from meshfl.algorithms import ALGORITHM_NAMES, Context, PeerModel, parse_params
 from meshfl.algorithms.base import MODEL
+from meshfl.algorithms.evidence import harm_z
 from meshfl.algorithms.pfedlia import (
     ANCHOR,
     LAZY,
     NOT_READY_KEY,
     TRUTH,
+    LazyGroup,
     PFedLIA,
     PFedLIAParams,
     Split,
@@ -344,7 +346,8 @@ def test_the_checkpointed_state_restores_anchor_scores_split_and_group():
     restored, _ = make_node("a", 0, warmup=1)
     restored.load_state_dict(torch.load(buffer, weights_only=True))
     assert restored.scores == rule.scores and restored.group == rule.group
-    assert restored.split == rule.split and torch.equal(restored.reference, rule.reference)
+    assert restored.split == rule.split and restored.lazy_group is not None
+    assert torch.equal(restored.lazy_group.losses, rule.lazy_group.losses)
     assert torch.equal(restored.anchor["weight"], rule.anchor["weight"])
     offered = {MODEL: ["b", "c", "d"], LAZY: ["b", "c", "d"], ANCHOR: ["b", "c", "d"]}
     assert restored.wanted(3, offered) == rule.wanted(3, offered)
@@ -428,6 +431,11 @@ def test_on_alike_shards_the_default_keeps_the_peers_the_papers_split_leaves_out
     assert all(group == everyone for group in default.values())
 
 
+def test_a_peer_is_mixed_into_the_group_at_the_share_an_equal_average_gives_it():
+    group = LazyGroup({"w": torch.tensor([3.0])}, members=3, losses=torch.zeros(2))
+    assert torch.equal(group.mixed_with({"w": torch.tensor([7.0])})["w"], torch.tensor([4.0]))
+
+
 def test_a_lazy_model_is_harmless_beside_the_reference_unless_worse_beyond_the_noise():
     reference = torch.tensor([0.5, 1.0, 0.2, 0.8, 0.4, 0.6])
     noise = torch.tensor([0.1, -0.1, 0.05, -0.05, 0.1, -0.1])
@@ -435,6 +443,23 @@ def test_a_lazy_model_is_harmless_beside_the_reference_unless_worse_beyond_the_n
     assert harmless_beside(reference - 1.0, reference), "better is never harm"
     assert not harmless_beside(reference + 1.0 + noise, reference)
     assert not harmless_beside(reference + math.inf, reference)
+
+
+def test_a_change_too_small_to_matter_is_measured_against_the_loss_there_is_to_lose():
+    # One label per node: the group's lazy model is near certain, and a tenth of another
+    # label's model moves every loss the same way, by far less than 0.01 nats.
+    jitter = torch.linspace(0.0, 1e-5, 30)
+    near_certain = torch.full((30,), 0.001) + jitter
+    assert not harmless_beside(near_certain + 0.0005 + jitter, near_certain)
+    unsure = torch.full((30,), 2.0) + jitter
+    assert harmless_beside(unsure + 0.0005 + jitter, unsure), "0.0005 of 2 nats is noise"
+
+
+def test_a_lazy_model_worse_on_nearly_every_sample_is_harmful_though_one_sample_hides_it():
+    reference = torch.full((30,), 0.5)
+    losses = reference + torch.tensor([0.05] * 29 + [-1.0])
+    assert harm_z(losses - reference) < 1, "the mean's test alone lets it through"
+    assert not harmless_beside(losses, reference)
 
 
 # --------------------------------------------------------------------------- ground truth
