@@ -211,7 +211,8 @@ class PassiveView:
     addresses and per source): a newcomer past them is refused, and those already held
     keep their places. When full, a newcomer takes the place of an entry this node just
     sent away in a shuffle (it lives on at the partner's), else of a random one, so the
-    view keeps turning over (HyParView)."""
+    view keeps turning over (HyParView); the limits count the view as it would be after
+    that swap."""
 
     def __init__(self, size: int, rng: random.Random, limits: Limits = Limits()) -> None:
         self.size = size
@@ -243,14 +244,20 @@ class PassiveView:
             return True
         if self.size <= 0:
             return False
-        if self._crowded(candidate):
+        leaving = self._leaving(sent_away) if len(self.entries) >= self.size else None
+        if self._crowded(candidate, besides=leaving or b""):  # counted after the swap
             self.refused += 1
             return False
-        if len(self.entries) >= self.size:
-            leaving = [key for key in sent_away if key in self.entries]
-            del self.entries[leaving[0] if leaving else self.rng.choice(list(self.entries))]
+        if leaving is not None:
+            del self.entries[leaving]
         self.entries[candidate.key] = candidate
         return True
+
+    def _leaving(self, sent_away: Collection[bytes]) -> bytes:
+        """The entry a newcomer takes the place of in a full view: one this node just sent
+        away in a shuffle, else a random one."""
+        away = [key for key in sent_away if key in self.entries]
+        return away[0] if away else self.rng.choice(list(self.entries))
 
     def _crowded(self, candidate: Candidate, besides: bytes = b"") -> bool:
         """Whether `candidate`'s group, or its source, holds all the places it may (not

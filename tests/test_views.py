@@ -742,6 +742,21 @@ def test_a_candidate_cannot_move_into_a_group_that_is_full():
     assert view.entries[mover.public_key].addr == old.addr
 
 
+def test_a_newcomer_may_take_the_place_of_one_of_its_own_group_in_a_full_view():
+    view = PassiveView(4, random.Random(0), Limits("network", candidates=2))
+    group = [Identity.generate().public_key for _ in range(2)]
+    for index, key in enumerate(group):
+        view.add(Candidate(key, f"tcp://203.0.113.{index + 1}:7"))
+    others = [Identity.generate().public_key for _ in range(2)]
+    for index, key in enumerate(others):
+        view.add(Candidate(key, f"tcp://198.51.{index}.1:7"))
+    newcomer = Candidate(Identity.generate().public_key, "tcp://203.0.113.9:7")
+    assert not view.add(newcomer, sent_away=[others[0]]), "its group would hold three"
+    assert others[0] in view and view.refused == 1
+    assert view.add(newcomer, sent_away=[group[0]]), "it takes the place of one of its group"
+    assert newcomer.key in view and group[0] not in view and len(view) == 4
+
+
 def test_a_mesh_on_one_machine_is_not_limited():
     view = PassiveView(8, random.Random(0), ViewSettings.keeping(8).limits)
     source = Identity.generate().public_key
