@@ -64,7 +64,7 @@ origin's signed record (origin, round, kind and the tensors' digest), not by its
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -259,6 +259,11 @@ class LazyGroup:
         return weighted_average(
             {"group": self.state, "peer": peer}, {"group": 1 - share, "peer": share}
         )
+
+    def admits(self, peer: State, losses_of: Callable[[State], torch.Tensor]) -> bool:
+        """Whether `peer`'s lazy model, mixed in at its share, does no harm beyond the
+        noise (`harmless_beside`); `losses_of` gives a state's per-sample val losses."""
+        return harmless_beside(losses_of(self.mixed_with(peer)), self.losses)
 
 
 def harmless_beside(losses: torch.Tensor, reference: torch.Tensor) -> bool:
@@ -579,9 +584,10 @@ class PFedLIA(PeerAlgorithm):
         put it."""
         if self.lazy_group is None:
             return False
-        mixed = self.lazy_group.mixed_with(lazy_model)
-        losses = validation_losses(self.scratch_model(), mixed, data.x_val, data.y_val)
-        return harmless_beside(losses, self.lazy_group.losses)
+        model = self.scratch_model()
+        return self.lazy_group.admits(
+            lazy_model, lambda state: validation_losses(model, state, data.x_val, data.y_val)
+        )
 
     def _agreed_anchor(self, anchors: Mapping[str, PeerModel]) -> State | None:
         """θ_0 for a node that missed the warm-up's end: the average of the anchors that

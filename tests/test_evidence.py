@@ -32,6 +32,10 @@ def test_one_rounds_evidence_is_the_mean_in_standard_errors_clipped():
     assert harm_z(torch.zeros(VAL)) == 0.0
     assert harm_z(torch.full((VAL,), 1e-4)) < 0.1, "consistent, and far too small to matter"
     assert harm_z(torch.empty(0)) == 0.0
+    # With no floor, differences all alike have no spread: their sign decides.
+    assert harm_z(torch.full((VAL,), 1e-6), negligible=0.0) == HARM_CLIP
+    assert harm_z(torch.full((VAL,), -1e-6), negligible=0.0) == -BENEFIT_CLIP
+    assert harm_z(torch.zeros(VAL), negligible=0.0) == 0.0
 
 
 def test_the_signs_evidence_counts_samples_worsened_against_samples_bettered():

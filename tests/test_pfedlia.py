@@ -436,6 +436,21 @@ def test_a_peer_is_mixed_into_the_group_at_the_share_an_equal_average_gives_it()
     assert torch.equal(group.mixed_with({"w": torch.tensor([7.0])})["w"], torch.tensor([4.0]))
 
 
+def test_a_peer_harmful_alone_joins_where_mixed_in_at_its_share_it_does_no_harm():
+    # A one-weight model whose loss on val sample z is |w - z|: the group's lazy models
+    # average to w = 0, a mildly skewed peer's lands at w = 2.
+    val = torch.linspace(-3.0, 3.0, 30)
+
+    def losses_of(state):
+        return (state["w"] - val).abs()
+
+    group = LazyGroup({"w": torch.tensor(0.0)}, members=4, losses=losses_of({"w": 0.0}))
+    peer = {"w": torch.tensor(2.0)}
+    assert not harmless_beside(losses_of(peer), group.losses), "judged alone, it is out"
+    assert group.admits(peer, losses_of), "at a fifth of the group's average, it is in"
+    assert not group.admits({"w": torch.tensor(20.0)}, losses_of), "another kind is out"
+
+
 def test_a_lazy_model_is_harmless_beside_the_reference_unless_worse_beyond_the_noise():
     reference = torch.tensor([0.5, 1.0, 0.2, 0.8, 0.4, 0.6])
     noise = torch.tensor([0.1, -0.1, 0.05, -0.05, 0.1, -0.1])
