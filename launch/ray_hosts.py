@@ -80,11 +80,17 @@ class Machine:
     node_id: str
     ip: str
     cpus: float
+    gpus: float = 0.0  # Ray hides a machine's GPUs from an actor that asks for none
 
 
 def cluster_machines(ray: Any) -> list[Machine]:
     machines = [
-        Machine(node["NodeID"], node["NodeManagerAddress"], node["Resources"].get("CPU", 0.0))
+        Machine(
+            node["NodeID"],
+            node["NodeManagerAddress"],
+            node["Resources"].get("CPU", 0.0),
+            node["Resources"].get("GPU", 0.0),
+        )
         for node in ray.nodes()
         if node["Alive"] and node["Resources"].get("CPU", 0.0) > 0
     ]
@@ -260,7 +266,8 @@ def _run_on_cluster(
 def _start_machines(
     ray: Any, cfg: cfgmod.MeshConfig, out: Path, restarts: int, hosts: int | None
 ) -> list[MachineRun]:
-    """An actor on each machine that gets nodes, holding all of that machine's CPUs."""
+    """An actor on each machine that gets nodes, holding all of that machine's CPUs and
+    GPUs (its nodes' `device: auto` spreads them over the GPUs)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     names = [peer.name for peer in cfg.peers]
@@ -279,6 +286,7 @@ def _start_machines(
             count += 1
         actor = remote_machine.options(
             num_cpus=placement.cpus,
+            num_gpus=placement.machine.gpus,
             # Pinned to its machine, for good: a restarted actor must find the checkpoints.
             scheduling_strategy=NodeAffinitySchedulingStrategy(
                 placement.machine.node_id, soft=False

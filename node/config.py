@@ -56,7 +56,9 @@ _NAME_ALLOWED = "1-64 characters from A-Z a-z 0-9 _ . - starting with a letter o
 _LISTEN_ALLOWED = TCP_ENDPOINT_FORM
 # PyYAML follows YAML 1.1, which reads `1e-3` (no dot) as a string; numbers are meant.
 _NUMBER = re.compile(r"[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?")
-_MAX_SEED = 2**32 - 1  # numpy's seeding accepts no more
+_MAX_SEED = 2**32 - 1
+DEVICE_PATTERN = r"auto|cpu|mps|cuda(:[0-9]+)?"  # node/devices.py finds what it names
+DEVICE_ALLOWED = "auto, cpu, cuda, cuda:N or mps"  # numpy's seeding accepts no more
 _SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
 
@@ -383,6 +385,13 @@ class MeshConfig:
     # reading every peer's as its own (node/runtime.py). A node's own affair, not the
     # mesh's: peers that differ in it still exchange the same blobs.
     local_batchnorm: Annotated[bool, _rule("true or false")] = False
+    # Where this node trains and evaluates its model, and at what precision
+    # (node/devices.py). A node's own affair: auto takes this machine's GPU where it has
+    # one, so the peers of a LAN may each use what their machine has.
+    device: Annotated[str, _rule(DEVICE_ALLOWED, pattern=f"^({DEVICE_PATTERN})$")] = "auto"
+    precision: Annotated[
+        Literal["fp32", "bf16", "fp16"], Field(description="fp32, bf16 or fp16")
+    ] = "fp32"
     # How this node's blobs travel (protocol/codecs.py; topk: node/deltas.py). A node's
     # own affair: each blob names its codec in its signed record and a receiver decodes
     # whatever it is sent.

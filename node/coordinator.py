@@ -40,7 +40,7 @@ from .blobs import RULE_ERROR, UnusableBlob, peer_model
 from .containment import run_contained
 from .metrics import CoordinatorRecord, RoundRecord
 from .runtime import Node, NodeOptions, PeerIntake, build_node, in_peer_order
-from .trainer import evaluate, state_to_arrays
+from .trainer import state_to_arrays
 
 log = logging.getLogger("meshfl.coordinator")
 
@@ -343,8 +343,7 @@ class ClientNode(Node):
             return
         with self.cpu:
             clock = time.perf_counter()
-            val = evaluate(self.model, self.data.x_val, self.data.y_val, self.data.num_classes)
-            test = evaluate(self.model, self.data.x_test, self.data.y_test, self.data.num_classes)
+            val, test = self.val_and_test()
             seconds = time.perf_counter() - clock
         after = self.endpoint.stats()
         self.metrics.append(
@@ -365,6 +364,7 @@ class ClientNode(Node):
                 bytes_sent_by_kind=after["bytes_sent_by_kind"],  # since the node started
                 seconds={**done.seconds, "evaluate": seconds},
                 n_train=len(self.data.y_train),
+                **self.device_fields(),
             ).to_json()
         )
         self.refusals.clear()

@@ -8,6 +8,7 @@ from .checkpoint import CheckpointError, StorageError
 from .config import ConfigError
 from .coordinator import CoordinatorGone
 from .data_rules import DataError
+from .devices import DeviceError
 from .models import ModelError
 from .runtime import JoinError
 from .task import TaskError
@@ -15,6 +16,7 @@ from .task import TaskError
 USER_ERRORS: tuple[type[Exception], ...] = (
     ConfigError,
     DataError,
+    DeviceError,
     ModelError,
     TaskError,
     KeyFileError,

@@ -45,12 +45,14 @@ from .blobs import RULE_ERROR, UnusableBlob, layout_of, peer_model, signed_blob
 from .checkpoint import MetricsLog, load_checkpoint, save_checkpoint, write_atomically
 from .containment import run_contained
 from .deltas import DELTA, PUBLIC, DeltaGossip, is_public_copy, read_as
+from .devices import peak_memory_mb, resolve_device, visiting
 from .metrics import RoundRecord
 from .models import batchnorm_keys, model_schema
 from .neighbours import neighbours_to_drop
 from .splits import NodeData
 from .task import Task, node_info, task_of
 from .trainer import (
+    Evaluation,
     TrainRecipe,
     evaluate,
     set_torch_threads,
@@ -187,13 +189,15 @@ class Node:
         attack: Attack,
         metrics: MetricsLog,
         checkpoint_path: Path,
+        device: torch.device | None = None,
     ) -> None:
         self.options = options
         self.cfg = options.config
         self.data = data
         self.model = model
         self.new_model = new_model  # the mesh's initial model, built afresh
-        self.train = train  # the mesh's local training recipe
+        self.train = train  # the mesh's local training recipe (on the node's device)
+        self.device = device or torch.device("cpu")  # where the model trains and is evaluated
         self.algorithm = algorithm
         self.endpoint = endpoint
         self.attack = attack  # an honest Attack() on an honest node
@@ -458,8 +462,7 @@ class Node:
             seconds["aggregate"] = time.perf_counter() - clock
 
             clock = time.perf_counter()
-            val = evaluate(self.model, self.data.x_val, self.data.y_val, self.data.num_classes)
-            test = evaluate(self.model, self.data.x_test, self.data.y_test, self.data.num_classes)
+            val, test = self.val_and_test()
             seconds["evaluate"] = time.perf_counter() - clock
             # Read once: what the round's record shows is what the drops chose among.
             ended_with = {
@@ -496,6 +499,7 @@ class Node:
                 rejections=after["rejections"],
                 seconds=seconds,
                 n_train=len(self.data.y_train),
+                **self.device_fields(),
                 attacker=self.attack.active,
                 neighbours=sorted(neighbours.values()) if self.endpoint.views else None,
                 neighbours_at_end=sorted(ended_with) if self.endpoint.views else None,
@@ -505,6 +509,19 @@ class Node:
             ).to_json()
         )
         self._save(round_no)
+
+    def device_fields(self) -> dict[str, Any]:
+        """What a round's record says of the node's device."""
+        return {"device": str(self.device), "device_memory_mb": peak_memory_mb(self.device)}
+
+    def val_and_test(self) -> tuple[Evaluation, Evaluation]:
+        """The model's val and test figures, computed on the node's device."""
+        data = self.data
+        with visiting(self.model, self.device):
+            return (
+                evaluate(self.model, data.x_val, data.y_val, data.num_classes),
+                evaluate(self.model, data.x_test, data.y_test, data.num_classes),
+            )
 
     def _tried(self, neighbours: Collection[str]) -> list[str]:
         """The neighbours this round tries: those that were not neighbours when the last
@@ -770,12 +787,13 @@ def build_node(options: NodeOptions, role: type[Node] = Node) -> Node:
     endpoint (bound at its listen address), its metrics log and checkpoint path."""
     cfg = options.config
     set_torch_threads(options.local_nodes)
+    device = resolve_device(cfg.device, options.node_index)  # before any peer hears of us
     task = task_of(cfg)
     data = task.node_data(node_info(cfg, options.name, options.node_index, options.num_nodes))
     new_model = task.model_maker(data)
     model = new_model()
     task.check_rule(cfg.algorithm, model)
-    train = training_recipe(cfg, task.training)
+    train = training_recipe(cfg, task.training, device)
     algorithm = build_rule(
         cfg.algorithm.name,
         cfg.algorithm.params,
@@ -809,6 +827,7 @@ def build_node(options: NodeOptions, role: type[Node] = Node) -> Node:
         ),
         metrics=MetricsLog(options.out_dir / "metrics.jsonl"),
         checkpoint_path=options.out_dir / "checkpoint.pt",
+        device=device,
     )
     endpoint.status_extra = node.status_extra
     if cfg.topology.select == "benefit":  # a bounded view turns away whom the rule shuns

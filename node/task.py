@@ -351,7 +351,9 @@ class UserTask:
                 self.fail(f"model() raised {_where(err, self.module)}")
         if not isinstance(net, nn.Module):
             self.fail(f"model() returned {type(net).__name__}; expected a torch.nn.Module")
-        model = TaskModel(net, self._checked_head(net))
+        # At home on the CPU, whatever device model() chose: the node moves it to its
+        # own device to train (node/devices.py).
+        model = TaskModel(net.cpu(), self._checked_head(net))
         if model.head is not None and data is not None and len(data.y_train):
             model.eval()
             try:

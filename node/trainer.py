@@ -21,6 +21,8 @@ from torch.nn import functional
 from torch.optim.adam import adam
 from torch.optim.sgd import sgd
 
+from .devices import autocast, model_device, visiting
+
 if TYPE_CHECKING:
     from .config import MeshConfig
 
@@ -95,6 +97,12 @@ class Optimizer:
             for p in (self.params if name == "adam" else ())
         ]
 
+    @property
+    def param_groups(self) -> list[dict[str, list[torch.Tensor]]]:
+        """torch.optim's view of the parameters, all in one group: what a GradScaler
+        unscales before `step` (fp16 training)."""
+        return [{"params": self.params}]
+
     def zero_grad(self) -> None:
         for param in self.params:
             param.grad = None
@@ -138,11 +146,6 @@ class Optimizer:
         )
 
 
-def _model_device(model: nn.Module) -> torch.device:
-    first_parameter = next(model.parameters(), None)
-    return first_parameter.device if first_parameter is not None else torch.device("cpu")
-
-
 def _shuffled_batches(
     num_samples: int, epochs: int, batch_size: int, seed: int
 ) -> Iterator[torch.Tensor]:
@@ -181,12 +184,15 @@ class TrainingChoices:
     augment: Augmentation | None = None
 
 
-def training_recipe(cfg: MeshConfig, choices: TrainingChoices | None = None) -> TrainRecipe:
+def training_recipe(
+    cfg: MeshConfig, choices: TrainingChoices | None = None, device: torch.device | None = None
+) -> TrainRecipe:
     """The mesh's local training, `train(model, x, y, epochs, seed, max_steps=None)`: the
-    config's optimizer, lr, batch size, momentum and weight decay (epochs None: the
-    mesh's local_epochs), or the task's `choices` where it makes them; it returns the
-    mean loss. A node trains its own model with it, and so do the rules that train
-    models of their own (algorithms.Context.train)."""
+    config's optimizer, lr, batch size, momentum, weight decay and precision (epochs
+    None: the mesh's local_epochs), or the task's `choices` where it makes them; it
+    returns the mean loss. A node trains its own model with it, and so do the rules that
+    train models of their own (algorithms.Context.train). The model trains on `device`
+    (None: where it lies) and is back where it lay when `train` returns."""
     choices = choices or TrainingChoices()
 
     def train(
@@ -197,22 +203,24 @@ def training_recipe(cfg: MeshConfig, choices: TrainingChoices | None = None) -> 
         seed: int,
         max_steps: int | None = None,
     ) -> float:
-        return train_local(
-            model,
-            x,
-            y,
-            cfg.local_epochs if epochs is None else epochs,
-            choices.batch_size or cfg.batch_size,
-            cfg.optimizer,
-            cfg.lr,
-            seed=seed,
-            momentum=cfg.momentum,
-            weight_decay=cfg.weight_decay,
-            max_steps=max_steps,
-            loss=choices.loss,
-            new_optimizer=choices.optimizer,
-            augment=choices.augment,
-        )
+        with visiting(model, device or model_device(model)):
+            return train_local(
+                model,
+                x,
+                y,
+                cfg.local_epochs if epochs is None else epochs,
+                choices.batch_size or cfg.batch_size,
+                cfg.optimizer,
+                cfg.lr,
+                seed=seed,
+                momentum=cfg.momentum,
+                weight_decay=cfg.weight_decay,
+                max_steps=max_steps,
+                loss=choices.loss,
+                new_optimizer=choices.optimizer,
+                augment=choices.augment,
+                precision=cfg.precision,
+            )
 
     return train
 
@@ -233,6 +241,7 @@ def train_local(
     loss: LossFunction | None = None,
     new_optimizer: OptimizerFactory | None = None,
     augment: Augmentation | None = None,
+    precision: str = "fp32",
 ) -> float:
     """Train ``model`` in place with cross-entropy; return the mean loss per sample seen.
 
@@ -243,7 +252,9 @@ def train_local(
     holds the weights that step starts from (Fed-Influence samples gradients there).
     `loss` and `new_optimizer` replace cross-entropy and the named optimizer (a task's);
     `augment` takes each batch of inputs before the model does (a task's augmentation,
-    drawing from torch's generator, seeded like dropout).
+    drawing from torch's generator, seeded like dropout). `precision` bf16 or fp16 runs
+    the forward passes under autocast (fp16 with a dynamically scaled loss, so small
+    gradients do not flush to zero); the weights stay float32.
     """
     if len(x) == 0:
         raise ValueError("no training samples: the node's train split is empty")
@@ -251,7 +262,7 @@ def train_local(
         raise ValueError(f"x has {len(x)} samples but y has {len(y)}")
     if epochs < 0 or batch_size < 1:
         raise ValueError(f"need epochs >= 0 and batch_size >= 1, got {epochs} and {batch_size}")
-    device = _model_device(model)
+    device = model_device(model)
     x, y = x.to(device), y.to(device=device, dtype=torch.long)
     if new_optimizer is not None:
         optim = new_optimizer([param for param in model.parameters() if param.requires_grad])
@@ -260,6 +271,7 @@ def train_local(
             optimizer, model.parameters(), lr, momentum=momentum, weight_decay=weight_decay
         )
     loss_of = loss or functional.cross_entropy
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     batches = islice(_shuffled_batches(len(x), epochs, batch_size, seed), max_steps)
     model.train()
     loss_sum, samples_seen = 0.0, 0
@@ -273,9 +285,11 @@ def train_local(
                 before_step(step)
             optim.zero_grad()
             inputs = x[batch] if augment is None else augment(x[batch])
-            batch_loss = loss_of(model(inputs), y[batch])
-            batch_loss.backward()
-            optim.step()
+            with autocast(device, precision):
+                batch_loss = loss_of(model(inputs), y[batch])
+            scaler.scale(batch_loss).backward()
+            scaler.step(optim)  # type: ignore[arg-type]  # ours has torch.optim's param_groups
+            scaler.update()
             loss_sum += batch_loss.item() * len(batch)
             samples_seen += len(batch)
     # The last step's gradients serve nothing past it: kept, they would be one more copy
@@ -298,7 +312,7 @@ def evaluate(
     """Mean cross-entropy, accuracy and per-class accuracy; leaves the model's mode as it was."""
     if len(x) != len(y):
         raise ValueError(f"x has {len(x)} samples but y has {len(y)}")
-    device = _model_device(model)
+    device = model_device(model)
     y = y.to(device=device, dtype=torch.long)
     if len(y) and (int(y.min()) < 0 or int(y.max()) >= num_classes):
         raise ValueError(

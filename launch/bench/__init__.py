@@ -19,6 +19,7 @@ BENCHMARKS = {
     "against": "a mesh beside another program doing the same job (Flower), alternately",
     "views": "neighbours chosen by benefit against random ones: wall time and where it goes",
     "codecs": "a 45 MB model between two nodes under each codec: bytes, time, MB/s",
+    "devices": "one mesh trained on the CPU and on the GPU, alternately: time and memory",
 }
 
 
