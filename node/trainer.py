@@ -271,7 +271,7 @@ def train_local(
             optimizer, model.parameters(), lr, momentum=momentum, weight_decay=weight_decay
         )
     loss_of = loss or functional.cross_entropy
-    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
     batches = islice(_shuffled_batches(len(x), epochs, batch_size, seed), max_steps)
     model.train()
     loss_sum, samples_seen = 0.0, 0
@@ -287,9 +287,13 @@ def train_local(
             inputs = x[batch] if augment is None else augment(x[batch])
             with autocast(device, precision):
                 batch_loss = loss_of(model(inputs), y[batch])
-            scaler.scale(batch_loss).backward()
-            scaler.step(optim)  # type: ignore[arg-type]  # ours has torch.optim's param_groups
-            scaler.update()
+            if scaler is None:
+                batch_loss.backward()
+                optim.step()
+            else:
+                scaler.scale(batch_loss).backward()
+                scaler.step(optim)  # type: ignore[arg-type]  # ours has param_groups
+                scaler.update()
             loss_sum += batch_loss.item() * len(batch)
             samples_seen += len(batch)
     # The last step's gradients serve nothing past it: kept, they would be one more copy
