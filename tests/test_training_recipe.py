@@ -22,6 +22,7 @@ TRAINING_FIELDS = {
     "lr": 0.01,
     "momentum": 0.9,
     "weight_decay": 0.5,
+    "precision": "bf16",
 }
 
 
@@ -55,6 +56,7 @@ NOT_TRAINING = {
     "topology",  # whom a node learns from, not how it trains
     "local_batchnorm",  # what a node takes of its peers' models (test_fedbn.py)
     "compression",  # how a node's blobs travel (test_codecs.py, test_compressed_mesh.py)
+    "device",  # where it trains, not what (test_devices.py): the CPU is all these have
     "peers",
 }
 
