@@ -25,6 +25,7 @@ from .data_rules import (
 )
 from .datasets import SPLIT_STREAM, SYNTHETIC_CLASSES, SYNTHETIC_FEATURES, load_pool, synthetic_node
 from .partitions import assign_shards, parse_partition
+from .streamed import Inputs
 
 __all__ = [
     "MIN_SAMPLES_PER_NODE",
@@ -38,11 +39,11 @@ __all__ = [
 
 @dataclass
 class NodeData:
-    x_train: torch.Tensor  # float32 features, int64 labels
+    x_train: Inputs  # float32 (or int64 token ids) features, int64 labels
     y_train: torch.Tensor
-    x_val: torch.Tensor
+    x_val: torch.Tensor  # held whole: every rule reads it, several times a round
     y_val: torch.Tensor
-    x_test: torch.Tensor
+    x_test: Inputs
     y_test: torch.Tensor
     num_classes: int
     input_shape: tuple[int, ...]  # per-sample shape, e.g. (1, 8, 8), (3, 32, 32), (800,)

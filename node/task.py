@@ -35,6 +35,7 @@ import functools
 import hashlib
 import importlib
 import importlib.util
+import logging
 import random
 import sys
 import traceback
@@ -52,7 +53,10 @@ from . import config as cfgmod
 from .data_rules import NPZ_PREFIX, DataError
 from .models import body_keys, build_model, head_keys, seeded
 from .splits import NodeData, load_node_data
+from .streamed import STREAM_ABOVE_BYTES, Inputs, StreamedInputs, as_input
 from .trainer import TrainingChoices
+
+log = logging.getLogger("meshfl.node")
 
 # How many samples a data split's torch Dataset yields per step while it is read into
 # memory (a DataLoader batch; the node then holds each split as two tensors).
@@ -216,6 +220,25 @@ class UserTask:
                 self.fail(f"{name}: got {type(function).__name__}; expected a function")
         return TrainingChoices(batch_size, *functions.values())
 
+    @property
+    def in_memory(self) -> bool | None:
+        """The task's `in_memory`: True holds every split whole, False streams its train
+        and test splits from their Datasets; None (unset) streams a split whose inputs
+        would take more than STREAM_ABOVE_BYTES."""
+        value = getattr(self.module, "in_memory", None)
+        if value is not None and not isinstance(value, bool):
+            self.fail(f"in_memory: got {value!r}; expected true, false or unset")
+        return value
+
+    @property
+    def workers(self) -> int:
+        """The task's `workers`: DataLoader processes that read a streamed split ahead of
+        training (0, the default: read in the node's own thread)."""
+        value = getattr(self.module, "workers", 0)
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            self.fail(f"workers: got {value!r}; expected an integer >= 0")
+        return value
+
     def fail(self, problem: str) -> NoReturn:
         raise TaskError(f"task {self.source}: {problem}")
 
@@ -227,13 +250,17 @@ class UserTask:
         if not isinstance(splits, Sequence) or len(splits) != len(SPLITS):
             self.fail(f"data() returned {type(splits).__name__}; expected (train, val, test)")
         tensors = [self._tensors(name, split) for name, split in zip(SPLITS, splits, strict=True)]
+        if any(isinstance(x, StreamedInputs) for x, _ in tensors):
+            log.info("task %s: streaming %s", self.source, streamed_splits(tensors))
         if len(tensors[0][1]) == 0:
             self.fail("data(): the train split is empty")
         sample_shape = tuple(tensors[0][0].shape[1:])
         tensors = [  # an empty Dataset says nothing of its inputs' shape: the train split's
-            (x if len(y) else x.reshape(0, *sample_shape), y) for x, y in tensors
+            (x.reshape(0, *sample_shape) if isinstance(x, torch.Tensor) and not len(y) else x, y)
+            for x, y in tensors
         ]
         (x_train, y_train), (x_val, y_val), (x_test, y_test) = tensors
+        assert isinstance(x_val, torch.Tensor), "the val split is never streamed"
         shapes = {
             name: tuple(x.shape[1:]) for name, (x, y) in zip(SPLITS, tensors, strict=True) if len(y)
         }
@@ -256,14 +283,19 @@ class UserTask:
             x_train, y_train, x_val, y_val, x_test, y_test, classes, shapes["train"], info
         )
 
-    def _tensors(self, name: str, split: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def _tensors(self, name: str, split: Any) -> tuple[Inputs, torch.Tensor]:
         """A split as inputs (float32, or int64 where they are whole numbers: an
-        embedding's token ids) and int64 labels, one class index per input."""
+        embedding's token ids) and int64 labels, one class index per input. A train or
+        test split too big for memory (or one the task's `in_memory = False` names) is
+        streamed from its Dataset: its labels are read once here, its inputs when asked
+        for. The val split is always held: every rule reads it whole, several times a
+        round."""
+        in_memory = True if name == "val" else self.in_memory
         try:
-            x, y = _read_split(split)
+            x, y = _read_split(split, in_memory, self.workers)
         except Exception as err:
             self.fail(f"data(): the {name} split cannot be read: {_where(err, self.module)}")
-        if x.dim() == 0 or y.dim() == 0:
+        if len(x.shape) == 0 or y.dim() == 0:
             self.fail(f"data(): the {name} split holds one value, not a batch of samples")
         if y.dim() == 2 and y.shape[1] == 1:
             y = y.reshape(-1)
@@ -276,10 +308,9 @@ class UserTask:
             self.fail(f"data(): the {name} split has {len(x)} inputs but {len(y)} labels")
         if y.is_floating_point() and not bool((y == y.round()).all()):
             self.fail(f"data(): the {name} labels are not whole numbers (class indices)")
-        inputs = x.long() if not (x.is_floating_point() or x.dtype == torch.bool) else x.float()
-        return inputs, y.long()
+        return x if isinstance(x, StreamedInputs) else as_input(x), y.long()
 
-    def _classes(self, x_train: torch.Tensor) -> int:
+    def _classes(self, x_train: Inputs) -> int:
         """The model's number of logits, from one batch of the train split (which also
         shows whether the model takes this node's inputs at all)."""
         model = self.model_maker(None)()
@@ -402,18 +433,37 @@ class UserTask:
         return tuple(key for key in keys if key not in head), head
 
 
-def _read_split(split: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, labels) of an (x, y) pair of arrays or tensors, or of a torch Dataset,
-    read whole through a DataLoader."""
+def _read_split(
+    split: Any, in_memory: bool | None, workers: int
+) -> tuple[torch.Tensor | StreamedInputs, torch.Tensor]:
+    """(inputs, labels) of an (x, y) pair of arrays or tensors, or of a torch Dataset read
+    through a DataLoader: whole, or (`in_memory` False, or None and the inputs bigger
+    than STREAM_ABOVE_BYTES) its labels only, the inputs left to stream."""
     if isinstance(split, tuple | list) and len(split) == 2:
         return torch.as_tensor(np.asarray(split[0])), torch.as_tensor(np.asarray(split[1]))
     if not isinstance(split, torch.utils.data.Dataset):
         raise TypeError(f"got {type(split).__name__}; expected a Dataset or an (x, y) pair")
-    if len(split) == 0:  # type: ignore[arg-type]
+    size = len(split)  # type: ignore[arg-type]
+    if size == 0:
         return torch.empty(0), torch.empty(0, dtype=torch.long)
+    first = as_input(split[0][0])
+    if in_memory is None:
+        in_memory = first.numel() * first.element_size() * size <= STREAM_ABOVE_BYTES
     loader = torch.utils.data.DataLoader(split, batch_size=READ_BATCH, shuffle=False)
-    inputs, labels = zip(*((x, torch.as_tensor(y)) for x, y in loader), strict=True)
-    return torch.cat(inputs), torch.cat(labels)
+    if not in_memory:
+        labels = [torch.as_tensor(y) for _, y in loader]
+        return StreamedInputs(split, first, workers), torch.cat(labels)
+    batches = [(x, torch.as_tensor(y)) for x, y in loader]
+    return torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])
+
+
+def streamed_splits(splits: Sequence[tuple[Inputs, torch.Tensor]]) -> str:
+    """Which splits stream, for the node's log: "train (48000 samples), test (...)"."""
+    return ", ".join(
+        f"{name} ({len(x)} samples)"
+        for name, (x, _) in zip(SPLITS, splits, strict=True)
+        if isinstance(x, StreamedInputs)
+    )
 
 
 def _where(err: Exception, module: ModuleType) -> str:

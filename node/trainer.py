@@ -22,6 +22,7 @@ from torch.optim.adam import adam
 from torch.optim.sgd import sgd
 
 from .devices import autocast, model_device, visiting
+from .streamed import Inputs, StreamedInputs
 
 if TYPE_CHECKING:
     from .config import MeshConfig
@@ -227,7 +228,7 @@ def training_recipe(
 
 def train_local(
     model: nn.Module,
-    x: torch.Tensor,
+    x: Inputs,
     y: torch.Tensor,
     epochs: int,
     batch_size: int,
@@ -263,7 +264,7 @@ def train_local(
     if epochs < 0 or batch_size < 1:
         raise ValueError(f"need epochs >= 0 and batch_size >= 1, got {epochs} and {batch_size}")
     device = model_device(model)
-    x, y = x.to(device), y.to(device=device, dtype=torch.long)
+    y = y.to(device=device, dtype=torch.long)
     if new_optimizer is not None:
         optim = new_optimizer([param for param in model.parameters() if param.requires_grad])
     else:
@@ -272,19 +273,21 @@ def train_local(
         )
     loss_of = loss or functional.cross_entropy
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
-    batches = islice(_shuffled_batches(len(x), epochs, batch_size, seed), max_steps)
+    batches = list(islice(_shuffled_batches(len(x), epochs, batch_size, seed), max_steps))
     model.train()
     loss_sum, samples_seen = 0.0, 0
     # Dropout draws from torch's global generator: seeded here (and given back after), a
     # round's training is the same whatever else ran in the process before it.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        for step, batch in enumerate(batches):
+        inputs_of = batch_inputs(x, batches, device, seed)
+        for step, (batch, inputs) in enumerate(zip(batches, inputs_of, strict=True)):
             batch = batch.to(device)
             if before_step is not None:
                 before_step(step)
             optim.zero_grad()
-            inputs = x[batch] if augment is None else augment(x[batch])
+            if augment is not None:
+                inputs = augment(inputs)
             with autocast(device, precision):
                 batch_loss = loss_of(model(inputs), y[batch])
             if scaler is None:
@@ -302,6 +305,17 @@ def train_local(
     return loss_sum / samples_seen if samples_seen else math.nan
 
 
+def batch_inputs(
+    x: Inputs, batches: list[torch.Tensor], device: torch.device, seed: int
+) -> Iterator[torch.Tensor]:
+    """The inputs of each batch of indices on `device`: cut from the split's tensor, moved
+    there once; or read from a streamed split through its DataLoader."""
+    if isinstance(x, StreamedInputs):
+        return x.batches(batches, device, seed)
+    on_device = x.to(device)
+    return (on_device[batch.to(device)] for batch in batches)
+
+
 @dataclass
 class Evaluation:
     loss: float
@@ -311,7 +325,7 @@ class Evaluation:
 
 
 def evaluate(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_classes: int, batch_size: int = 512
+    model: nn.Module, x: Inputs, y: torch.Tensor, num_classes: int, batch_size: int = 512
 ) -> Evaluation:
     """Mean cross-entropy, accuracy and per-class accuracy; leaves the model's mode as it was."""
     if len(x) != len(y):
