@@ -540,8 +540,10 @@ class FedInfluence(CoordinatorAlgorithm):
         data = self.context.data
         if data is None:
             return torch.zeros(0), torch.zeros(0, dtype=torch.long)
+        # Sliced whole: a split the node streams (a task's big Dataset) is read in here.
+        splits = (data.x_train, data.x_val, data.x_test)
         return (
-            torch.cat([data.x_train, data.x_val, data.x_test]),
+            torch.cat([split[: len(split)] for split in splits]),
             torch.cat([data.y_train, data.y_val, data.y_test]),
         )
 
