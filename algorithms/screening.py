@@ -447,10 +447,7 @@ class Screened(PeerAlgorithm):
         self._remember(round_no, [state_digest(outcome.state)])
         kept = {key: value.detach().clone() for key, value in outcome.state.items()}
         self.rule.adopted(outcome.state)
-        self._adopted = {
-            round_no: (kept, scores),
-            **{r: each for r, each in self._adopted.items() if r == round_no - 1},
-        }
+        self._adopted = {round_no: (kept, scores)}  # the next round's start: all it reads
         if pivot is not None:
             own_kind = "trial" if report.get("trial", {}).get("won") else "own"
             report["judged_against"] = own_kind if pivot is own_scored else "round_start"

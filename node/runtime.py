@@ -693,7 +693,9 @@ class Node:
 
     def peer_models(self, blobs: dict[str, dict[str, Blob]], round_no: int = 0) -> PeerIntake:
         """The round's blobs as peer models by kind and peer name; a blob that fails the
-        checks of node/blobs.py is refused (logged; the round goes on without it)."""
+        checks of node/blobs.py is refused (logged; the round goes on without it). Read,
+        the blobs leave the endpoint's store: the models are decoded into memory of
+        their own, and a node serves its peers only its own blobs."""
         intake = PeerIntake()
         public_copies: dict[str, dict[str, np.ndarray]] = {}
         own_lag = self.deltas.lag(self.model.state_dict()) if self.deltas is not None else {}
@@ -715,6 +717,7 @@ class Node:
                 intake.received.setdefault(kind, {})[name] = self.with_own_local(model)
         if self.deltas is not None:
             self.deltas.took_in(round_no, public_copies)
+        self.endpoint.release(blob.id for by_peer in blobs.values() for blob in by_peer.values())
         return intake
 
     def with_own_local(self, model: PeerModel) -> PeerModel:

@@ -217,6 +217,17 @@ class BlobExchange:
         with self.lock:
             return {i: blob for i in blob_ids if (blob := self.store.get(i)) is not None}
 
+    def release(self, blob_ids: Iterable[bytes]) -> None:
+        """Forget these fetched blobs: the node took them in. A node serves others only
+        the blobs it announced, its own, so a fetched one is of no use to keep."""
+        with self.lock:
+            fetched = [
+                blob_id
+                for blob_id in blob_ids
+                if (blob := self.store.get(blob_id)) is not None and blob.origin != self.own_key
+            ]
+            self.store.drop(fetched)
+
     def fetches_since(self, start: int) -> list[FetchRecord]:
         with self.lock:
             return self.fetch_log[start:]

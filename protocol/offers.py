@@ -7,6 +7,7 @@ tensors' digest alone: two origins may well publish bit-identical tensors.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from .identity import node_id
@@ -46,7 +47,8 @@ class Offer:
 class BlobStore:
     """Blobs by id, oldest evicted first once `max_bytes` is passed.
 
-    It holds blobs of any origin, so a node can serve what it fetched to others.
+    It holds the node's own blobs, served to its peers, and those it fetched until the
+    node has taken them in (BlobExchange.release).
     """
 
     def __init__(self, max_bytes: int) -> None:
@@ -71,6 +73,12 @@ class BlobStore:
         while self.bytes > self.max_bytes and len(self._blobs) > 1:
             _, evicted = self._blobs.popitem(last=False)
             self.bytes -= evicted.size
+
+    def drop(self, blob_ids: Iterable[bytes]) -> None:
+        """Forget these blobs (those not here are no matter)."""
+        for blob_id in blob_ids:
+            if (blob := self._blobs.pop(blob_id, None)) is not None:
+                self.bytes -= blob.size
 
     def forget_before(self, round_no: int, own_origin: bytes, own_rounds: int) -> None:
         """Drop the blobs of rounds before `round_no`, but keep those of `own_origin` (the

@@ -1266,6 +1266,22 @@ def test_messages_dropped_at_the_high_water_mark_are_not_counted_as_sent(context
     assert endpoint.transport.last_proof_of_life[peer.address] == left, "dropped: no sign of life"
 
 
+def test_a_released_blob_is_forgotten_unless_it_is_our_own(make_endpoint):
+    origin, taker = joined_pair(make_endpoint)
+    theirs = make_blob(origin.identity, 2, "model", model_arrays(2), schema=SCHEMA)
+    ours = make_blob(taker.identity, 2, "model", model_arrays(3), schema=SCHEMA)
+    origin.set_round(2)
+    taker.set_round(2)
+    origin.publish(theirs)
+    taker.publish(ours)
+    offers = taker.wait_offers(2, {"model"}, {origin.identity.public_key}, time.monotonic() + WAIT)
+    taker.fetch(offers)
+    assert theirs.id in taker.wait_blobs([theirs.id], time.monotonic() + WAIT)
+    taker.release([theirs.id, ours.id])
+    assert taker.held([theirs.id, ours.id]) == {ours.id: ours}
+    assert taker.blobs.store.bytes == ours.size
+
+
 def test_a_node_keeps_its_own_blobs_one_round_past_theirs(make_endpoint):
     # A peer one round behind still fetches them; one further behind skips ahead.
     node = make_endpoint("a")
