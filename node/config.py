@@ -56,9 +56,9 @@ _NAME_ALLOWED = "1-64 characters from A-Z a-z 0-9 _ . - starting with a letter o
 _LISTEN_ALLOWED = TCP_ENDPOINT_FORM
 # PyYAML follows YAML 1.1, which reads `1e-3` (no dot) as a string; numbers are meant.
 _NUMBER = re.compile(r"[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?")
-_MAX_SEED = 2**32 - 1
+_MAX_SEED = 2**32 - 1  # numpy's seeding accepts no more
 DEVICE_PATTERN = r"auto|cpu|mps|cuda(:[0-9]+)?"  # node/devices.py finds what it names
-DEVICE_ALLOWED = "auto, cpu, cuda, cuda:N or mps"  # numpy's seeding accepts no more
+DEVICE_ALLOWED = "auto, cpu, cuda, cuda:N or mps"
 _SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
 

@@ -20,9 +20,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+import torch
+
 from meshfl.algorithms.base import Rewind
 
 log = logging.getLogger("meshfl.node")
+
+# Faults of the machine, not of any input: a search for the peer to blame would only
+# repeat them (a GPU that ran out of memory in a rule's training).
+MACHINE_FAULTS: tuple[type[BaseException], ...] = (MemoryError, torch.cuda.OutOfMemoryError)
 
 Outcome = TypeVar("Outcome")
 
@@ -48,6 +54,8 @@ def run_contained(
     rewind = Rewind(rule)
     try:
         return Contained(step(everyone), [])
+    except MACHINE_FAULTS:
+        raise  # out of memory: the machine's fault, whoever's input was in the step
     except Exception:
         if not everyone:
             raise  # nobody else's input was in it: the node's own fault

@@ -88,8 +88,8 @@ def visiting(model: nn.Module, device: torch.device) -> Iterator[nn.Module]:
     if home == device:
         yield model
         return
-    model.to(device)
-    try:
+    try:  # a move that fails half-way (a full GPU) is undone too
+        model.to(device)
         yield model
     finally:
         model.to(home)

@@ -75,7 +75,9 @@ class RoundRecord(_Round):
     test_acc: float | None = None
     n_train: int | None = None
     device: str | None = None  # where the node trains (node/devices.py)
-    device_memory_mb: float | None = None  # a GPU's peak allocation by this node; None: CPU
+    # The peak a GPU allocated to the node's process (shared by the nodes of a host that
+    # share the GPU); None on a CPU.
+    device_memory_mb: float | None = None
     weights: dict[str, float] = field(default_factory=dict)  # peer -> aggregation weight
     # A gossip peer's only: a coordinated client gets its model from the coordinator.
     received: list[str] | None = None  # peers whose whole model was aggregated

@@ -455,6 +455,7 @@ class Node:
         with self.cpu:
             clock = time.perf_counter()
             intake = self.peer_models(blobs, round_no)
+            del blobs  # decoded and forgotten by the endpoint: their bytes go now
             self.attack.observe(intake.received)
             outcome = self._aggregate(round_no, intake)
             self.model.load_state_dict(outcome.state)
@@ -717,7 +718,9 @@ class Node:
                 intake.received.setdefault(kind, {})[name] = self.with_own_local(model)
         if self.deltas is not None:
             self.deltas.took_in(round_no, public_copies)
-        self.endpoint.release(blob.id for by_peer in blobs.values() for blob in by_peer.values())
+        self.endpoint.forget_fetched(
+            blob.id for by_peer in blobs.values() for blob in by_peer.values()
+        )
         return intake
 
     def with_own_local(self, model: PeerModel) -> PeerModel:

@@ -451,10 +451,26 @@ def _read_split(
         in_memory = first.numel() * first.element_size() * size <= STREAM_ABOVE_BYTES
     loader = torch.utils.data.DataLoader(split, batch_size=READ_BATCH, shuffle=False)
     if not in_memory:
-        labels = [torch.as_tensor(y) for _, y in loader]
-        return StreamedInputs(split, first, workers), torch.cat(labels)
+        labels = kept_labels(split)
+        if labels is None:  # a pass over the split, its inputs read and let go
+            labels = torch.cat([torch.as_tensor(y) for _, y in loader])
+        return StreamedInputs(split, first, workers), labels
     batches = [(x, torch.as_tensor(y)) for x, y in loader]
     return torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])
+
+
+def kept_labels(dataset: Any) -> torch.Tensor | None:
+    """The labels a Dataset keeps beside its inputs (torchvision's `targets`, through any
+    Subset), read without decoding one input; None where it keeps none, or transforms
+    them."""
+    if isinstance(dataset, torch.utils.data.Subset):
+        inner = kept_labels(dataset.dataset)
+        return None if inner is None else inner[torch.as_tensor(list(dataset.indices))]
+    targets = getattr(dataset, "targets", None)
+    if targets is None or getattr(dataset, "target_transform", None) is not None:
+        return None
+    labels = torch.as_tensor(np.asarray(targets))
+    return labels if labels.dim() == 1 and len(labels) == len(dataset) else None
 
 
 def streamed_splits(splits: Sequence[tuple[Inputs, torch.Tensor]]) -> str:

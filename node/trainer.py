@@ -195,6 +195,9 @@ def training_recipe(
     train models of their own (algorithms.Context.train). The model trains on `device`
     (None: where it lies) and is back where it lay when `train` returns."""
     choices = choices or TrainingChoices()
+    # fp16's loss scale is learnt across rounds, one per device kind: started afresh each
+    # round, a model that overflows early would skip its first steps every round.
+    scalers: dict[str, torch.amp.GradScaler] = {}
 
     def train(
         model: nn.Module,
@@ -204,7 +207,13 @@ def training_recipe(
         seed: int,
         max_steps: int | None = None,
     ) -> float:
-        with visiting(model, device or model_device(model)):
+        where = device or model_device(model)
+        scaler = None
+        if cfg.precision == "fp16":
+            if where.type not in scalers:
+                scalers[where.type] = torch.amp.GradScaler(where.type)
+            scaler = scalers[where.type]
+        with visiting(model, where):
             return train_local(
                 model,
                 x,
@@ -221,6 +230,7 @@ def training_recipe(
                 new_optimizer=choices.optimizer,
                 augment=choices.augment,
                 precision=cfg.precision,
+                scaler=scaler,
             )
 
     return train
@@ -243,6 +253,7 @@ def train_local(
     new_optimizer: OptimizerFactory | None = None,
     augment: Augmentation | None = None,
     precision: str = "fp32",
+    scaler: torch.amp.GradScaler | None = None,
 ) -> float:
     """Train ``model`` in place with cross-entropy; return the mean loss per sample seen.
 
@@ -255,7 +266,8 @@ def train_local(
     `augment` takes each batch of inputs before the model does (a task's augmentation,
     drawing from torch's generator, seeded like dropout). `precision` bf16 or fp16 runs
     the forward passes under autocast (fp16 with a dynamically scaled loss, so small
-    gradients do not flush to zero); the weights stay float32.
+    gradients do not flush to zero: `scaler`'s, or a fresh one's); the weights stay
+    float32.
     """
     if len(x) == 0:
         raise ValueError("no training samples: the node's train split is empty")
@@ -272,7 +284,10 @@ def train_local(
             optimizer, model.parameters(), lr, momentum=momentum, weight_decay=weight_decay
         )
     loss_of = loss or functional.cross_entropy
-    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+    if precision != "fp16":
+        scaler = None
+    elif scaler is None:
+        scaler = torch.amp.GradScaler(device.type)
     batches = list(islice(_shuffled_batches(len(x), epochs, batch_size, seed), max_steps))
     model.train()
     loss_sum, samples_seen = 0.0, 0
@@ -313,7 +328,7 @@ def batch_inputs(
     if isinstance(x, StreamedInputs):
         return x.batches(batches, device, seed)
     on_device = x.to(device)
-    return (on_device[batch.to(device)] for batch in batches)
+    return (on_device[batch] for batch in batches)
 
 
 @dataclass

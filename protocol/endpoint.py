@@ -547,9 +547,9 @@ class Endpoint:
         """The blobs among `blob_ids` that are here now, by id."""
         return self.blobs.held(blob_ids)
 
-    def release(self, blob_ids: Iterable[bytes]) -> None:
+    def forget_fetched(self, blob_ids: Iterable[bytes]) -> None:
         """Forget fetched blobs the node has taken in (its own stay, to be served)."""
-        self.blobs.release(blob_ids)
+        self.blobs.forget_fetched(blob_ids)
 
     def wait_blobs(self, blob_ids: Iterable[bytes], deadline: float) -> dict[bytes, Blob]:
         """The blobs among `blob_ids` that arrived by the monotonic `deadline`, by id."""

@@ -217,7 +217,7 @@ class BlobExchange:
         with self.lock:
             return {i: blob for i in blob_ids if (blob := self.store.get(i)) is not None}
 
-    def release(self, blob_ids: Iterable[bytes]) -> None:
+    def forget_fetched(self, blob_ids: Iterable[bytes]) -> None:
         """Forget these fetched blobs: the node took them in. A node serves others only
         the blobs it announced, its own, so a fetched one is of no use to keep."""
         with self.lock:

@@ -48,7 +48,7 @@ class BlobStore:
     """Blobs by id, oldest evicted first once `max_bytes` is passed.
 
     It holds the node's own blobs, served to its peers, and those it fetched until the
-    node has taken them in (BlobExchange.release).
+    node has taken them in (BlobExchange.forget_fetched).
     """
 
     def __init__(self, max_bytes: int) -> None:

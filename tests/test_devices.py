@@ -1,6 +1,6 @@
 """Where a node trains (node/devices.py): the device a setting names on this machine,
 and the one line for a device that is not there (mixed precision: test_trainer.py). These
-machines have no GPU: what needs one is the GPU bench's (`meshfl bench gpu`)."""
+machines have no GPU: what needs one is the GPU bench's (`meshfl bench devices`)."""
 
 from __future__ import annotations
 

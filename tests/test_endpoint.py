@@ -1266,7 +1266,7 @@ def test_messages_dropped_at_the_high_water_mark_are_not_counted_as_sent(context
     assert endpoint.transport.last_proof_of_life[peer.address] == left, "dropped: no sign of life"
 
 
-def test_a_released_blob_is_forgotten_unless_it_is_our_own(make_endpoint):
+def test_a_fetched_blob_taken_in_is_forgotten_but_never_our_own(make_endpoint):
     origin, taker = joined_pair(make_endpoint)
     theirs = make_blob(origin.identity, 2, "model", model_arrays(2), schema=SCHEMA)
     ours = make_blob(taker.identity, 2, "model", model_arrays(3), schema=SCHEMA)
@@ -1277,7 +1277,7 @@ def test_a_released_blob_is_forgotten_unless_it_is_our_own(make_endpoint):
     offers = taker.wait_offers(2, {"model"}, {origin.identity.public_key}, time.monotonic() + WAIT)
     taker.fetch(offers)
     assert theirs.id in taker.wait_blobs([theirs.id], time.monotonic() + WAIT)
-    taker.release([theirs.id, ours.id])
+    taker.forget_fetched([theirs.id, ours.id])
     assert taker.held([theirs.id, ours.id]) == {ours.id: ours}
     assert taker.blobs.store.bytes == ours.size
 

@@ -101,11 +101,11 @@ LAYOUT = (("w", "float32", (3,)), ("count", "int64", (3,)))
 def test_an_unusable_blob_is_refused_and_the_round_goes_on_without_it():
     # Decoding uses the node's name and its rule's layouts only; then the endpoint forgets
     # every blob read, refused or not (a node serves its peers only its own).
-    released: list[bytes] = []
+    forgotten: list[bytes] = []
     node = node_from(
         name="me",
         algorithm=SimpleNamespace(layouts=lambda kind: (LAYOUT,) if kind == "model" else ()),
-        endpoint=SimpleNamespace(release=released.extend),
+        endpoint=SimpleNamespace(forget_fetched=forgotten.extend),
     )
 
     def signed(value, n=7):
@@ -136,7 +136,7 @@ def test_an_unusable_blob_is_refused_and_the_round_goes_on_without_it():
     assert good.n_samples == 7
     assert good.state["w"].tolist() == [0.5, 1.0, 1.5]
     assert good.state["count"].tolist() == [0, 1, 2]
-    assert sorted(released) == sorted(blob.id for blob in blobs["model"].values())
+    assert sorted(forgotten) == sorted(blob.id for blob in blobs["model"].values())
     with pytest.raises(UnusableBlob, match="'model' blob of round 1 holds NaN or inf in 'w'"):
         peer_model(blobs["model"]["nan"], (LAYOUT,))
     with pytest.raises(UnusableBlob, match="sample count n is 0, not an integer in 1..2"):

@@ -4,6 +4,7 @@ it, and the val split the rules read is always held."""
 
 from __future__ import annotations
 
+import json
 import types
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import torch
 from meshfl.node import task as taskmod
 from meshfl.node.config import MeshConfig
 from meshfl.node.streamed import StreamedInputs
-from meshfl.node.task import NodeInfo, UserTask, load_task_module
+from meshfl.node.task import NodeInfo, UserTask, kept_labels, load_task_module
 from meshfl.node.trainer import evaluate, training_recipe
 from tests.nodes import launch_to_end
 
@@ -69,9 +70,10 @@ def test_a_split_bigger_than_the_bound_streams_unless_the_task_holds_it(monkeypa
 
 
 def test_workers_read_ahead_the_same_batches():
-    task = digits_task(in_memory=False, workers=2)
-    data = node_data(task)
-    in_thread = trained_weights(digits_task(in_memory=False), data)
+    in_thread_task, task = digits_task(in_memory=False), digits_task(in_memory=False, workers=2)
+    in_thread_data, data = node_data(in_thread_task), node_data(task)
+    assert (in_thread_data.x_train.workers, data.x_train.workers) == (0, 2)
+    in_thread = trained_weights(in_thread_task, in_thread_data)
     with_workers = trained_weights(task, data)
     for key, value in in_thread.items():
         assert torch.equal(value, with_workers[key]), key
@@ -108,3 +110,22 @@ def test_a_mesh_learns_on_streamed_splits(tmp_path):
     assert [node["status"] for node in summary.values()] == ["finished"] * 3
     assert sum(node["test_acc"] for node in summary.values()) / 3 > 0.6
     assert "streaming train (90 samples)" in (tmp_path / "out" / "node0" / "node.log").read_text()
+    last = json.loads((tmp_path / "out" / "node0" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["device"] == "cpu" and "device_memory_mb" not in last  # no GPU: no figure
+
+
+def test_labels_a_dataset_keeps_are_read_without_decoding_its_inputs():
+    class Images(torch.utils.data.Dataset):
+        targets = [3, 1, 4, 1, 5]
+
+        def __len__(self):
+            return 5
+
+        def __getitem__(self, index):
+            raise AssertionError("an input was decoded to learn the labels")
+
+    subset = torch.utils.data.Subset(Images(), [4, 0, 2])
+    assert kept_labels(subset).tolist() == [5, 3, 4]
+    relabelled = Images()
+    relabelled.target_transform = lambda label: label + 1
+    assert kept_labels(relabelled) is None, "transformed labels must be read as served"

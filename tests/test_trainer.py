@@ -257,3 +257,24 @@ def test_mixed_precision_learns_as_float32_does_and_keeps_float32_weights(digits
         accuracy[chosen] = evaluate(model, x_test, y_test, 10).accuracy
     assert accuracy[precision] > 0.8
     assert abs(accuracy[precision] - accuracy["fp32"]) < 0.05, accuracy
+
+
+def test_fp16_scales_the_loss_for_a_tasks_own_torch_optimizer_too(digits):
+    x_train, y_train, x_test, y_test = digits
+    model = build_model("mlp", tuple(x_train.shape[1:]), 10, seed=0)
+    scaler = torch.amp.GradScaler("cpu")
+    train_local(
+        model,
+        x_train,
+        y_train,
+        10,
+        32,
+        "sgd",
+        0.1,
+        0,
+        precision="fp16",
+        scaler=scaler,
+        new_optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.5),
+    )
+    assert scaler.get_scale() > 1, "the scale a recipe carries to its next round"
+    assert evaluate(model, x_test, y_test, 10).accuracy > 0.8

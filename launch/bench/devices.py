@@ -71,12 +71,17 @@ def run_on(device: str, nodes: int, rounds: int, out: Path, settings: list[str])
     )
 
 
-def gpu_memory_mb() -> float | None:
-    """The first CUDA GPU's memory, or None where torch sees none."""
+def cuda_gpus() -> int:
     import torch
 
-    if not torch.cuda.is_available():
-        return None
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def gpu_memory_mb() -> float:
+    """The first CUDA GPU's memory. Asked after the runs: asking makes a CUDA context in
+    this process, which would hold GPU memory beside the nodes'."""
+    import torch
+
     return torch.cuda.get_device_properties(0).total_memory / 2**20
 
 
@@ -98,10 +103,13 @@ def main(argv: list[str]) -> int:
     )
     add_assignments(parser, "a config change for every run, repeatable")
     args = parser.parse_args(argv)
-    total_gpu = gpu_memory_mb()
-    devices = [d for d in args.devices.split(",") if d and (total_gpu or not d.startswith("cuda"))]
-    if len(devices) < len(args.devices.split(",")):
-        print("torch sees no CUDA GPU on this machine: the CPU runs alone", flush=True)
+    named = [device for device in args.devices.split(",") if device]
+    gpus = cuda_gpus()
+    devices = [device for device in named if gpus or not device.startswith("cuda")]
+    if len(devices) < len(named):
+        print("torch sees no CUDA GPU on this machine: its runs are skipped", flush=True)
+    if not devices:
+        parser.error(f"--devices {args.devices}: nothing this machine can run")
     settings = [f"task={args.task}", *args.assignments]
     runs: dict[str, list[DeviceRun]] = {device: [] for device in devices}
     with tempfile.TemporaryDirectory(prefix="meshfl-devices-") as scratch:
@@ -114,7 +122,8 @@ def main(argv: list[str]) -> int:
     reference = devices[0]
     wall = {device: statistics.median(r.wall_s for r in runs[device]) for device in devices}
     train = {
-        device: statistics.median(r.phases["train"] for r in runs[device]) for device in devices
+        device: statistics.median(r.phases.get("train", float("nan")) for r in runs[device])
+        for device in devices
     }
     for device in devices[1:]:
         print(
@@ -123,10 +132,11 @@ def main(argv: list[str]) -> int:
             flush=True,
         )
         peaks = [r.device_mb for r in runs[device] if r.device_mb]
-        if total_gpu and peaks:
+        if peaks:
+            total = gpu_memory_mb()
             print(
-                f"  one GPU of {total_gpu / 1024:.0f} GiB holds about "
-                f"{int(total_gpu // max(peaks))} such nodes (their peak allocation)",
+                f"  one GPU of {total / 1024:.0f} GiB holds about "
+                f"{int(total // max(peaks))} such nodes (their peak allocation)",
                 flush=True,
             )
     return 0
