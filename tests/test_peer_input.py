@@ -218,6 +218,18 @@ def test_a_rule_that_raises_on_its_own_model_is_the_nodes_fault_and_propagates()
         contained_round(Fragile(), model(-1.0), {"a": model(3.0)})
 
 
+def test_a_machine_out_of_memory_propagates_at_once_and_blames_no_peer():
+    class OutOfMemory(Fragile):
+        def aggregate(self, round_no, own, received, data):
+            Fragile.attempts += 1
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    steps = Fragile.attempts
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        contained_round(OutOfMemory(), model(1.0), {"a": model(3.0), "b": model(2.0)})
+    assert Fragile.attempts - steps == 1, "no search for a culprit: it would only repeat"
+
+
 def test_peer_strings_never_forge_a_log_line():
     assert escape_controls("plain name") == "plain name"
     forged = "tcp://127.0.0.1:9\n2026-01-01 meshfl.node node0 finished\x1b[2J"
