@@ -14,6 +14,7 @@ CPU. A device that is not there is one line before any peer is contacted.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import re
 from collections.abc import Iterator
 
@@ -75,9 +76,8 @@ def resolve_device(setting: str, node_index: int = 0) -> torch.device:
 
 def model_device(model: nn.Module) -> torch.device:
     """Where the model's first parameter (else buffer) lies; the CPU for an empty model."""
-    for tensor in (*model.parameters(), *model.buffers()):
-        return tensor.device
-    return torch.device("cpu")
+    first = next(itertools.chain(model.parameters(), model.buffers()), None)
+    return first.device if first is not None else torch.device("cpu")
 
 
 @contextlib.contextmanager

@@ -96,7 +96,7 @@ class StreamedInputs:
 Inputs = torch.Tensor | StreamedInputs
 
 
-def held(x: Inputs) -> torch.Tensor:
+def whole_inputs(x: Inputs) -> torch.Tensor:
     """A split's inputs known to be held whole (built-in data always is)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError("a streamed split where inputs held whole are needed")

@@ -284,10 +284,7 @@ def train_local(
             optimizer, model.parameters(), lr, momentum=momentum, weight_decay=weight_decay
         )
     loss_of = loss or functional.cross_entropy
-    if precision != "fp16":
-        scaler = None
-    elif scaler is None:
-        scaler = torch.amp.GradScaler(device.type)
+    scaler = (scaler or torch.amp.GradScaler(device.type)) if precision == "fp16" else None
     batches = list(islice(_shuffled_batches(len(x), epochs, batch_size, seed), max_steps))
     model.train()
     loss_sum, samples_seen = 0.0, 0

@@ -7,6 +7,7 @@ import inspect
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -41,6 +42,32 @@ def node_from(
         if parameter.kind is parameter.KEYWORD_ONLY
     }
     return role(options, **{**left_out, **parts})
+
+
+def first_node_refuses(config: Path, cfg: dict[str, Any], out: Path) -> str:
+    """Run `meshfl node` as the first peer of `config` (written as `cfg`) with node1's
+    place held by a socket that must never be dialled; the one line it exits 2 with."""
+    host, port = cfg["peers"][1]["listen"].removeprefix("tcp://").split(":")
+    with socket.socket() as peer:
+        peer.bind((host, int(port)))
+        peer.listen()
+        peer.setblocking(False)
+        result = subprocess.run(
+            [sys.executable, "-m", "meshfl.launch.cli", "node", "--config", str(config)]
+            + ["--name", cfg["peers"][0]["name"], "--out", str(out)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        try:
+            peer.accept()
+        except BlockingIOError:
+            pass  # nobody dialled
+        else:
+            raise AssertionError("the node contacted a peer before refusing")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    return lines[0]
 
 
 def write_config(path: Path, count: int, **settings: Any) -> dict[str, Any]:

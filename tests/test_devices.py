@@ -4,19 +4,17 @@ machines have no GPU: what needs one is the GPU bench's (`meshfl bench devices`)
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 
-from meshfl.node import devices, trainer
+from meshfl.node import devices, runtime, trainer
 from meshfl.node.config import MeshConfig
 from meshfl.node.devices import DeviceError, resolve_device, visiting
 from meshfl.node.trainer import training_recipe
-from tests.nodes import write_config
+from tests.nodes import first_node_refuses, node_from, write_config
 
 
 def machine_with(monkeypatch, gpus: int, mps: bool = False) -> None:
@@ -74,38 +72,37 @@ def test_a_visit_moves_the_model_there_and_home_again_even_on_error():
     assert moves == []
 
 
-def test_the_recipe_trains_on_the_node_device(monkeypatch):
-    visits = []
-    real_visiting = trainer.visiting
+def visits_from(monkeypatch, module) -> list[torch.device]:
+    """The devices `module` asks its models to visit, each visit made on the CPU (all
+    these machines have)."""
+    visits: list[torch.device] = []
 
     def recorded(model, device):
         visits.append(device)
-        return real_visiting(model, torch.device("cpu"))
+        return visiting(model, torch.device("cpu"))
 
-    monkeypatch.setattr(trainer, "visiting", recorded)
+    monkeypatch.setattr(module, "visiting", recorded)
+    return visits
+
+
+def test_the_recipe_trains_on_the_node_device(monkeypatch):
+    visits = visits_from(monkeypatch, trainer)
     x, y = torch.rand(20, 4), torch.arange(20) % 2
     train = training_recipe(MeshConfig(local_epochs=1), device=torch.device("cuda", 1))
     train(nn.Linear(4, 2), x, y, None, seed=0)
     assert visits == [torch.device("cuda", 1)]
 
 
+def test_a_node_evaluates_on_its_device(monkeypatch):
+    visits = visits_from(monkeypatch, runtime)
+    x, y = torch.rand(6, 4), torch.arange(6) % 2
+    data = SimpleNamespace(x_val=x, y_val=y, x_test=x, y_test=y, num_classes=2)
+    node = node_from(data=data, model=nn.Linear(4, 2), device=torch.device("cuda", 1))
+    val, test = node.val_and_test()
+    assert visits == [torch.device("cuda", 1)] and val.n == test.n == 6
+
+
 def test_a_node_whose_device_is_not_there_says_so_before_any_peer_is_contacted(tmp_path):
     config = tmp_path / "peers.yaml"
     cfg = write_config(config, 2, device="cuda:99")  # no machine here has a hundred GPUs
-    host, port = cfg["peers"][1]["listen"].removeprefix("tcp://").split(":")
-    with socket.socket() as peer:  # node1's place: node0 must never dial it
-        peer.bind((host, int(port)))
-        peer.listen()
-        peer.setblocking(False)
-        result = subprocess.run(
-            [sys.executable, "-m", "meshfl.launch.cli", "node", "--config", str(config)]
-            + ["--name", "node0", "--out", str(tmp_path / "out")],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        with pytest.raises(BlockingIOError):
-            peer.accept()
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2 and len(lines) == 1, result.stderr
-    assert "device: cuda:99, but" in lines[0]
+    assert "device: cuda:99, but" in first_node_refuses(config, cfg, tmp_path / "out")

@@ -5,7 +5,6 @@ any peer is contacted."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import textwrap
@@ -32,7 +31,16 @@ from meshfl.node.task import (
     task_of,
 )
 from meshfl.node.trainer import training_recipe
-from tests.nodes import launch_to_end, meshfl, records, start_node, stop, wait_round, write_config
+from tests.nodes import (
+    first_node_refuses,
+    launch_to_end,
+    meshfl,
+    records,
+    start_node,
+    stop,
+    wait_round,
+    write_config,
+)
 
 TASK = Path(__file__).parent / "tasks" / "digits_task.py"
 
@@ -236,25 +244,10 @@ def test_a_mistake_in_a_task_is_one_line_before_any_peer_is_contacted(tmp_path, 
     config = tmp_path / "peers.yaml"
     algorithm = "fedc2i" if "rule" in mistake else "fedavg"
     cfg = write_config(config, 2, task=str(task), algorithm=algorithm)
-    host, port = cfg["peers"][1]["listen"].removeprefix("tcp://").split(":")
-    with socket.socket() as peer:  # node1's place: node0 must never dial it
-        peer.bind((host, int(port)))
-        peer.listen()
-        peer.setblocking(False)
-        result = subprocess.run(
-            [sys.executable, "-m", "meshfl.launch.cli", "node", "--config", str(config)]
-            + ["--name", "node0", "--out", str(tmp_path / "out")],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        with pytest.raises(BlockingIOError):
-            peer.accept()
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2 and len(lines) == 1, result.stderr
-    assert lines[0].startswith(f"meshfl: error: task {task}: ")
+    line = first_node_refuses(config, cfg, tmp_path / "out")
+    assert line.startswith(f"meshfl: error: task {task}: ")
     for fragment in fragments:
-        assert fragment in lines[0], lines[0]
+        assert fragment in line, line
 
 
 def test_fedc2i_needs_a_head_of_one_linear_layer(tmp_path):

@@ -249,12 +249,14 @@ def test_training_with_dropout_repeats_whatever_ran_before_it():
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_learns_as_float32_does_and_keeps_float32_weights(digits, precision):
     x_train, y_train, x_test, y_test = digits
-    accuracy = {}
+    accuracy, weights = {}, {}
     for chosen in ("fp32", precision):
         model = build_model("mlp", tuple(x_train.shape[1:]), 10, seed=0)
         train_local(model, x_train, y_train, 10, 32, "sgd", 0.1, 0, momentum=0.5, precision=chosen)
         assert all(p.dtype == torch.float32 for p in model.parameters())
         accuracy[chosen] = evaluate(model, x_test, y_test, 10).accuracy
+        weights[chosen] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    assert not torch.equal(weights[precision], weights["fp32"]), "trained in half precision"
     assert accuracy[precision] > 0.8
     assert abs(accuracy[precision] - accuracy["fp32"]) < 0.05, accuracy
 

@@ -34,7 +34,7 @@ from meshfl.algorithms import Context, PeerModel
 from meshfl.algorithms.fedc2i import FedC2I, influence_batch, measure_influence
 from meshfl.node.models import body_keys, build_model, head_keys
 from meshfl.node.splits import NodeData, load_node_data
-from meshfl.node.streamed import held
+from meshfl.node.streamed import whole_inputs
 from meshfl.node.trainer import train_local
 
 from .flags import add_data_root, add_repeats, add_threads, bench_parser
@@ -87,7 +87,7 @@ def _timers(data: NodeData) -> dict[str, Callable[[], object]]:
         _state(build_model("lenet", INPUT_SHAPE, CLASSES, seed=seed)) for seed in range(PEERS)
     ]
     float_body = [key for key in body_keys(scratch) if states[0][key].is_floating_point()]
-    x, y = influence_batch(held(data.x_train), data.y_train, BATCH, seed=1)
+    x, y = influence_batch(whole_inputs(data.x_train), data.y_train, BATCH, seed=1)
     names = [f"node{index}" for index in range(PEERS)]
     rule = FedC2I(
         FedC2I.Params(gamma=GAMMA),

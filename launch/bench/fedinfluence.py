@@ -41,7 +41,7 @@ from meshfl.algorithms import Context, Upload, parse_params
 from meshfl.algorithms.fedinfluence import FedInfluence, loss_and_accuracy
 from meshfl.node.models import body_keys, build_model, head_keys
 from meshfl.node.splits import NodeData, load_node_data
-from meshfl.node.streamed import held
+from meshfl.node.streamed import whole_inputs
 from meshfl.node.trainer import state_to_arrays
 from meshfl.protocol.identity import Identity
 from meshfl.protocol.wire import make_blob
@@ -206,7 +206,7 @@ def load_federation(setting: Setting, seed: int, root: str | None) -> Federation
         )
         for index, name in enumerate(names)
     }
-    test_x = torch.cat([held(data.x_test) for data in clients.values()])
+    test_x = torch.cat([whole_inputs(data.x_test) for data in clients.values()])
     test_y = torch.cat([data.y_test for data in clients.values()])
     shifted = _shift_labels(clients, setting.shifted_clients, seed)
     return Federation(setting, seed, clients, test_x, test_y, shifted)
