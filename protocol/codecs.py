@@ -220,25 +220,41 @@ def encode_delta(
     arrays: Arrays, base: Arrays, fraction: float
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """The change from `base` to `arrays` as it travels (WIRE.md 9.3): of each float32
-    tensor its ceil(fraction * size) largest changes, all tensors' in one bit mask and
-    one run of blockwise int8 changes; other tensors whole. A bit per entry and a byte
-    per change: at a fraction of 0.22, 0.09 of float32's bytes. The meta names the codec,
-    the block and the base's digest."""
-    floats = [name for name, array in arrays.items() if array.dtype == np.float32]
-    change = np.concatenate(
-        [(np.asarray(arrays[name], dtype="<f4") - base[name]).reshape(-1) for name in floats]
-        or [np.zeros(0, "<f4")]
-    )
-    chosen, begin = np.zeros(change.size, dtype=bool), 0
-    for name in floats:
-        part = np.abs(change[begin : begin + arrays[name].size])
-        keep = min(part.size, math.ceil(fraction * part.size))
-        chosen[begin + np.argpartition(part, part.size - keep)[part.size - keep :]] = True
-        begin += part.size
-    values, scales = _int8(change[chosen], DELTA_BLOCK)
+    tensor its largest changes (those at least its ceil(fraction * size)-th largest,
+    zeros never), all tensors' in one bit mask and one run of blockwise int8 changes;
+    other tensors whole. A bit per entry and a byte per change: at a fraction of 0.22,
+    0.09 of float32's bytes. The meta names the codec, the block and the base's digest."""
+    picked, changes, begin = [], [], 0
+    for name, array in arrays.items():
+        if array.dtype != np.float32:
+            continue
+        change = (np.asarray(array, dtype="<f4") - base[name]).reshape(-1)
+        at = _largest(change, math.ceil(fraction * change.size))
+        picked.append(at + begin)
+        changes.append(change.take(at))
+        begin += change.size
+    chosen = np.zeros(begin, dtype=bool)
+    if picked:
+        chosen[np.concatenate(picked)] = True
+    values, scales = _int8(np.concatenate(changes or [np.zeros(0, "<f4")]), DELTA_BLOCK)
     encoded = {name: array for name, array in arrays.items() if array.dtype != np.float32}
     encoded |= {MASK: np.packbits(chosen, bitorder="little"), VALUES: values, DELTA_SCALES: scales}
     return encoded, {"codec": TOPK, "block": DELTA_BLOCK, "base": base_digest(base)}
+
+
+def _largest(change: np.ndarray, keep: int) -> np.ndarray:
+    """The ascending indices of the entries of `change` whose magnitude is at least the
+    `keep`-th largest, and not zero. A threshold and a scan: a quarter of argpartition's
+    time, and no boolean indexing, which mispredicts its way through a random mask."""
+    if keep <= 0 or change.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    at = change.size - min(keep, change.size)
+    magnitude = np.abs(change)
+    magnitude.partition(at)  # in place: the scan below reads `change`
+    threshold = magnitude[at]
+    if threshold == 0:
+        return np.flatnonzero(change)
+    return np.flatnonzero((change >= threshold) | (change <= -threshold))
 
 
 def apply_delta(
@@ -253,21 +269,22 @@ def apply_delta(
     floats = [name for name, array in base.items() if array.dtype == np.float32]
     if set(delta) != {MASK, VALUES, DELTA_SCALES} | (set(base) - set(floats)):
         raise CodecError("a delta whose tensors are not its base's")
-    chosen = _chosen(delta[MASK], sum(base[name].size for name in floats))
+    # The base's float entries end to end, copied once; the changes added in place.
+    flat = np.concatenate(
+        [np.asarray(base[name], "<f4").reshape(-1) for name in floats] or [np.zeros(0, "<f4")]
+    )
+    at = np.flatnonzero(_chosen(delta[MASK], flat.size))
     values = delta[VALUES]
-    if values.ndim != 1 or values.size != np.count_nonzero(chosen):
-        raise CodecError(f"{values.shape} values for {np.count_nonzero(chosen)} changed entries")
-    change = np.zeros(chosen.size, dtype="<f4")
-    change[chosen] = _dequantize(VALUES, values, delta[DELTA_SCALES], meta["block"])
+    if values.ndim != 1 or values.size != at.size:
+        raise CodecError(f"{values.shape} values for {at.size} changed entries")
+    flat[at] += _dequantize(VALUES, values, delta[DELTA_SCALES], meta["block"])
     applied, begin = {}, 0
     for name, array in base.items():
         if array.dtype != np.float32:
             applied[name] = np.array(delta[name])
             continue
-        flat = np.array(array, dtype="<f4").reshape(-1)
-        flat += change[begin : begin + flat.size]
-        applied[name] = flat.reshape(array.shape)
-        begin += flat.size
+        applied[name] = flat[begin : begin + array.size].reshape(array.shape)
+        begin += array.size
     return applied
 
 

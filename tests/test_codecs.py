@@ -3,6 +3,8 @@ ones at the bytes it promises, and every lie in a codec's own fields is refused 
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -192,6 +194,15 @@ def test_a_delta_carries_a_few_bytes_and_the_largest_changes_of_each_tensor():
             assert np.abs(change[kept]).min() >= np.abs(change[~kept]).max(initial=0.0)
         else:
             assert np.array_equal(applied[name], after[name]), "integer tensors whole"
+
+
+def test_a_delta_carries_no_entry_that_did_not_change():
+    """A frozen layer, or one the round left alone, costs a delta its mask bits only."""
+    after = {**ARRAYS, FIRST: changed({FIRST: ARRAYS[FIRST]})[FIRST]}
+    delta, meta = codecs.encode_delta(after, ARRAYS, TOPK_FRACTION)
+    assert delta[codecs.VALUES].size == math.ceil(TOPK_FRACTION * ARRAYS[FIRST].size)
+    applied = codecs.apply_delta(delta, meta, ARRAYS)
+    assert all(np.array_equal(applied[name], ARRAYS[name]) for name in ARRAYS if name != FIRST)
 
 
 def test_error_feedback_sends_what_a_delta_left_out_in_later_rounds():
