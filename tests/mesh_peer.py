@@ -1,4 +1,4 @@
-"""One mesh node in its own process, driven by tests/test_mesh_processes.py.
+"""One mesh node in its own process, driven by tests/meshes/test_mesh_processes.py.
 
     python tests/mesh_peer.py --name NAME --key KEYFILE [--bootstrap ADDRESS ...]
 

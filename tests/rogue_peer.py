@@ -1,5 +1,5 @@
 """A mesh member that signs correctly and lies with its tensors, for
-tests/test_hostile_peer.py.
+tests/hostile/test_hostile_peer.py.
 
     python tests/rogue_peer.py CONFIG NAME OUT
 

@@ -1,6 +1,6 @@
 """A stranger on the wire: a client written from protocol/WIRE.md, who can reach a node's
 port and tries everything section 9 and section 7 must turn away, for
-tests/test_strangers.py and for a soak against a live mesh:
+tests/hostile/test_strangers.py and for a soak against a live mesh:
 
     python -m tests.stranger soak --minutes 30 --out RUN
 

@@ -42,7 +42,7 @@ from tests.nodes import (
     write_config,
 )
 
-TASK = Path(__file__).parent / "tasks" / "digits_task.py"
+TASK = Path(__file__).parents[1] / "tasks" / "digits_task.py"
 
 
 def node(index: int = 0, nodes: int = 4, seed: int = 0) -> NodeInfo:

@@ -18,7 +18,7 @@ from meshfl.node.task import NodeInfo, UserTask, kept_labels, load_task_module
 from meshfl.node.trainer import evaluate, training_recipe
 from tests.nodes import launch_to_end
 
-TASK = Path(__file__).parent / "tasks" / "digits_task.py"
+TASK = Path(__file__).parents[1] / "tasks" / "digits_task.py"
 
 
 def digits_task(**settings: object) -> UserTask:

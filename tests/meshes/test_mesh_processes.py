@@ -21,7 +21,7 @@ from meshfl.protocol.identity import Identity
 
 pytestmark = pytest.mark.slow  # real processes over real sockets
 
-PEER_SCRIPT = Path(__file__).with_name("mesh_peer.py")
+PEER_SCRIPT = Path(__file__).parents[1] / "mesh_peer.py"
 HEARTBEAT, TIMEOUT = 0.25, 1.5  # seconds, passed to every peer
 BLOB_MB = 10
 MODULE_BUDGET = 55.0  # every wait below is cut to what is left of this

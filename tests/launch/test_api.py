@@ -10,7 +10,7 @@ import pytest
 from meshfl import launch
 from tests.nodes import start_node, stop, write_config
 
-TASK = Path(__file__).parent / "tasks" / "digits_task.py"
+TASK = Path(__file__).parents[1] / "tasks" / "digits_task.py"
 
 
 @pytest.mark.slow

@@ -186,7 +186,7 @@ def test_a_coordinated_rule_runs_its_coordinator_in_a_host_of_its_own(ray_cluste
 @pytest.mark.slow
 def test_a_users_task_runs_on_the_ray_cluster(ray_cluster, out):
     """The task file travels by its path: every Ray node of this machine reads it."""
-    task = Path(__file__).parent / "tasks" / "digits_task.py"
+    task = Path(__file__).parents[1] / "tasks" / "digits_task.py"
     mesh = launch(ray_cluster, out, "--task", str(task), "--nodes", "4", "--rounds", "3")
     summary = finished_summary(mesh, out)
     assert summary["task"] == str(task)

@@ -33,7 +33,7 @@ from meshfl.node.config import (
     validate,
 )
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "peers.yaml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "peers.yaml"
 EXPERIMENTS = sorted((EXAMPLE.parent / "launch" / "experiments").glob("*.yaml"))
 KEY_A = "0123456789abcdef" * 4
 KEY_B = "fedcba9876543210" * 4

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
+from tests.algorithms.test_rule_schedule import fewest_rounds
 from tests.nodes import records
-from tests.test_rule_schedule import fewest_rounds
 
 LAUNCH_TIMEOUT = 300  # seconds; a default digits mesh of 4 nodes takes well under a minute
 NODES = [f"node{index}" for index in range(4)]  # `meshfl launch`'s default mesh

@@ -8,8 +8,8 @@ import pytest
 from meshfl.node import config as cfgmod
 from meshfl.node.datasets import DataError
 from meshfl.node.splits import load_node_data
+from tests.launch.test_cli_errors import assert_one_line_error, run_meshfl
 from tests.nodes import write_config
-from tests.test_cli_errors import assert_one_line_error, run_meshfl
 
 
 def npz(path, x):

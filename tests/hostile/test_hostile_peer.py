@@ -28,7 +28,7 @@ def start_rogue(config: Path, out: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [
             sys.executable,
-            str(Path(__file__).with_name("rogue_peer.py")),
+            str(Path(__file__).parents[1] / "rogue_peer.py"),
             str(config),
             ROGUE,
             str(out),
@@ -36,7 +36,7 @@ def start_rogue(config: Path, out: Path) -> subprocess.Popen:
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
-        cwd=Path(__file__).parents[1],
+        cwd=Path(__file__).parents[2],
     )
 
 

@@ -11,7 +11,7 @@ import yaml
 
 from tests.nodes import launch_to_end, records, run_nodes, write_config
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 pytestmark = pytest.mark.slow
 
 

@@ -13,7 +13,7 @@ from meshfl.node.models import batchnorm_keys
 from meshfl.node.task import load_task_module
 from tests.nodes import launch_to_end
 
-TASK = Path(__file__).parent / "tasks" / "digits_task.py"
+TASK = Path(__file__).parents[1] / "tasks" / "digits_task.py"
 
 
 def test_the_batchnorm_keys_are_every_entry_of_every_batchnorm_layer():

@@ -30,6 +30,7 @@ from meshfl.protocol.transport import (
 )
 from meshfl.protocol.wire import make_blob
 from tests.nodes import records, start_node, stop, write_config
+from tests.protocol.test_endpoint import poll_until
 from tests.stranger import (
     NEUTRAL_KEY,
     UNUSABLE_ADDRESSES,
@@ -37,7 +38,6 @@ from tests.stranger import (
     small_order_keys,
     unreachable_addresses,
 )
-from tests.test_endpoint import poll_until
 
 MESH = hashlib.sha256(b"stranger test mesh").digest()[:16]
 WAIT = 5.0
