@@ -30,7 +30,7 @@ from meshfl.protocol.transport import (
 )
 from meshfl.protocol.wire import make_blob
 from tests.nodes import records, start_node, stop, write_config
-from tests.protocol.test_endpoint import poll_until
+from tests.protocol.endpoints import poll_until
 from tests.stranger import (
     NEUTRAL_KEY,
     UNUSABLE_ADDRESSES,

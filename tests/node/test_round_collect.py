@@ -19,8 +19,8 @@ from meshfl.protocol.identity import Identity
 from meshfl.protocol.membership import liveness_stretch
 from meshfl.protocol.wire import make_blob
 from tests.nodes import node_from
-from tests.protocol.test_endpoint import SCHEMA, WAIT
-from tests.protocol.test_endpoint import make_endpoint as make_endpoint  # the fixture
+from tests.protocol.endpoints import SCHEMA, WAIT
+from tests.protocol.endpoints import make_endpoint as make_endpoint  # the fixture
 
 DEADLINE = 2.0
 

@@ -9,7 +9,7 @@ import pytest
 
 from tests.node.test_round_collect import DEADLINE, Wanted, collector
 from tests.node.test_round_collect import mesh_with_a_silent_peer as mesh_with_a_silent_peer
-from tests.protocol.test_endpoint import make_endpoint as make_endpoint  # the fixture
+from tests.protocol.endpoints import make_endpoint as make_endpoint  # the fixture
 
 
 @pytest.mark.parametrize("quorum", [0.5, 0.3])

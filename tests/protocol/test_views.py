@@ -37,7 +37,7 @@ from meshfl.protocol.views import (
 )
 from meshfl.protocol.wire import make_blob
 from tests.nodes import node_from
-from tests.protocol.test_endpoint import MESH, RawPeer
+from tests.protocol.endpoints import MESH, RawPeer
 
 SMALL_VIEWS = ViewSettings(neighbours=3, most=5, passive=12, shuffle_interval=0.3, shuffle_length=4)
 FAST = {"heartbeat_interval": 0.2, "peer_timeout": 1.0}
