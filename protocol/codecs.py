@@ -200,9 +200,9 @@ def _dequantize(name: str, q: np.ndarray, scales: np.ndarray, block: int) -> np.
 TOPK = "topk"
 # A delta's three tensors, over the model's float32 tensors flattened and laid end to
 # end in the base's order: which entries changed (a bit each), their changes as int8,
-# and the int8 scales. '#' is in no torch state-dict key, so no tensor is named alike.
-MASK, VALUES, DELTA_SCALES = "#mask", "#values", "#scales"
-DELTA_BLOCK = 128  # changes per scale, as INT8_BLOCK
+# and the int8 scales (named SCALES, whole: the changes are quantized as int8 is, by
+# INT8_BLOCK). '#' is in no torch state-dict key, so no tensor is named alike.
+MASK, VALUES = "#mask", "#values"
 
 
 def base_digest(arrays: Arrays) -> bytes:
@@ -236,10 +236,10 @@ def encode_delta(
     chosen = np.zeros(begin, dtype=bool)
     if picked:
         chosen[np.concatenate(picked)] = True
-    values, scales = _int8(np.concatenate(changes or [np.zeros(0, "<f4")]), DELTA_BLOCK)
+    values, scales = _int8(np.concatenate(changes or [np.zeros(0, "<f4")]), INT8_BLOCK)
     encoded = {name: array for name, array in arrays.items() if array.dtype != np.float32}
-    encoded |= {MASK: np.packbits(chosen, bitorder="little"), VALUES: values, DELTA_SCALES: scales}
-    return encoded, {"codec": TOPK, "block": DELTA_BLOCK, "base": base_digest(base)}
+    encoded |= {MASK: np.packbits(chosen, bitorder="little"), VALUES: values, SCALES: scales}
+    return encoded, {"codec": TOPK, "block": INT8_BLOCK, "base": base_digest(base)}
 
 
 def _largest(change: np.ndarray, keep: int) -> np.ndarray:
@@ -267,7 +267,7 @@ def apply_delta(
         raise CodecError("a delta against a base this node does not hold")
     _check_block(meta.get("block"))
     floats = [name for name, array in base.items() if array.dtype == np.float32]
-    if set(delta) != {MASK, VALUES, DELTA_SCALES} | (set(base) - set(floats)):
+    if set(delta) != {MASK, VALUES, SCALES} | (set(base) - set(floats)):
         raise CodecError("a delta whose tensors are not its base's")
     # The base's float entries end to end, copied once; the changes added in place.
     flat = np.concatenate(
@@ -277,7 +277,7 @@ def apply_delta(
     values = delta[VALUES]
     if values.ndim != 1 or values.size != at.size:
         raise CodecError(f"{values.shape} values for {at.size} changed entries")
-    flat[at] += _dequantize(VALUES, values, delta[DELTA_SCALES], meta["block"])
+    flat[at] += _dequantize(VALUES, values, delta[SCALES], meta["block"])
     applied, begin = {}, 0
     for name, array in base.items():
         if array.dtype != np.float32:

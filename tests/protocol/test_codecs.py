@@ -236,7 +236,7 @@ def test_a_receiver_rebuilds_the_senders_public_copy_bit_for_bit():
 def delta_lie(what: str):
     delta, meta = codecs.encode_delta(changed(ARRAYS), ARRAYS, 0.06)
     mask, values, scales = (
-        delta[key].copy() for key in (codecs.MASK, codecs.VALUES, codecs.DELTA_SCALES)
+        delta[key].copy() for key in (codecs.MASK, codecs.VALUES, codecs.SCALES)
     )
     if what == "another base":
         meta["base"] = bytes(32)
@@ -254,9 +254,9 @@ def delta_lie(what: str):
     elif what == "a block out of range":
         meta["block"] = 3
     elif what == "a tensor missing":
-        del delta[codecs.DELTA_SCALES]
+        del delta[codecs.SCALES]
         return delta, meta
-    delta |= {codecs.MASK: mask, codecs.VALUES: values, codecs.DELTA_SCALES: scales}
+    delta |= {codecs.MASK: mask, codecs.VALUES: values, codecs.SCALES: scales}
     return delta, meta
 
 
