@@ -251,9 +251,10 @@ def test_dynamic_k_counts_positive_peers_within_bounds_once_settled():
     ("raw", "message"),
     [
         ({"alpha": 1.0}, "algorithm.alpha: got 1.0; allowed: 0 <= alpha < 1"),
-        ({"k": 7}, "algorithm.k: got 7; allowed: k_min <= k <= k_max (1..5)"),
+        ({"k": 9}, "algorithm.k: got 9; allowed: k_min <= k <= k_max (1..8)"),
         ({"k_min": 0}, "algorithm.k_min: got 0; allowed: an integer >= 1"),
         ({"k_max": 2}, "algorithm.k: got 5; allowed: k_min <= k <= k_max (1..2)"),
+        ({"k_min": 6}, "algorithm.k: got 5; allowed: k_min <= k <= k_max (6..8)"),
         ({"dp_clip": -1}, "algorithm.dp_clip: got -1.0; allowed: a finite number > 0"),
         ({"dp_sigma": 0.5}, "algorithm.dp_sigma: got 0.5; allowed: 0 unless dp_clip is set"),
         ({"distance": "yes"}, "algorithm.distance: got 'yes'; expected bool"),
@@ -264,13 +265,14 @@ def test_bad_parameters_name_the_field_the_value_and_what_is_allowed(raw, messag
         parse_params("pfedsv", raw)
 
 
-def test_default_parameters_are_the_papers_plus_the_val_guard():
+def test_default_parameters_are_the_papers_plus_the_val_guard_exploration_and_a_wider_k():
     params = parse_params("pfedsv", {})
     assert params == PFedSVParams(
         alpha=0.5,
         k=5,
         k_min=1,
-        k_max=5,
+        k_max=8,
+        explore=True,
         distance=True,
         val_guard=True,
         shared_body=False,
@@ -328,8 +330,10 @@ def world():
 
 
 def make_rule(**params):
-    """The paper's rule unless a test turns the val guard on."""
+    """The paper's rule unless a test turns the val guard or exploration on."""
     params.setdefault("val_guard", False)
+    params.setdefault("explore", False)
+    params.setdefault("k_max", max(5, params.get("k", 5)))
     model = TinyNet()
     context = Context(
         "me",
@@ -366,6 +370,37 @@ def test_the_rule_finds_the_relevant_peer_and_shrinks_k_to_it(world):
     last = history[-1][1]
     assert set(last.weights) == {"me", "good"}
     assert set(last.diagnostics["shapley"]) == {"me", "good"}
+
+
+@pytest.mark.parametrize("explore", [False, True])
+def test_where_every_peer_helps_exploring_grows_k_to_them(world, explore):
+    """The paper ranks a peer never scored at 0, below every relevant one, and holds k at
+    its start until every peer on offer is scored: where all peers help, the first k it
+    downloads are all it ever scores. Exploring downloads one peer more than those that
+    help, from the first round, so k grows by one a round while the spare helps too."""
+    helpful = {f"good{seed}": trained_state([0, 1], seed) for seed in range(1, 5)}
+    everyone_helps = SimpleNamespace(own=world.own, peers=helpful, data=world.data)
+    rule = make_rule(k=2, k_max=4, explore=explore)
+    history = [play_round(rule, everyone_helps, round_no) for round_no in range(1, 6)]
+    if explore:
+        assert [outcome.diagnostics["k"] for _, outcome in history] == [2, 3, 4, 4, 4]
+        assert set(history[-1][1].weights) == {"me", *helpful}
+    else:
+        first = set(history[0][0])
+        assert all(set(pulled) == first for pulled, _ in history), "the first two, always"
+        assert history[-1][1].diagnostics["k"] == 2
+
+
+def test_exploring_settles_on_the_relevant_peers_and_one_spare_download(world):
+    """k is the relevant peers and one more: the best of the rest, scored again each
+    round, so a helpful peer a noisy round put below 0 can come back, while it gets no
+    weight where its value is not positive."""
+    rule = make_rule(k=2, k_max=4, explore=True)
+    history = [play_round(rule, world, round_no) for round_no in range(1, 7)]
+    pulled, last = history[-1]
+    assert last.diagnostics["k"] == 2
+    assert "good" in pulled and len(pulled) == 2
+    assert all(last.weights.get(peer, 0) == 0 for peer in ("bad1", "bad2", "bad3"))
 
 
 def play_screened_round(rule, world, round_no, harmful=("bad1", "bad2", "bad3")):

@@ -644,8 +644,9 @@ def test_pfedsv_guards_once_its_val_guard_being_the_screening_guard(world):
 def test_pfedsv_behind_screening_settles_k_on_the_peers_it_admits(world):
     """The peers screening keeps out never reach pFedSV's game; they must still count
     as scored (and irrelevant), or k never leaves its start and the node keeps
-    downloading models that screening throws away."""
-    rule = screened(world, "pfedsv")
+    downloading models that screening throws away (the paper's dynamic k: the default
+    explores from the first round, tested with pFedSV)."""
+    rule = screened(world, "pfedsv", explore=False, k_max=5)
     peers = {**{p: s for p, s in world.honest.items() if p != "h0"}, **world.attackers}
     kept_out: set[str] = set()
     # Five of the six peers, then the rest: all met once; then a third round, for the
