@@ -92,7 +92,7 @@ def run_node(
 
     from .entry import named_node_options
     from .options import resolve_config
-    from .summary import last_record
+    from .run_folder import last_record
 
     source = _config_source(config, {"task": task}, settings)
     process = ProcessOptions(source, Path(out))
@@ -101,7 +101,7 @@ def run_node(
         own_key = str(key) if key is not None else None
         options = named_node_options(resolve_config(process.config), name, process.out, own_key)
         make_node(options, "peer").run()
-        record = last_record(options.out_dir / "metrics.jsonl")
+        record = last_record(options.out_dir)
         return None if record is None else record.to_json()
 
     return _as_user_error(run_it)

@@ -26,7 +26,7 @@ from .contacts import join_contact, key_path, listed_contacts, own_contact
 from .errors import STOP_SIGNALS, UserError, command_status, raise_stopped
 from .lifeline import watch_launcher
 from .options import ProcessOptions, resolve_config
-from .summary import last_record
+from .run_folder import METRICS, last_record
 
 
 def node_options(
@@ -171,8 +171,8 @@ def _run(options: NodeOptions, role: str = "peer", launcher_fd: int | None = Non
 def say_finished(options: NodeOptions) -> None:
     """One closing line, so whoever started the node sees how it ended without
     reading the metrics."""
-    metrics = options.out_dir / "metrics.jsonl"
-    record = last_record(metrics)
+    metrics = options.out_dir / METRICS
+    record = last_record(options.out_dir)
     if record is None:
         print(f"meshfl: {options.name} ran no round (rounds: {options.config.rounds})", flush=True)
     elif record.test_acc is not None:

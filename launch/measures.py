@@ -8,16 +8,17 @@ Adding a rule means its own module plus one entry here; a rule without an entry 
 baselines) reports the scores of `EVERY_RULE`, no decision of its own (behind screening,
 what screening did) and the weights matrix.
 
-Each score is a small function of a `RunRecords`, the nodes' metrics records with the
-data facts their partition wrote: it returns the keys it could compute, {} where the run
-recorded nothing to score (a rule phase not reached, a partition without the truth).
+Each score is a small function of a `RunRecords` (run_folder.py), the nodes' metrics
+records with the data facts their partition wrote: it returns the keys it could
+compute, {} where the run recorded nothing to score (a rule phase not reached, a
+partition without the truth).
 """
 
 from __future__ import annotations
 
 import statistics
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,33 +27,7 @@ from meshfl.algorithms.pfedlia import groups_ari
 from meshfl.node.metrics import CoordinatorRecord, RoundRecord
 
 from . import decisions
-
-History = dict[str, list[RoundRecord]]  # node -> its metrics records, round by round
-
-
-@dataclass(frozen=True)
-class RunRecords:
-    """What the scores read of a run."""
-
-    history: History
-    coordinator: list[CoordinatorRecord] = field(default_factory=list)
-    # node -> its data facts (info.json "data"), for the nodes that finished a round
-    data: dict[str, dict[str, Any]] = field(default_factory=dict)
-    attackers: frozenset[str] = frozenset()
-
-    def node_rounds(self) -> Iterator[tuple[str, RoundRecord]]:
-        """(node, record) for every complete round of every node."""
-        for name, rounds in self.history.items():
-            for record in rounds:
-                yield name, record
-
-    def fact(self, key: str) -> dict[str, Any]:
-        """node -> its data fact `key` (true cluster, group, labels), where recorded."""
-        return {name: data[key] for name, data in self.data.items() if key in data}
-
-    def labels(self) -> dict[str, set[int]]:
-        """The labels in each node's train split, where the partition recorded them."""
-        return {name: set(labels) for name, labels in self.fact("labels").items()}
+from .run_folder import History, RunRecords
 
 
 @dataclass(frozen=True)

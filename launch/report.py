@@ -16,26 +16,22 @@ matplotlib is an optional extra (`pip install meshfl[report]`), imported only he
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import math
-import re
 import statistics
 import textwrap
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
+from meshfl.node.metrics import RoundRecord
 
-from meshfl.node.coordinator import COORDINATOR
-from meshfl.node.metrics import CoordinatorRecord, Record, RoundRecord, read_records
-
+from . import run_folder
 from .errors import UserError
 from .measures import measures_of, node_decisions
+from .run_folder import RunRecords, natural_order
 
-# A node's true cluster as its data facts (info.json) name it, by partition.
-TRUTH_KEYS = (("true_cluster", "cluster"), ("group", "group"), ("domain", "domain"))
 MAX_ANNOTATED = 12  # cells carry their value as text up to this many nodes
 
 Rows = dict[str, dict[str, float]]  # learner -> peer -> value
@@ -44,76 +40,18 @@ Rows = dict[str, dict[str, float]]  # learner -> peer -> value
 # --------------------------------------------------------------------------- reading a run
 
 
-@dataclass
-class Run:
-    folder: Path
-    config: dict[str, Any]
-    records: dict[str, list[RoundRecord]]  # node -> its metrics, by round
-    infos: dict[str, dict[str, Any]]
-    coordinator: list[CoordinatorRecord] = field(default_factory=list)
-
-    @property
-    def algorithm(self) -> str:
-        algorithm = self.config.get("algorithm", "unknown")
-        return algorithm.get("name", "unknown") if isinstance(algorithm, dict) else algorithm
-
-    def truth(self, node: str) -> tuple[str, Any] | None:
-        """(what, value) of the node's true cluster, group or domain, if the data has one."""
-        data = self.infos.get(node, {}).get("data", {})
-        for key, word in TRUTH_KEYS:
-            if data.get(key) is not None:
-                return word, data[key]
-        return None
-
-
-def read_run(folder: Path) -> Run:
+def read_run(folder: Path) -> RunRecords:
+    """The run to report on: every node that finished a round, with what it recorded."""
     if not folder.is_dir():
         raise UserError(f"RUN_DIR: {folder} is not a folder")
-    records = {
-        path.parent.name: _by_round(read_records(path, RoundRecord))
-        for path in folder.glob("*/metrics.jsonl")
-        if path.parent.name != COORDINATOR
-    }
-    records = {name: lines for name, lines in records.items() if lines}
-    if not records:
+    run = run_folder.read_run(folder)
+    recorded = {name: rounds for name, rounds in run.history.items() if rounds}
+    if not recorded:
         raise UserError(
             f"RUN_DIR: no <node>/metrics.jsonl with a finished round under {folder}; "
             "give the --out folder of `meshfl launch` or `meshfl node`"
         )
-    names = sorted(records, key=_natural)
-    return Run(
-        folder=folder,
-        config=_read_config(folder / "config.yaml"),
-        records={name: records[name] for name in names},
-        infos={name: _read_json(folder / name / "info.json") for name in names},
-        coordinator=_by_round(
-            read_records(folder / COORDINATOR / "metrics.jsonl", CoordinatorRecord)
-        ),
-    )
-
-
-def _natural(name: str) -> list[Any]:
-    """node2 before node10."""
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
-
-
-def _by_round(records: list[Record]) -> list[Record]:
-    return sorted(records, key=lambda record: record.round)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-
-
-def _read_config(path: Path) -> dict[str, Any]:
-    try:
-        config = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError):
-        return {}
-    return config if isinstance(config, dict) else {}
+    return dataclasses.replace(run, history=recorded)
 
 
 # --------------------------------------------------------------------------- measures
@@ -126,18 +64,18 @@ class MatrixMeasure:
     key: str
     title: str  # what the matrix is
     cell: str  # what one cell means, for the colour bar
-    rows: Callable[[Run], dict[int, Rows]]  # round -> learner -> peer -> value
+    rows: Callable[[RunRecords], dict[int, Rows]]  # round -> learner -> peer -> value
     signed: bool = False  # values of both signs: a diverging colour scale around 0
     absent_is_zero: bool = True  # a peer missing from a row: 0 (not used) or not measured
     averaged: bool = True  # also show the mean over rounds (not for running totals)
 
 
-def node_rows(extract: Callable[[RoundRecord], Any]) -> Callable[[Run], dict[int, Rows]]:
+def node_rows(extract: Callable[[RoundRecord], Any]) -> Callable[[RunRecords], dict[int, Rows]]:
     """Rows from each node's own metrics: `extract(record)` is that node's row or None."""
 
-    def rows(run: Run) -> dict[int, Rows]:
+    def rows(run: RunRecords) -> dict[int, Rows]:
         by_round: dict[int, Rows] = {}
-        for name, records in run.records.items():
+        for name, records in run.history.items():
             for record in records:
                 row = extract(record)
                 if row:
@@ -158,7 +96,7 @@ def diagnostic(key: str) -> Callable[[RoundRecord], Any]:
     return lambda record: (record.diagnostics or {}).get(key)
 
 
-def relevant_set_rows(run: Run) -> dict[int, Rows]:
+def relevant_set_rows(run: RunRecords) -> dict[int, Rows]:
     """FedReMa's relevant sets, chosen by the coordinator in its CCP rounds."""
     return {
         record.round: {client: _as_row(members) for client, members in sets.items()}
@@ -222,7 +160,7 @@ MATRIX_MEASURES = {
 }
 
 
-def matrix_measures_for(run: Run) -> list[tuple[MatrixMeasure, dict[int, Rows]]]:
+def matrix_measures_for(run: RunRecords) -> list[tuple[MatrixMeasure, dict[int, Rows]]]:
     """The rule's matrix measures that the run recorded, with their rows; any found where
     no config names the rule (`meshfl node` writes none)."""
     keys = measures_of(run.algorithm).matrices if run.config else list(MATRIX_MEASURES)
@@ -247,18 +185,18 @@ class Matrix:
     caption: str  # which rounds
 
 
-def node_order(run: Run, extra: list[str]) -> list[str]:
+def node_order(run: RunRecords, extra: list[str]) -> list[str]:
     """Every node (with any named only in rows), grouped by its true cluster if known."""
-    names = list(dict.fromkeys([*run.records, *sorted(extra, key=_natural)]))
+    names = list(dict.fromkeys([*run.history, *sorted(extra, key=natural_order)]))
 
     def cluster_first(name: str) -> tuple[str, list[Any]]:
         truth = run.truth(name)
-        return (str(truth[1]) if truth else "", _natural(name))
+        return (str(truth[1]) if truth else "", natural_order(name))
 
     return sorted(names, key=cluster_first)
 
 
-def final_matrix(run: Run, measure: MatrixMeasure, by_round: dict[int, Rows]) -> Matrix:
+def final_matrix(run: RunRecords, measure: MatrixMeasure, by_round: dict[int, Rows]) -> Matrix:
     """Each learner's row of the last round it recorded one."""
     last: dict[str, tuple[int, dict[str, float]]] = {}
     for round_no in sorted(by_round):
@@ -271,7 +209,7 @@ def final_matrix(run: Run, measure: MatrixMeasure, by_round: dict[int, Rows]) ->
     return Matrix(names, _grid(names, rows, measure), caption)
 
 
-def mean_matrix(run: Run, measure: MatrixMeasure, by_round: dict[int, Rows]) -> Matrix:
+def mean_matrix(run: RunRecords, measure: MatrixMeasure, by_round: dict[int, Rows]) -> Matrix:
     """Each cell's mean over the rounds in which its learner recorded a row."""
     names = node_order(run, _everyone(by_round))
     grids = [_grid(names, rows, measure) for rows in by_round.values()]
@@ -325,17 +263,17 @@ def _matplotlib() -> Any:
     return Figure
 
 
-def node_label(run: Run, name: str) -> str:
+def node_label(run: RunRecords, name: str) -> str:
     truth = run.truth(name)
     return f"{name} ({truth[0]} {truth[1]})" if truth else name
 
 
-def draw_accuracy(run: Run, path: Path) -> None:
+def draw_accuracy(run: RunRecords, path: Path) -> None:
     figure = _matplotlib()(figsize=(8, 4.8), layout="constrained")
     axes = figure.subplots()
     curves = {
         name: [(record.round, _test_acc(record)) for record in _evaluated(records)]
-        for name, records in run.records.items()
+        for name, records in run.history.items()
     }
     for name, points in curves.items():
         axes.plot(
@@ -386,7 +324,9 @@ def _mean_curve(curves: dict[str, list[tuple[int, float]]]) -> list[tuple[int, f
     return [(round_no, statistics.fmean(values)) for round_no, values in sorted(by_round.items())]
 
 
-def draw_matrix(run: Run, measure: MatrixMeasure, by_round: dict[int, Rows], path: Path) -> None:
+def draw_matrix(
+    run: RunRecords, measure: MatrixMeasure, by_round: dict[int, Rows], path: Path
+) -> None:
     matrices = [final_matrix(run, measure, by_round)]
     if measure.averaged and len(by_round) > 1:
         matrices.append(mean_matrix(run, measure, by_round))
@@ -410,7 +350,7 @@ def _colour_scale(measure: MatrixMeasure, matrices: list[Matrix]) -> dict[str, A
     return {"cmap": "viridis", "vmin": 0.0, "vmax": max(values, default=1.0) or 1.0}
 
 
-def _heatmap(axes: Any, run: Run, matrix: Matrix, scale: dict[str, Any]) -> Any:
+def _heatmap(axes: Any, run: RunRecords, matrix: Matrix, scale: dict[str, Any]) -> Any:
     import numpy as np
 
     values = np.ma.masked_invalid(np.array(matrix.values, dtype=float))
@@ -452,7 +392,7 @@ def _cell_text(value: float) -> str:
     return str(int(value)) if value in (0.0, 1.0) else f"{value:.2f}"
 
 
-def _cluster_lines(axes: Any, run: Run, names: list[str]) -> None:
+def _cluster_lines(axes: Any, run: RunRecords, names: list[str]) -> None:
     """Lines between nodes of different true clusters, so blocks stand out."""
     truths = [run.truth(name) for name in names]
     for index in range(1, len(names)):
@@ -461,8 +401,8 @@ def _cluster_lines(axes: Any, run: Run, names: list[str]) -> None:
             axes.axvline(index - 0.5, color="white", linewidth=2)
 
 
-def _headline(run: Run) -> str:
-    nodes = f"{len(run.records)} node{'s' if len(run.records) > 1 else ''}"
+def _headline(run: RunRecords) -> str:
+    nodes = f"{len(run.history)} node{'s' if len(run.history) > 1 else ''}"
     if not run.config:  # `meshfl node` writes no config.yaml
         return f"{nodes} (no config.yaml in the run folder)"
     data = run.config.get("data") or {}
@@ -474,10 +414,10 @@ def _headline(run: Run) -> str:
 # --------------------------------------------------------------------------- the summary
 
 
-def summary_markdown(run: Run, figures: list[tuple[str, str]]) -> str:
-    decisions = node_decisions(run.algorithm, run.records, run.coordinator)
+def summary_markdown(run: RunRecords, figures: list[tuple[str, str]]) -> str:
+    decisions = node_decisions(run.algorithm, run.history, run.coordinator)
     lines = [
-        f"# Run report: {run.folder.name}",
+        f"# Run report: {run.folder.name if run.folder else '(in memory)'}",
         "",
         _headline(run)
         + (
@@ -492,7 +432,7 @@ def summary_markdown(run: Run, figures: list[tuple[str, str]]) -> str:
         "|---|---|---|---|---|---|---|" + ("---|" if decisions else ""),
     ]
     finals: list[float] = []
-    for name, records in run.records.items():
+    for name, records in run.history.items():
         scored = _evaluated(records)
         if not scored:
             continue

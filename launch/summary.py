@@ -1,6 +1,6 @@
-"""Reading a run folder back: the nodes' metrics records and summary.json.
+"""A run's summary.json and the table `meshfl launch` ends with.
 
-`write_summary` turns what the nodes wrote (<node>/metrics.jsonl, info.json) into the
+`write_summary` turns what the nodes wrote (read by run_folder.py) into the
 run's summary: each node's last scores and how it ended, the mean over finished honest
 nodes, and, where the rule and the partition record them, scores of what the rule
 decided (grouping, peer ranking, Shapley values, influence: launch/measures.py has which
@@ -19,25 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from meshfl.node import config as cfgmod
-from meshfl.node import metrics
 from meshfl.node.coordinator import COORDINATOR
-from meshfl.node.metrics import CoordinatorRecord, RoundRecord
+from meshfl.node.metrics import RoundRecord
 
-from . import measures
+from . import measures, run_folder
 
 log = logging.getLogger("meshfl.launch")
 
 FINISHED, FAILED = "finished", "failed"  # a node's status in summary.json
-
-
-def records(path: Path) -> list[RoundRecord]:
-    """Every complete record of a node's metrics file ([] when there is none yet)."""
-    return metrics.read_records(path, RoundRecord)
-
-
-def last_record(path: Path) -> RoundRecord | None:
-    """The last complete record of a node's metrics file (None when there is none yet)."""
-    return metrics.last_record(path, RoundRecord)
 
 
 def failed_nodes(summary: dict[str, Any]) -> list[str]:
@@ -66,13 +55,15 @@ def write_summary(
     later) it is what the previous summary.json said, else judged by the rounds each
     node finished."""
     outcomes = outcomes or _recorded_outcomes(out)
-    history = {peer.name: records(out / peer.name / "metrics.jsonl") for peer in cfg.peers}
-    coordinator = metrics.read_records(out / COORDINATOR / "metrics.jsonl", CoordinatorRecord)
+    attackers = frozenset(cfg.attack.nodes)
+    run = run_folder.read_run(out, [peer.name for peer in cfg.peers], attackers)
+    history, coordinator = run.history, run.coordinator
     nodes = []
     for peer in cfg.peers:
         record = history[peer.name][-1] if history[peer.name] else None
         outcome = outcomes.get(peer.name) or _judged_by_rounds(record, cfg.rounds)
-        nodes.append(_node_entry(peer.name, record, outcome, out))
+        data = run.data.get(peer.name) if record else run_folder.node_data(out, peer.name)
+        nodes.append(_node_entry(peer.name, record, outcome, data or {}))
     decisions = measures.node_decisions(cfg.algorithm.name, history, coordinator)
     for node in nodes:
         if node["name"] in decisions:
@@ -89,17 +80,10 @@ def write_summary(
                 **outcomes[COORDINATOR],
             }
         )
-    attackers = frozenset(cfg.attack.nodes)
     for node in nodes:
         if node["name"] in attackers:
             node["attacker"] = True
     accuracies = honest_accuracies(nodes, attackers)
-    run = measures.RunRecords(
-        history,
-        coordinator,
-        attackers=attackers,
-        data={node["name"]: node["data"] for node in nodes if node["test_acc"] is not None},
-    )
     summary = {
         "algorithm": cfg.algorithm.name,
         "task": cfg.task,  # None: the built-in model and dataset
@@ -121,7 +105,7 @@ def write_summary(
 
 
 def _node_entry(
-    name: str, record: RoundRecord | None, outcome: dict[str, Any], out: Path
+    name: str, record: RoundRecord | None, outcome: dict[str, Any], data: dict[str, Any]
 ) -> dict[str, Any]:
     """A node's line of the summary: its last round's scores (None before its first
     round) and how it ended."""
@@ -132,7 +116,7 @@ def _node_entry(
         "val_acc": last.val_acc,
         "n_train": last.n_train,
         "round": last.round,
-        "data": _read_info(out / name / "info.json").get("data", {}),
+        "data": data,
         **outcome,
     }
 
@@ -158,19 +142,6 @@ def _recorded_outcomes(out: Path) -> dict[str, dict[str, Any]]:
             if "status" in node
         }
     except (OSError, ValueError, KeyError, TypeError):
-        return {}
-
-
-def _read_info(path: Path) -> dict[str, Any]:
-    """A node's info.json ({} when missing, or cut short by a crash: said once)."""
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as error:
-        log.warning(
-            "%s is unreadable (%s); its data facts are left out of the summary", path, error
-        )
         return {}
 
 

@@ -38,7 +38,8 @@ from .forked import ForkedProcess, can_fork, fork_call
 from .hosts import run_host
 from .lifeline import Lifeline
 from .options import ConfigSource, ProcessOptions
-from .summary import FAILED, FINISHED, last_record, ran_every_round
+from .run_folder import last_record
+from .summary import FAILED, FINISHED, ran_every_round
 
 
 @contextmanager
@@ -207,7 +208,7 @@ def write_processes(out: Path, processes: list[dict[str, Any]], **about: Any) ->
 
 def node_finished(out: Path, name: str, rounds: int) -> bool:
     """Whether node `name` of the run in `out` recorded its last round."""
-    return ran_every_round(last_record(out / name / "metrics.jsonl"), rounds)
+    return ran_every_round(last_record(out / name), rounds)
 
 
 def how_it_ended(code: int | None) -> str:
@@ -267,7 +268,7 @@ def _restart(
         with contextlib.suppress(StorageError):
             record_restarts(out / name, failed.node_restarts[name])
     if not quiet:
-        last = {name: last_record(out / name / "metrics.jsonl") for name in unfinished}
+        last = {name: last_record(out / name) for name in unfinished}
         after = ", ".join(
             f"{name} after round {record.round if record else 0}" for name, record in last.items()
         )
@@ -290,7 +291,7 @@ class Progress:
         self.shown_round = 0
 
     def show(self, names: list[str]) -> None:
-        records = {name: last_record(self.out / name / "metrics.jsonl") for name in names}
+        records = {name: last_record(self.out / name) for name in names}
         done = min((r.round if r else 0 for r in records.values()), default=0)
         if self.live:
             accuracies = " ".join(

@@ -203,6 +203,11 @@ TOPK = "topk"
 # and the int8 scales (named SCALES, whole: the changes are quantized as int8 is, by
 # INT8_BLOCK). '#' is in no torch state-dict key, so no tensor is named alike.
 MASK, VALUES = "#mask", "#values"
+# Entries a large tensor's threshold is taken from: partitioning all of a 45 MB model's
+# changes took a fifth of its encoding, and a sample this size counts the entries kept
+# to within about half a percent (a binomial's spread at 22%). Every tensor of the
+# built-in models is under twice this, so their deltas are exact.
+THRESHOLD_SAMPLE = 1 << 17
 
 
 def base_digest(arrays: Arrays) -> bytes:
@@ -245,11 +250,15 @@ def encode_delta(
 def _largest(change: np.ndarray, keep: int) -> np.ndarray:
     """The ascending indices of the entries of `change` whose magnitude is at least the
     `keep`-th largest, and not zero. A threshold and a scan: a quarter of argpartition's
-    time, and no boolean indexing, which mispredicts its way through a random mask."""
+    time, and no boolean indexing, which mispredicts its way through a random mask. Past
+    2 * THRESHOLD_SAMPLE entries the threshold is that of every stride-th entry, about
+    THRESHOLD_SAMPLE of them, whose count is within about a percent of `keep`."""
     if keep <= 0 or change.size == 0:
         return np.zeros(0, dtype=np.int64)
-    at = change.size - min(keep, change.size)
-    magnitude = np.abs(change)
+    stride = max(1, change.size // THRESHOLD_SAMPLE)
+    sample = change[::stride]
+    at = sample.size - min(math.ceil(keep * sample.size / change.size), sample.size)
+    magnitude = np.abs(sample)
     magnitude.partition(at)  # in place: the scan below reads `change`
     threshold = magnitude[at]
     if threshold == 0:

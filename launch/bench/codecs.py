@@ -18,6 +18,11 @@ repetitions:
                 index), timed apart from the endpoint's own, which runs in its thread
     codec MB/s  float32 MB over encode + decode seconds: what one core turns through
 
+A top-k delta needs the base both sides hold, so `topk` is measured apart, codec alone:
+the model's state against a copy of it changed by noise, encoded (its base's digest
+included) and applied (the receiver's check of that digest included), medians over as
+many repetitions.
+
 The model is ResNet-18's state (torchvision, 10 classes: 44.7 MB of float32) unless
 --model names another of node/models.py's or torchvision's.
 """
@@ -32,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from meshfl.node.blobs import decoded_arrays
+from meshfl.node.deltas import TOPK_FRACTION
 from meshfl.node.trainer import state_to_arrays
 from meshfl.protocol import codecs
 from meshfl.protocol.endpoint import Endpoint, EndpointSettings
@@ -144,4 +150,32 @@ def main(argv: list[str]) -> int:
             f"{m['held']:>7.3f} {m['held'] / median['none']['held']:>6.2f} {m['encode']:>7.3f} "
             f"{m['sign']:>6.3f} {m['verify']:>6.3f} {m['decode']:>7.3f} {rate:>10.0f}"
         )
+    delta_mb, encode_s, apply_s = delta_seconds(arrays, args.repeats)
+    print(
+        f"{'topk':<6} {delta_mb:>6.1f} {delta_mb / (sizes['none'] / 2**20):>6.2f} "
+        f"{'':>7} {'':>6} {encode_s:>7.3f} {'':>6} {'':>6} {apply_s:>7.3f} "
+        f"{float_mb / (encode_s + apply_s):>10.0f}  (codec alone: encode, then apply)"
+    )
     return 0
+
+
+def delta_seconds(arrays: dict[str, np.ndarray], repeats: int) -> tuple[float, float, float]:
+    """MB of a top-k delta of `arrays` against a noisy copy, and the median seconds to
+    encode it and to apply it (digests of the base included)."""
+    noise = np.random.default_rng(0)
+    base = {
+        name: array + (0.01 * noise.standard_normal(array.shape)).astype(array.dtype)
+        if array.dtype == np.float32
+        else array
+        for name, array in arrays.items()
+    }
+    encodes, applies, size = [], [], 0
+    for _ in range(repeats):
+        clock = time.perf_counter()
+        delta, meta = codecs.encode_delta(arrays, base, TOPK_FRACTION)
+        encodes.append(time.perf_counter() - clock)
+        clock = time.perf_counter()
+        codecs.apply_delta(delta, meta, base)
+        applies.append(time.perf_counter() - clock)
+        size = sum(array.nbytes for array in delta.values())
+    return size / 2**20, statistics.median(encodes), statistics.median(applies)

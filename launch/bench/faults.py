@@ -41,9 +41,10 @@ from pathlib import Path
 from typing import Any
 
 from meshfl.node import config as cfgmod
+from meshfl.node.metrics import RoundRecord
 
 from ..options import add_assignments
-from ..summary import RoundRecord, last_record, records
+from ..run_folder import last_record, node_records
 from .flags import add_rounds, bench_parser, positive
 from .scale import DOWN_MARK, launch_command
 
@@ -169,7 +170,7 @@ def _alive(pid: int) -> bool:
 
 def rounds_recorded(folder: Path) -> int:
     """The last round a node's metrics file records (0 when none yet)."""
-    record = last_record(folder / "metrics.jsonl")
+    record = last_record(folder)
     return record.round if record else 0
 
 
@@ -178,7 +179,7 @@ def report(out: Path, dead: set[str], rounds: int, killed_in: int, wall: float) 
     cfg = cfgmod.load_config(out / "config.yaml")
     views = cfg.topology.views(len(cfg.peers))
     assert views is not None, "a full mesh is refused before the run (_problem_with)"
-    survivors = {peer.name: records(out / peer.name / "metrics.jsonl") for peer in cfg.peers}
+    survivors = {peer.name: node_records(out / peer.name) for peer in cfg.peers}
     survivors = {name: lines for name, lines in survivors.items() if name not in dead}
     finished = sum(1 for lines in survivors.values() if lines and lines[-1].round >= rounds)
     skipped = skipped_after(survivors, killed_in)

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import STOP_SIGNALS, raise_stopped
 from ..options import add_assignments
-from ..summary import last_record
+from ..run_folder import last_record
 from .flags import add_rounds, add_sizes, bench_parser, positive
 
 if TYPE_CHECKING:
@@ -197,7 +197,7 @@ def open_connections(out: Path) -> tuple[float, int]:
     counts = [
         record.connections
         for metrics in out.glob("*/metrics.jsonl")
-        if (record := last_record(metrics)) is not None and record.connections is not None
+        if (record := last_record(metrics.parent)) is not None and record.connections is not None
     ]
     return (sum(counts) / len(counts), max(counts)) if counts else (0.0, 0)
 
@@ -206,7 +206,7 @@ def sent_bytes(out: Path) -> Counter[str]:
     """Bytes every node sent by message kind, up to its last round (bye excluded)."""
     total: Counter[str] = Counter()
     for metrics in out.glob("*/metrics.jsonl"):
-        record = last_record(metrics)
+        record = last_record(metrics.parent)
         if record is not None:
             total.update(record.bytes_sent_by_kind or {})
     return total

@@ -29,7 +29,7 @@ from pathlib import Path
 from meshfl.node.metrics import RoundRecord
 
 from ..options import add_assignments
-from ..summary import records
+from ..run_folder import node_records
 from .flags import add_rounds, bench_parser, positive
 from .scale import run_size
 
@@ -40,7 +40,9 @@ PHASES = ("train", "view_wait", "model_wait", "aggregate", "evaluate")
 def run_records(out: Path) -> list[RoundRecord]:
     """Every round record of the run in `out`, read once."""
     return [
-        record for metrics in sorted(out.glob("*/metrics.jsonl")) for record in records(metrics)
+        record
+        for metrics in sorted(out.glob("*/metrics.jsonl"))
+        for record in node_records(metrics.parent)
     ]
 
 

@@ -238,7 +238,8 @@ def test_bad_parameters_name_the_field_the_value_and_what_is_allowed(field, valu
 
 
 def test_the_summary_scores_the_coordinators_last_groups():
-    from meshfl.launch.measures import RunRecords, coordinator_groups_ari
+    from meshfl.launch.measures import coordinator_groups_ari
+    from meshfl.launch.run_folder import RunRecords
     from meshfl.node.metrics import CoordinatorRecord
 
     coordinator = [

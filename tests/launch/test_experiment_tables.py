@@ -21,7 +21,6 @@ from meshfl.launch.experiment_runs import (
     render_table,
 )
 from meshfl.launch.measures import (
-    RunRecords,
     attacker_weight,
     influence_shape,
     own_group_share,
@@ -31,7 +30,7 @@ from meshfl.launch.measures import (
     shapley_by_label_overlap,
     top_k_precision,
 )
-from meshfl.launch.summary import records
+from meshfl.launch.run_folder import RunRecords, node_records
 from meshfl.node.config import AlgorithmConfig, explicit_params
 from meshfl.node.metrics import CoordinatorRecord, RoundRecord
 
@@ -114,10 +113,9 @@ def test_the_share_is_scored_over_ccp_rounds_only():
 
 
 def test_records_skip_a_line_a_crash_left_half_written(tmp_path):
-    path = tmp_path / "metrics.jsonl"
-    path.write_text('{"round": 1}\n{"round": 2}\n{"round": 3, "seco\n')
-    assert records(path) == [RoundRecord(round=1), RoundRecord(round=2)]
-    assert records(tmp_path / "missing.jsonl") == []
+    (tmp_path / "metrics.jsonl").write_text('{"round": 1}\n{"round": 2}\n{"round": 3, "seco\n')
+    assert node_records(tmp_path) == [RoundRecord(round=1), RoundRecord(round=2)]
+    assert node_records(tmp_path / "missing") == []
 
 
 def test_round_costs_are_medians_over_every_node_round():

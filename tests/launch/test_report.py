@@ -145,7 +145,7 @@ def test_relevant_sets_come_from_the_coordinator_and_count_as_shares(tmp_path):
     ]
     write_node(tmp_path, "coordinator", coordinator)
     run = report.read_run(tmp_path)
-    assert list(run.records) == ["a", "b"], "the coordinator is no learner"
+    assert list(run.history) == ["a", "b"], "the coordinator is no learner"
     found = {measure.key: rows for measure, rows in report.matrix_measures_for(run)}
     assert list(found) == ["relevant_sets", "weights"]
     relevant_sets = report.MATRIX_MEASURES["relevant_sets"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from meshfl.launch import measures, report
+from meshfl.launch import measures, report, run_folder
 from meshfl.node import metrics
 from meshfl.node.metrics import CoordinatorRecord, RoundRecord, last_record, read_records
 
@@ -125,7 +125,7 @@ def test_a_run_reports_the_scores_of_its_rule_only():
     rounds = [
         RoundRecord(round=1, weights={"a": 1.0}, diagnostics={"v_own": 0.9, "v_aggregate": 0.8})
     ]
-    run = measures.RunRecords({"a": rounds})
+    run = run_folder.RunRecords({"a": rounds})
     assert measures.rule_scores("pfedsv", run) == {"average_below_own": 1.0, "average_adopted": 0.0}
     assert measures.rule_scores("fedavg", run) == {}
 

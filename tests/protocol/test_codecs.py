@@ -196,6 +196,20 @@ def test_a_delta_carries_a_few_bytes_and_the_largest_changes_of_each_tensor():
             assert np.array_equal(applied[name], after[name]), "integer tensors whole"
 
 
+def test_a_large_tensor_keeps_its_largest_changes_within_a_percent_of_the_fraction():
+    """Past twice THRESHOLD_SAMPLE entries the threshold comes from a sample: still a
+    threshold (no kept change smaller than one left out), the count near the fraction."""
+    size = 4 * codecs.THRESHOLD_SAMPLE + 3
+    base = {"big": np.zeros(size, dtype=np.float32)}
+    after = changed(base, seed=5)
+    delta, meta = codecs.encode_delta(after, base, TOPK_FRACTION)
+    count = delta[codecs.VALUES].size
+    assert abs(count / math.ceil(TOPK_FRACTION * size) - 1) < 0.01
+    kept = codecs.apply_delta(delta, meta, base)["big"] != 0
+    assert kept.sum() == count
+    assert np.abs(after["big"][kept]).min() >= np.abs(after["big"][~kept]).max()
+
+
 def test_a_delta_carries_no_entry_that_did_not_change():
     """A frozen layer, or one the round left alone, costs a delta its mask bits only."""
     after = {**ARRAYS, FIRST: changed({FIRST: ARRAYS[FIRST]})[FIRST]}
