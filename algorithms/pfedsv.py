@@ -277,7 +277,11 @@ def dynamic_k(scores: dict[str, float], settled: bool, start_k: int, k_min: int,
     the node explores."""
     if not settled:
         return start_k
-    return min(max(len(positive_peers(scores)), k_min), k_max)
+    return clamped(len(positive_peers(scores)), k_min, k_max)
+
+
+def clamped(k: int, k_min: int, k_max: int) -> int:
+    return min(max(k, k_min), k_max)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -598,8 +602,8 @@ class PFedSV(PeerAlgorithm):
 
     def _next_k(self) -> int:
         if self.params.explore:  # the peers that help and one more, from the first round
-            spare = len(positive_peers(self.relevance)) + 1
-            return min(max(spare, self.params.k_min), self.params.k_max)
+            helping = len(positive_peers(self.relevance))
+            return clamped(helping + 1, self.params.k_min, self.params.k_max)
         positive_now = positive_peers(self.relevance)
         settled = scores_settled(self._offered, self.explored, positive_now, self.positive_before)
         self.positive_before = positive_now

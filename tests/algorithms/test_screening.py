@@ -667,6 +667,25 @@ def test_pfedsv_behind_screening_settles_k_on_the_peers_it_admits(world):
     assert 1 <= outcome.diagnostics["k_next"] == len(relevant) < 5
 
 
+def test_pfedsv_behind_screening_by_default_downloads_one_peer_beyond_those_that_help(world):
+    """The default (`explore`): k is the peers the game values and one more, the peers
+    screening keeps out counting as valued at most 0, and no attacker holds weight."""
+    rule = screened(world, "pfedsv")
+    peers = {**{p: s for p, s in world.honest.items() if p != "h0"}, **world.attackers}
+    for round_no in (1, 2, 3, 4):
+        wanted = rule.wanted(round_no, {"model": sorted(peers)})["model"]
+        fresh = {
+            peer: {key: value + 1e-6 * round_no for key, value in peers[peer].items()}
+            for peer in wanted
+        }
+        outcome = aggregate(rule, world, fresh, round_no=round_no)
+        assert len(wanted) == outcome.diagnostics["k"]
+        assert not set(outcome.weights) & set(world.attackers)
+    relevant = [peer for peer, score in rule.relevance.items() if score > 0]
+    assert not set(relevant) & set(world.attackers)
+    assert outcome.diagnostics["k_next"] == len(relevant) + 1
+
+
 def test_a_model_three_times_the_rounds_median_distance_is_kept_out_once_three_came():
     base = {"w": torch.zeros(4)}
 
