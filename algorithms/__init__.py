@@ -62,7 +62,7 @@ def parse_params(name: str, params: dict[str, Any], rounds: int | None = None) -
     Given the run's `rounds`, a rule whose Params define `for_rounds(rounds)` gets the
     parameters that count rounds fitted to the run: defaults that follow `rounds` are
     filled in, and a setting under which the rule's own phase never comes is refused.
-    The fitted values enter the mesh id (node/config.py): nodes that fit them apart
+    The fitted values enter the mesh id (node/mesh_identity.py): nodes that fit them apart
     never mix.
     """
     screening_keys = (SCREEN_KEY, TRIALS_KEY)

@@ -2,7 +2,7 @@
 7.8), and the one line that names both meshes when two such nodes meet.
 
 Two nodes are on one mesh only when they agree on the shared settings and the model's
-tensor layout (runtime.mesh_id); otherwise they drop each other's messages as
+tensor layout (node/mesh_identity.py); otherwise they drop each other's messages as
 `wrong_mesh`. That is safe but mute: two copies of a task file that differ in one layer
 would each train alone. The `about` says, in words, what went into the mesh id, so the
 line can say which of them differ.

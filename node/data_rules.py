@@ -1,9 +1,9 @@
 """What the data settings of a config may be: dataset names, partition specs, the shard
 cap and the split, each checked here without loading torch.
 
-The config's field rules (node/config.py) call these checks, so a command answers a
-mistake in its config before it loads anything heavy; the data modules (datasets.py,
-partitions.py, splits.py) use them too.
+The config's field rules (node/config/declarations.py) call these checks, so a command
+answers a mistake in its config before it loads anything heavy; the data modules
+(datasets.py, partitions.py, splits.py) use them too.
 """
 
 from __future__ import annotations

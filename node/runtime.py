@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import json
 import logging
 import os
@@ -24,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import msgpack
 import numpy as np
 import torch
 
@@ -46,8 +44,9 @@ from .checkpoint import MetricsLog, load_checkpoint, save_checkpoint, write_atom
 from .containment import run_contained
 from .deltas import DELTA, PUBLIC, DeltaGossip, is_public_copy, read_as
 from .devices import peak_memory_mb, resolve_device, visiting
+from .mesh_identity import mesh_id, model_digest
 from .metrics import RoundRecord
-from .models import batchnorm_keys, model_schema
+from .models import batchnorm_keys
 from .neighbours import neighbours_to_drop
 from .splits import NodeData
 from .task import Task, node_info, task_of
@@ -120,19 +119,6 @@ class NodeOptions:
     host_nodes: int = 1  # nodes in this process (a node host's), this one included
     joining: bool = False  # a late joiner starts from the mesh's current round
     join_hint: str = ""  # how the next node can join through this one, said once joined
-
-
-def model_digest(model: torch.nn.Module) -> bytes:
-    """The digest of a model's tensor layout (names, dtypes, shapes): blobs name it, and
-    it is part of the mesh id."""
-    schema = model_schema(model)
-    return hashlib.sha256(msgpack.packb([list(item) for item in schema])).digest()
-
-
-def mesh_id(cfg: cfgmod.MeshConfig, schema: bytes) -> bytes:
-    """16 bytes every peer derives alike from the settings they must share."""
-    settings = json.dumps(cfgmod.shared_settings(cfg), sort_keys=True).encode()
-    return hashlib.sha256(settings + schema).digest()[:16]
 
 
 @dataclass

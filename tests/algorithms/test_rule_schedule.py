@@ -16,10 +16,10 @@ from meshfl.node.config import (
     apply_overrides,
     explicit_params,
     save_config,
-    shared_settings,
     validate,
     with_explicit_params,
 )
+from meshfl.node.mesh_identity import shared_settings
 from meshfl.node.metrics import RoundRecord
 
 COORDINATED = ["coordinator=tcp://127.0.0.1:7999"]

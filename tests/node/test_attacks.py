@@ -8,6 +8,7 @@ import torch
 from meshfl.algorithms import PeerModel
 from meshfl.node import config as cfgmod
 from meshfl.node.attacks import Attack, attack_for, flip_labels, noise_like, parse_kind
+from meshfl.node.mesh_identity import shared_settings
 
 
 def state(*values):
@@ -137,7 +138,7 @@ def test_the_command_line_makes_nodes_attackers_without_changing_the_honest_mesh
     plain = validated()
     attacked_cfg = validated("attack.nodes=[node3]", "attack.kind=labelflip")
     assert attacked_cfg.attack == cfgmod.AttackConfig(["node3"], "labelflip")
-    assert cfgmod.shared_settings(attacked_cfg) == cfgmod.shared_settings(plain)
+    assert shared_settings(attacked_cfg) == shared_settings(plain)
 
 
 @pytest.mark.parametrize(

@@ -28,10 +28,10 @@ from meshfl.node.config import (
     local_peers,
     peer_by_name,
     save_config,
-    shared_settings,
     to_dict,
     validate,
 )
+from meshfl.node.mesh_identity import shared_settings
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "peers.yaml"
 EXPERIMENTS = sorted((EXAMPLE.parent / "launch" / "experiments").glob("*.yaml"))
