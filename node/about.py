@@ -16,8 +16,8 @@ from pathlib import PurePath
 
 import torch
 
+from meshfl.protocol.decoder import MAX_ABOUT_TEXT
 from meshfl.protocol.endpoint import OtherMesh
-from meshfl.protocol.wire import MAX_ABOUT_TEXT
 
 from . import config as cfgmod
 from .task import USER_PREFIX

@@ -39,7 +39,8 @@ from meshfl.protocol.wire import Message, make_blob
 from .blobs import RULE_ERROR, UnusableBlob, peer_model
 from .containment import run_contained
 from .metrics import CoordinatorRecord, RoundRecord
-from .runtime import Node, NodeOptions, PeerIntake, build_node, in_peer_order
+from .model_exchange import PeerIntake, in_peer_order
+from .runtime import Node, NodeOptions, build_node
 from .trainer import state_to_arrays
 
 log = logging.getLogger("meshfl.coordinator")
@@ -257,7 +258,7 @@ class ClientNode(Node):
             except Exception as error:  # the coordinator's tensors made the rule raise
                 self._refuse_personal(RULE_ERROR, error)
                 continue
-            self.model.load_state_dict(self.with_own_local(PeerModel(state, 1)).state)
+            self.model.load_state_dict(self.exchange.with_own_local(PeerModel(state, 1)).state)
             if in_flight is not None and meta["round"] > in_flight.round:
                 self._record(in_flight, meta.get("weights", {}))
             if not meta["train"]:

@@ -22,6 +22,12 @@ from __future__ import annotations
 import random
 from collections.abc import Collection, Mapping
 
+from meshfl.algorithms import PeerAlgorithm
+from meshfl.algorithms.base import draw_seed
+from meshfl.protocol.endpoint import Endpoint
+
+from .config import MeshConfig
+
 MOST_DROPPED = 2  # neighbours that did nothing dropped after one round
 # A node whose neighbours all help still drops the one that helps least, one round in
 # this many: often enough to find better ones, seldom enough to keep good ones.
@@ -50,3 +56,50 @@ def neighbours_to_drop(
     if idle:
         return idle[:MOST_DROPPED]
     return ranked[:1] if rng.random() < 1 / EXPLORE_EVERY else []
+
+
+class ViewKeeper:
+    """What a node of a bounded mesh does with its neighbours between rounds: it notes
+    whom each round tries, and drops those `neighbours_to_drop` names, so that its
+    endpoint greets candidates in their place."""
+
+    def __init__(
+        self, endpoint: Endpoint, algorithm: PeerAlgorithm, cfg: MeshConfig, name: str
+    ) -> None:
+        self.endpoint = endpoint
+        self.algorithm = algorithm
+        self.cfg = cfg
+        self.name = name
+        self._last_neighbours: set[str] = set()  # when the last round began
+
+    def tried(self, neighbours: Collection[str]) -> list[str]:
+        """The neighbours this round tries: those that were not neighbours when the last
+        round began (every one, in a node's first round here)."""
+        tried = sorted(set(neighbours) - self._last_neighbours)
+        self._last_neighbours = set(neighbours)
+        return tried
+
+    def drop(
+        self,
+        round_no: int,
+        began_with: Collection[str],
+        current: Mapping[str, bytes],
+        weights: Mapping[str, float],
+    ) -> list[str]:
+        """Drop the neighbours (of `current`, name -> key) the node shuns, and when its
+        view is full the neighbour it began the round with that did least for it
+        (`topology.select`); none in a full mesh or after the last round. Without a
+        candidate to try instead, only shunned ones are dropped."""
+        views = self.endpoint.views
+        if views is None or round_no >= self.cfg.rounds:
+            return []  # after the last round there is nothing left to explore for
+        shunned = {name for name in current if self.endpoint.shuns(name)}
+        still = [name for name in began_with if name in current]
+        benefit = self.algorithm.benefits(still, weights)
+        explore = len(current) >= views.neighbours and self.endpoint.passive_size() > 0
+        rng = random.Random(draw_seed(self.cfg.seed, self.name, round_no, "neighbours"))
+        select = self.cfg.topology.select
+        dropped = neighbours_to_drop(benefit, weights, shunned, select, rng, explore)
+        for name in dropped:
+            self.endpoint.unlink(current[name])
+        return dropped

@@ -13,41 +13,37 @@ import functools
 import json
 import logging
 import os
-import random
 import statistics
 import time
-from collections import Counter
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-import numpy as np
 import torch
 
 from meshfl.algorithms import Aggregate, Context, PeerAlgorithm, PeerModel, build_rule
 from meshfl.algorithms.base import MODEL, draw_seed, weighted_average
 from meshfl.protocol.codecs import TOPK
 from meshfl.protocol.endpoint import Endpoint, EndpointSettings
-from meshfl.protocol.identity import Identity, node_id
+from meshfl.protocol.identity import Identity
 from meshfl.protocol.membership import liveness_stretch
-from meshfl.protocol.offers import Offer
 from meshfl.protocol.transport import TransportOptions, contact
-from meshfl.protocol.wire import Blob, make_blob
 
 from . import config as cfgmod
 from .about import mesh_about, other_mesh_line
 from .attacks import Attack, attack_for
-from .blobs import RULE_ERROR, UnusableBlob, layout_of, peer_model, signed_blob
+from .blobs import RULE_ERROR, layout_of
 from .checkpoint import MetricsLog, load_checkpoint, save_checkpoint, write_atomically
 from .containment import run_contained
-from .deltas import DELTA, PUBLIC, DeltaGossip, is_public_copy, read_as
+from .deltas import DeltaGossip
 from .devices import peak_memory_mb, resolve_device, visiting
 from .mesh_identity import mesh_id, model_digest
 from .metrics import RoundRecord
+from .model_exchange import ModelExchange, PeerIntake
 from .models import batchnorm_keys
-from .neighbours import neighbours_to_drop
+from .neighbours import ViewKeeper
 from .splits import NodeData
 from .task import Task, node_info, task_of
 from .trainer import (
@@ -60,18 +56,6 @@ from .trainer import (
 )
 
 log = logging.getLogger("meshfl.node")
-
-Received = TypeVar("Received")
-
-
-def in_peer_order(by_peer: Mapping[str, Received]) -> dict[str, Received]:
-    """`by_peer` ordered by peer name, the order every rule is handed its peers' input
-    in (here and on the coordinator): floating-point sums depend on their order, and
-    blobs arrive in whatever order the network and the peers' speed give, so that a
-    rerun of the same seed sums the same numbers in the same order. By name, not by
-    id: an id follows the node's key, which a fresh run folder makes anew."""
-    return dict(sorted(by_peer.items()))
-
 
 # How long a round of a bounded mesh waits for the candidates it greeted for free places,
 # in heartbeat periods. In a crowded mesh half the answers to a hello turn the greeter
@@ -121,40 +105,6 @@ class NodeOptions:
     join_hint: str = ""  # how the next node can join through this one, said once joined
 
 
-@dataclass
-class _RoundPull:
-    """What a round's collection chose to fetch so far. A rule that ranks the offers
-    (`ranks_offers`) is asked once: when every live peer announced, or at `choose_by`,
-    half-way to the deadline, so that there is time left to fetch. Any other rule is
-    asked again whenever offers may have come in."""
-
-    ask_once: bool
-    choose_by: float
-    chosen: dict[tuple[str, str], Offer] | None = None
-
-    def should_ask(self, complete: bool) -> bool:
-        if not self.ask_once:
-            return True
-        return self.chosen is None and (complete or time.monotonic() >= self.choose_by)
-
-    def wake_by(self, deadline: float) -> float:
-        return deadline if self.chosen is not None else min(deadline, self.choose_by)
-
-
-@dataclass
-class PeerIntake:
-    """A round's peer models by kind and name, and what was refused: by kind the peers,
-    and how many blobs for each reason of node/blobs.py."""
-
-    received: dict[str, dict[str, PeerModel]] = field(default_factory=dict)
-    refused: dict[str, list[str]] = field(default_factory=dict)
-    reasons: Counter[str] = field(default_factory=Counter)
-
-    def refuse(self, kind: str, name: str, reason: str) -> None:
-        self.refused.setdefault(kind, []).append(name)
-        self.reasons[reason] += 1
-
-
 class Node:
     """One peer of the mesh, made of the parts it is given; `build_node` makes them from a
     NodeOptions, and a test may give parts of its own."""
@@ -192,12 +142,21 @@ class Node:
         # Held for CPU work (training, aggregation, evaluation): a node host shares one
         # among its nodes (node/host.py); a node alone in its process needs none.
         self.cpu: AbstractContextManager[Any] = contextlib.nullcontext()
-        self._last_neighbours: set[str] = set()  # when the last round began (bounded mesh)
         self._suspects: set[str] = set()  # peers whose input made the rule raise last round
         # FedBN (`local_batchnorm`): the entries every model taken in carries as ours.
         self.local_keys = batchnorm_keys(model) if self.cfg.local_batchnorm else frozenset()
         # `compression: topk`: models travel as deltas against public copies (deltas.py).
         self.deltas = DeltaGossip() if self.cfg.compression == TOPK else None
+        self.view_keeper = ViewKeeper(endpoint, algorithm, self.cfg, options.name)
+        self.exchange = ModelExchange(
+            endpoint,
+            algorithm,
+            model,
+            options.name,
+            self.cfg.compression,
+            self.local_keys,
+            self.deltas,
+        )
 
     @property
     def identity(self) -> Identity:
@@ -226,10 +185,10 @@ class Node:
             expected, VIEW_PATIENCE_BEATS * self.cfg.heartbeat_interval
         )
 
-    @functools.cached_property
+    @property
     def schema(self) -> bytes:
         """The digest of the model's tensor layout, which every blob of ours names."""
-        return model_digest(self.model)
+        return self.exchange.schema
 
     def status_extra(self) -> dict[str, Any]:
         """What this node adds to the endpoint's status answer; runs on its worker thread."""
@@ -377,10 +336,10 @@ class Node:
         self.endpoint.set_round(current)
         self.endpoint.refresh_offers()  # the current round's models, announced before we came
         deadline = time.monotonic() + self.model_wait
-        blobs = self.collect(
+        blobs = self.exchange.collect(
             current, {MODEL}, {peer.public_key for peer in peers}, deadline, everything=True
         )
-        models = self.peer_models(blobs, current).received.get(MODEL, {})
+        models = self.exchange.peer_models(blobs, current).received.get(MODEL, {})
         if models:
             uniform = {name: 1 / len(models) for name in models}
             self.model.load_state_dict(
@@ -421,7 +380,7 @@ class Node:
         publications, claimed = self.attack.tamper(round_no, publications, len(self.data.y_train))
         published_bytes = 0
         for kind, state in publications.items():
-            for blob in self._blobs_of(round_no, kind, state_to_arrays(state), claimed):
+            for blob in self.exchange.blobs_of(round_no, kind, state_to_arrays(state), claimed):
                 self.endpoint.publish(blob)
                 published_bytes += blob.size
         if self.endpoint.views is not None:
@@ -433,14 +392,14 @@ class Node:
         deadline = time.monotonic() + self.model_wait
         neighbours = {peer.public_key: peer.name for peer in self.endpoint.alive_peers()}
         alive = set(neighbours)
-        blobs = self.collect(
+        blobs = self.exchange.collect(
             round_no, set(publications), alive, deadline, quorum=self.cfg.round_quorum
         )
         seconds["communicate"] = time.perf_counter() - clock
 
         with self.cpu:
             clock = time.perf_counter()
-            intake = self.peer_models(blobs, round_no)
+            intake = self.exchange.peer_models(blobs, round_no)
             del blobs  # decoded and forgotten by the endpoint: their bytes go now
             self.attack.observe(intake.received)
             outcome = self._aggregate(round_no, intake)
@@ -456,7 +415,7 @@ class Node:
                 peer.name: peer.public_key
                 for peer in (self.endpoint.alive_peers() if self.endpoint.views else ())
             }
-            dropped = self._drop_neighbours(
+            dropped = self.view_keeper.drop(
                 round_no, neighbours.values(), ended_with, outcome.weights
             )
 
@@ -477,7 +436,7 @@ class Node:
                 fetched={kind: sorted(models) for kind, models in received.items()},
                 refused=intake.refused,
                 refusals=dict(sorted(intake.reasons.items())),
-                transport_fetches=self._fetches_since(stats_before["fetched"]),
+                transport_fetches=self.exchange.fetches_since(stats_before["fetched"]),
                 bytes_in=after["bytes_in"] - stats_before["bytes_in"],
                 bytes_out=after["bytes_out"] - stats_before["bytes_out"],
                 bytes_sent_by_kind=after["bytes_sent_by_kind"],  # since the node started
@@ -490,7 +449,7 @@ class Node:
                 attacker=self.attack.active,
                 neighbours=sorted(neighbours.values()) if self.endpoint.views else None,
                 neighbours_at_end=sorted(ended_with) if self.endpoint.views else None,
-                tried=self._tried(neighbours.values()) if self.endpoint.views else None,
+                tried=self.view_keeper.tried(neighbours.values()) if self.endpoint.views else None,
                 dropped=dropped if self.endpoint.views else None,
                 connections=after["connections"],
             ).to_json()
@@ -510,215 +469,14 @@ class Node:
                 evaluate(self.model, data.x_test, data.y_test, data.num_classes),
             )
 
-    def _tried(self, neighbours: Collection[str]) -> list[str]:
-        """The neighbours this round tries: those that were not neighbours when the last
-        round began (every one, in a node's first round here)."""
-        tried = sorted(set(neighbours) - self._last_neighbours)
-        self._last_neighbours = set(neighbours)
-        return tried
-
-    def _drop_neighbours(
-        self,
-        round_no: int,
-        began_with: Collection[str],
-        current: Mapping[str, bytes],
-        weights: Mapping[str, float],
-    ) -> list[str]:
-        """In a bounded mesh, drop the neighbours (of `current`, name -> key) the node
-        shuns, and when its view is full the neighbour it began the round with that did
-        least for it
-        (`topology.select`, node/neighbours.py); the endpoint greets candidates in their
-        place. Without a candidate to try instead, only shunned ones are dropped."""
-        views = self.endpoint.views
-        if views is None or round_no >= self.cfg.rounds:
-            return []  # after the last round there is nothing left to explore for
-        shunned = {name for name in current if self.endpoint.shuns(name)}
-        still = [name for name in began_with if name in current]
-        benefit = self.algorithm.benefits(still, weights)
-        explore = len(current) >= views.neighbours and self.endpoint.passive_size() > 0
-        rng = random.Random(draw_seed(self.cfg.seed, self.options.name, round_no, "neighbours"))
-        select = self.cfg.topology.select
-        dropped = neighbours_to_drop(benefit, weights, shunned, select, rng, explore)
-        for name in dropped:
-            self.endpoint.unlink(current[name])
-        return dropped
-
     def _straggle(self) -> None:
         """A peer given a `train_delay` (to measure what stragglers cost a mesh) sleeps it
         after training."""
         listed = cfgmod.listed_peer(self.cfg, self.options.name)
         time.sleep(listed.train_delay if listed else 0.0)
 
-    def collect(
-        self,
-        round_no: int,
-        kinds: set[str],
-        origins: set[bytes],
-        deadline: float,
-        everything: bool = False,
-        quorum: float = 1.0,
-    ) -> dict[str, dict[str, Blob]]:
-        """The blobs of round `round_no` this node wants, by kind and peer name.
-
-        Wanted blobs are fetched as their offers come in, so a live peer that never
-        announces costs the wait, not the others' blobs. The wait ends once a `quorum`
-        share of the peers among `origins` still alive announced every kind of `kinds`
-        and every chosen blob that a live peer can send is here, or at the monotonic
-        `deadline`. Liveness is judged anew each time: a peer marked down during the
-        round (dead or frozen) stops holding it.
-        """
-        pull = _RoundPull(
-            ask_once=self.algorithm.ranks_offers and not everything,
-            choose_by=(time.monotonic() + deadline) / 2,
-        )
-        while True:
-            seen = self.endpoint.changes()
-            offered, complete = self._offered(round_no, kinds, origins, quorum)
-            if pull.should_ask(complete):
-                pull.chosen = self._choose(round_no, offered, everything)
-                self.endpoint.fetch(list(pull.chosen.values()))
-            chosen = pull.chosen or {}
-            arrived = self.endpoint.held([offer.id for offer in chosen.values()])
-            if (
-                pull.chosen is not None and complete and not self._coming(chosen, arrived)
-            ) or time.monotonic() >= deadline:
-                break
-            self.endpoint.wait_change(seen, pull.wake_by(deadline))
-        blobs: dict[str, dict[str, Blob]] = {}
-        for (kind, name), offer in chosen.items():
-            if offer.id in arrived:
-                blobs.setdefault(kind, {})[name] = arrived[offer.id]
-        return blobs
-
-    def _offered(
-        self, round_no: int, kinds: set[str], origins: set[bytes], quorum: float = 1.0
-    ) -> tuple[dict[str, dict[str, Offer]], bool]:
-        """The round's offers of `kinds` by kind and peer name, and whether a `quorum`
-        share (1.0: every one) of the live peers among `origins` announced every kind
-        (Endpoint.round_offers)."""
-        names = {peer.public_key: peer.name for peer in self.endpoint.peers()}
-        offers, complete = self.endpoint.round_offers(round_no, kinds, origins, quorum)
-        offered: dict[str, dict[str, Offer]] = {}
-        for offer in offers:
-            # Not our own blob (a peer may relay it), nor one of a peer we do not know.
-            if offer.origin in names and offer.origin != self.identity.public_key:
-                offered.setdefault(offer.kind, {})[names[offer.origin]] = offer
-        return offered, complete
-
-    def _coming(
-        self, chosen: dict[tuple[str, str], Offer], arrived: dict[bytes, Blob]
-    ) -> list[Offer]:
-        """The chosen blobs not here yet that a live peer can still send: one whose
-        origin and every other holder are marked down, or answered that they no longer
-        hold it, holds the round no longer."""
-        return [
-            offer
-            for offer in chosen.values()
-            if offer.id not in arrived and self.endpoint.may_come(offer)
-        ]
-
-    def _choose(
-        self, round_no: int, offered: dict[str, dict[str, Offer]], everything: bool
-    ) -> dict[tuple[str, str], Offer]:
-        """The offers to fetch, by (kind, peer name): the algorithm's `wanted`; a model
-        as its delta where this node holds the delta's base (deltas.py)."""
-        listing = {kind: sorted(by_name) for kind, by_name in offered.items()}
-        wanted = listing if everything else self.algorithm.wanted(round_no, listing)
-        chosen = {
-            (kind, name): offered[kind][name]
-            for kind, names in wanted.items()
-            for name in names
-            if name in offered.get(kind, {})
-        }
-        if self.deltas is not None and not everything:
-            name_of = {peer.public_key: peer.name for peer in self.endpoint.peers()}
-            for offer in self.endpoint.offers(round_no, DELTA):
-                name = name_of.get(offer.origin)
-                if name is None or (MODEL, name) not in chosen:
-                    continue
-                if self.deltas.base_for(name, round_no) is not None:
-                    chosen[(MODEL, name)] = offer
-        return chosen
-
-    def _blobs_of(
-        self, round_no: int, kind: str, arrays: dict[str, np.ndarray], claimed: int
-    ) -> list[Blob]:
-        """What this node publishes of a rule's `kind`: its arrays, signed under the
-        node's codec; under `topk` a model is its delta and its whole public copy."""
-        meta = {"n": claimed}
-        if self.deltas is None or kind != MODEL:
-            codec = "none" if self.cfg.compression == TOPK else self.cfg.compression
-            return [signed_blob(self.identity, round_no, kind, arrays, self.schema, meta, codec)]
-        public, delta = self.deltas.publish(arrays)
-        blobs = []
-        if delta is not None:  # announced first: a peer that sees the model sees it
-            changes, named = delta
-            blobs.append(
-                make_blob(self.identity, round_no, DELTA, changes, self.schema, {**meta, **named})
-            )
-        blobs.append(
-            make_blob(self.identity, round_no, kind, public, self.schema, {**meta, PUBLIC: True})
-        )
-        return blobs
-
-    def _fetches_since(self, start: int) -> list[dict[str, Any]]:
-        """What the endpoint pulled since its `start`-th fetch: origin by peer name."""
-        names = {node_id(peer.public_key): peer.name for peer in self.endpoint.peers()}
-        return [
-            {
-                "origin": names.get(record.origin, record.origin),
-                "round": record.round,
-                "kind": record.kind,
-                "bytes": record.size,
-                "from": record.holder,
-            }
-            for record in self.endpoint.fetches_since(start)
-        ]
-
     def _state_copy(self) -> dict[str, torch.Tensor]:
         return {key: value.detach().clone() for key, value in self.model.state_dict().items()}
-
-    def peer_models(self, blobs: dict[str, dict[str, Blob]], round_no: int = 0) -> PeerIntake:
-        """The round's blobs as peer models by kind and peer name; a blob that fails the
-        checks of node/blobs.py is refused (logged; the round goes on without it). Read,
-        the blobs leave the endpoint's store: the models are decoded into memory of
-        their own, and a node serves its peers only its own blobs."""
-        intake = PeerIntake()
-        public_copies: dict[str, dict[str, np.ndarray]] = {}
-        own_lag = self.deltas.lag(self.model.state_dict()) if self.deltas is not None else {}
-        for kind, by_peer in in_peer_order(blobs).items():  # kinds too, for a rule of several
-            expected = self.algorithm.layouts(kind)
-            for name, blob in in_peer_order(by_peer).items():
-                delta = self.deltas is not None and blob.kind == DELTA
-                base = self.deltas.base_for(name, round_no) if self.deltas and delta else None
-                try:
-                    model = peer_model(blob, expected, base=base, delta=delta)
-                except UnusableBlob as error:
-                    log.warning("%s: refused %s's blob: %s", self.options.name, name, error)
-                    intake.refuse(kind, name, error.reason)
-                    continue
-                if kind == MODEL and self.deltas is not None and is_public_copy(blob):
-                    # The base of the peer's next delta; any other model is read as it is.
-                    public_copies[name] = {k: v.numpy() for k, v in model.state.items()}
-                    model = PeerModel(read_as(model.state, own_lag), model.n_samples)
-                intake.received.setdefault(kind, {})[name] = self.with_own_local(model)
-        if self.deltas is not None:
-            self.deltas.took_in(round_no, public_copies)
-        self.endpoint.forget_fetched(
-            blob.id for by_peer in blobs.values() for blob in by_peer.values()
-        )
-        return intake
-
-    def with_own_local(self, model: PeerModel) -> PeerModel:
-        """`model` with this node's own values in its local entries (`local_keys`): every
-        rule then averages, scores and screens the peers' models as they would be here,
-        with our BatchNorm layers, and an average of them leaves ours as they are."""
-        if not self.local_keys:
-            return model
-        ours = self.model.state_dict()
-        for key in self.local_keys & model.state.keys():
-            model.state[key] = ours[key].detach().clone()
-        return model
 
     def _aggregate(self, round_no: int, intake: PeerIntake) -> Aggregate:
         """The rule's aggregate of the admitted peers' models, contained: a peer whose

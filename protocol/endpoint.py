@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .addresses import resolved
+from .decoder import Decoder
 from .exchange import BlobExchange, Counts, FetchRecord
 from .identity import BadPublicKey, Identity, curve_public_key, node_id
 from .membership import ALIVE, LEFT, PeerEntry, PeerTable, liveness_stretch
@@ -48,7 +49,6 @@ from .wire import (
     KINDS,
     PROTOCOL_VERSION,
     Blob,
-    Decoder,
     Limits,
     Message,
     Rejected,

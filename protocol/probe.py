@@ -17,9 +17,10 @@ from typing import Any
 
 import zmq
 
+from .decoder import Decoder
 from .identity import Identity, curve_public_key, node_id
 from .transport import Encryption, curve_client, curve_server, split_contact
-from .wire import ANY_MESH, Decoder, Rejected, encode, new_instance
+from .wire import ANY_MESH, Rejected, encode, new_instance
 
 TERM_WAIT_S = 2.0  # how long a probe waits for its ZeroMQ context to end
 

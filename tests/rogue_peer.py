@@ -172,7 +172,7 @@ class RoguePeer(Node):
         self.endpoint.set_round(round_no)
         self.endpoint.publish(mutated_blob(self, round_no, "model", mutation_of(round_no), {}))
         alive = {peer.public_key for peer in self.endpoint.alive_peers()}
-        self.collect(round_no, {"model"}, alive, time.monotonic() + self.cfg.round_timeout)
+        self.exchange.collect(round_no, {"model"}, alive, time.monotonic() + self.cfg.round_timeout)
         report(round_no)
 
 

@@ -33,6 +33,7 @@ import msgpack
 import numpy as np
 import zmq
 
+from meshfl.protocol.decoder import Decoder
 from meshfl.protocol.identity import Identity, curve_public_key
 from meshfl.protocol.probe import ask_status
 from meshfl.protocol.transport import (
@@ -44,7 +45,6 @@ from meshfl.protocol.transport import (
 )
 from meshfl.protocol.wire import (
     Blob,
-    Decoder,
     Message,
     Rejected,
     encode,

@@ -40,10 +40,11 @@ from meshfl.node.blobs import decoded_arrays
 from meshfl.node.deltas import TOPK_FRACTION
 from meshfl.node.trainer import state_to_arrays
 from meshfl.protocol import codecs
+from meshfl.protocol.decoder import Decoder
 from meshfl.protocol.endpoint import Endpoint, EndpointSettings
 from meshfl.protocol.identity import Identity
 from meshfl.protocol.transport import free_ports
-from meshfl.protocol.wire import Decoder, encode, make_blob, new_instance
+from meshfl.protocol.wire import encode, make_blob, new_instance
 
 from .flags import bench_parser, positive
 

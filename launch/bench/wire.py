@@ -67,6 +67,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from meshfl.protocol import decoder as decoding
 from meshfl.protocol import wire
 from meshfl.protocol.identity import Identity
 from meshfl.protocol.transport import Encryption, curve_client, curve_server
@@ -197,7 +198,7 @@ def _sender(conn: Connection) -> None:
 
 
 def _drain(sock: zmq.Socket, path: str, size: int, mesh_id: bytes) -> dict[str, float]:
-    decoder = wire.Decoder(mesh_id, schema=SCHEMA)
+    decoder = decoding.Decoder(mesh_id, schema=SCHEMA)
     received = 0
     start_wall, start_cpu = 0.0, (0.0, 0.0)
     while True:

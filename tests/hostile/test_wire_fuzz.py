@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 
+from meshfl.protocol.decoder import _BODY_FIELDS, Decoder
 from meshfl.protocol.identity import Identity
 from meshfl.protocol.wire import (
-    _BODY_FIELDS,
     BLOB_KINDS,
     DTYPES,
     HEADER_CONTEXT,
@@ -27,7 +27,6 @@ from meshfl.protocol.wire import (
     PROTOCOL_VERSION,
     RECORD_CONTEXT,
     REJECTION_REASONS,
-    Decoder,
     Limits,
     Message,
     Rejected,

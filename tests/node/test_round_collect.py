@@ -67,7 +67,9 @@ def test_a_peer_that_never_announces_does_not_cost_the_others_blobs(
     mesh = mesh_with_a_silent_peer
     rule = Wanted(ranks_offers)
     started = time.monotonic()
-    blobs = collector(mesh.puller, rule).collect(1, {"model"}, mesh.origins, started + DEADLINE)
+    blobs = collector(mesh.puller, rule).exchange.collect(
+        1, {"model"}, mesh.origins, started + DEADLINE
+    )
     waited = time.monotonic() - started
     assert set(blobs) == {"model"} and set(blobs["model"]) == {"publisher"}
     assert blobs["model"]["publisher"].id == mesh.blob.id
@@ -88,7 +90,7 @@ def test_the_wait_ends_once_every_live_peer_announced_and_its_blob_arrived(make_
     )
     publisher.publish(blob)
     started = time.monotonic()
-    blobs = collector(puller, Wanted(False)).collect(
+    blobs = collector(puller, Wanted(False)).exchange.collect(
         1, {"model"}, {publisher.identity.public_key}, started + 10 * DEADLINE
     )
     assert blobs["model"]["publisher"].id == blob.id
@@ -128,7 +130,7 @@ def test_an_unusable_blob_is_refused_and_the_round_goes_on_without_it():
             "vague": signed(1.0, n="many"),
         }
     }
-    intake = node.peer_models(blobs)
+    intake = node.exchange.peer_models(blobs)
     assert intake.refused == {"model": ["inf", "nan", "no_samples", "vague"]}
     assert intake.reasons == {"not_finite": 2, "sample_count": 2}
     assert list(intake.received["model"]) == ["good"]

@@ -18,7 +18,7 @@ def test_a_quorum_below_one_goes_on_without_the_peer_that_never_delivers(
 ):
     mesh = mesh_with_a_silent_peer  # two live peers: one publishes, one stays silent
     started = time.monotonic()
-    blobs = collector(mesh.puller, Wanted(False)).collect(
+    blobs = collector(mesh.puller, Wanted(False)).exchange.collect(
         1, {"model"}, mesh.origins, started + DEADLINE, quorum=quorum
     )
     assert set(blobs["model"]) == {"publisher"}
@@ -28,7 +28,7 @@ def test_a_quorum_below_one_goes_on_without_the_peer_that_never_delivers(
 def test_a_quorum_rounds_up(mesh_with_a_silent_peer):
     mesh = mesh_with_a_silent_peer  # 0.51 of two peers is both of them
     started = time.monotonic()
-    collector(mesh.puller, Wanted(False)).collect(
+    collector(mesh.puller, Wanted(False)).exchange.collect(
         1, {"model"}, mesh.origins, started + DEADLINE, quorum=0.51
     )
     assert time.monotonic() - started >= DEADLINE - 0.1

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import zmq
 
+from meshfl.protocol.decoder import Decoder
 from meshfl.protocol.endpoint import (
     Endpoint,
     EndpointSettings,
@@ -32,7 +33,6 @@ from meshfl.protocol.wire import (
     HEADER_CONTEXT,
     RECORD_CONTEXT,
     Blob,
-    Decoder,
     Limits,
     Message,
     encode,

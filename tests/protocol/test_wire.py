@@ -16,12 +16,13 @@ import zmq
 from blake3 import blake3
 
 import meshfl.protocol
+from meshfl.protocol import decoder as decoding
 from meshfl.protocol import wire
+from meshfl.protocol.decoder import Decoder
 from meshfl.protocol.identity import Identity, verify
 from meshfl.protocol.wire import (
     HEADER_CONTEXT,
     RECORD_CONTEXT,
-    Decoder,
     Rejected,
     encode,
     frames_digest,
@@ -354,7 +355,7 @@ def test_a_forged_message_does_not_move_the_senders_counter(alice):
 
 
 def test_fresh_keys_push_out_strangers_numbers_never_a_peers(alice, monkeypatch):
-    monkeypatch.setattr(wire, "MAX_SENDERS", 4)
+    monkeypatch.setattr(decoding, "MAX_SENDERS", 4)
     stranger = Identity.generate()
     decoder = Decoder(MESH, kept=lambda key: key == alice.public_key)
 
@@ -411,6 +412,7 @@ def test_importing_the_protocol_does_not_import_torch_or_upper_layers():
     assert {
         "meshfl.protocol.identity",
         "meshfl.protocol.wire",
+        "meshfl.protocol.decoder",
         "meshfl.protocol.transport",
         "meshfl.protocol.membership",
         "meshfl.protocol.offers",
