@@ -9,21 +9,23 @@
 `meshfl.launch.run`) runs a mesh as `meshfl launch` does and returns its summary, the
 content of summary.json. `run_node(...)` runs one peer of a peers.yaml inside the
 calling program, as `meshfl node` does, and returns its last round's record. A
-mistake the user can fix raises UserError with the line the command would print.
+mistake the user can fix raises UserError (whichever layer found it: every such error
+derives from it) with the line the command would print.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-from .errors import UserError, is_user_error
+from meshfl.protocol.errors import UserError
+
 from .mesh import LaunchOptions, run_launch
 from .options import FLAG_FIELDS, ConfigSource, ProcessOptions
 
-T = TypeVar("T")
+__all__ = ["UserError", "run", "run_node"]
 
 
 def run(
@@ -70,7 +72,7 @@ def run(
         quiet=quiet,
         restarts=restarts,
     )
-    summary, _ = _as_user_error(lambda: run_launch(options))
+    summary, _ = run_launch(options)
     return summary
 
 
@@ -104,7 +106,7 @@ def run_node(
         record = last_record(options.out_dir)
         return None if record is None else record.to_json()
 
-    return _as_user_error(run_it)
+    return run_it()
 
 
 def _config_source(
@@ -120,16 +122,3 @@ def _config_source(
 
 def _as_yaml(value: Any) -> str:
     return json.dumps(str(value) if isinstance(value, Path) else value)
-
-
-def _as_user_error(call: Callable[[], T]) -> T:
-    """`call()`, with any mistake the user can fix (a config's, a task's, a flag's)
-    raised as UserError, the one line the command would print."""
-    try:
-        return call()
-    except UserError:
-        raise
-    except Exception as err:
-        if is_user_error(err):
-            raise UserError(str(err)) from err
-        raise

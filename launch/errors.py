@@ -13,15 +13,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from meshfl.protocol.errors import UserError
+
 EXIT_USAGE = 2
 EXIT_NODE_FAILED = 3  # the mesh ran, but some node failed (summary.json, node.log)
 EXIT_INTERRUPTED = 130  # Ctrl-C; a SIGTERM or SIGHUP gives 128 + its number
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # taken as Ctrl-C by launch and by nodes
-
-
-class UserError(Exception):
-    """A mistake the user can fix: printed as one line, exit code 2."""
 
 
 class Stopped(KeyboardInterrupt):
@@ -59,20 +57,7 @@ def command_status(command: Callable[[], int]) -> int:
     except KeyboardInterrupt as interrupt:
         return getattr(interrupt, "exit_code", EXIT_INTERRUPTED)
     except Exception as err:
-        if is_user_error(err):
+        if isinstance(err, UserError):
             print(f"meshfl: error: {err}", file=sys.stderr)
             return EXIT_USAGE
         raise
-
-
-def is_user_error(err: Exception) -> bool:
-    # A config's mistakes first: the node's other errors load torch, which a command whose
-    # config is wrong, --help, keygen and status do without.
-    from meshfl.node.config import ConfigError
-    from meshfl.node.data_rules import DataError
-
-    if isinstance(err, (UserError, ConfigError, DataError)):
-        return True
-    from meshfl.node.errors import USER_ERRORS
-
-    return isinstance(err, USER_ERRORS)

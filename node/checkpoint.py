@@ -15,16 +15,18 @@ from typing import Any
 
 import torch
 
+from meshfl.protocol.errors import UserError
+
 from .metrics import is_record
 
 log = logging.getLogger("meshfl.node")
 
 
-class CheckpointError(Exception):
+class CheckpointError(UserError):
     """A checkpoint that does not read: one line naming the file and what to do."""
 
 
-class StorageError(Exception):
+class StorageError(UserError):
     """A node file that cannot be written (a full disk, most often): one line naming it."""
 
     def __init__(self, path: Path, error: OSError, kept: str = "") -> None:

@@ -34,6 +34,7 @@ import torch
 
 from meshfl.algorithms import CoordinatorAlgorithm, Upload, is_coordinated
 from meshfl.algorithms.base import Layout, PeerModel, draw_seed
+from meshfl.protocol.errors import UserError
 from meshfl.protocol.wire import Message, make_blob
 
 from .blobs import RULE_ERROR, UnusableBlob, peer_model
@@ -53,7 +54,7 @@ EXTRA = "extra/"  # prefix of the rule's extra tensors in an upload or personal 
 MIN_PATIENCE_ROUNDS = 3
 
 
-class CoordinatorGone(Exception):
+class CoordinatorGone(UserError):
     """A client heard nothing from its coordinator for its whole patience; one line."""
 
 

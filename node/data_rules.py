@@ -12,8 +12,10 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from meshfl.protocol.errors import UserError
 
-class DataError(ValueError):
+
+class DataError(UserError, ValueError):
     """A user mistake about data: message is one clear line naming what is wrong and what is
     allowed."""
 

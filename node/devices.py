@@ -21,6 +21,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from meshfl.protocol.errors import UserError
+
 from .config import DEVICE_ALLOWED, DEVICE_PATTERN
 
 PRECISIONS: dict[str, torch.dtype | None] = {
@@ -30,7 +32,7 @@ PRECISIONS: dict[str, torch.dtype | None] = {
 }
 
 
-class DeviceError(ValueError):
+class DeviceError(UserError, ValueError):
     """The configured device is not on this machine; `str()` is one line."""
 
 

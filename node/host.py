@@ -15,9 +15,9 @@ cores. A node that waits for its peers holds nothing, and its endpoint's threads
 (heartbeats, fetches) run whenever they have something to do.
 
 Failure. A node that raises stops alone; the host and its other nodes go on. An
-expected condition (a full disk, a damaged checkpoint, a config or data error: the
-errors of node/errors.py) is one "meshfl: error:" line in its node.log and one in the
-host's own log, as a node in a process of its own says it; anything else is unexpected,
+expected condition (a full disk, a damaged checkpoint, a config or data error: any
+UserError, protocol/errors.py) is one "meshfl: error:" line in its node.log and one in
+the host's own log, as a node in a process of its own says it; anything else is unexpected,
 and its node.log gets the traceback. With `restarts` the host starts the node again at
 once, from its checkpoint, up to that many times in all: each restart, the host's or
 `meshfl launch`'s, is counted in the node's folder (RESTARTS_FILE). A node that fails
@@ -36,8 +36,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshfl.protocol.errors import UserError
+
 from .checkpoint import StorageError, write_atomically
-from .errors import USER_ERRORS
 from .joining import JoinTogether, LaunchGate
 from .logs import BARE, FORMAT, OneLineFormatter
 from .runtime import Node, NodeOptions
@@ -346,7 +347,7 @@ def _say_failed(name: str, error: Exception) -> None:
     """What node `name` stopped on, in its node.log and in the host's own log: one line
     for an expected condition, as a node alone in its process says it; the traceback,
     in its node.log, for anything else."""
-    if isinstance(error, USER_ERRORS):
+    if isinstance(error, UserError):
         log.error("meshfl: error: %s", error, extra={BARE: True})
         log.error("meshfl: error: %s: %s", name, error, extra={BARE: True, ROUTE: HOST_ONLY})
         return

@@ -29,8 +29,10 @@ from typing import cast
 import torch
 from torch import nn
 
+from meshfl.protocol.errors import UserError
 
-class ModelError(ValueError):
+
+class ModelError(UserError, ValueError):
     """A model the user asked for cannot be built (unknown name, bad shape)."""
 
 

@@ -27,6 +27,7 @@ from meshfl.algorithms import Aggregate, Context, PeerAlgorithm, PeerModel, buil
 from meshfl.algorithms.base import MODEL, draw_seed, weighted_average
 from meshfl.protocol.codecs import TOPK
 from meshfl.protocol.endpoint import Endpoint, EndpointSettings
+from meshfl.protocol.errors import UserError
 from meshfl.protocol.identity import Identity
 from meshfl.protocol.membership import liveness_stretch
 from meshfl.protocol.transport import TransportOptions, contact
@@ -83,7 +84,7 @@ def fail_if_planted(name: str, round_no: int) -> None:
         raise PlantedFailure(f"{name}: failing at round {round_no}, as {PLANTED_FAILURES} says")
 
 
-class JoinError(Exception):
+class JoinError(UserError):
     """Nobody answered a joining node; one line for the user."""
 
 

@@ -49,6 +49,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from meshfl.protocol.errors import UserError
+
 from . import config as cfgmod
 from .data_rules import NPZ_PREFIX, DataError
 from .models import body_keys, build_model, head_keys, seeded
@@ -64,7 +66,7 @@ READ_BATCH = 512
 SPLITS = ("train", "val", "test")
 
 
-class TaskError(ValueError):
+class TaskError(UserError, ValueError):
     """A task the user wrote cannot be used: one line naming the file and the problem."""
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from .addresses import resolved
 from .decoder import Decoder
+from .errors import UserError
 from .exchange import BlobExchange, Counts, FetchRecord
 from .identity import BadPublicKey, Identity, curve_public_key, node_id
 from .membership import ALIVE, LEFT, PeerEntry, PeerTable, liveness_stretch
@@ -109,7 +110,7 @@ class _HelloOut:
     sent: float  # monotonic
 
 
-class Refused(Exception):
+class Refused(UserError):
     """The mesh refused this process (its key is already live elsewhere)."""
 
 

@@ -19,6 +19,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PublicKey,
 )
 
+from .errors import UserError
+
 PUBLIC_KEY_BYTES = 32
 SIGNATURE_BYTES = 64
 # The prime of Curve25519 and Edwards25519: both curves share the field.
@@ -35,7 +37,7 @@ _SMALL_ORDER_Y = frozenset({1, _FIELD_PRIME - 1, 0, _ORDER_8_Y, _FIELD_PRIME - _
 WEAK_KEY = "weak_key"
 
 
-class KeyFileError(Exception):
+class KeyFileError(UserError):
     """A key file that cannot be used; the message is one line for the user."""
 
 

@@ -31,6 +31,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from .errors import UserError
 from .identity import is_usable_public_key
 
 log = logging.getLogger("meshfl.transport")
@@ -91,7 +92,7 @@ class LogOnce:
         self.logger.warning(text, *args)
 
 
-class TransportError(Exception):
+class TransportError(UserError):
     """The transport cannot start (bad address, port in use); one line for the user."""
 
 

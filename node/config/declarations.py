@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field
 
 from meshfl.protocol.addresses import TCP_ENDPOINT_FORM, TCP_ENDPOINT_PATTERN, tcp_endpoint
+from meshfl.protocol.errors import UserError
 from meshfl.protocol.identity import is_usable_public_key
 from meshfl.protocol.membership import PEER_NAME
 from meshfl.protocol.views import ViewSettings
@@ -36,7 +37,7 @@ DEVICE_PATTERN = r"auto|cpu|mps|cuda(:[0-9]+)?"  # node/devices.py finds what it
 DEVICE_ALLOWED = "auto, cpu, cuda, cuda:N or mps"
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A mistake in the configuration; `str()` is one line fit to show the user."""
 
     def __init__(self, message: str) -> None:
