@@ -11,7 +11,6 @@ import numpy as np
 from meshfl.protocol.exchange import FetchRecord
 from meshfl.protocol.identity import verify
 from meshfl.protocol.offers import Offer
-from meshfl.protocol.transport import TransportOptions
 from meshfl.protocol.wire import (
     RECORD_CONTEXT,
     announce_body,
@@ -214,44 +213,6 @@ def test_a_blob_whose_record_contradicts_its_announce_is_rejected_and_counted(sc
     assert endpoint.rejections()["offer_mismatch"] == 1
 
 
-def test_a_late_joiner_is_offered_the_latest_round_published_before_it_came(make_endpoint):
-    origin = make_endpoint("origin")
-    origin.start()
-    old, latest = (
-        make_blob(origin.identity, round_no, "model", model_arrays(round_no), schema=SCHEMA)
-        for round_no in (1, 2)
-    )
-    origin.publish(old)
-    origin.set_round(2)
-    origin.publish(latest)  # announced to nobody: nobody is there yet
-
-    late = make_endpoint("late")
-    late.start([origin.contact])
-    assert late.wait_joined(WAIT) and late.wait_for_peers(1, WAIT)
-    offers = late.wait_offers(2, {"model"}, {origin.identity.public_key}, time.monotonic() + WAIT)
-    assert [offer.id for offer in offers] == [latest.id]
-    assert late.offers(1) == [], "only the latest round is announced again"
-
-
-def test_a_joiner_far_behind_gets_the_offers_once_it_takes_the_mesh_round(make_endpoint):
-    origin = make_endpoint("origin")
-    origin.start()
-    origin.set_round(10)
-    blob = make_blob(origin.identity, 10, "model", model_arrays(10), schema=SCHEMA)
-    origin.publish(blob)
-
-    late = make_endpoint("late")
-    late.start([origin.contact])
-    assert late.wait_joined(WAIT) and late.wait_for_peers(1, WAIT)
-    # Round 10 is too far ahead of the joiner's round 0: that first announce is ignored.
-    assert poll_until(lambda: late.received["ignored_announce"] == 1)
-    assert late.offers(10) == []
-    late.set_round(10)
-    late.refresh_offers()
-    offers = late.wait_offers(10, {"model"}, {origin.identity.public_key}, time.monotonic() + WAIT)
-    assert [offer.id for offer in offers] == [blob.id]
-
-
 # --- a peer that lags behind never waits in vain; what left is what counts -----------
 
 
@@ -323,27 +284,6 @@ def test_a_broken_blob_answer_counts_as_a_miss_and_the_round_stops_waiting(conte
     assert endpoint.rejections()["shape_mismatch"] == 1
     with endpoint._lock:
         assert not endpoint.blobs.fetches.requested(broken.id), "its fetch slot is free again"
-
-
-def test_messages_dropped_at_the_high_water_mark_are_not_counted_as_sent(context, make_endpoint):
-    endpoint = make_endpoint("sender", transport=TransportOptions(send_hwm=2))
-    endpoint.start()
-    peer = RawPeer(context, endpoint.contact)
-    peer.join()
-    peer.inbox.close(linger=0)  # the peer is gone: nothing it was sent leaves any more
-    peer.out.close(linger=0)
-    time.sleep(0.3)
-    queued = 40
-    for round_no in range(1, queued + 1):
-        endpoint.publish(make_blob(endpoint.identity, round_no, "model", model_arrays(0)))
-    assert poll_until(lambda: endpoint.transport.dropped >= queued - 10)
-    sent = endpoint.stats()["bytes_sent_by_kind"]["announce"]
-    one = sent / (queued - endpoint.transport.dropped)
-    assert 50 < one < 500, "bytes of the announces that left, each counted once"
-    left = endpoint.transport.last_proof_of_life[peer.address]
-    endpoint.publish(make_blob(endpoint.identity, 99, "model", model_arrays(0)))
-    time.sleep(0.2)
-    assert endpoint.transport.last_proof_of_life[peer.address] == left, "dropped: no sign of life"
 
 
 def test_a_fetched_blob_taken_in_is_forgotten_but_never_our_own(make_endpoint):

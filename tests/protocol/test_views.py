@@ -22,7 +22,6 @@ import pytest
 import zmq
 
 from meshfl.node.config import MeshConfig
-from meshfl.protocol.addresses import network_group
 from meshfl.protocol.endpoint import Endpoint, EndpointSettings
 from meshfl.protocol.identity import Identity
 from meshfl.protocol.transport import TransportError, contact, free_ports
@@ -637,23 +636,6 @@ def test_cards_pack_to_plain_msgpack():
 
 
 # --- what one group of addresses, and one source, may hold ------------------------------
-
-
-@pytest.mark.parametrize(
-    ("address", "auto", "network"),
-    [
-        ("tcp://8.8.4.7:5000", "8.8.4.0/24", "8.8.4.0/24"),
-        ("tcp://192.168.1.7:5000", "tcp://192.168.1.7:5000", "192.168.1.0/24"),  # a LAN
-        ("tcp://[::ffff:8.8.4.7]:5000", "8.8.4.0/24", "8.8.4.0/24"),  # IPv4 as IPv6
-        ("tcp://127.0.0.1:5000", "tcp://127.0.0.1:5000", "127.0.0.0/24"),  # one machine
-        ("tcp://[2a00:1450:4001::5]:7", "2a00:1450:4001::/48", "2a00:1450:4001::/48"),
-        ("tcp://[::1]:7", "tcp://[::1]:7", "::/48"),
-    ],
-)
-def test_addresses_group_by_network_on_the_internet_and_not_on_a_lan(address, auto, network):
-    assert network_group(address) == auto
-    assert network_group(address, "network") == network
-    assert network_group(address, "port") == address
 
 
 def test_the_default_views_give_one_group_a_quarter_of_the_neighbours():
