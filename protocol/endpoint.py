@@ -16,7 +16,7 @@ import queue
 import random
 import threading
 import time
-from collections import Counter, OrderedDict, defaultdict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -26,6 +26,7 @@ from .decoder import Decoder
 from .errors import UserError
 from .exchange import BlobExchange, Counts, FetchRecord
 from .identity import BadPublicKey, Identity, curve_public_key, node_id
+from .inbox import INBOX_FULL, DirectInbox
 from .membership import ALIVE, LEFT, PeerEntry, PeerTable, liveness_stretch
 from .offers import Offer
 from .transport import (
@@ -61,10 +62,6 @@ from .wire import (
 from .wire import blob_id as id_of_record
 
 log = logging.getLogger("meshfl.endpoint")
-
-UNREAD_DIRECT, INBOX_FULL = "unread_direct", "inbox_full"
-# One round's direct message and the next round's may wait together; more is a flood.
-MAX_QUEUED_PER_SENDER = 2
 
 # What a receiver does not count as a sign of life (WIRE.md 7.3): a message of any other
 # kind to a peer stands in for a heartbeat to it.
@@ -212,8 +209,7 @@ class Endpoint:
         self._unlink_answers = _RateLimit(settings.status_per_second)
         self._about_checks = _RateLimit(settings.status_per_second)
         self._started = time.monotonic()
-        self._inboxes: dict[str, queue.Queue[Message]] = defaultdict(queue.Queue)
-        self._queued: Counter[tuple[str, bytes]] = Counter()  # (kind, sender) in the inboxes
+        self.inbox = DirectInbox(settings.direct_kinds)
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._send_lock = threading.Lock()
@@ -574,13 +570,7 @@ class Endpoint:
 
     def next_message(self, kind: str, timeout: float) -> Message | None:
         """The next message of a direct kind (upload, personal), or None."""
-        try:
-            message = self._inboxes[kind].get(timeout=timeout)
-        except queue.Empty:
-            return None
-        with self._lock:
-            self._queued[(kind, message.sender)] -= 1
-        return message
+        return self.inbox.next(kind, timeout)
 
     def rejections(self) -> dict[str, int]:
         """Messages dropped, by reason: the decoder's and the flows'."""
@@ -993,15 +983,15 @@ class Endpoint:
                 if self.blobs.awaits_blob_from(sender):
                     return True
                 self.received["unrequested_blob"] += 1
-            elif kind not in self.settings.direct_kinds:
-                self.flow_rejections[UNREAD_DIRECT if kind in BLOB_KINDS else "bad_header"] += 1
-            elif (
-                self.table.get(sender) is None
-                or self._queued[(kind, sender)] >= MAX_QUEUED_PER_SENDER
-            ):
-                self.flow_rejections[INBOX_FULL] += 1
+            elif kind not in BLOB_KINDS:
+                self.flow_rejections["bad_header"] += 1
             else:
-                return True
+                refusal = self.inbox.refusal(kind, sender)
+                if refusal is None and self.table.get(sender) is None:
+                    refusal = INBOX_FULL  # a stranger has no room in it
+                if refusal is None:
+                    return True
+                self.flow_rejections[refusal] += 1
         return False
 
     def _handle_frames(self, received: Received) -> None:
@@ -1410,17 +1400,11 @@ class Endpoint:
 
     def _on_direct(self, message: Message) -> None:
         """Queue an `upload` or `personal` for `next_message`, if this node reads that kind
-        and its sender has fewer than MAX_QUEUED_PER_SENDER waiting: a sender that floods
-        must not fill this node's memory (a message may be 256 MiB)."""
+        and its sender has room in the inbox (inbox.py)."""
         self.table.heard_from(message.sender, message.round)
-        queued = (message.kind, message.sender)
-        if message.kind not in self.settings.direct_kinds:
-            self.flow_rejections[UNREAD_DIRECT] += 1
-        elif self._queued[queued] >= MAX_QUEUED_PER_SENDER:
-            self.flow_rejections[INBOX_FULL] += 1
-        else:
-            self._queued[queued] += 1
-            self._inboxes[message.kind].put(message)
+        refusal = self.inbox.put(message)
+        if refusal is not None:
+            self.flow_rejections[refusal] += 1
 
 
 @functools.lru_cache(maxsize=4096)

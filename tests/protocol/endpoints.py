@@ -238,7 +238,7 @@ def delivered(endpoint: Endpoint) -> dict:
             "store_bytes": endpoint.blobs.store.bytes,
             "offers": sorted(endpoint.blobs.offer_book._offers),
             "fetched": list(endpoint.blobs.fetch_log),
-            "direct": {kind: box.qsize() for kind, box in endpoint._inboxes.items()},
+            "direct": endpoint.inbox.waiting(),
             "peers": sorted(entry.public_key for entry in endpoint.table.entries.values()),
         }
 
