@@ -1,6 +1,7 @@
-"""A node's round collection (Node.collect) over real endpoints on loopback: wanted blobs
-are fetched as their offers arrive, and the round's deadline bounds the whole wait; what
-comes in is decoded with unusable (NaN or inf) models refused."""
+"""A node's round collection (node/model_exchange.py, ModelExchange.collect) over real
+endpoints on loopback: wanted blobs are fetched as their offers arrive, and the round's
+deadline bounds the whole wait; what comes in is decoded with unusable (NaN or inf)
+models refused."""
 
 from __future__ import annotations
 
