@@ -4,6 +4,8 @@ a bounded view limits."""
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from meshfl.protocol.addresses import is_wire_endpoint, network_group, resolved, tcp_endpoint
@@ -40,11 +42,23 @@ def test_messages_may_name_ip_addresses_only():
     assert not is_wire_endpoint(b"tcp://10.0.0.7:7700")
 
 
-def test_a_node_tells_others_an_ip_address_and_leaves_what_does_not_resolve():
-    assert is_wire_endpoint(resolved("tcp://localhost:7700"))
+def test_a_node_tells_others_an_ip_address_and_leaves_what_does_not_resolve(monkeypatch):
+    answers = {
+        "node-a.lan": (socket.AF_INET, ("10.1.2.3", 7700)),
+        "node-b.lan": (socket.AF_INET6, ("fd00::7", 7700, 0, 0)),
+    }
+
+    def getaddrinfo(host, port, type=0):  # a resolver that knows two LAN names
+        if host not in answers:
+            raise socket.gaierror(host)
+        family, sockaddr = answers[host]
+        return [(family, type, 6, "", sockaddr)]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    assert resolved("tcp://node-a.lan:7700") == "tcp://10.1.2.3:7700"
+    assert resolved("tcp://node-b.lan:7700") == "tcp://[fd00::7]:7700"
     assert resolved("tcp://10.0.0.7:7700") == "tcp://10.0.0.7:7700"
-    unknown = "tcp://no-such-host.invalid:7700"  # .invalid never resolves (RFC 2606)
-    assert resolved(unknown) == unknown
+    assert resolved("tcp://no-such-host.lan:7700") == "tcp://no-such-host.lan:7700"
 
 
 @pytest.mark.parametrize(
