@@ -4,19 +4,18 @@ The endpoint runs a worker thread that decodes every incoming message, keeps the
 peer table, answers `hello` and `fetch`, and sends heartbeats. The node talks to
 it from its own thread: publish a blob, look at what peers announced, fetch the
 blobs it chooses, wait for them until a deadline. The blobs, offers and fetches
-themselves are the exchange's (exchange.py), and a bounded view's shuffles the
-view's (views.Shuffles); the endpoint passes them the messages.
+themselves are the exchange's (exchange.py), whom it links with and how its
+overlay's (overlay.py: a full mesh or a bounded view), its hellos and the keys it dials
+with the greetings' (greetings.py); the endpoint passes them the messages.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import queue
-import random
 import threading
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -25,10 +24,12 @@ from .addresses import resolved
 from .decoder import Decoder
 from .errors import UserError
 from .exchange import BlobExchange, Counts, FetchRecord
-from .identity import BadPublicKey, Identity, curve_public_key, node_id
+from .greetings import Greetings, curve_key_of
+from .identity import Identity, node_id
 from .inbox import INBOX_FULL, DirectInbox
 from .membership import ALIVE, LEFT, PeerEntry, PeerTable, liveness_stretch
 from .offers import Offer
+from .overlay import BoundedView, FullMesh, Overlay
 from .transport import (
     Encryption,
     LogOnce,
@@ -36,16 +37,8 @@ from .transport import (
     Transport,
     TransportOptions,
     contact,
-    split_contact,
 )
-from .views import (
-    UNSOLICITED_CARDS,
-    Candidate,
-    PassiveView,
-    Shuffles,
-    ViewSettings,
-    make_card,
-)
+from .views import ViewSettings
 from .wire import (
     BLOB_KINDS,
     KINDS,
@@ -79,12 +72,6 @@ UNSOLICITED_PEERS = "unsolicited_peers"  # a peer list that answers no hello of 
 ADDRESS_TAKEN = "address_taken"  # another key claims the address of a reached peer
 TABLE_FULL = "table_full"  # no room for a new peer (or for one more not yet reached)
 WORKER_ERROR = "worker_error"  # the worker raised: a bug, contained and logged
-# Bounded views (WIRE.md 7.7): a greeting while the node has all the neighbours it takes,
-# a shuffle from a node that is not a neighbour (views.py counts the rest).
-VIEW_FULL, NOT_LINKED = "view_full", "not_linked"
-GROUP_FULL = "group_full"  # a bounded view holds all the peers one network group may
-# Hellos of ours still waiting for their `peers` answer; the oldest are given up first.
-MAX_HELLOS_OUT = 1024
 # Nodes of other meshes noted (and answered) at most: strangers cannot grow it for good.
 MAX_OTHER_MESHES = 64
 
@@ -97,14 +84,6 @@ class OtherMesh:
     name: str
     address: str
     about: dict[str, str | int]
-
-
-@dataclass(frozen=True)
-class _HelloOut:
-    """A hello of ours awaiting its `peers` answer: only that may tell us peers."""
-
-    wants_peers: bool
-    sent: float  # monotonic
 
 
 class Refused(UserError):
@@ -196,7 +175,7 @@ class Endpoint:
             schema,
             self._admit,
             self._accept,
-            kept=self._is_peer,
+            kept=self.is_peer,
         )
         self.received: Counter[str] = Counter()  # messages delivered, by kind
         self.flow_rejections: Counter[str] = Counter()  # refusals after decoding, by reason
@@ -206,20 +185,20 @@ class Endpoint:
         # thread, so it must be quick and thread-safe.
         self.status_extra: Callable[[], dict[str, Any]] | None = None
         self._status_answers = _RateLimit(settings.status_per_second)
-        self._unlink_answers = _RateLimit(settings.status_per_second)
+        self.unlink_answers = _RateLimit(settings.status_per_second)
         self._about_checks = _RateLimit(settings.status_per_second)
         self._started = time.monotonic()
         self.inbox = DirectInbox(settings.direct_kinds)
-        self._lock = threading.RLock()
-        self._changed = threading.Condition(self._lock)
+        self.lock = threading.RLock()
+        self._changed = threading.Condition(self.lock)
         self._send_lock = threading.Lock()
         self.blobs = BlobExchange(
             settings.name,
             identity.public_key,
             self.table,
-            self._send,
+            self.send,
             Counts(self.received, self.flow_rejections),
-            self._lock,
+            self.lock,
             lambda: self.round,
             settings.store_bytes,
             settings.max_inflight,
@@ -228,45 +207,18 @@ class Endpoint:
         # Start from wall-clock nanoseconds so a restarted node's numbers keep rising.
         self._seq = time.time_ns()
         self._log_once = LogOnce(log)
-        # Our hellos still unanswered, by address: whether each asked for a peer list.
-        # Only their answers may tell this node peers (WIRE.md 7.1).
-        self._hellos_out: OrderedDict[str, _HelloOut] = OrderedDict()
-        self._bootstrap: set[str] = set()  # the addresses we were told to dial at start
-        self._contacts: dict[str, bytes | None] = {}  # all we were given, with known keys
         self._reached_seen = 0  # transport.reached_count when we last looked
-        self._unheard_seen = 0  # transport.unheard_count when we last looked
         self._joined = threading.Event()
         self._refusal = ""
         self._stopping = threading.Event()
-        # The CURVE key of the node at each address we may dial, learned with the Ed25519
-        # key that address came with (bootstrap contact, hello, heartbeat, peer list).
-        self._curve_keys: dict[str, bytes] = {}
-        # Bootstrap addresses given without a key: greeted once some message names it.
-        self._greet_when_keyed: set[str] = set()
-        # Bounded views (views.py): the peer table is the active view, these the rest.
+        # Whom the node links with (overlay.py), and the hellos it links by (greetings.py).
         self.views = settings.views
-        self._rng = random.Random(self.instance)
-        self.passive = (
-            PassiveView(self.views.passive, self._rng, self.views.limits.of_node_at(self.address))
-            if self.views
-            else PassiveView(0, self._rng)
-        )
-        self.shuffles = (
-            Shuffles(
-                make_card(identity, mesh_id, settings.name, self.address),
-                mesh_id,
-                self.views,
-                self.passive,
-                rng=self._rng,
-                is_peer=self._is_peer,
-                rejections=self.flow_rejections,
-            )
-            if self.views is not None
-            else None
-        )
+        self.overlay: Overlay = BoundedView(self, self.views) if self.views else FullMesh(self)
+        self.passive = self.overlay.passive
+        self.greetings = Greetings(self)
         # Set once the node has done its last round: it keeps the neighbours it has, to
         # serve them its last blob, and takes in and looks for no others.
-        self._finished = False
+        self.finished = False
         # Whether the node wants no link with the peer of this name (its record shows
         # clear harm): called on the worker thread, so it must only read.
         self.shuns: Callable[[str], bool] = lambda name: False
@@ -289,9 +241,9 @@ class Endpoint:
             "status_reply": self._on_status_reply,
             "upload": self._on_direct,
             "personal": self._on_direct,
-            "shuffle": self._on_shuffle,
-            "shuffle_reply": self._on_shuffle_reply,
-            "unlink": self._on_unlink,
+            "shuffle": self.overlay.on_shuffle,
+            "shuffle_reply": self.overlay.on_shuffle_reply,
+            "unlink": self.overlay.on_unlink,
         }
         missing = set(KINDS) ^ set(self._handlers)
         assert not missing, f"kinds without a handler, or handlers without a kind: {missing}"
@@ -307,7 +259,7 @@ class Endpoint:
             target=self._work, name=f"mesh {settings.name}", daemon=True
         )
 
-    def _is_peer(self, key: bytes) -> bool:
+    def is_peer(self, key: bytes) -> bool:
         return self.table.get(key) is not None
 
     @property
@@ -325,26 +277,10 @@ class Endpoint:
         admit = None
         if self.settings.allowlist is not None:
             listed = {
-                _curve_key(key) for key in [*self.settings.allowlist, self.identity.public_key]
+                curve_key_of(key) for key in [*self.settings.allowlist, self.identity.public_key]
             }
             admit = listed.__contains__
         return Encryption(self.identity.curve_public_key, self.identity.curve_secret_key, admit)
-
-    def _learn(self, address: str, public_key: bytes, from_its_owner: bool = True) -> None:
-        """Dial `address` with the CURVE key of `public_key` from now on. A third party's
-        word (a peer list) does not replace what the address's own node said."""
-        # Nor does anyone's word replace the key of an address we await an answer from:
-        # the answer must come from the node we dialled.
-        awaited = address in self._hellos_out and address in self._curve_keys
-        if (from_its_owner and not awaited) or address not in self._curve_keys:
-            curve_key = _curve_key(public_key)
-            if curve_key:
-                self._curve_keys[address] = curve_key
-        if address in self._greet_when_keyed and address in self._curve_keys:
-            # A bootstrap peer we could not dial: it dialled us first (or someone named
-            # its key). Our hello now gets the `peers` answer that makes us joined.
-            self._greet_when_keyed.discard(address)
-            self._say_hello(address)
 
     # --- the node's side --------------------------------------------------
 
@@ -355,60 +291,13 @@ class Endpoint:
             log.info(
                 "%s: listening encrypted; others dial it as %s", self.settings.name, self.contact
             )
-        keys: dict[str, bytes | None] = {}  # each address once, with its key where given
-        for address, key in map(split_contact, bootstrap):
-            if keys.get(address) is None:
-                keys[address] = key
-        own = (self.settings.address, self.address)
-        self._contacts = {address: key for address, key in keys.items() if address not in own}
-        targets = self._choose_contacts(list(self._contacts))
-        self.table.most_known = len(targets)
-        waiting = sorted(self._greet_when_keyed)
-        if waiting:
-            # Nodes started together learn each other's keys from the first hellos; a
-            # bare address with no such node behind it shows as nobody answering.
-            log.info(
-                "%s: will greet %s once the key of each is known (from its own hello or a "
-                "peer list)",
-                self.settings.name,
-                ", ".join(waiting),
-            )
+        greet = self.greetings.begin(bootstrap)
         self._worker.start()  # after the keys above are in place: it learns more
-        greet = [address for address in targets if address not in self._greet_when_keyed]
         for index, address in enumerate(greet):
             # One peer list is enough: the others were named to us already (WIRE.md 7.1).
-            self._say_hello(address, wants_peers=index == 0)
-        if not targets:
+            self.greetings.say_hello(address, wants_peers=index == 0)
+        if not self.greetings.bootstrap:
             self._joined.set()
-
-    def _choose_contacts(self, targets: list[str]) -> list[str]:
-        """Of the contacts `targets`, the ones to greet until they answer (the bootstrap:
-        all of them in a full mesh, as many as it wants neighbours in a bounded one), each
-        dialled with its key where known; one whose key is still unknown in an encrypted
-        mesh waits for it (`_greet_when_keyed`)."""
-        if self.views is not None:
-            targets = self._first_neighbours(self._contacts, targets)
-        for address in targets:
-            if (key := self._contacts[address]) is not None:
-                self._learn(address, key)
-            elif self.settings.encrypt and address not in self._curve_keys:
-                self._greet_when_keyed.add(address)
-        self._bootstrap = set(targets)
-        return targets
-
-    def _first_neighbours(self, keys: dict[str, bytes | None], targets: list[str]) -> list[str]:
-        """Of the contacts a node of a bounded mesh starts with (`keys`: their keys, where
-        known), the ones it greets (as many as it wants neighbours); the others, with
-        their keys, become candidates."""
-        contacts = list(targets)
-        self._rng.shuffle(contacts)
-        assert self.views is not None
-        first, rest = contacts[: self.views.neighbours], contacts[self.views.neighbours :]
-        for address in rest:
-            key = keys.get(address)
-            if key is not None:
-                self.passive.add(Candidate(key, address))
-        return first
 
     def wait_joined(self, timeout: float, until_other_mesh: bool = False) -> bool:
         """True once a peer answered our hello; raises Refused if the mesh refused us.
@@ -427,13 +316,12 @@ class Endpoint:
         return self._joined.is_set()
 
     def set_round(self, round_no: int) -> None:
-        if self.shuffles is not None:
-            self.shuffles.pace(self.round, round_no, time.monotonic())
+        self.overlay.pace(self.round, round_no)
         self.round = round_no
         self.blobs.forget_before(round_no)
 
     def peers(self) -> list[PeerEntry]:
-        with self._lock:
+        with self.lock:
             return [PeerEntry(**vars(entry)) for entry in self.table.entries.values()]
 
     def alive_peers(self) -> list[PeerEntry]:
@@ -443,30 +331,26 @@ class Endpoint:
     def expected_peers(self, mesh_size: int) -> int:
         """How many live peers a node of a `mesh_size`-node mesh can expect to have."""
         others = max(mesh_size - 1, 0)
-        return others if self.views is None else min(others, self.views.neighbours)
+        return self.overlay.expected_peers(others)
 
     def unlink(self, public_key: bytes) -> None:
         """Drop a neighbour of a bounded mesh: it is told (`unlink`), and another
         candidate is greeted in its place."""
-        with self._lock:
+        with self.lock:
             entry = self.table.get(public_key)
-            if self.views is None or entry is None:
-                return
-            self._send(entry.address, "unlink", {})
-            self._forget_neighbour(entry, drain=True)
-            self.passive.discard(public_key)  # not the candidate greeted in its place
-            self._fill_view()  # now, not at the next tick: the next round may wait for it
+            if entry is not None:
+                self.overlay.unlink(entry)
 
     def passive_size(self) -> int:
-        with self._lock:
+        with self.lock:
             return len(self.passive)
 
     def finish(self) -> None:
         """The node has done its last round (`set_round` past it): every live peer hears
         so now, not a heartbeat period from now, so that none lingers for it; a bounded
         view keeps the neighbours it has and looks for no others (WIRE.md 7.7)."""
-        with self._lock:
-            self._finished = True
+        with self.lock:
+            self.finished = True
             targets = [entry.address for entry in self.table.alive()]
         self._heartbeat(targets, time.monotonic())
 
@@ -476,11 +360,10 @@ class Endpoint:
         has no one more to give, waiting would only make the round late."""
         deadline = time.monotonic() + timeout
         with self._changed:
-            if self.views is not None:
-                self._fill_view()  # a place freed since the last tick: greeted for now
+            self.overlay.fill()  # a place freed since the last tick: greeted for now
             while len(self.table.alive()) < count:
                 left = deadline - time.monotonic()
-                if left <= 0 or (self.views is not None and not self._greeting()):
+                if left <= 0 or not self.overlay.may_wait():
                     return False
                 self._changed.wait(left)
         return True
@@ -488,22 +371,22 @@ class Endpoint:
     def publish(self, blob: Blob) -> None:
         """Hold `blob` for fetching and announce it to every live peer."""
         self.blobs.hold(blob)
-        with self._lock:
+        with self.lock:
             targets = [entry.address for entry in self.table.alive()]
         for address in targets:
-            self._send(address, "announce", announce_body(blob))
+            self.send(address, "announce", announce_body(blob))
 
     def refresh_offers(self) -> None:
         """Say hello again to every live peer; each re-announces its latest blobs. A late
         joiner calls this once it took the mesh's round: announces that came with its
         first hellos were too far ahead of its round 0 to be kept."""
         for entry in self.alive_peers():
-            self._say_hello(entry.address, wants_peers=False)
+            self.greetings.say_hello(entry.address, wants_peers=False)
 
     def changes(self) -> int:
         """A counter that moves whenever the endpoint handled a message or checked
         liveness: pass it to `wait_change` to sleep until something may have changed."""
-        with self._lock:
+        with self.lock:
             return self._changes
 
     def wait_change(self, seen: int, deadline: float) -> None:
@@ -561,11 +444,11 @@ class Endpoint:
 
     def send_blob(self, public_key: bytes, kind: str, blob: Blob, body: dict | None = None) -> bool:
         """Send a blob straight to one peer (the coordinator's upload / personal)."""
-        with self._lock:
+        with self.lock:
             entry = self.table.get(public_key)
         if entry is None:
             return False
-        self._send(entry.address, kind, body or {}, blob)
+        self.send(entry.address, kind, body or {}, blob)
         return True
 
     def next_message(self, kind: str, timeout: float) -> Message | None:
@@ -574,12 +457,12 @@ class Endpoint:
 
     def rejections(self) -> dict[str, int]:
         """Messages dropped, by reason: the decoder's and the flows'."""
-        with self._lock:
+        with self.lock:
             refused = Counter({REFUSED_HANDSHAKE: self.transport.refused_handshakes})
             return dict(Counter(self.decoder.rejection_counts()) + self.flow_rejections + refused)
 
     def stats(self) -> dict[str, Any]:
-        with self._lock:
+        with self.lock:
             return {
                 "bytes_in": self.transport.bytes_in,
                 "bytes_out": self.transport.bytes_out,
@@ -602,7 +485,7 @@ class Endpoint:
         if self._stopping.is_set():
             return
         for entry in self.alive_peers():
-            self._send(entry.address, "bye", {})
+            self.send(entry.address, "bye", {})
         self._stopping.set()
         self.transport.wake_reader()
         if self._worker.is_alive():
@@ -611,81 +494,7 @@ class Endpoint:
 
     # --- sending ----------------------------------------------------------
 
-    def _say_hello(self, address: str, wants_peers: bool = True) -> None:
-        """Greet `address`, and take its node's answer as a peer list (WIRE.md 7.1)."""
-        with self._lock:
-            self._hellos_out.pop(address, None)
-            self._hellos_out[address] = _HelloOut(wants_peers, time.monotonic())
-            while len(self._hellos_out) > MAX_HELLOS_OUT:
-                self._give_up_on(next(iter(self._hellos_out)))
-        body = self._hello_body(wants_peers)
-        if self.shuffles is not None:
-            body["card"] = self.shuffles.card.packed()
-        self._send(address, "hello", body)
-
-    def _greet_again(self, now: float, grace: float) -> list[tuple[str, bool]]:
-        """Our hellos unanswered for `grace`: a bootstrap contact is greeted again (a node
-        refused for want of room, or started before its contacts, must get in), any other
-        address given up, its connection closed (WIRE.md 7.1)."""
-        again = []
-        for address, hello in list(self._hellos_out.items()):
-            if now - hello.sent < grace:
-                continue
-            if self._contact_to_keep(address):
-                again.append((address, hello.wants_peers))
-            else:
-                self._give_up_on(address)
-        return again
-
-    def _give_up_on_unheard(self) -> bool:
-        """Give up at once the candidates we greeted where nobody listens (the connection
-        was refused); whether any was, for others to be greeted in their place. A dead
-        candidate must not hold a place of the view until the handshake grace runs out
-        (20 s in a host of 10 nodes, 200 s in one of 200). Bootstrap contacts are greeted
-        again while we have no neighbour (`_contact_to_keep`)."""
-        self._unheard_seen = self.transport.unheard_count
-        unheard = [
-            address
-            for address in list(self.transport.unheard)
-            if address in self._hellos_out
-            and not self._contact_to_keep(address)
-            and not self.table.at(address)
-        ]
-        for address in unheard:
-            self._give_up_on(address)
-        return bool(unheard)
-
-    def _give_up_on(self, address: str) -> None:
-        self._hellos_out.pop(address, None)
-        if not self.table.at(address) and not self._contact_to_keep(address):
-            self._release(address)
-
-    def _contact_to_keep(self, address: str) -> bool:
-        """Whether `address` is a contact we started with that is greeted until it
-        answers: in a full mesh, always (its members are its peer list); in a bounded
-        view, only while we have no neighbour. Once in, a contact is a candidate like any
-        other: one that died must not hold a place of the view for good, greeted again
-        every grace (a contact of a fifth of the nodes killed at once did, for the rest
-        of the run)."""
-        return address in self._bootstrap and (self.views is None or not self._has_neighbour())
-
-    def _has_neighbour(self) -> bool:
-        """Whether a bounded view holds a live neighbour that answered at its address (a
-        stranger's hello alone does not make one)."""
-        return any(entry.reached for entry in self.table.alive())
-
-    def _rejoin(self) -> list[tuple[str, bool]]:
-        """Greetings for a node of a bounded mesh left with no neighbour, no candidate and
-        no greeting (every node it knew died or left): its contacts, chosen and greeted
-        again as at its start (7.1) until one answers; a contact that was not up when the
-        node joined may be now."""
-        assert self.views is not None
-        if self._finished or self._greeting() or self.passive.entries or self._has_neighbour():
-            return []
-        chosen = self._choose_contacts(list(self._contacts))
-        return [(address, True) for address in chosen if address not in self._greet_when_keyed]
-
-    def _hello_body(self, wants_peers: bool = True) -> dict[str, Any]:
+    def hello_body(self, wants_peers: bool = True) -> dict[str, Any]:
         body: dict[str, Any] = {"name": self.settings.name, "addr": self.address}
         if self.settings.about is not None:
             body["about"] = self.settings.about
@@ -693,7 +502,7 @@ class Endpoint:
             body["list"] = False  # answer with yourself only: we know the mesh (WIRE.md 7.1)
         return body
 
-    def _send(
+    def send(
         self,
         address: str,
         kind: str,
@@ -704,7 +513,8 @@ class Endpoint:
     ) -> None:
         """`key`: the Ed25519 key of the node at `address`, when it is not the one learned
         for that address (an answer to a status probe or a twin)."""
-        server_key = _curve_key(key) if key is not None else self._curve_keys.get(address)
+        known = self.greetings.curve_keys
+        server_key = curve_key_of(key) if key is not None else known.get(address)
         # Numbering and queueing under one lock: messages leave in sequence order.
         with self._send_lock:
             self._seq += 1
@@ -727,7 +537,7 @@ class Endpoint:
     def may_come(self, offer: Offer) -> bool:
         """Whether a live peer may still send the blob `offer` names: its origin or a
         holder that is alive and did not answer a fetch of it with `miss`."""
-        with self._lock:
+        with self.lock:
             return self.blobs.pick_holder(offer) is not None
 
     # --- the worker thread -----------------------------------------------------
@@ -762,12 +572,9 @@ class Endpoint:
             self._read_up_to = received.arrived
             self._handle_frames(received)
         if self.transport.reached_count != self._reached_seen:
-            with self._lock:
+            with self.lock:
                 self._note_reached()
-        if self.transport.unheard_count != self._unheard_seen and self.views is not None:
-            with self._lock:
-                if self._give_up_on_unheard():
-                    self._fill_view()
+        self.overlay.note_unheard()
         if time.monotonic() >= next_beat:
             next_beat = time.monotonic() + self.settings.heartbeat_interval
             self._beat()
@@ -781,25 +588,18 @@ class Endpoint:
         known to a peer that lost us, say one restarted since."""
         now = time.monotonic()
         last_sent = self.transport.last_proof_of_life
-        shuffle = None
-        with self._lock:
+        with self.lock:
             self._note_reached()
             grace = self._unreached_grace()
             self._forget_stale(now, grace)
-            again = self._greet_again(now, grace)
+            again = self.greetings.again(now, grace)
             for entry in self.table.expire():
                 if entry.reached:  # one never reached is a stranger's word: forgotten soon
                     log.warning(
                         "%s: peer %s (%s) is down", self.settings.name, entry.name, entry.address
                     )
-                if self.views is not None:  # a neighbour: replaced from the passive view
-                    self._forget_neighbour(entry)
-            if self.shuffles is not None:
-                self._give_up_on_unheard()  # a contact refused before we had a neighbour
-                again += self._greet_candidates()
-                again = again or self._rejoin()
-                partners = [entry for entry in self.table.alive() if entry.reached]
-                shuffle = self.shuffles.due(now, partners, self.table.stretch())
+                self.overlay.on_down(entry)
+            again, shuffle = self.overlay.beat(now, again)
             period = self.settings.heartbeat_interval * self.table.stretch()
             # Silent for a period, give or take half a tick: the last tick's heartbeat
             # left (and was timed) a moment after that tick.
@@ -818,45 +618,15 @@ class Endpoint:
             self._changed.notify_all()
         self._heartbeat(targets, now)
         for address, wants_peers in again:
-            self._say_hello(address, wants_peers)
+            self.greetings.say_hello(address, wants_peers)
         if shuffle is not None:
-            self._send(*shuffle)
+            self.send(*shuffle)
 
     def _heartbeat(self, addresses: list[str], now: float) -> None:
-        body = self._hello_body()
+        body = self.hello_body()
         for address in addresses:
             self._last_beat[address] = now
-            self._send(address, "heartbeat", body)
-
-    def _fill_view(self) -> None:
-        """Greet now the candidates a bounded view lacks (`_greet_candidates`)."""
-        for address, wants_peers in self._greet_candidates():
-            self._say_hello(address, wants_peers)
-
-    def _greet_candidates(self) -> list[tuple[str, bool]]:
-        """Candidates to greet now: as many as the view lacks neighbours, less the ones
-        greeted already and not answered yet."""
-        assert self.views is not None
-        if self._finished:
-            return []
-        short = self.views.neighbours - self._links() - self._greeting()
-        if short <= 0:
-            return []
-        for candidate in list(self.passive.entries.values()):
-            if candidate.name and self.shuns(candidate.name):
-                self.passive.discard(candidate.key)  # the node wants no link with it
-        exclude = set(self.table.entries) | {self.identity.public_key}
-        friends = self.table.entries.keys() if self.views.friends_first else ()
-        greeted = [address for address in self._hellos_out if not self.table.at(address)]
-        chosen = self.passive.take(short, exclude, friends, self._linked_addresses() + greeted)
-        for candidate in chosen:
-            self._learn(candidate.addr, candidate.key, from_its_owner=False)
-        return [(candidate.addr, False) for candidate in chosen]
-
-    def _greeting(self, besides: str | None = None) -> int:
-        """How many nodes our hellos await that are not peers yet (but the one at
-        `besides`)."""
-        return sum(not self.table.at(address) for address in self._hellos_out if address != besides)
+            self.send(address, "heartbeat", body)
 
     def _note_reached(self) -> None:
         """Mark the peers whose address answered a handshake with their own key
@@ -870,7 +640,7 @@ class Endpoint:
         if entry.reached or entry.address not in reached:
             return
         dialled = reached[entry.address]
-        if dialled is None or dialled == _curve_key(entry.public_key):
+        if dialled is None or dialled == curve_key_of(entry.public_key):
             self.table.mark_reached(entry.public_key)
             log.info("%s: %s joined from %s", self.settings.name, entry.name, entry.address)
 
@@ -891,7 +661,7 @@ class Endpoint:
             or (entry.state == LEFT and now - entry.since > self.settings.forget_after)
         ]
         for entry in stale:
-            self._forget(entry)
+            self.forget(entry)
         if stale:
             log.info(
                 "%s: forgot %d peer(s) gone or never reached (latest: %s at %s)",
@@ -901,30 +671,23 @@ class Endpoint:
                 stale[-1].address,
             )
 
-    def _forget(self, entry: PeerEntry, drain: bool = False) -> None:
+    def forget(self, entry: PeerEntry, drain: bool = False) -> None:
         """Drop a peer and, unless another peer is there, its address."""
         self.table.forget(entry.public_key)
         if not self.table.at(entry.address):
-            self._release(entry.address, drain)
+            self.release(entry.address, drain)
 
-    def _forget_neighbour(self, entry: PeerEntry, drain: bool = False) -> None:
-        """A neighbour of a bounded view no longer: forgotten, its card not passed on."""
-        assert self.shuffles is not None, "a full mesh has no neighbours to forget"
-        self.shuffles.forget(entry.public_key)
-        self._forget(entry, drain)
-
-    def _release(self, address: str, drain: bool = False) -> None:
+    def release(self, address: str, drain: bool = False) -> None:
         """Close what dialling `address` holds: the connection (after what is queued for
         it, with `drain`), the key it is dialled with, our hello to it."""
         self.transport.forget(address, drain)
-        self._curve_keys.pop(address, None)
+        self.greetings.drop(address)
         self._last_beat.pop(address, None)
-        self._hellos_out.pop(address, None)
 
     def _may_enter(self, public_key: bytes, name: object, address: str) -> bool:
         """Whether a peer may enter the table at `address`, new or moved there: a name and
         an address no other live key holds, and room. Counted when refused."""
-        if self._name_refused(public_key, name):
+        if self.name_refused(public_key, name):
             return False
         holder = self.table.holder_of(address)
         if holder is not None and holder.public_key != public_key:
@@ -933,15 +696,8 @@ class Endpoint:
         known = self.table.get(public_key)
         if known is not None and known.address == address:
             return True
-        if known is None and (
-            self._view_is_full()
-            or (self.views is not None and (self._finished or self.shuns(str(name))))
-        ):
-            # No room, or none for a peer it shuns, or for anyone once it is done.
-            self.flow_rejections[VIEW_FULL] += 1
-            return False
-        if known is None and self._group_is_full(address):
-            self.flow_rejections[GROUP_FULL] += 1
+        if known is None and (refusal := self.overlay.refusal(str(name), address)):
+            self.flow_rejections[refusal] += 1
             return False
         # New here: it will be dialled, so it counts as unreached, whoever it is.
         self._make_room(public_key)
@@ -961,11 +717,11 @@ class Endpoint:
         others = [e for e in self.table.entries.values() if e.public_key != newcomer]
         unreached = [entry for entry in others if not entry.reached]
         if len(unreached) >= self.settings.max_unreached:
-            self._forget(min(unreached, key=lambda entry: entry.entered))
+            self.forget(min(unreached, key=lambda entry: entry.entered))
         elif len(others) >= self.settings.max_peers:
             gone = [entry for entry in others if entry.state != ALIVE or not entry.reached]
             if gone:
-                self._forget(min(gone, key=lambda entry: (entry.reached, entry.since)))
+                self.forget(min(gone, key=lambda entry: (entry.reached, entry.since)))
 
     def _worth_holding(self, frames: list[Any]) -> bool:
         """Whether a big message that just arrived may wait for the worker: authentic (its
@@ -978,7 +734,7 @@ class Endpoint:
         except Rejected:
             return False
         sender, kind = message.sender, message.kind
-        with self._lock:
+        with self.lock:
             if kind == "blob":
                 if self.blobs.awaits_blob_from(sender):
                     return True
@@ -1005,17 +761,17 @@ class Endpoint:
             if rejection.claim is None:
                 self._log_rejection(received.routing_id, rejection)  # else the node says more
             if rejection.reason == "duplicate_key" and refused is not None:
-                with self._lock:
+                with self.lock:
                     self._refuse(refused)
             elif refused is not None and refused.kind == "blob":
-                with self._lock:  # the holder will not send that blob: look elsewhere now
+                with self.lock:  # the holder will not send that blob: look elsewhere now
                     self.blobs.holder_failed(refused.sender, id_of_record(refused.body["record"]))
             elif rejection.claim is not None:
-                with self._lock:
+                with self.lock:
                     self._meet_other_mesh(rejection.claim)
                     self._changed.notify_all()
             return
-        with self._lock:
+        with self.lock:
             if message.sender == self.identity.public_key and message.instance == self.instance:
                 return  # sent to ourselves (some hello or peer list gave out our address)
             self.received[message.kind] += 1
@@ -1054,7 +810,7 @@ class Endpoint:
                 return None
             return "duplicate_key"
         address = message.body.get("addr") if message.kind in ("hello", "heartbeat") else None
-        with self._lock:
+        with self.lock:
             if self.table.conflicting_instance(message.sender, message.instance, address):
                 return "duplicate_key"
         return None
@@ -1073,9 +829,9 @@ class Endpoint:
         body = message.body
         met = OtherMesh(body["name"], body["addr"], dict(body["about"]))
         self.other_meshes[message.sender] = met
-        if self.settings.about is not None and met.address not in self._hellos_out:
+        if self.settings.about is not None and not self.greetings.awaits(met.address):
             # (a node we greeted has our `about` already: its answer is not answered)
-            self._send(met.address, "hello", self._hello_body(False), once=True, key=message.sender)
+            self.send(met.address, "hello", self.hello_body(False), once=True, key=message.sender)
         self.on_other_mesh(met)
 
     def _refuse(self, message: Message) -> None:
@@ -1083,7 +839,7 @@ class Endpoint:
         if message.kind == "hello" and isinstance(address, str):
             live = self.table.get(message.sender)
             where = live.address if live else self.address
-            self._send(
+            self.send(
                 address,
                 "refuse",
                 {"reason": f"key {node_id(message.sender)} is already live at {where}"},
@@ -1092,7 +848,7 @@ class Endpoint:
 
     # --- one handler per kind ----------------------------------------------
 
-    def _name_refused(self, key: bytes, name: object) -> bool:
+    def name_refused(self, key: bytes, name: object) -> bool:
         """True (and counted) when `key` may not go by `name` (membership.name_refusal):
         names are how rules and metrics tell peers apart, so two live keys never share one
         and nobody takes this node's own."""
@@ -1101,7 +857,7 @@ class Endpoint:
             self.flow_rejections[refusal] += 1
         return refusal is not None
 
-    def _take_in(self, message: Message, name: object, address: str) -> bool:
+    def take_in(self, message: Message, name: object, address: str) -> bool:
         """Add or refresh the sender as a peer at `address`, if it may enter the table;
         from now on it is dialled there with the CURVE twin of its key."""
         if not self._may_enter(message.sender, name, address):
@@ -1109,11 +865,11 @@ class Endpoint:
         assert isinstance(name, str)  # any other name is refused
         known = self.table.get(message.sender)
         old_address = known.address if known is not None else address
-        self._learn(address, message.sender)
+        self.greetings.learn(address, message.sender)
         came_back = self.table.upsert(message.sender, name, address, message.instance)
         self.passive.discard(message.sender)  # a neighbour now, no longer a candidate
         if old_address != address and not self.table.at(old_address):
-            self._release(old_address)  # moved: nothing of ours dials the old address
+            self.release(old_address)  # moved: nothing of ours dials the old address
         entry = self.table.heard_from(message.sender, message.round)
         if came_back and entry is not None and entry.reached:
             log.info("%s: %s is back at %s", self.settings.name, name, address)
@@ -1127,29 +883,25 @@ class Endpoint:
         name, address = message.body["name"], message.body["addr"]
         wants_peers = message.body.get("list", True) is not False
         if self.table.get(message.sender) is None and (
-            self._view_is_full(address) or (self.views is not None and self.shuns(name))
+            reason := self.overlay.turns_away(name, address)
         ):
-            self._turn_away(message.sender, address)
+            self._turn_away(message.sender, address, reason)
             return
-        if self.table.get(message.sender) is None and self._group_is_full(address):
-            self._turn_away(message.sender, address, GROUP_FULL)
+        if not self.take_in(message, name, address):
             return
-        if not self._take_in(message, name, address):
-            return
-        if self.shuffles is not None:
-            self.shuffles.keep(message.sender, message.body.get("card"), address)
+        self.overlay.took_greeter(message, address)
         listed = self._listed(message.sender) if wants_peers else []
-        self._send(address, "peers", self._peers_body(listed))
+        self.send(address, "peers", self._peers_body(listed))
         # Whoever says hello may have missed our announces: a late joiner, or a node
         # asking again once it took the mesh's round (refresh_offers).
         self.blobs.announce_latest(address)
 
-    def _link_answering(self, message: Message, name: object, address: str) -> bool:
-        """Take in the node that answered our hello, as `_take_in` does. It announced
+    def link_answering(self, message: Message, name: object, address: str) -> bool:
+        """Take in the node that answered our hello, as `take_in` does. It announced
         its latest blobs to us; it hears ours now: a peer in our round waits for our
         blob of it, which we may have announced before it knew us, until it hears that
         we are past that round (a heartbeat period, or more) (WIRE.md 7.1)."""
-        if not self._take_in(message, name, address):
+        if not self.take_in(message, name, address):
             return False
         self.blobs.announce_latest(address)
         return True
@@ -1158,142 +910,29 @@ class Endpoint:
         return {"name": self.settings.name, "addr": self.address, "key": self.identity.public_key}
 
     def _peers_body(self, listed: list[dict[str, Any]], linked: bool = True) -> dict[str, Any]:
-        body: dict[str, Any] = {"peers": [self._me(), *listed]}
-        if self.shuffles is not None:
-            body["card"] = self.shuffles.card.packed()
-            body["linked"] = linked
-        return body
+        return {"peers": [self._me(), *listed], **self.overlay.card_fields(linked)}
 
     def _listed(self, greeter: bytes) -> list[dict[str, Any]]:
-        """The peers a `peers` answer names: every live one in a full mesh; in a bounded
-        one, at most a shuffle's worth of neighbours, the greeter included."""
-        alive = self.table.alive()
-        if self.views is not None:
-            others = [entry for entry in alive if entry.public_key != greeter]
-            picked = self._rng.sample(others, min(len(others), self.views.shuffle_length - 1))
-            alive = [entry for entry in alive if entry.public_key == greeter] + picked
-        return [entry.describe() for entry in alive]
+        """The peers a `peers` answer to `greeter` names (overlay.listed)."""
+        return [entry.describe() for entry in self.overlay.listed(self.table.alive(), greeter)]
 
-    def _links(self) -> int:
-        """A bounded view's neighbours: peers not yet reached count, left ones do not."""
-        return sum(entry.state != LEFT for entry in self.table.entries.values())
-
-    def _view_is_full(self, greeter: str | None = None) -> bool:
-        """Whether a bounded view has as many neighbours as it takes (never, in a full
-        mesh). For the hello of a `greeter` at that address, the places our own hellos
-        await count as taken, less the greeter's own: greeters must not fill a view
-        that is greeting, or it would hold more connections than places."""
-        if self.views is None:
-            return False
-        held = self._links() + (self._greeting(besides=greeter) if greeter is not None else 0)
-        return held >= self.views.most
-
-    def _linked_addresses(self) -> list[str]:
-        """The addresses of a bounded view's neighbours (those that left not counted)."""
-        return [entry.address for entry in self.table.entries.values() if entry.state != LEFT]
-
-    def _group_is_full(self, address: str) -> bool:
-        """Whether a bounded view holds as many peers of `address`'s network group as one
-        group may hold (views.Limits; never in a full mesh)."""
-        if self.views is None:
-            return False
-        limits = self.passive.limits
-        return limits.crowded(address, self._linked_addresses(), limits.neighbours)
-
-    def _turn_away(self, key: bytes, address: str, reason: str = VIEW_FULL) -> None:
+    def _turn_away(self, key: bytes, address: str, reason: str) -> None:
         """Answer the hello of a node this view cannot take (`reason`): with some
         neighbours to try instead, and `linked: false` (WIRE.md 7.7). The answer goes
         over a connection of its own, so nothing stays open to the greeter."""
         self.flow_rejections[reason] += 1
         body = self._peers_body(self._listed(key), linked=False)
-        self._send(address, "peers", body, once=True, key=key)
-
-    def _answered_hello(self, message: Message) -> bool | None:
-        """Whether our hello that `message`, a peer list, answers asked for a list; None
-        when it answers no hello of ours. It must come from the key whose CURVE twin we
-        dialled that address with, or (unencrypted, a bare address) list itself there."""
-        curve_key = _curve_key(message.sender)
-        own = [e["addr"] for e in message.body["peers"] if e["key"] == message.sender]
-        answered = next(
-            (address for address in self._hellos_out if self._curve_keys.get(address) == curve_key),
-            next(
-                (a for a in self._hellos_out if a not in self._curve_keys and a in own),
-                None,
-            ),
-        )
-        return None if answered is None else self._hellos_out.pop(answered).wants_peers
+        self.send(address, "peers", body, once=True, key=key)
 
     def _on_peers(self, message: Message) -> None:
-        """Take a peer list only in answer to our own hello, and greet at most
-        `max_peers` of the addresses it names: nobody can aim this node at
-        addresses of their choosing (WIRE.md 7.1). Entries were checked by the decoder."""
-        wanted_list = self._answered_hello(message)
+        """Take a peer list only in answer to our own hello (WIRE.md 7.1); what it makes
+        of the list is the overlay's. Entries were checked by the decoder."""
+        wanted_list = self.greetings.answered(message)
         if wanted_list is None:
             self.flow_rejections[UNSOLICITED_PEERS] += 1
             return
-        if self.views is not None:
-            self._on_view_answer(message)
-            return
-        introduced = 0
-        for item in message.body["peers"]:
-            key, name, address = item["key"], item["name"], item["addr"]
-            if key == message.sender:
-                self._link_answering(message, name, address)
-            elif not wanted_list or key == self.identity.public_key:
-                continue  # a list we did not ask for, or ourselves
-            elif self.table.get(key) is None and address not in self._hellos_out:
-                # No more than the table can take: a list comes only from a node we
-                # greeted, yet it must not make us dial without end.
-                if introduced == self.settings.max_peers or self._name_refused(key, name):
-                    continue
-                introduced += 1
-                self._learn(address, key, from_its_owner=False)
-                self._say_hello(address, wants_peers=False)
+        self.overlay.on_peers(message, wanted_list)
         self._joined.set()
-
-    def _on_view_answer(self, message: Message) -> None:
-        """A bounded mesh's answer to our hello: every peer it names becomes a candidate,
-        and the sender our neighbour if it took us (WIRE.md 7.7)."""
-        own = self.identity.public_key
-        answering = None
-        for item in message.body["peers"]:
-            key, name, address = item["key"], item["name"], item["addr"]
-            if key == message.sender:
-                answering = item
-            elif key != own and self.table.get(key) is None:
-                # The answering node's neighbours, as it named them.
-                sender = message.sender
-                self.passive.add(Candidate(key, address, name=name, via=sender, source=sender))
-        if answering is not None:
-            self._answered_by(message, answering["name"], answering["addr"])
-        self._joined.set()
-
-    def _answered_by(self, message: Message, name: str, address: str) -> None:
-        """The node that answered our hello, at `address`: our neighbour if it took us
-        (`linked`), else a candidate for later."""
-        assert self.shuffles is not None, "only a bounded view's hellos are answered so"
-        key = message.sender
-        if message.body.get("linked", True):
-            if self._link_answering(message, name, address):
-                self.shuffles.keep(key, message.body.get("card"), address)
-                return
-            # It linked us, but we cannot take it (no room left, none for its network
-            # group, or a node we shun by name, known before by address alone): it must
-            # hear so.
-            self._send(address, "unlink", {}, once=True, key=key)
-            if not self.table.at(address):
-                # The connection our hello opened, once the unlink is out over it.
-                self._release(address, drain=True)
-            if not self.shuns(name):
-                self.passive.add(Candidate(key, address, name=name))
-        elif self.table.get(key) is None:
-            self._release(address)
-            # Turned away: the candidates it named are greeted now, not a tick from now
-            # (a mesh starting together fills its views in a few round trips); the node
-            # that has no room for us becomes a candidate only after.
-            self._fill_view()
-            card = self.shuffles.card_of(key, message.body.get("card"), address)
-            self.passive.add(Candidate(key, address, card, name))
 
     def _on_refuse(self, message: Message) -> None:
         if not self._joined.is_set():
@@ -1306,51 +945,13 @@ class Endpoint:
         name, address = message.body.get("name"), message.body.get("addr")
         if not isinstance(address, str):  # the decoder checked any address it carries
             return
-        if self.views is None:
-            self._take_in(message, name, address)  # a full mesh learns members so (7.1)
-            return
-        # A bounded view links by hello alone. This node takes us for its neighbour: our
-        # unlink crossed its heartbeat or was lost, or we took it for dead. It must hear
-        # that we are not, or it would wait on us every round (WIRE.md 7.7).
-        self.flow_rejections[NOT_LINKED] += 1
-        if self._unlink_answers.allow():  # each costs a connection to a named address
-            self._send(address, "unlink", {}, once=True, key=message.sender)
+        self.overlay.on_stranger_heartbeat(message, name, address)
 
     def _on_bye(self, message: Message) -> None:
         entry = self.table.mark_left(message.sender)
         if entry is not None:
             log.info("%s: %s left", self.settings.name, entry.name)
             self.transport.forget(entry.address)
-
-    def _on_unlink(self, message: Message) -> None:
-        """A neighbour dropped us: forgotten, and not kept as a candidate (it did not want
-        us; greeting it back would undo its choice). Its place is filled from the passive
-        view now, not at the next tick (WIRE.md 7.7): neighbours drop one another as their
-        rounds end, nearly together, and a place left empty until the next tick is one
-        the next round may begin without."""
-        entry = self.table.get(message.sender)
-        if self.views is None or entry is None:
-            return
-        self._forget_neighbour(entry)
-        self._fill_view()
-
-    def _on_shuffle(self, message: Message) -> None:
-        """A neighbour's shuffle: the cards it carried kept as candidates, and answered
-        with as many of ours (views.Shuffles). Only neighbours shuffle with us
-        (`not_linked`)."""
-        entry = self.table.get(message.sender)
-        if self.shuffles is None or entry is None:
-            self.flow_rejections[NOT_LINKED] += 1
-            return
-        answer = self.shuffles.take_shuffle(message.sender, message.body)
-        if answer is not None:
-            self._send(entry.address, "shuffle_reply", answer)
-
-    def _on_shuffle_reply(self, message: Message) -> None:
-        if self.shuffles is None:
-            self.flow_rejections[UNSOLICITED_CARDS] += 1
-            return
-        self.shuffles.take_reply(message.sender, message.body)
 
     def _on_status(self, message: Message) -> None:
         # Not `heard_from`: the asker may be a probe holding a peer's key, and it says
@@ -1360,7 +961,7 @@ class Endpoint:
             return
         address = message.body["addr"]
         is_peer = any(entry.address == address for entry in self.table.entries.values())
-        self._send(
+        self.send(
             address,
             "status_reply",
             {"status": self._status()},
@@ -1405,15 +1006,6 @@ class Endpoint:
         refusal = self.inbox.put(message)
         if refusal is not None:
             self.flow_rejections[refusal] += 1
-
-
-@functools.lru_cache(maxsize=4096)
-def _curve_key(public_key: bytes) -> bytes:
-    """The CURVE key bound to an Ed25519 public key; empty for bytes that are none."""
-    try:
-        return curve_public_key(public_key)
-    except BadPublicKey:
-        return b""
 
 
 def _version_hint(rejection: Rejected) -> str:

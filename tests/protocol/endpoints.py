@@ -231,7 +231,7 @@ def valid_header(scene: Scene, kind: str = "heartbeat", body: dict | None = None
 
 def delivered(endpoint: Endpoint) -> dict:
     """Everything a rejected message must not change."""
-    with endpoint._lock:
+    with endpoint.lock:
         return {
             "received": Counter(endpoint.received),
             "store": sorted(endpoint.blobs.store._blobs),

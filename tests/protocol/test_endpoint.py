@@ -377,9 +377,9 @@ def test_messages_are_decoded_without_holding_the_endpoint_lock(context, make_en
     decode = endpoint.decoder.decode
 
     def try_the_lock() -> None:
-        taken = endpoint._lock.acquire(timeout=0.5)
+        taken = endpoint.lock.acquire(timeout=0.5)
         if taken:
-            endpoint._lock.release()
+            endpoint.lock.release()
         lock_free_while_decoding.append(taken)
 
     def observed_decode(frames):

@@ -126,7 +126,7 @@ def test_fetches_in_flight_per_peer_are_capped(context, make_endpoint):
     endpoint.fetch(offers)
     asked = [m.body["id"] for m in holder.collect("fetch", 0.5)]
     assert len(asked) == 2  # the cap, and not one more while none is answered
-    with endpoint._lock:
+    with endpoint.lock:
         assert len(endpoint.blobs.fetches.in_flight[holder.public_key]) == 2
         assert len(endpoint.blobs.fetches.waiting[holder.public_key]) == 3
 
@@ -144,7 +144,7 @@ def test_fetches_in_flight_per_peer_are_capped(context, make_endpoint):
     got = endpoint.wait_blobs(by_id, time.monotonic() + WAIT)
     assert set(got) == set(by_id)
     assert len(endpoint.blobs.fetch_log) == 5
-    with endpoint._lock:
+    with endpoint.lock:
         assert not endpoint.blobs.fetches.in_flight[holder.public_key]
         assert not endpoint.blobs.fetches.waiting[holder.public_key]
 
@@ -198,7 +198,7 @@ def test_a_blob_whose_record_contradicts_its_announce_is_rejected_and_counted(sc
     after = delivered(endpoint)
     assert (after["store"], after["fetched"]) == (before["store"], before["fetched"])
     assert endpoint.offers(1) == [], "the lying offer is dropped, not fetched again"
-    with endpoint._lock:
+    with endpoint.lock:
         assert not endpoint.blobs.fetches.requested(blob.id), "its fetch slot is free again"
 
     # A truthful announce of the same blob is taken, and the blob with it.
@@ -282,7 +282,7 @@ def test_a_broken_blob_answer_counts_as_a_miss_and_the_round_stops_waiting(conte
     assert poll_until(lambda: not endpoint.may_come(offer), WAIT)
     assert time.monotonic() - asked < 2.0, "told by the answer, not after a deadline"
     assert endpoint.rejections()["shape_mismatch"] == 1
-    with endpoint._lock:
+    with endpoint.lock:
         assert not endpoint.blobs.fetches.requested(broken.id), "its fetch slot is free again"
 
 

@@ -77,7 +77,7 @@ def peers_beat_while(context, make_endpoint, caplog, held_up) -> None:
 
 def test_a_node_that_reads_its_inbox_late_does_not_blame_its_peers(context, make_endpoint, caplog):
     # The node's worker is held up (a busy process): the heartbeats wait in its inbox.
-    peers_beat_while(context, make_endpoint, caplog, lambda endpoint: endpoint._lock)
+    peers_beat_while(context, make_endpoint, caplog, lambda endpoint: endpoint.lock)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,454 @@
+"""Whom a node links with: every member of the mesh, or a bounded view of it.
+
+The endpoint leaves to its overlay everything that differs between the two: whom it
+greets first and keeps greeting, whom it takes in or turns away, what its hellos and
+peer lists carry, and what it makes of a peer list, a stranger's heartbeat, an unlink or
+a shuffle. `FullMesh` makes every node a peer of every other (WIRE.md 7.1); `BoundedView`
+keeps a few neighbours, and candidates for their places that shuffles refresh (7.7).
+Both are called on the endpoint's worker thread or with its lock held.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import TYPE_CHECKING, Any
+
+from .membership import LEFT, PeerEntry
+from .views import (
+    UNSOLICITED_CARDS,
+    Candidate,
+    PassiveView,
+    Shuffles,
+    ViewSettings,
+    make_card,
+)
+from .wire import Message
+
+if TYPE_CHECKING:
+    from .endpoint import Endpoint
+
+# Refusals an overlay counts beside the decoder's (WIRE.md 7.7): a greeting while the node
+# has all the neighbours it takes, a shuffle from a node that is not a neighbour, a
+# bounded view holding all the peers one network group may (views.py counts the rest).
+VIEW_FULL, NOT_LINKED = "view_full", "not_linked"
+GROUP_FULL = "group_full"
+
+Greeting = tuple[str, bool]  # an address to greet, and whether to ask it for a peer list
+
+
+class Overlay:
+    """What the endpoint asks of its topology; see the module's docstring. Where a method
+    has a body here, it is what a full mesh does."""
+
+    views: ViewSettings | None  # None for a full mesh
+    passive: PassiveView  # candidates for a neighbour's place (none in a full mesh)
+
+    def __init__(self, endpoint: Endpoint) -> None:
+        self.endpoint = endpoint
+
+    def first_contacts(self, targets: list[str]) -> list[str]:
+        """Of the contacts the node was given, those it greets at its start."""
+        raise NotImplementedError
+
+    def keeps_contacts(self) -> bool:
+        """Whether a contact the node started with is greeted again until it answers."""
+        raise NotImplementedError
+
+    def expected_peers(self, others: int) -> int:
+        """How many live peers a node can expect where `others` nodes besides it run."""
+        raise NotImplementedError
+
+    def unlink(self, entry: PeerEntry) -> None:
+        """Drop the peer `entry` at the node's wish (a full mesh drops nobody)."""
+
+    def fill(self) -> None:
+        """Greet now whoever takes the places a peer left (a full mesh has no places)."""
+
+    def may_wait(self) -> bool:
+        """Whether waiting for more live peers may still be answered."""
+        return True
+
+    def card_fields(self, linked: bool | None = None) -> dict[str, Any]:
+        """What a hello (`linked` None) or a peer list adds to its body."""
+        return {}
+
+    def note_unheard(self) -> None:
+        """The transport found nobody at some address we dialled."""
+
+    def on_down(self, entry: PeerEntry) -> None:
+        """The peer `entry` was just marked down."""
+
+    def beat(self, now: float, again: list[Greeting]) -> tuple[list[Greeting], tuple | None]:
+        """At a heartbeat tick: the greetings to send (`again`, the hellos to repeat, and
+        more), and a shuffle to send, if one is due (a `_send` argument tuple)."""
+        return again, None
+
+    def refusal(self, name: str, address: str) -> str | None:
+        """Why a new peer may not enter at `address`, or None."""
+        return None
+
+    def turns_away(self, name: str, address: str) -> str | None:
+        """Why the hello of a new peer at `address` is answered with other nodes to try
+        instead of a link, or None."""
+        return None
+
+    def took_greeter(self, message: Message, address: str) -> None:
+        """The node at `address` that said hello (`message`) is now a peer."""
+
+    def listed(self, alive: list[PeerEntry], greeter: bytes) -> list[PeerEntry]:
+        """Which of the live peers `alive` a peer list to `greeter` names."""
+        return alive
+
+    def on_peers(self, message: Message, wanted_list: bool) -> None:
+        """The peer list `message` answers our hello (which asked for one: `wanted_list`)."""
+        raise NotImplementedError
+
+    def on_stranger_heartbeat(self, message: Message, name: object, address: str) -> None:
+        """A heartbeat from a node that is not a peer, at `address`."""
+        raise NotImplementedError
+
+    def on_unlink(self, message: Message) -> None:
+        """A peer dropped us."""
+
+    def on_shuffle(self, message: Message) -> None:
+        self.endpoint.flow_rejections[NOT_LINKED] += 1
+
+    def on_shuffle_reply(self, message: Message) -> None:
+        self.endpoint.flow_rejections[UNSOLICITED_CARDS] += 1
+
+    def pace(self, old_round: int, new_round: int) -> None:
+        """The node moved from round `old_round` to `new_round`."""
+
+
+class FullMesh(Overlay):
+    """Every node a peer of every other: a node greets all it is told of (WIRE.md 7.1)."""
+
+    views = None
+
+    def __init__(self, endpoint: Endpoint) -> None:
+        super().__init__(endpoint)
+        self.passive = PassiveView(0, random.Random(endpoint.instance))
+
+    def first_contacts(self, targets: list[str]) -> list[str]:
+        return targets
+
+    def keeps_contacts(self) -> bool:
+        return True  # its members are its peer list
+
+    def expected_peers(self, others: int) -> int:
+        return others
+
+    def on_peers(self, message: Message, wanted_list: bool) -> None:
+        """Take in the node that answered, and greet at most `max_peers` of the others the
+        list names: nobody can aim this node at addresses of their choosing (7.1)."""
+        endpoint = self.endpoint
+        introduced = 0
+        for item in message.body["peers"]:
+            key, name, address = item["key"], item["name"], item["addr"]
+            if key == message.sender:
+                endpoint.link_answering(message, name, address)
+            elif not wanted_list or key == endpoint.identity.public_key:
+                continue  # a list we did not ask for, or ourselves
+            elif endpoint.table.get(key) is None and not endpoint.greetings.awaits(address):
+                # No more than the table can take: a list comes only from a node we
+                # greeted, yet it must not make us dial without end.
+                limit = endpoint.settings.max_peers
+                if introduced == limit or endpoint.name_refused(key, name):
+                    continue
+                introduced += 1
+                endpoint.greetings.learn(address, key, from_its_owner=False)
+                endpoint.greetings.say_hello(address, wants_peers=False)
+
+    def on_stranger_heartbeat(self, message: Message, name: object, address: str) -> None:
+        self.endpoint.take_in(message, name, address)  # a full mesh learns members so (7.1)
+
+
+class BoundedView(Overlay):
+    """A few neighbours, links made by hello alone, and a passive view of candidates for
+    their places, refreshed by shuffles with the neighbours (WIRE.md 7.7)."""
+
+    views: ViewSettings
+
+    def __init__(self, endpoint: Endpoint, views: ViewSettings) -> None:
+        super().__init__(endpoint)
+        self.views = views
+        self.rng = random.Random(endpoint.instance)
+        address = endpoint.address
+        self.passive = PassiveView(views.passive, self.rng, views.limits.of_node_at(address))
+        self.shuffles = Shuffles(
+            make_card(endpoint.identity, endpoint.mesh_id, endpoint.settings.name, address),
+            endpoint.mesh_id,
+            views,
+            self.passive,
+            rng=self.rng,
+            is_peer=endpoint.is_peer,
+            rejections=endpoint.flow_rejections,
+        )
+        self._unheard_seen = 0  # transport.unheard_count when we last looked
+
+    # --- joining and keeping the view full -------------------------------------------
+
+    def first_contacts(self, targets: list[str]) -> list[str]:
+        """As many of the contacts as the node wants neighbours; the others, with their
+        keys where known, become candidates."""
+        contacts = list(targets)
+        self.rng.shuffle(contacts)
+        first, rest = contacts[: self.views.neighbours], contacts[self.views.neighbours :]
+        keys = self.endpoint.greetings.contacts
+        for address in rest:
+            key = keys.get(address)
+            if key is not None:
+                self.passive.add(Candidate(key, address))
+        return first
+
+    def keeps_contacts(self) -> bool:
+        """Only while the node has no neighbour. Once in, a contact is a candidate like
+        any other: one that died must not hold a place of the view for good, greeted
+        again every grace (a contact of a fifth of the nodes killed at once did, for the
+        rest of the run)."""
+        return not self.has_neighbour()
+
+    def expected_peers(self, others: int) -> int:
+        return min(others, self.views.neighbours)
+
+    def has_neighbour(self) -> bool:
+        """Whether the view holds a live neighbour that answered at its address (a
+        stranger's hello alone does not make one)."""
+        return any(entry.reached for entry in self.endpoint.table.alive())
+
+    def unlink(self, entry: PeerEntry) -> None:
+        """The neighbour is told (`unlink`), and another candidate is greeted in its place."""
+        self.endpoint.send(entry.address, "unlink", {})
+        self.forget_neighbour(entry, drain=True)
+        self.passive.discard(entry.public_key)  # not the candidate greeted in its place
+        self.fill()  # now, not at the next tick: the next round may wait for it
+
+    def may_wait(self) -> bool:
+        """Only while a candidate greeted for a place the view lacks has yet to answer:
+        when the mesh has no one more to give, waiting would only make the round late."""
+        return self.greeting() > 0
+
+    def fill(self) -> None:
+        """Greet now the candidates the view lacks (`_candidates_to_greet`)."""
+        for address, wants_peers in self._candidates_to_greet():
+            self.endpoint.greetings.say_hello(address, wants_peers)
+
+    def _candidates_to_greet(self) -> list[Greeting]:
+        """As many candidates as the view lacks neighbours, less the ones greeted already
+        and not answered yet."""
+        endpoint = self.endpoint
+        if endpoint.finished:
+            return []
+        short = self.views.neighbours - self.links() - self.greeting()
+        if short <= 0:
+            return []
+        for candidate in list(self.passive.entries.values()):
+            if candidate.name and endpoint.shuns(candidate.name):
+                self.passive.discard(candidate.key)  # the node wants no link with it
+        table = endpoint.table
+        exclude = set(table.entries) | {endpoint.identity.public_key}
+        friends = table.entries.keys() if self.views.friends_first else ()
+        greeted = [address for address in endpoint.greetings.out if not table.at(address)]
+        chosen = self.passive.take(short, exclude, friends, self.linked_addresses() + greeted)
+        for candidate in chosen:
+            endpoint.greetings.learn(candidate.addr, candidate.key, from_its_owner=False)
+        return [(candidate.addr, False) for candidate in chosen]
+
+    def greeting(self, besides: str | None = None) -> int:
+        """How many nodes our hellos await that are not peers yet (but the one at
+        `besides`)."""
+        table = self.endpoint.table
+        out = self.endpoint.greetings.out
+        return sum(not table.at(address) for address in out if address != besides)
+
+    def _rejoin(self) -> list[Greeting]:
+        """Greetings for a node left with no neighbour, no candidate and no greeting
+        (every node it knew died or left): its contacts, chosen and greeted again as at
+        its start (7.1) until one answers; a contact that was not up when the node joined
+        may be now."""
+        endpoint = self.endpoint
+        if endpoint.finished or self.greeting() or self.passive.entries or self.has_neighbour():
+            return []
+        greetings = endpoint.greetings
+        chosen = greetings.choose_contacts()
+        return [(address, True) for address in chosen if address not in greetings.when_keyed]
+
+    def note_unheard(self) -> None:
+        transport = self.endpoint.transport
+        if transport.unheard_count == self._unheard_seen:
+            return
+        with self.endpoint.lock:
+            if self._give_up_on_unheard():
+                self.fill()
+
+    def _give_up_on_unheard(self) -> bool:
+        """Give up at once the candidates we greeted where nobody listens (the connection
+        was refused); whether any was, for others to be greeted in their place. A dead
+        candidate must not hold a place of the view until the handshake grace runs out
+        (20 s in a host of 10 nodes, 200 s in one of 200). Bootstrap contacts are greeted
+        again while we have no neighbour (`keeps_contacts`)."""
+        endpoint, greetings = self.endpoint, self.endpoint.greetings
+        self._unheard_seen = endpoint.transport.unheard_count
+        unheard = [
+            address
+            for address in list(endpoint.transport.unheard)
+            if address in greetings.out
+            and not greetings.to_keep(address)
+            and not endpoint.table.at(address)
+        ]
+        for address in unheard:
+            greetings.give_up_on(address)
+        return bool(unheard)
+
+    def on_down(self, entry: PeerEntry) -> None:
+        self.forget_neighbour(entry)  # replaced from the passive view
+
+    def beat(self, now: float, again: list[Greeting]) -> tuple[list[Greeting], tuple | None]:
+        self._give_up_on_unheard()  # a contact refused before we had a neighbour
+        again = again + self._candidates_to_greet()
+        again = again or self._rejoin()
+        table = self.endpoint.table
+        partners = [entry for entry in table.alive() if entry.reached]
+        return again, self.shuffles.due(now, partners, table.stretch())
+
+    def forget_neighbour(self, entry: PeerEntry, drain: bool = False) -> None:
+        """A neighbour no longer: forgotten, its card not passed on."""
+        self.shuffles.forget(entry.public_key)
+        self.endpoint.forget(entry, drain)
+
+    def pace(self, old_round: int, new_round: int) -> None:
+        self.shuffles.pace(old_round, new_round, time.monotonic())
+
+    # --- who may link ------------------------------------------------------------------
+
+    def links(self) -> int:
+        """The view's neighbours: peers not yet reached count, left ones do not."""
+        return sum(entry.state != LEFT for entry in self.endpoint.table.entries.values())
+
+    def is_full(self, greeter: str | None = None) -> bool:
+        """Whether the view has as many neighbours as it takes. For the hello of a
+        `greeter` at that address, the places our own hellos await count as taken, less
+        the greeter's own: greeters must not fill a view that is greeting, or it would
+        hold more connections than places."""
+        held = self.links() + (self.greeting(besides=greeter) if greeter is not None else 0)
+        return held >= self.views.most
+
+    def linked_addresses(self) -> list[str]:
+        """The addresses of the neighbours (those that left not counted)."""
+        entries = self.endpoint.table.entries.values()
+        return [entry.address for entry in entries if entry.state != LEFT]
+
+    def group_is_full(self, address: str) -> bool:
+        """Whether the view holds as many peers of `address`'s network group as one group
+        may hold (views.Limits)."""
+        limits = self.passive.limits
+        return limits.crowded(address, self.linked_addresses(), limits.neighbours)
+
+    def refusal(self, name: str, address: str) -> str | None:
+        """No room, or none for a peer the node shuns, or for anyone once it is done."""
+        if self.is_full() or self.endpoint.finished or self.endpoint.shuns(name):
+            return VIEW_FULL
+        return GROUP_FULL if self.group_is_full(address) else None
+
+    def turns_away(self, name: str, address: str) -> str | None:
+        if self.is_full(address) or self.endpoint.shuns(name):
+            return VIEW_FULL
+        return GROUP_FULL if self.group_is_full(address) else None
+
+    def took_greeter(self, message: Message, address: str) -> None:
+        self.shuffles.keep(message.sender, message.body.get("card"), address)
+
+    def card_fields(self, linked: bool | None = None) -> dict[str, Any]:
+        fields: dict[str, Any] = {"card": self.shuffles.card.packed()}
+        if linked is not None:
+            fields["linked"] = linked
+        return fields
+
+    def listed(self, alive: list[PeerEntry], greeter: bytes) -> list[PeerEntry]:
+        """At most a shuffle's worth of neighbours, the greeter included."""
+        others = [entry for entry in alive if entry.public_key != greeter]
+        picked = self.rng.sample(others, min(len(others), self.views.shuffle_length - 1))
+        return [entry for entry in alive if entry.public_key == greeter] + picked
+
+    # --- messages ----------------------------------------------------------------------
+
+    def on_peers(self, message: Message, wanted_list: bool) -> None:
+        """Every peer the answer names becomes a candidate, and the sender our neighbour
+        if it took us (WIRE.md 7.7)."""
+        endpoint = self.endpoint
+        own = endpoint.identity.public_key
+        answering = None
+        for item in message.body["peers"]:
+            key, name, address = item["key"], item["name"], item["addr"]
+            if key == message.sender:
+                answering = item
+            elif key != own and endpoint.table.get(key) is None:
+                # The answering node's neighbours, as it named them.
+                sender = message.sender
+                self.passive.add(Candidate(key, address, name=name, via=sender, source=sender))
+        if answering is not None:
+            self._answered_by(message, answering["name"], answering["addr"])
+
+    def _answered_by(self, message: Message, name: str, address: str) -> None:
+        """The node that answered our hello, at `address`: our neighbour if it took us
+        (`linked`), else a candidate for later."""
+        endpoint = self.endpoint
+        key = message.sender
+        if message.body.get("linked", True):
+            if endpoint.link_answering(message, name, address):
+                self.shuffles.keep(key, message.body.get("card"), address)
+                return
+            # It linked us, but we cannot take it (no room left, none for its network
+            # group, or a node we shun by name, known before by address alone): it must
+            # hear so.
+            endpoint.send(address, "unlink", {}, once=True, key=key)
+            if not endpoint.table.at(address):
+                # The connection our hello opened, once the unlink is out over it.
+                endpoint.release(address, drain=True)
+            if not endpoint.shuns(name):
+                self.passive.add(Candidate(key, address, name=name))
+        elif endpoint.table.get(key) is None:
+            endpoint.release(address)
+            # Turned away: the candidates it named are greeted now, not a tick from now
+            # (a mesh starting together fills its views in a few round trips); the node
+            # that has no room for us becomes a candidate only after.
+            self.fill()
+            card = self.shuffles.card_of(key, message.body.get("card"), address)
+            self.passive.add(Candidate(key, address, card, name))
+
+    def on_stranger_heartbeat(self, message: Message, name: object, address: str) -> None:
+        """A bounded view links by hello alone. This node takes us for its neighbour: our
+        unlink crossed its heartbeat or was lost, or we took it for dead. It must hear
+        that we are not, or it would wait on us every round (WIRE.md 7.7)."""
+        endpoint = self.endpoint
+        endpoint.flow_rejections[NOT_LINKED] += 1
+        if endpoint.unlink_answers.allow():  # each costs a connection to a named address
+            endpoint.send(address, "unlink", {}, once=True, key=message.sender)
+
+    def on_unlink(self, message: Message) -> None:
+        """A neighbour dropped us: forgotten, and not kept as a candidate (it did not want
+        us; greeting it back would undo its choice). Its place is filled from the passive
+        view now, not at the next tick (WIRE.md 7.7): neighbours drop one another as their
+        rounds end, nearly together, and a place left empty until the next tick is one
+        the next round may begin without."""
+        entry = self.endpoint.table.get(message.sender)
+        if entry is None:
+            return
+        self.forget_neighbour(entry)
+        self.fill()
+
+    def on_shuffle(self, message: Message) -> None:
+        """A neighbour's shuffle: the cards it carried kept as candidates, and answered
+        with as many of ours (views.Shuffles). Only neighbours shuffle with us
+        (`not_linked`)."""
+        entry = self.endpoint.table.get(message.sender)
+        if entry is None:
+            super().on_shuffle(message)
+            return
+        answer = self.shuffles.take_shuffle(message.sender, message.body)
+        if answer is not None:
+            self.endpoint.send(entry.address, "shuffle_reply", answer)
+
+    def on_shuffle_reply(self, message: Message) -> None:
+        self.shuffles.take_reply(message.sender, message.body)
