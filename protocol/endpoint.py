@@ -15,19 +15,21 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from .addresses import resolved
+from .admission import Admission, OtherMesh, RateLimit
 from .decoder import Decoder
 from .errors import UserError
 from .exchange import BlobExchange, Counts, FetchRecord
 from .greetings import Greetings, curve_key_of
 from .identity import Identity, node_id
-from .inbox import INBOX_FULL, DirectInbox
-from .membership import ALIVE, LEFT, PeerEntry, PeerTable, liveness_stretch
+from .inbox import DirectInbox
+from .liveness import Liveness
+from .membership import ALIVE, PeerEntry, PeerTable, liveness_stretch
 from .offers import Offer
 from .overlay import BoundedView, FullMesh, Overlay
 from .transport import (
@@ -40,14 +42,12 @@ from .transport import (
 )
 from .views import ViewSettings
 from .wire import (
-    BLOB_KINDS,
     KINDS,
     PROTOCOL_VERSION,
     Blob,
     Limits,
     Message,
     Rejected,
-    SignedClaim,
     announce_body,
     encode,
     new_instance,
@@ -59,8 +59,6 @@ log = logging.getLogger("meshfl.endpoint")
 # What a receiver does not count as a sign of life (WIRE.md 7.3): a message of any other
 # kind to a peer stands in for a heartbeat to it.
 NO_PROOF_OF_LIFE = frozenset({"refuse", "bye", "status", "status_reply"})
-# A peer that was sent other messages still gets a heartbeat this many periods apart.
-BEAT_ANYWAY_PERIODS = 5
 
 # Refused at the encrypted handshake, before any message: a client key a closed mesh
 # does not list (WIRE.md 1.1). Counted beside the decoder's reasons.
@@ -69,21 +67,7 @@ REFUSED_HANDSHAKE = "refused_handshake"
 # What strangers can make a node do is bounded (WIRE.md 7.1, 7.3); these flow reasons
 # count what was refused for it, beside the decoder's.
 UNSOLICITED_PEERS = "unsolicited_peers"  # a peer list that answers no hello of ours
-ADDRESS_TAKEN = "address_taken"  # another key claims the address of a reached peer
-TABLE_FULL = "table_full"  # no room for a new peer (or for one more not yet reached)
 WORKER_ERROR = "worker_error"  # the worker raised: a bug, contained and logged
-# Nodes of other meshes noted (and answered) at most: strangers cannot grow it for good.
-MAX_OTHER_MESHES = 64
-
-
-@dataclass(frozen=True)
-class OtherMesh:
-    """A node of another mesh that said hello, and what it says its mesh is (its
-    `about`, WIRE.md 7.8): enough for a human to see how the two meshes differ."""
-
-    name: str
-    address: str
-    about: dict[str, str | int]
 
 
 class Refused(UserError):
@@ -129,24 +113,6 @@ class EndpointSettings:
         return self.advertise or self.listen
 
 
-class _RateLimit:
-    """At most `count` events in any `period` seconds."""
-
-    def __init__(self, count: int, period: float = 1.0) -> None:
-        self.count = count
-        self.period = period
-        self._times: deque[float] = deque()
-
-    def allow(self) -> bool:
-        now = time.monotonic()
-        while self._times and now - self._times[0] > self.period:
-            self._times.popleft()
-        if len(self._times) >= self.count:
-            return False
-        self._times.append(now)
-        return True
-
-
 class Endpoint:
     def __init__(
         self,
@@ -169,24 +135,23 @@ class Endpoint:
         self.table = PeerTable(
             settings.peer_timeout, clock=lambda: self._read_up_to, crowd=settings.crowd
         )
+        self.admission = Admission(self)
         self.decoder = Decoder(
             mesh_id,
             settings.limits,
             schema,
-            self._admit,
-            self._accept,
+            self.admission.admit,
+            self.admission.accept,
             kept=self.is_peer,
         )
         self.received: Counter[str] = Counter()  # messages delivered, by kind
         self.flow_rejections: Counter[str] = Counter()  # refusals after decoding, by reason
-        self._last_beat: dict[str, float] = {}  # address -> when we last heartbeat it
         self._changes = 0  # counts handled messages and heartbeat ticks: see wait_change
         # What the node adds to a status answer (accuracies...); called on the worker
         # thread, so it must be quick and thread-safe.
         self.status_extra: Callable[[], dict[str, Any]] | None = None
-        self._status_answers = _RateLimit(settings.status_per_second)
-        self.unlink_answers = _RateLimit(settings.status_per_second)
-        self._about_checks = _RateLimit(settings.status_per_second)
+        self._status_answers = RateLimit(settings.status_per_second)
+        self.unlink_answers = RateLimit(settings.status_per_second)
         self._started = time.monotonic()
         self.inbox = DirectInbox(settings.direct_kinds)
         self.lock = threading.RLock()
@@ -207,7 +172,7 @@ class Endpoint:
         # Start from wall-clock nanoseconds so a restarted node's numbers keep rising.
         self._seq = time.time_ns()
         self._log_once = LogOnce(log)
-        self._reached_seen = 0  # transport.reached_count when we last looked
+        self.liveness = Liveness(self)
         self._joined = threading.Event()
         self._refusal = ""
         self._stopping = threading.Event()
@@ -253,7 +218,7 @@ class Endpoint:
         tick = settings.heartbeat_interval * liveness_stretch(settings.crowd)
         options = replace(settings.transport, idle_check_s=tick)
         self.transport = Transport(
-            settings.listen, options, self._encryption(), screen=self._worth_holding
+            settings.listen, options, self._encryption(), screen=self.admission.worth_holding
         )
         self._worker = threading.Thread(
             target=self._work, name=f"mesh {settings.name}", daemon=True
@@ -352,7 +317,7 @@ class Endpoint:
         with self.lock:
             self.finished = True
             targets = [entry.address for entry in self.table.alive()]
-        self._heartbeat(targets, time.monotonic())
+        self.liveness.heartbeat(targets, time.monotonic())
 
     def wait_for_peers(self, count: int, timeout: float) -> bool:
         """Whether `count` peers are live within `timeout`. A bounded view waits only
@@ -571,105 +536,12 @@ class Endpoint:
         else:
             self._read_up_to = received.arrived
             self._handle_frames(received)
-        if self.transport.reached_count != self._reached_seen:
-            with self.lock:
-                self._note_reached()
+        self.liveness.note_new_reached()
         self.overlay.note_unheard()
         if time.monotonic() >= next_beat:
             next_beat = time.monotonic() + self.settings.heartbeat_interval
-            self._beat()
+            self.liveness.tick()
         return next_beat
-
-    def _beat(self) -> None:
-        """Mark silent peers down, and heartbeat each peer we told nothing for a while.
-        In a mesh of more than HEARTBEAT_FANOUT peers both waits stretch with its size
-        (membership.liveness_stretch); any other message is as good as a heartbeat, but
-        every BEAT_ANYWAY_PERIODS a heartbeat goes anyway: only it (or a hello) makes us
-        known to a peer that lost us, say one restarted since."""
-        now = time.monotonic()
-        last_sent = self.transport.last_proof_of_life
-        with self.lock:
-            self._note_reached()
-            grace = self._unreached_grace()
-            self._forget_stale(now, grace)
-            again = self.greetings.again(now, grace)
-            for entry in self.table.expire():
-                if entry.reached:  # one never reached is a stranger's word: forgotten soon
-                    log.warning(
-                        "%s: peer %s (%s) is down", self.settings.name, entry.name, entry.address
-                    )
-                self.overlay.on_down(entry)
-            again, shuffle = self.overlay.beat(now, again)
-            period = self.settings.heartbeat_interval * self.table.stretch()
-            # Silent for a period, give or take half a tick: the last tick's heartbeat
-            # left (and was timed) a moment after that tick.
-            quiet = period - self.settings.heartbeat_interval / 2
-            anyway = BEAT_ANYWAY_PERIODS
-            targets = [
-                entry.address
-                for entry in self.table.entries.values()
-                if entry.state != LEFT
-                and (
-                    now - last_sent.get(entry.address, -period) >= quiet
-                    or now - self._last_beat.get(entry.address, -period) >= anyway * period
-                )
-            ]
-            self._changes += 1
-            self._changed.notify_all()
-        self._heartbeat(targets, now)
-        for address, wants_peers in again:
-            self.greetings.say_hello(address, wants_peers)
-        if shuffle is not None:
-            self.send(*shuffle)
-
-    def _heartbeat(self, addresses: list[str], now: float) -> None:
-        body = self.hello_body()
-        for address in addresses:
-            self._last_beat[address] = now
-            self.send(address, "heartbeat", body)
-
-    def _note_reached(self) -> None:
-        """Mark the peers whose address answered a handshake with their own key
-        (transport.reached: the CURVE key dialled, None unencrypted)."""
-        self._reached_seen = self.transport.reached_count
-        for entry in list(self.table.entries.values()):
-            self._mark_if_reached(entry)
-
-    def _mark_if_reached(self, entry: PeerEntry) -> None:
-        reached = self.transport.reached
-        if entry.reached or entry.address not in reached:
-            return
-        dialled = reached[entry.address]
-        if dialled is None or dialled == curve_key_of(entry.public_key):
-            self.table.mark_reached(entry.public_key)
-            log.info("%s: %s joined from %s", self.settings.name, entry.name, entry.address)
-
-    def _unreached_grace(self) -> float:
-        """How long an address may take to answer a handshake: twice the (stretched) down
-        timeout, for a handshake on a starved machine can take a while."""
-        return 2 * self.settings.peer_timeout * self.table.stretch()
-
-    def _forget_stale(self, now: float, grace: float) -> None:
-        """Forget peers no node answered for within `grace` of their coming at their
-        address, and peers left for `forget_after`: what strangers can make this node
-        hold and dial is bounded in time as well as in number (WIRE.md 7.1). A reached
-        peer that is down is kept (and greeted: a partition heals) until room is needed."""
-        stale = [
-            entry
-            for entry in self.table.entries.values()
-            if (not entry.reached and now - entry.entered > grace)
-            or (entry.state == LEFT and now - entry.since > self.settings.forget_after)
-        ]
-        for entry in stale:
-            self.forget(entry)
-        if stale:
-            log.info(
-                "%s: forgot %d peer(s) gone or never reached (latest: %s at %s)",
-                self.settings.name,
-                len(stale),
-                stale[-1].name,
-                stale[-1].address,
-            )
 
     def forget(self, entry: PeerEntry, drain: bool = False) -> None:
         """Drop a peer and, unless another peer is there, its address."""
@@ -682,73 +554,7 @@ class Endpoint:
         it, with `drain`), the key it is dialled with, our hello to it."""
         self.transport.forget(address, drain)
         self.greetings.drop(address)
-        self._last_beat.pop(address, None)
-
-    def _may_enter(self, public_key: bytes, name: object, address: str) -> bool:
-        """Whether a peer may enter the table at `address`, new or moved there: a name and
-        an address no other live key holds, and room. Counted when refused."""
-        if self.name_refused(public_key, name):
-            return False
-        holder = self.table.holder_of(address)
-        if holder is not None and holder.public_key != public_key:
-            self.flow_rejections[ADDRESS_TAKEN] += 1
-            return False
-        known = self.table.get(public_key)
-        if known is not None and known.address == address:
-            return True
-        if known is None and (refusal := self.overlay.refusal(str(name), address)):
-            self.flow_rejections[refusal] += 1
-            return False
-        # New here: it will be dialled, so it counts as unreached, whoever it is.
-        self._make_room(public_key)
-        entries = self.table.entries.values()
-        unreached = sum(not entry.reached for entry in entries if entry is not known)
-        full = len(entries) - (known is not None) >= self.settings.max_peers
-        if full or unreached >= self.settings.max_unreached:
-            self.flow_rejections[TABLE_FULL] += 1
-            return False
-        return True
-
-    def _make_room(self, newcomer: bytes) -> None:
-        """Before `newcomer` enters: with `max_unreached` unreached peers, forget the one
-        that came first (an honest peer is reached within moments, a stranger's address
-        never); with `max_peers` in all, the one unreached, left or down longest. A
-        reached, alive peer never makes room."""
-        others = [e for e in self.table.entries.values() if e.public_key != newcomer]
-        unreached = [entry for entry in others if not entry.reached]
-        if len(unreached) >= self.settings.max_unreached:
-            self.forget(min(unreached, key=lambda entry: entry.entered))
-        elif len(others) >= self.settings.max_peers:
-            gone = [entry for entry in others if entry.state != ALIVE or not entry.reached]
-            if gone:
-                self.forget(min(gone, key=lambda entry: (entry.reached, entry.since)))
-
-    def _worth_holding(self, frames: list[Any]) -> bool:
-        """Whether a big message that just arrived may wait for the worker: authentic (its
-        header signature checks), and a blob this node asked its sender for or a direct
-        message it reads from a peer with room for it. Anything else is dropped as it
-        arrives, counted as the worker would, so nobody can queue big messages here
-        (WIRE.md 10). Runs on the transport's I/O thread."""
-        try:
-            message = self.decoder.screen(frames)
-        except Rejected:
-            return False
-        sender, kind = message.sender, message.kind
-        with self.lock:
-            if kind == "blob":
-                if self.blobs.awaits_blob_from(sender):
-                    return True
-                self.received["unrequested_blob"] += 1
-            elif kind not in BLOB_KINDS:
-                self.flow_rejections["bad_header"] += 1
-            else:
-                refusal = self.inbox.refusal(kind, sender)
-                if refusal is None and self.table.get(sender) is None:
-                    refusal = INBOX_FULL  # a stranger has no room in it
-                if refusal is None:
-                    return True
-                self.flow_rejections[refusal] += 1
-        return False
+        self.liveness.last_beat.pop(address, None)
 
     def _handle_frames(self, received: Received) -> None:
         # Decoding hashes every byte of a blob and checks two signatures: it runs without
@@ -768,7 +574,7 @@ class Endpoint:
                     self.blobs.holder_failed(refused.sender, id_of_record(refused.body["record"]))
             elif rejection.claim is not None:
                 with self.lock:
-                    self._meet_other_mesh(rejection.claim)
+                    self.admission.meet_other_mesh(rejection.claim)
                     self._changed.notify_all()
             return
         with self.lock:
@@ -776,8 +582,12 @@ class Endpoint:
                 return  # sent to ourselves (some hello or peer list gave out our address)
             self.received[message.kind] += 1
             self._handlers[message.kind](message)
-            self._changes += 1
-            self._changed.notify_all()
+            self.note_change()
+
+    def note_change(self) -> None:
+        """A message was handled or liveness checked (`wait_change`); under the lock."""
+        self._changes += 1
+        self._changed.notify_all()
 
     def _log_rejection(self, routing_id: bytes, rejection: Rejected) -> None:
         # Once per peer connection and reason: a flood must not flood the log too.
@@ -790,49 +600,6 @@ class Endpoint:
             routing_id.hex(),
             _version_hint(rejection),
         )
-
-    def _admit(self, message: Message) -> str | None:
-        allowlist = self.settings.allowlist
-        if (
-            allowlist is not None
-            and message.sender not in allowlist
-            and message.sender != self.identity.public_key
-        ):
-            return "unknown_sender"
-        return None
-
-    def _accept(self, message: Message) -> str | None:
-        if message.kind == "status":
-            return None  # asking takes no part in the mesh: a probe may borrow a live key
-        if message.sender == self.identity.public_key:
-            # Our twin's `refuse` is signed with our own key: it is the answer we wait for.
-            if message.instance == self.instance or message.kind == "refuse":
-                return None
-            return "duplicate_key"
-        address = message.body.get("addr") if message.kind in ("hello", "heartbeat") else None
-        with self.lock:
-            if self.table.conflicting_instance(message.sender, message.instance, address):
-                return "duplicate_key"
-        return None
-
-    def _meet_other_mesh(self, claim: SignedClaim) -> None:
-        """A signed hello of another mesh that says what that mesh is: noted once per key,
-        told to the node, and answered with our own hello unless it answers ours, so that its
-        node can say how the two differ too (WIRE.md 7.8). Neither joins the other. Its
-        signature is checked only for a new key, room left and at most status_per_second
-        a second: another mesh's hellos must not buy a flood of signature checks."""
-        message = claim.message
-        if message.sender in self.other_meshes or len(self.other_meshes) >= MAX_OTHER_MESHES:
-            return
-        if not self._about_checks.allow() or not claim.authentic():
-            return
-        body = message.body
-        met = OtherMesh(body["name"], body["addr"], dict(body["about"]))
-        self.other_meshes[message.sender] = met
-        if self.settings.about is not None and not self.greetings.awaits(met.address):
-            # (a node we greeted has our `about` already: its answer is not answered)
-            self.send(met.address, "hello", self.hello_body(False), once=True, key=message.sender)
-        self.on_other_mesh(met)
 
     def _refuse(self, message: Message) -> None:
         address = message.body.get("addr")
@@ -848,19 +615,10 @@ class Endpoint:
 
     # --- one handler per kind ----------------------------------------------
 
-    def name_refused(self, key: bytes, name: object) -> bool:
-        """True (and counted) when `key` may not go by `name` (membership.name_refusal):
-        names are how rules and metrics tell peers apart, so two live keys never share one
-        and nobody takes this node's own."""
-        refusal = self.table.name_refusal(key, name, self.settings.name)
-        if refusal is not None:
-            self.flow_rejections[refusal] += 1
-        return refusal is not None
-
     def take_in(self, message: Message, name: object, address: str) -> bool:
         """Add or refresh the sender as a peer at `address`, if it may enter the table;
         from now on it is dialled there with the CURVE twin of its key."""
-        if not self._may_enter(message.sender, name, address):
+        if not self.admission.may_enter(message.sender, name, address):
             return False
         assert isinstance(name, str)  # any other name is refused
         known = self.table.get(message.sender)
@@ -876,7 +634,7 @@ class Endpoint:
         if entry is not None:
             # Our connection there may have finished its handshake before the peer
             # entered: noted now, not at the next tick.
-            self._mark_if_reached(entry)
+            self.liveness.mark_if_reached(entry)
         return True
 
     def _on_hello(self, message: Message) -> None:

@@ -154,7 +154,7 @@ class FullMesh(Overlay):
                 # No more than the table can take: a list comes only from a node we
                 # greeted, yet it must not make us dial without end.
                 limit = endpoint.settings.max_peers
-                if introduced == limit or endpoint.name_refused(key, name):
+                if introduced == limit or endpoint.admission.name_refused(key, name):
                     continue
                 introduced += 1
                 endpoint.greetings.learn(address, key, from_its_owner=False)

@@ -18,10 +18,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from meshfl.protocol.endpoint import (
-    OtherMesh,
-    Refused,
-)
+from meshfl.protocol.admission import OtherMesh
+from meshfl.protocol.endpoint import Refused
 from meshfl.protocol.identity import Identity
 from meshfl.protocol.membership import ALIVE
 from meshfl.protocol.transport import (

@@ -10,8 +10,8 @@ import logging
 import threading
 import time
 
-from meshfl.protocol.endpoint import BEAT_ANYWAY_PERIODS
 from meshfl.protocol.identity import Identity
+from meshfl.protocol.liveness import BEAT_ANYWAY_PERIODS
 from meshfl.protocol.membership import (
     ALIVE,
     DOWN,
