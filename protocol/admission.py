@@ -190,8 +190,8 @@ class Admission:
         body = message.body
         met = OtherMesh(body["name"], body["addr"], dict(body["about"]))
         met_before[message.sender] = met
-        if endpoint.settings.about is not None and not endpoint.greetings.awaits(met.address):
+        if endpoint.settings.about is not None and not endpoint.handshake.awaits(met.address):
             # (a node we greeted has our `about` already: its answer is not answered)
-            hello = endpoint.hello_body(False)
+            hello = endpoint.handshake.hello_body(False)
             endpoint.send(met.address, "hello", hello, once=True, key=message.sender)
         endpoint.on_other_mesh(met)

@@ -4,9 +4,11 @@ The endpoint runs a worker thread that decodes every incoming message, keeps the
 peer table, answers `hello` and `fetch`, and sends heartbeats. The node talks to
 it from its own thread: publish a blob, look at what peers announced, fetch the
 blobs it chooses, wait for them until a deadline. The blobs, offers and fetches
-themselves are the exchange's (exchange.py), whom it links with and how its
-overlay's (overlay.py: a full mesh or a bounded view), its hellos and the keys it dials
-with the greetings' (greetings.py); the endpoint passes them the messages.
+themselves are the exchange's (exchange.py), whom it links with its
+overlay's (overlay.py: a full mesh or a bounded view), its hellos, peer lists and the
+keys it dials with its handshake's (handshake.py), who and what may enter its
+admission's (admission.py), and heartbeats and down marks its liveness' (liveness.py);
+the endpoint passes them the messages.
 """
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ from .admission import Admission, OtherMesh, RateLimit
 from .decoder import Decoder
 from .errors import UserError
 from .exchange import BlobExchange, Counts, FetchRecord
-from .greetings import Greetings, curve_key_of
-from .identity import Identity, node_id
+from .handshake import Handshake, curve_key_of
+from .identity import Identity
 from .inbox import DirectInbox
 from .liveness import Liveness
 from .membership import ALIVE, PeerEntry, PeerTable, liveness_stretch
 from .offers import Offer
 from .overlay import BoundedView, FullMesh, Overlay
+from .probe import StatusAnswers
 from .transport import (
     Encryption,
     LogOnce,
@@ -66,7 +69,6 @@ REFUSED_HANDSHAKE = "refused_handshake"
 
 # What strangers can make a node do is bounded (WIRE.md 7.1, 7.3); these flow reasons
 # count what was refused for it, beside the decoder's.
-UNSOLICITED_PEERS = "unsolicited_peers"  # a peer list that answers no hello of ours
 WORKER_ERROR = "worker_error"  # the worker raised: a bug, contained and logged
 
 
@@ -150,10 +152,9 @@ class Endpoint:
         # What the node adds to a status answer (accuracies...); called on the worker
         # thread, so it must be quick and thread-safe.
         self.status_extra: Callable[[], dict[str, Any]] | None = None
-        self._status_answers = RateLimit(settings.status_per_second)
         self.unlink_answers = RateLimit(settings.status_per_second)
-        self._started = time.monotonic()
         self.inbox = DirectInbox(settings.direct_kinds)
+        self.status_answers = StatusAnswers(self)
         self.lock = threading.RLock()
         self._changed = threading.Condition(self.lock)
         self._send_lock = threading.Lock()
@@ -173,14 +174,12 @@ class Endpoint:
         self._seq = time.time_ns()
         self._log_once = LogOnce(log)
         self.liveness = Liveness(self)
-        self._joined = threading.Event()
-        self._refusal = ""
         self._stopping = threading.Event()
-        # Whom the node links with (overlay.py), and the hellos it links by (greetings.py).
+        # Whom the node links with (overlay.py), and the hellos it links by (handshake.py).
         self.views = settings.views
         self.overlay: Overlay = BoundedView(self, self.views) if self.views else FullMesh(self)
         self.passive = self.overlay.passive
-        self.greetings = Greetings(self)
+        self.handshake = Handshake(self)
         # Set once the node has done its last round: it keeps the neighbours it has, to
         # serve them its last blob, and takes in and looks for no others.
         self.finished = False
@@ -193,17 +192,17 @@ class Endpoint:
         self.on_other_mesh: Callable[[OtherMesh], None] = lambda met: None
         # One handler per kind of WIRE.md section 4; the decoder lets no other kind through.
         self._handlers: dict[str, Callable[[Message], None]] = {
-            "hello": self._on_hello,
-            "peers": self._on_peers,
-            "refuse": self._on_refuse,
+            "hello": self.handshake.on_hello,
+            "peers": self.handshake.on_peers,
+            "refuse": self.handshake.on_refuse,
             "heartbeat": self._on_heartbeat,
             "bye": self._on_bye,
             "announce": self.blobs.on_announce,
             "fetch": self.blobs.on_fetch,
             "miss": self.blobs.on_miss,
             "blob": self.blobs.on_blob,
-            "status": self._on_status,
-            "status_reply": self._on_status_reply,
+            "status": self.status_answers.on_status,
+            "status_reply": self.status_answers.on_status_reply,
             "upload": self._on_direct,
             "personal": self._on_direct,
             "shuffle": self.overlay.on_shuffle,
@@ -256,13 +255,13 @@ class Endpoint:
             log.info(
                 "%s: listening encrypted; others dial it as %s", self.settings.name, self.contact
             )
-        greet = self.greetings.begin(bootstrap)
+        greet = self.handshake.begin(bootstrap)
         self._worker.start()  # after the keys above are in place: it learns more
         for index, address in enumerate(greet):
             # One peer list is enough: the others were named to us already (WIRE.md 7.1).
-            self.greetings.say_hello(address, wants_peers=index == 0)
-        if not self.greetings.bootstrap:
-            self._joined.set()
+            self.handshake.say_hello(address, wants_peers=index == 0)
+        if not self.handshake.bootstrap:
+            self.handshake.joined.set()
 
     def wait_joined(self, timeout: float, until_other_mesh: bool = False) -> bool:
         """True once a peer answered our hello; raises Refused if the mesh refused us.
@@ -271,14 +270,14 @@ class Endpoint:
         with self._changed:
             self._changed.wait_for(
                 lambda: (
-                    self._joined.is_set()
+                    self.handshake.joined.is_set()
                     or (until_other_mesh and bool(self.other_meshes) and not self.table.alive())
                 ),
                 timeout,
             )
-        if self._refusal:
-            raise Refused(self._refusal)
-        return self._joined.is_set()
+        if self.handshake.refusal:
+            raise Refused(self.handshake.refusal)
+        return self.handshake.joined.is_set()
 
     def set_round(self, round_no: int) -> None:
         self.overlay.pace(self.round, round_no)
@@ -346,7 +345,7 @@ class Endpoint:
         joiner calls this once it took the mesh's round: announces that came with its
         first hellos were too far ahead of its round 0 to be kept."""
         for entry in self.alive_peers():
-            self.greetings.say_hello(entry.address, wants_peers=False)
+            self.handshake.say_hello(entry.address, wants_peers=False)
 
     def changes(self) -> int:
         """A counter that moves whenever the endpoint handled a message or checked
@@ -459,14 +458,6 @@ class Endpoint:
 
     # --- sending ----------------------------------------------------------
 
-    def hello_body(self, wants_peers: bool = True) -> dict[str, Any]:
-        body: dict[str, Any] = {"name": self.settings.name, "addr": self.address}
-        if self.settings.about is not None:
-            body["about"] = self.settings.about
-        if not wants_peers:
-            body["list"] = False  # answer with yourself only: we know the mesh (WIRE.md 7.1)
-        return body
-
     def send(
         self,
         address: str,
@@ -478,7 +469,7 @@ class Endpoint:
     ) -> None:
         """`key`: the Ed25519 key of the node at `address`, when it is not the one learned
         for that address (an answer to a status probe or a twin)."""
-        known = self.greetings.curve_keys
+        known = self.handshake.curve_keys
         server_key = curve_key_of(key) if key is not None else known.get(address)
         # Numbering and queueing under one lock: messages leave in sequence order.
         with self._send_lock:
@@ -553,7 +544,7 @@ class Endpoint:
         """Close what dialling `address` holds: the connection (after what is queued for
         it, with `drain`), the key it is dialled with, our hello to it."""
         self.transport.forget(address, drain)
-        self.greetings.drop(address)
+        self.handshake.drop(address)
         self.liveness.last_beat.pop(address, None)
 
     def _handle_frames(self, received: Received) -> None:
@@ -568,7 +559,7 @@ class Endpoint:
                 self._log_rejection(received.routing_id, rejection)  # else the node says more
             if rejection.reason == "duplicate_key" and refused is not None:
                 with self.lock:
-                    self._refuse(refused)
+                    self.handshake.refuse_twin(refused)
             elif refused is not None and refused.kind == "blob":
                 with self.lock:  # the holder will not send that blob: look elsewhere now
                     self.blobs.holder_failed(refused.sender, id_of_record(refused.body["record"]))
@@ -601,18 +592,6 @@ class Endpoint:
             _version_hint(rejection),
         )
 
-    def _refuse(self, message: Message) -> None:
-        address = message.body.get("addr")
-        if message.kind == "hello" and isinstance(address, str):
-            live = self.table.get(message.sender)
-            where = live.address if live else self.address
-            self.send(
-                address,
-                "refuse",
-                {"reason": f"key {node_id(message.sender)} is already live at {where}"},
-                key=message.sender,
-            )
-
     # --- one handler per kind ----------------------------------------------
 
     def take_in(self, message: Message, name: object, address: str) -> bool:
@@ -623,7 +602,7 @@ class Endpoint:
         assert isinstance(name, str)  # any other name is refused
         known = self.table.get(message.sender)
         old_address = known.address if known is not None else address
-        self.greetings.learn(address, message.sender)
+        self.handshake.learn(address, message.sender)
         came_back = self.table.upsert(message.sender, name, address, message.instance)
         self.passive.discard(message.sender)  # a neighbour now, no longer a candidate
         if old_address != address and not self.table.at(old_address):
@@ -636,66 +615,6 @@ class Endpoint:
             # entered: noted now, not at the next tick.
             self.liveness.mark_if_reached(entry)
         return True
-
-    def _on_hello(self, message: Message) -> None:
-        name, address = message.body["name"], message.body["addr"]
-        wants_peers = message.body.get("list", True) is not False
-        if self.table.get(message.sender) is None and (
-            reason := self.overlay.turns_away(name, address)
-        ):
-            self._turn_away(message.sender, address, reason)
-            return
-        if not self.take_in(message, name, address):
-            return
-        self.overlay.took_greeter(message, address)
-        listed = self._listed(message.sender) if wants_peers else []
-        self.send(address, "peers", self._peers_body(listed))
-        # Whoever says hello may have missed our announces: a late joiner, or a node
-        # asking again once it took the mesh's round (refresh_offers).
-        self.blobs.announce_latest(address)
-
-    def link_answering(self, message: Message, name: object, address: str) -> bool:
-        """Take in the node that answered our hello, as `take_in` does. It announced
-        its latest blobs to us; it hears ours now: a peer in our round waits for our
-        blob of it, which we may have announced before it knew us, until it hears that
-        we are past that round (a heartbeat period, or more) (WIRE.md 7.1)."""
-        if not self.take_in(message, name, address):
-            return False
-        self.blobs.announce_latest(address)
-        return True
-
-    def _me(self) -> dict[str, Any]:
-        return {"name": self.settings.name, "addr": self.address, "key": self.identity.public_key}
-
-    def _peers_body(self, listed: list[dict[str, Any]], linked: bool = True) -> dict[str, Any]:
-        return {"peers": [self._me(), *listed], **self.overlay.card_fields(linked)}
-
-    def _listed(self, greeter: bytes) -> list[dict[str, Any]]:
-        """The peers a `peers` answer to `greeter` names (overlay.listed)."""
-        return [entry.describe() for entry in self.overlay.listed(self.table.alive(), greeter)]
-
-    def _turn_away(self, key: bytes, address: str, reason: str) -> None:
-        """Answer the hello of a node this view cannot take (`reason`): with some
-        neighbours to try instead, and `linked: false` (WIRE.md 7.7). The answer goes
-        over a connection of its own, so nothing stays open to the greeter."""
-        self.flow_rejections[reason] += 1
-        body = self._peers_body(self._listed(key), linked=False)
-        self.send(address, "peers", body, once=True, key=key)
-
-    def _on_peers(self, message: Message) -> None:
-        """Take a peer list only in answer to our own hello (WIRE.md 7.1); what it makes
-        of the list is the overlay's. Entries were checked by the decoder."""
-        wanted_list = self.greetings.answered(message)
-        if wanted_list is None:
-            self.flow_rejections[UNSOLICITED_PEERS] += 1
-            return
-        self.overlay.on_peers(message, wanted_list)
-        self._joined.set()
-
-    def _on_refuse(self, message: Message) -> None:
-        if not self._joined.is_set():
-            self._refusal = str(message.body["reason"])
-            self._joined.set()
 
     def _on_heartbeat(self, message: Message) -> None:
         if self.table.heard_from(message.sender, message.round) is not None:
@@ -710,52 +629,6 @@ class Endpoint:
         if entry is not None:
             log.info("%s: %s left", self.settings.name, entry.name)
             self.transport.forget(entry.address)
-
-    def _on_status(self, message: Message) -> None:
-        # Not `heard_from`: the asker may be a probe holding a peer's key, and it says
-        # nothing about whether that peer is alive.
-        if not self._status_answers.allow():
-            self.received["status_unanswered"] += 1
-            return
-        address = message.body["addr"]
-        is_peer = any(entry.address == address for entry in self.table.entries.values())
-        self.send(
-            address,
-            "status_reply",
-            {"status": self._status()},
-            once=not is_peer,
-            key=message.sender,
-        )
-
-    def _status(self) -> dict[str, Any]:
-        """This node as a status answer tells it (WIRE.md 7.6)."""
-        now = time.monotonic()
-        peers = [
-            {
-                "name": entry.name,
-                "id": entry.id,
-                "addr": entry.address,
-                "state": entry.state,
-                "round": entry.round,
-                "last_seen_s": round(now - entry.last_seen, 3),
-            }
-            for entry in self.table.entries.values()
-        ]
-        status = {
-            "name": self.settings.name,
-            "addr": self.address,
-            "round": self.round,
-            "uptime_s": round(now - self._started, 3),
-            "peers": peers,
-            "rejections": self.rejections(),
-            "received": dict(self.received),
-        }
-        if self.status_extra is not None:
-            status.update(self.status_extra())
-        return status
-
-    def _on_status_reply(self, message: Message) -> None:
-        pass  # a node never asks, so an answer is unsolicited: counted in `received` only
 
     def _on_direct(self, message: Message) -> None:
         """Queue an `upload` or `personal` for `next_message`, if this node reads that kind

@@ -12,7 +12,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from .greetings import curve_key_of
+from .handshake import curve_key_of
 from .membership import LEFT, PeerEntry
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ class Liveness:
             self.note_reached()
             grace = 2 * endpoint.settings.peer_timeout * table.stretch()  # for a starved host
             self._forget_stale(now, grace)
-            again = endpoint.greetings.again(now, grace)
+            again = endpoint.handshake.again(now, grace)
             for entry in table.expire():
                 if entry.reached:  # one never reached is a stranger's word: forgotten soon
                     name = endpoint.settings.name
@@ -70,12 +70,12 @@ class Liveness:
             endpoint.note_change()
         self.heartbeat(targets, now)
         for address, wants_peers in again:
-            endpoint.greetings.say_hello(address, wants_peers)
+            endpoint.handshake.say_hello(address, wants_peers)
         if shuffle is not None:
             endpoint.send(*shuffle)
 
     def heartbeat(self, addresses: list[str], now: float) -> None:
-        body = self.endpoint.hello_body()
+        body = self.endpoint.handshake.hello_body()
         for address in addresses:
             self.last_beat[address] = now
             self.endpoint.send(address, "heartbeat", body)

@@ -147,18 +147,18 @@ class FullMesh(Overlay):
         for item in message.body["peers"]:
             key, name, address = item["key"], item["name"], item["addr"]
             if key == message.sender:
-                endpoint.link_answering(message, name, address)
+                endpoint.handshake.link_answering(message, name, address)
             elif not wanted_list or key == endpoint.identity.public_key:
                 continue  # a list we did not ask for, or ourselves
-            elif endpoint.table.get(key) is None and not endpoint.greetings.awaits(address):
+            elif endpoint.table.get(key) is None and not endpoint.handshake.awaits(address):
                 # No more than the table can take: a list comes only from a node we
                 # greeted, yet it must not make us dial without end.
                 limit = endpoint.settings.max_peers
                 if introduced == limit or endpoint.admission.name_refused(key, name):
                     continue
                 introduced += 1
-                endpoint.greetings.learn(address, key, from_its_owner=False)
-                endpoint.greetings.say_hello(address, wants_peers=False)
+                endpoint.handshake.learn(address, key, from_its_owner=False)
+                endpoint.handshake.say_hello(address, wants_peers=False)
 
     def on_stranger_heartbeat(self, message: Message, name: object, address: str) -> None:
         self.endpoint.take_in(message, name, address)  # a full mesh learns members so (7.1)
@@ -195,7 +195,7 @@ class BoundedView(Overlay):
         contacts = list(targets)
         self.rng.shuffle(contacts)
         first, rest = contacts[: self.views.neighbours], contacts[self.views.neighbours :]
-        keys = self.endpoint.greetings.contacts
+        keys = self.endpoint.handshake.contacts
         for address in rest:
             key = keys.get(address)
             if key is not None:
@@ -232,7 +232,7 @@ class BoundedView(Overlay):
     def fill(self) -> None:
         """Greet now the candidates the view lacks (`_candidates_to_greet`)."""
         for address, wants_peers in self._candidates_to_greet():
-            self.endpoint.greetings.say_hello(address, wants_peers)
+            self.endpoint.handshake.say_hello(address, wants_peers)
 
     def _candidates_to_greet(self) -> list[Greeting]:
         """As many candidates as the view lacks neighbours, less the ones greeted already
@@ -249,17 +249,17 @@ class BoundedView(Overlay):
         table = endpoint.table
         exclude = set(table.entries) | {endpoint.identity.public_key}
         friends = table.entries.keys() if self.views.friends_first else ()
-        greeted = [address for address in endpoint.greetings.out if not table.at(address)]
+        greeted = [address for address in endpoint.handshake.out if not table.at(address)]
         chosen = self.passive.take(short, exclude, friends, self.linked_addresses() + greeted)
         for candidate in chosen:
-            endpoint.greetings.learn(candidate.addr, candidate.key, from_its_owner=False)
+            endpoint.handshake.learn(candidate.addr, candidate.key, from_its_owner=False)
         return [(candidate.addr, False) for candidate in chosen]
 
     def greeting(self, besides: str | None = None) -> int:
         """How many nodes our hellos await that are not peers yet (but the one at
         `besides`)."""
         table = self.endpoint.table
-        out = self.endpoint.greetings.out
+        out = self.endpoint.handshake.out
         return sum(not table.at(address) for address in out if address != besides)
 
     def _rejoin(self) -> list[Greeting]:
@@ -270,9 +270,9 @@ class BoundedView(Overlay):
         endpoint = self.endpoint
         if endpoint.finished or self.greeting() or self.passive.entries or self.has_neighbour():
             return []
-        greetings = endpoint.greetings
-        chosen = greetings.choose_contacts()
-        return [(address, True) for address in chosen if address not in greetings.when_keyed]
+        handshake = endpoint.handshake
+        chosen = handshake.choose_contacts()
+        return [(address, True) for address in chosen if address not in handshake.when_keyed]
 
     def note_unheard(self) -> None:
         transport = self.endpoint.transport
@@ -288,17 +288,17 @@ class BoundedView(Overlay):
         candidate must not hold a place of the view until the handshake grace runs out
         (20 s in a host of 10 nodes, 200 s in one of 200). Bootstrap contacts are greeted
         again while we have no neighbour (`keeps_contacts`)."""
-        endpoint, greetings = self.endpoint, self.endpoint.greetings
+        endpoint, handshake = self.endpoint, self.endpoint.handshake
         self._unheard_seen = endpoint.transport.unheard_count
         unheard = [
             address
             for address in list(endpoint.transport.unheard)
-            if address in greetings.out
-            and not greetings.to_keep(address)
+            if address in handshake.out
+            and not handshake.to_keep(address)
             and not endpoint.table.at(address)
         ]
         for address in unheard:
-            greetings.give_up_on(address)
+            handshake.give_up_on(address)
         return bool(unheard)
 
     def on_down(self, entry: PeerEntry) -> None:
@@ -396,7 +396,7 @@ class BoundedView(Overlay):
         endpoint = self.endpoint
         key = message.sender
         if message.body.get("linked", True):
-            if endpoint.link_answering(message, name, address):
+            if endpoint.handshake.link_answering(message, name, address):
                 self.shuffles.keep(key, message.body.get("card"), address)
                 return
             # It linked us, but we cannot take it (no room left, none for its network

@@ -1,4 +1,5 @@
-"""Ask a live node how it is, from outside any mesh: one signed `status`, one answer.
+"""Ask a live node how it is, from outside any mesh: one signed `status`, one answer;
+and a node's side of it, the answer (`StatusAnswers`).
 
 The probe binds a ROUTER of its own, since a node answers at the address the request
 names and never over the request's connection (WIRE.md section 1), sends the request
@@ -13,14 +14,18 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from .admission import RateLimit
 from .decoder import Decoder
 from .identity import Identity, curve_public_key, node_id
 from .transport import Encryption, curve_client, curve_server, split_contact
-from .wire import ANY_MESH, Rejected, encode, new_instance
+from .wire import ANY_MESH, Message, Rejected, encode, new_instance
+
+if TYPE_CHECKING:
+    from .endpoint import Endpoint
 
 TERM_WAIT_S = 2.0  # how long a probe waits for its ZeroMQ context to end
 
@@ -96,3 +101,56 @@ def _await_answer(
         if message.kind == "status_reply" and node_key in (None, message.sender):
             return StatusAnswer(message.sender, message.mesh, message.body["status"])
     return None
+
+
+class StatusAnswers:
+    """How one endpoint (`endpoint`) answers `status`: at most `status_per_second` a
+    second, each answer costing a connection to the address the asker names."""
+
+    def __init__(self, endpoint: Endpoint) -> None:
+        self.endpoint = endpoint
+        self.limit = RateLimit(endpoint.settings.status_per_second)
+        self.started = time.monotonic()
+
+    def on_status(self, message: Message) -> None:
+        # Not `heard_from`: the asker may be a probe holding a peer's key, and it says
+        # nothing about whether that peer is alive.
+        endpoint = self.endpoint
+        if not self.limit.allow():
+            endpoint.received["status_unanswered"] += 1
+            return
+        address = message.body["addr"]
+        is_peer = any(entry.address == address for entry in endpoint.table.entries.values())
+        answer = {"status": self.status()}
+        endpoint.send(address, "status_reply", answer, once=not is_peer, key=message.sender)
+
+    def on_status_reply(self, message: Message) -> None:
+        pass  # a node never asks, so an answer is unsolicited: counted in `received` only
+
+    def status(self) -> dict[str, Any]:
+        """This node as a status answer tells it (WIRE.md 7.6)."""
+        endpoint = self.endpoint
+        now = time.monotonic()
+        peers = [
+            {
+                "name": entry.name,
+                "id": entry.id,
+                "addr": entry.address,
+                "state": entry.state,
+                "round": entry.round,
+                "last_seen_s": round(now - entry.last_seen, 3),
+            }
+            for entry in endpoint.table.entries.values()
+        ]
+        status = {
+            "name": endpoint.settings.name,
+            "addr": endpoint.address,
+            "round": endpoint.round,
+            "uptime_s": round(now - self.started, 3),
+            "peers": peers,
+            "rejections": endpoint.rejections(),
+            "received": dict(endpoint.received),
+        }
+        if endpoint.status_extra is not None:
+            status.update(endpoint.status_extra())
+        return status

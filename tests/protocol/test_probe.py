@@ -65,7 +65,7 @@ def test_a_closed_mesh_answers_status_only_to_listed_keys_even_one_in_use(scene)
 
 def test_status_answers_are_rate_limited(make_endpoint):
     node = make_endpoint("node", status_per_second=2)
-    node._status_answers.period = 60.0  # so that a slow machine cannot spread the asks out
+    node.status_answers.limit.period = 60.0  # so that a slow machine cannot spread the asks out
     node.start()
     answers = [ask_status(Identity.generate(), node.contact, "127.0.0.1", 1.0) for _ in range(3)]
     assert [answer is not None for answer in answers] == [True, True, False]

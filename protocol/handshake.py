@@ -1,5 +1,6 @@
-"""A node's hellos: whom it greeted and awaits an answer from, the contacts it started
-with, and the CURVE key it dials each address with (WIRE.md 7.1).
+"""A node's handshake: the hellos it sends and answers, the peer lists that answer them,
+whom it greeted and awaits an answer from, the contacts it started with, and the CURVE
+key it dials each address with (WIRE.md 7.1).
 
 Only the answer to a hello of ours may tell this node peers, and it must come from the
 node we dialled: the key an address is dialled with is learned from that address's own
@@ -10,13 +11,14 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .identity import BadPublicKey, curve_public_key
+from .identity import BadPublicKey, curve_public_key, node_id
 from .transport import split_contact
 from .wire import Message
 
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("meshfl.endpoint")
 
+UNSOLICITED_PEERS = "unsolicited_peers"  # a peer list that answers no hello of ours
 # Hellos of ours still waiting for their `peers` answer; the oldest are given up first.
 MAX_HELLOS_OUT = 1024
 
@@ -37,11 +40,13 @@ class _HelloOut:
     sent: float  # monotonic
 
 
-class Greetings:
-    """The hellos of one endpoint (`endpoint`), with the keys and contacts they need."""
+class Handshake:
+    """The handshake of one endpoint (`endpoint`), with the keys and contacts it needs."""
 
     def __init__(self, endpoint: Endpoint) -> None:
         self.endpoint = endpoint
+        self.joined = threading.Event()  # a peer answered our hello, or we were refused
+        self.refusal = ""  # why the mesh refused us (our key is live elsewhere)
         # Our hellos still unanswered, by address: whether each asked for a peer list.
         self.out: OrderedDict[str, _HelloOut] = OrderedDict()
         self.bootstrap: set[str] = set()  # the addresses we were told to dial at start
@@ -112,9 +117,19 @@ class Greetings:
             self.out[address] = _HelloOut(wants_peers, time.monotonic())
             while len(self.out) > MAX_HELLOS_OUT:
                 self.give_up_on(next(iter(self.out)))
-        body: dict[str, Any] = endpoint.hello_body(wants_peers)
+        body = self.hello_body(wants_peers)
         body.update(endpoint.overlay.card_fields())
         endpoint.send(address, "hello", body)
+
+    def hello_body(self, wants_peers: bool = True) -> dict[str, Any]:
+        """What a hello (or a heartbeat) says of this node."""
+        endpoint = self.endpoint
+        body: dict[str, Any] = {"name": endpoint.settings.name, "addr": endpoint.address}
+        if endpoint.settings.about is not None:
+            body["about"] = endpoint.settings.about
+        if not wants_peers:
+            body["list"] = False  # answer with yourself only: we know the mesh (WIRE.md 7.1)
+        return body
 
     def awaits(self, address: str) -> bool:
         """Whether a hello of ours to `address` awaits its answer."""
@@ -155,6 +170,83 @@ class Greetings:
             next((a for a in self.out if a not in self.curve_keys and a in own), None),
         )
         return None if answered is None else self.out.pop(answered).wants_peers
+
+    # --- messages ----------------------------------------------------------------------
+
+    def on_hello(self, message: Message) -> None:
+        """Take in the greeter and answer with a peer list, or turn it away (overlay)."""
+        endpoint = self.endpoint
+        name, address = message.body["name"], message.body["addr"]
+        wants_peers = message.body.get("list", True) is not False
+        if endpoint.table.get(message.sender) is None and (
+            reason := endpoint.overlay.turns_away(name, address)
+        ):
+            self._turn_away(message.sender, address, reason)
+            return
+        if not endpoint.take_in(message, name, address):
+            return
+        endpoint.overlay.took_greeter(message, address)
+        listed = self._listed(message.sender) if wants_peers else []
+        endpoint.send(address, "peers", self._peers_body(listed))
+        # Whoever says hello may have missed our announces: a late joiner, or a node
+        # asking again once it took the mesh's round (refresh_offers).
+        endpoint.blobs.announce_latest(address)
+
+    def link_answering(self, message: Message, name: object, address: str) -> bool:
+        """Take in the node that answered our hello, as `take_in` does. It announced
+        its latest blobs to us; it hears ours now: a peer in our round waits for our
+        blob of it, which we may have announced before it knew us, until it hears that
+        we are past that round (a heartbeat period, or more) (WIRE.md 7.1)."""
+        if not self.endpoint.take_in(message, name, address):
+            return False
+        self.endpoint.blobs.announce_latest(address)
+        return True
+
+    def _peers_body(self, listed: list[dict[str, Any]], linked: bool = True) -> dict[str, Any]:
+        endpoint = self.endpoint
+        me: dict[str, Any] = {"name": endpoint.settings.name, "addr": endpoint.address}
+        me["key"] = endpoint.identity.public_key
+        return {"peers": [me, *listed], **endpoint.overlay.card_fields(linked)}
+
+    def _listed(self, greeter: bytes) -> list[dict[str, Any]]:
+        """The peers a `peers` answer to `greeter` names (overlay.listed)."""
+        endpoint = self.endpoint
+        listed = endpoint.overlay.listed(endpoint.table.alive(), greeter)
+        return [entry.describe() for entry in listed]
+
+    def _turn_away(self, key: bytes, address: str, reason: str) -> None:
+        """Answer the hello of a node this view cannot take (`reason`): with some
+        neighbours to try instead, and `linked: false` (WIRE.md 7.7). The answer goes
+        over a connection of its own, so nothing stays open to the greeter."""
+        self.endpoint.flow_rejections[reason] += 1
+        body = self._peers_body(self._listed(key), linked=False)
+        self.endpoint.send(address, "peers", body, once=True, key=key)
+
+    def on_peers(self, message: Message) -> None:
+        """Take a peer list only in answer to our own hello (WIRE.md 7.1); what it makes
+        of the list is the overlay's. Entries were checked by the decoder."""
+        wanted_list = self.answered(message)
+        if wanted_list is None:
+            self.endpoint.flow_rejections[UNSOLICITED_PEERS] += 1
+            return
+        self.endpoint.overlay.on_peers(message, wanted_list)
+        self.joined.set()
+
+    def on_refuse(self, message: Message) -> None:
+        if not self.joined.is_set():
+            self.refusal = str(message.body["reason"])
+            self.joined.set()
+
+    def refuse_twin(self, message: Message) -> None:
+        """Tell the node whose hello carries a key live here (ours or a peer's) that the
+        mesh refuses it (WIRE.md 7.1)."""
+        endpoint = self.endpoint
+        address = message.body.get("addr")
+        if message.kind == "hello" and isinstance(address, str):
+            live = endpoint.table.get(message.sender)
+            where = live.address if live else endpoint.address
+            reason = f"key {node_id(message.sender)} is already live at {where}"
+            endpoint.send(address, "refuse", {"reason": reason}, key=message.sender)
 
     def drop(self, address: str) -> None:
         """Forget our hello to `address` and the key it is dialled with."""
