@@ -14,7 +14,6 @@ the endpoint passes them the messages.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import Counter
@@ -37,25 +36,20 @@ from .overlay import BoundedView, FullMesh, Overlay
 from .probe import StatusAnswers
 from .transport import (
     Encryption,
-    LogOnce,
-    Received,
     Transport,
     TransportOptions,
     contact,
 )
 from .views import ViewSettings
 from .wire import (
-    KINDS,
-    PROTOCOL_VERSION,
     Blob,
     Limits,
     Message,
-    Rejected,
     announce_body,
     encode,
     new_instance,
 )
-from .wire import blob_id as id_of_record
+from .worker import Worker
 
 log = logging.getLogger("meshfl.endpoint")
 
@@ -69,7 +63,6 @@ REFUSED_HANDSHAKE = "refused_handshake"
 
 # What strangers can make a node do is bounded (WIRE.md 7.1, 7.3); these flow reasons
 # count what was refused for it, beside the decoder's.
-WORKER_ERROR = "worker_error"  # the worker raised: a bug, contained and logged
 
 
 class Refused(UserError):
@@ -130,12 +123,9 @@ class Endpoint:
         # Where peers dial us: an IP address, as messages may name no other (WIRE.md 5).
         self.address = resolved(settings.address)
         self.round = 0
-        # Up to when the worker has read what arrived (monotonic): the arrival time of
-        # the message it handles, or, with the inbox empty, when the transport last
-        # found nothing more to read. The peer table's clock.
-        self._read_up_to = time.monotonic()
+        # The peer table's clock: up to when the worker has read what arrived.
         self.table = PeerTable(
-            settings.peer_timeout, clock=lambda: self._read_up_to, crowd=settings.crowd
+            settings.peer_timeout, clock=lambda: self.worker.read_up_to, crowd=settings.crowd
         )
         self.admission = Admission(self)
         self.decoder = Decoder(
@@ -172,9 +162,7 @@ class Endpoint:
         )
         # Start from wall-clock nanoseconds so a restarted node's numbers keep rising.
         self._seq = time.time_ns()
-        self._log_once = LogOnce(log)
         self.liveness = Liveness(self)
-        self._stopping = threading.Event()
         # Whom the node links with (overlay.py), and the hellos it links by (handshake.py).
         self.views = settings.views
         self.overlay: Overlay = BoundedView(self, self.views) if self.views else FullMesh(self)
@@ -191,26 +179,25 @@ class Endpoint:
         self.other_meshes: dict[bytes, OtherMesh] = {}
         self.on_other_mesh: Callable[[OtherMesh], None] = lambda met: None
         # One handler per kind of WIRE.md section 4; the decoder lets no other kind through.
-        self._handlers: dict[str, Callable[[Message], None]] = {
+        handlers: dict[str, Callable[[Message], None]] = {
             "hello": self.handshake.on_hello,
             "peers": self.handshake.on_peers,
             "refuse": self.handshake.on_refuse,
-            "heartbeat": self._on_heartbeat,
-            "bye": self._on_bye,
+            "heartbeat": self.on_heartbeat,
+            "bye": self.on_bye,
             "announce": self.blobs.on_announce,
             "fetch": self.blobs.on_fetch,
             "miss": self.blobs.on_miss,
             "blob": self.blobs.on_blob,
             "status": self.status_answers.on_status,
             "status_reply": self.status_answers.on_status_reply,
-            "upload": self._on_direct,
-            "personal": self._on_direct,
+            "upload": self.on_direct,
+            "personal": self.on_direct,
             "shuffle": self.overlay.on_shuffle,
             "shuffle_reply": self.overlay.on_shuffle_reply,
             "unlink": self.overlay.on_unlink,
         }
-        missing = set(KINDS) ^ set(self._handlers)
-        assert not missing, f"kinds without a handler, or handlers without a kind: {missing}"
+        self.worker = Worker(self, handlers)
         # Peers are judged at most a tick late for a transport with nothing to read: a
         # tick stretched for a host's crowd of nodes, whose idle transports must not
         # each wake every second to take their turn at the GIL.
@@ -218,9 +205,6 @@ class Endpoint:
         options = replace(settings.transport, idle_check_s=tick)
         self.transport = Transport(
             settings.listen, options, self._encryption(), screen=self.admission.worth_holding
-        )
-        self._worker = threading.Thread(
-            target=self._work, name=f"mesh {settings.name}", daemon=True
         )
 
     def is_peer(self, key: bytes) -> bool:
@@ -256,7 +240,7 @@ class Endpoint:
                 "%s: listening encrypted; others dial it as %s", self.settings.name, self.contact
             )
         greet = self.handshake.begin(bootstrap)
-        self._worker.start()  # after the keys above are in place: it learns more
+        self.worker.thread.start()  # after the keys above are in place: it learns more
         for index, address in enumerate(greet):
             # One peer list is enough: the others were named to us already (WIRE.md 7.1).
             self.handshake.say_hello(address, wants_peers=index == 0)
@@ -446,14 +430,14 @@ class Endpoint:
 
     def close(self) -> None:
         """Say bye to every live peer, then stop."""
-        if self._stopping.is_set():
+        if self.worker.stopping.is_set():
             return
         for entry in self.alive_peers():
             self.send(entry.address, "bye", {})
-        self._stopping.set()
+        self.worker.stopping.set()
         self.transport.wake_reader()
-        if self._worker.is_alive():
-            self._worker.join(timeout=5)
+        if self.worker.thread.is_alive():
+            self.worker.thread.join(timeout=5)
         self.transport.close()
 
     # --- sending ----------------------------------------------------------
@@ -498,42 +482,6 @@ class Endpoint:
 
     # --- the worker thread -----------------------------------------------------
 
-    def _work(self) -> None:
-        next_beat = time.monotonic()
-        while not self._stopping.is_set():
-            try:
-                next_beat = self._work_once(next_beat)
-            except Exception:
-                # A bug: logged with its traceback, and the worker goes on, for without
-                # it the node would answer nobody and beat to nobody, silently.
-                self.flow_rejections[WORKER_ERROR] += 1
-                if self.flow_rejections[WORKER_ERROR] <= 3:  # the first few, with traceback
-                    log.exception("%s: unexpected error in the mesh worker", self.settings.name)
-
-    def _work_once(self, next_beat: float) -> float:
-        """Handle what arrived, and beat when it is time; returns when to beat next. It
-        sleeps until a message, a wake-up or the beat: a host's hundreds of idle workers
-        must not each poll for the GIL."""
-        try:
-            received = self.transport.inbox.get(timeout=max(next_beat - time.monotonic(), 0))
-        except queue.Empty:
-            received = None
-        if received is None:
-            # Read up to when the transport last found its socket empty (read before
-            # looking at the inbox: what it read by then is in it, or handled).
-            caught_up = self.transport.caught_up_at
-            if self.transport.inbox.empty():
-                self._read_up_to = max(self._read_up_to, caught_up)
-        else:
-            self._read_up_to = received.arrived
-            self._handle_frames(received)
-        self.liveness.note_new_reached()
-        self.overlay.note_unheard()
-        if time.monotonic() >= next_beat:
-            next_beat = time.monotonic() + self.settings.heartbeat_interval
-            self.liveness.tick()
-        return next_beat
-
     def forget(self, entry: PeerEntry, drain: bool = False) -> None:
         """Drop a peer and, unless another peer is there, its address."""
         self.table.forget(entry.public_key)
@@ -547,50 +495,14 @@ class Endpoint:
         self.handshake.drop(address)
         self.liveness.last_beat.pop(address, None)
 
-    def _handle_frames(self, received: Received) -> None:
-        # Decoding hashes every byte of a blob and checks two signatures: it runs without
-        # the lock, so the node's thread is not held up behind a big message. Only this
-        # worker thread decodes, and only it changes the peer table the checks read.
-        try:
-            message = self.decoder.decode(received.frames)
-        except Rejected as rejection:
-            refused = rejection.message
-            if rejection.claim is None:
-                self._log_rejection(received.routing_id, rejection)  # else the node says more
-            if rejection.reason == "duplicate_key" and refused is not None:
-                with self.lock:
-                    self.handshake.refuse_twin(refused)
-            elif refused is not None and refused.kind == "blob":
-                with self.lock:  # the holder will not send that blob: look elsewhere now
-                    self.blobs.holder_failed(refused.sender, id_of_record(refused.body["record"]))
-            elif rejection.claim is not None:
-                with self.lock:
-                    self.admission.meet_other_mesh(rejection.claim)
-                    self._changed.notify_all()
-            return
-        with self.lock:
-            if message.sender == self.identity.public_key and message.instance == self.instance:
-                return  # sent to ourselves (some hello or peer list gave out our address)
-            self.received[message.kind] += 1
-            self._handlers[message.kind](message)
-            self.note_change()
-
     def note_change(self) -> None:
         """A message was handled or liveness checked (`wait_change`); under the lock."""
         self._changes += 1
-        self._changed.notify_all()
+        self.wake_waiters()
 
-    def _log_rejection(self, routing_id: bytes, rejection: Rejected) -> None:
-        # Once per peer connection and reason: a flood must not flood the log too.
-        self._log_once(
-            rejection.reason,
-            routing_id,
-            "%s: dropped a message (%s) from connection %s; further ones are only counted%s",
-            self.settings.name,
-            rejection,
-            routing_id.hex(),
-            _version_hint(rejection),
-        )
+    def wake_waiters(self) -> None:
+        """Wake the node's waits to look again; under the lock."""
+        self._changed.notify_all()
 
     # --- one handler per kind ----------------------------------------------
 
@@ -616,7 +528,7 @@ class Endpoint:
             self.liveness.mark_if_reached(entry)
         return True
 
-    def _on_heartbeat(self, message: Message) -> None:
+    def on_heartbeat(self, message: Message) -> None:
         if self.table.heard_from(message.sender, message.round) is not None:
             return
         name, address = message.body.get("name"), message.body.get("addr")
@@ -624,26 +536,16 @@ class Endpoint:
             return
         self.overlay.on_stranger_heartbeat(message, name, address)
 
-    def _on_bye(self, message: Message) -> None:
+    def on_bye(self, message: Message) -> None:
         entry = self.table.mark_left(message.sender)
         if entry is not None:
             log.info("%s: %s left", self.settings.name, entry.name)
             self.transport.forget(entry.address)
 
-    def _on_direct(self, message: Message) -> None:
+    def on_direct(self, message: Message) -> None:
         """Queue an `upload` or `personal` for `next_message`, if this node reads that kind
         and its sender has room in the inbox (inbox.py)."""
         self.table.heard_from(message.sender, message.round)
         refusal = self.inbox.put(message)
         if refusal is not None:
             self.flow_rejections[refusal] += 1
-
-
-def _version_hint(rejection: Rejected) -> str:
-    """A word for the operator when a message came from a node of another version."""
-    if rejection.reason == "bad_header" and rejection.detail.startswith("version "):
-        return (
-            f"; the sender speaks meshfl protocol {rejection.detail.split()[1]}, this "
-            f"node {PROTOCOL_VERSION}: run the same meshfl version on every node"
-        )
-    return ""

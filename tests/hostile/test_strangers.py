@@ -189,7 +189,7 @@ def test_handshake_abuse_then_a_copied_model_leaves_the_node_answering(context, 
         assert answers_status(endpoint)
     assert endpoint.transport.failed_handshakes["incoming"] >= 3
     assert endpoint.received["unrequested_blob"] == 3
-    assert endpoint.transport._thread.is_alive() and endpoint._worker.is_alive()
+    assert endpoint.transport._thread.is_alive() and endpoint.worker.thread.is_alive()
 
 
 @pytest.mark.slow

@@ -149,7 +149,7 @@ def test_a_dead_neighbour_is_replaced_and_views_survive_a_fifth_dying_at_once(me
     dying = random.Random(3).sample(endpoints[1:], 3)
     for endpoint in dying:
         endpoint.transport.close()  # dies without a word: no bye
-        endpoint._stopping.set()
+        endpoint.worker.stopping.set()
     dead = {endpoint.identity.public_key for endpoint in dying}
     survivors = [endpoint for endpoint in endpoints if endpoint not in dying]
     started = time.monotonic()
