@@ -31,6 +31,7 @@ from .identity import Identity
 from .inbox import DirectInbox
 from .liveness import Liveness
 from .membership import ALIVE, PeerEntry, PeerTable, liveness_stretch
+from .memory import MemoryNetwork, MemoryTransport
 from .offers import Offer
 from .overlay import BoundedView, FullMesh, Overlay
 from .probe import StatusAnswers
@@ -115,7 +116,10 @@ class Endpoint:
         mesh_id: bytes,
         settings: EndpointSettings,
         schema: bytes | None = None,
+        network: MemoryNetwork | None = None,
     ) -> None:
+        """`network`: carry messages over that in-process network instead of ZeroMQ
+        sockets (memory.py)."""
         self.identity = identity
         self.mesh_id = mesh_id
         self.settings = settings
@@ -203,7 +207,8 @@ class Endpoint:
         # each wake every second to take their turn at the GIL.
         tick = settings.heartbeat_interval * liveness_stretch(settings.crowd)
         options = replace(settings.transport, idle_check_s=tick)
-        self.transport = Transport(
+        connect = network.transport if network is not None else Transport
+        self.transport: Transport | MemoryTransport = connect(
             settings.listen, options, self._encryption(), screen=self.admission.worth_holding
         )
 

@@ -1,10 +1,11 @@
-"""Live endpoints for the protocol's tests, over real ZeroMQ sockets on loopback: the
-fixtures that make and close them, a raw peer that sends hand-made frames, and small
-blobs to exchange."""
+"""Live endpoints for the protocol's tests: the fixtures that make and close them (on an
+in-process network, or over real ZeroMQ sockets on loopback where a test needs them), a
+raw peer that sends hand-made frames, and small blobs to exchange."""
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from meshfl.protocol.endpoint import (
     EndpointSettings,
 )
 from meshfl.protocol.identity import Identity, curve_public_key
+from meshfl.protocol.memory import MemoryNetwork
 from meshfl.protocol.transport import (
     Encryption,
     TransportError,
@@ -57,10 +59,25 @@ def poll_until(condition: Callable[[], bool], timeout: float = WAIT, step: float
     return True
 
 
+# Ports of the in-process network's addresses: nothing listens there for real.
+_MEMORY_PORTS = itertools.count(20000)
+
+
+def memory_address(host: str = "127.0.0.1") -> str:
+    """A new address on an in-process network (memory.py)."""
+    return f"tcp://{host}:{next(_MEMORY_PORTS)}"
+
+
 @pytest.fixture
-def make_endpoint():
-    """Endpoints on free loopback ports, closed after the test."""
+def make_endpoint(request: pytest.FixtureRequest):
+    """Endpoints, closed after the test: on an in-process network (memory.py), or on free
+    loopback ports where the test talks to them over sockets of its own (it takes the
+    `context` or `scene` fixture) or is marked `sockets`."""
     made: list[Endpoint] = []
+    uses_sockets = {"context", "scene"} & set(request.fixturenames)
+    network = (
+        None if uses_sockets or request.node.get_closest_marker("sockets") else MemoryNetwork()
+    )
 
     def make(
         name: str = "node",
@@ -70,6 +87,10 @@ def make_endpoint():
         **settings,
     ) -> Endpoint:
         identity = identity or Identity.generate()
+        if network is not None:
+            settings_of = EndpointSettings(name, memory_address(), **settings)
+            made.append(Endpoint(identity, mesh, settings_of, schema=schema, network=network))
+            return made[-1]
         for _ in range(5):  # a port found free can be taken before we bind it
             listen = f"tcp://127.0.0.1:{free_ports(1)[0]}"
             try:
@@ -85,6 +106,8 @@ def make_endpoint():
     yield make
     for endpoint in reversed(made):
         endpoint.close()
+    if network is not None:
+        network.close()
 
 
 class RawPeer:

@@ -25,6 +25,8 @@ from meshfl.protocol.endpoint import REFUSED_HANDSHAKE, Endpoint, EndpointSettin
 from meshfl.protocol.identity import BadPublicKey, Identity, curve_public_key
 from meshfl.protocol.transport import BadContact, contact, free_ports, split_contact
 
+pytestmark = pytest.mark.sockets  # CURVE is the sockets'
+
 MESH = hashlib.sha256(b"encryption test mesh").digest()[:16]
 WAIT = 10.0
 

@@ -3,6 +3,8 @@ it like any message, answers only listed keys in a closed mesh, and limits its r
 
 from __future__ import annotations
 
+import pytest
+
 from meshfl.protocol.identity import Identity
 from meshfl.protocol.membership import ALIVE
 from meshfl.protocol.probe import ask_status
@@ -12,6 +14,8 @@ from tests.protocol.endpoints import (
     WAIT,
     joined_pair,
 )
+
+pytestmark = pytest.mark.sockets  # a probe asks over sockets of its own
 
 # --- status -------------------------------------------------------------------------
 

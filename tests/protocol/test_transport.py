@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from meshfl.protocol.transport import TransportOptions
 from meshfl.protocol.wire import make_blob
 from tests.protocol.endpoints import RawPeer, model_arrays, poll_until
+
+pytestmark = pytest.mark.sockets  # the socket transport itself
 
 
 def test_messages_dropped_at_the_high_water_mark_are_not_counted_as_sent(context, make_endpoint):

@@ -24,6 +24,7 @@ import zmq
 from meshfl.node.config import MeshConfig
 from meshfl.protocol.endpoint import Endpoint, EndpointSettings
 from meshfl.protocol.identity import Identity
+from meshfl.protocol.memory import MemoryNetwork
 from meshfl.protocol.transport import TransportError, contact, free_ports
 from meshfl.protocol.views import (
     MAX_CARDS,
@@ -36,7 +37,7 @@ from meshfl.protocol.views import (
 )
 from meshfl.protocol.wire import make_blob
 from tests.nodes import node_from
-from tests.protocol.endpoints import MESH, RawPeer
+from tests.protocol.endpoints import MESH, RawPeer, memory_address
 
 SMALL_VIEWS = ViewSettings(neighbours=3, most=5, passive=12, shuffle_interval=0.3, shuffle_length=4)
 FAST = {"heartbeat_interval": 0.2, "peer_timeout": 1.0}
@@ -52,34 +53,55 @@ def poll_until(condition: Callable[[], bool], timeout: float = WAIT) -> bool:
     return True
 
 
-@pytest.fixture
-def mesh():
-    """Start bounded-view endpoints on loopback; every one is closed after the test."""
-    made: list[Endpoint] = []
+class Mesh:
+    """Bounded-view endpoints started on one in-process network (memory.py), or on
+    loopback sockets (`network` None)."""
 
-    def start(
-        count: int, contacts: Callable[[list[Endpoint]], list[str]], **extra
+    def __init__(self, network: MemoryNetwork | None) -> None:
+        self.network = network
+        self.made: list[Endpoint] = []
+
+    def __call__(
+        self, count: int, contacts: Callable[[list[Endpoint]], list[str]], **extra
     ) -> list[Endpoint]:
+        """Start `count` more, each greeting the `contacts` named of those before it."""
         for _ in range(count):
-            made.append(_endpoint(f"n{len(made)}", **{**FAST, **extra}))
-            made[-1].start(contacts(made[:-1]))
-        return made
+            name = f"n{len(self.made)}"
+            self.made.append(_endpoint(name, network=self.network, **{**FAST, **extra}))
+            self.made[-1].start(contacts(self.made[:-1]))
+        return self.made
 
-    yield start
-    for endpoint in reversed(made):
+
+@pytest.fixture
+def mesh(request: pytest.FixtureRequest):
+    """A `Mesh`, on sockets for a test marked `sockets`; every endpoint is closed after
+    the test."""
+    sockets = request.node.get_closest_marker("sockets") is not None
+    started = Mesh(None if sockets else MemoryNetwork())
+    yield started
+    for endpoint in reversed(started.made):
         endpoint.close()
+    if started.network is not None:
+        started.network.close()
 
 
 def _endpoint(
-    name: str, identity: Identity | None = None, host: str = "127.0.0.1", **settings
+    name: str,
+    identity: Identity | None = None,
+    host: str = "127.0.0.1",
+    network: MemoryNetwork | None = None,
+    **settings,
 ) -> Endpoint:
+    """A bounded-view endpoint: on `network`, else on a free loopback port."""
     settings.setdefault("views", SMALL_VIEWS)
+    identity = identity or Identity.generate()
+    if network is not None:
+        listen = memory_address(host)
+        return Endpoint(identity, MESH, EndpointSettings(name, listen, **settings), network=network)
     for _ in range(5):  # a port found free can be taken before we bind it
         listen = f"tcp://{host}:{free_ports(1)[0]}"
         try:
-            return Endpoint(
-                identity or Identity.generate(), MESH, EndpointSettings(name, listen, **settings)
-            )
+            return Endpoint(identity, MESH, EndpointSettings(name, listen, **settings))
         except TransportError:
             continue
     raise RuntimeError("no free port")
@@ -230,6 +252,7 @@ def test_a_candidate_where_nobody_listens_is_given_up_at_once(mesh):
     assert poll_until(lambda: neighbours(lonely) == {other.identity.public_key}, 5)
 
 
+@pytest.mark.sockets  # a TCP listener that dies
 def test_a_candidate_that_dies_once_dialled_is_given_up_at_once(mesh):
     # Connected before it died: the tries since are refused, so nobody listens there.
     lonely, other = lonely_and_other(mesh)
@@ -241,6 +264,7 @@ def test_a_candidate_that_dies_once_dialled_is_given_up_at_once(mesh):
     assert poll_until(lambda: neighbours(lonely) == {other.identity.public_key}, 5)
 
 
+@pytest.mark.sockets  # a TCP listener that hangs up
 def test_a_candidate_that_breaks_off_handshakes_is_not_given_up_before_its_grace(mesh):
     # Someone listens there (each try connects, then is cut): as a peer slow to finish
     # its handshake on a starved machine, it keeps its place for the grace (20 s).
@@ -279,7 +303,7 @@ def test_a_node_whose_neighbours_all_died_rejoins_through_its_contacts(mesh):
     # the other up; once the first dies and no candidate is left, it greets its contacts
     # again, and the one up by then takes it in.
     late_identity = Identity.generate()
-    late_address = f"tcp://127.0.0.1:{free_ports(1)[0]}"
+    late_address = memory_address()
     first = mesh(1, lambda started: [])[-1]
     node = mesh(
         1,
@@ -288,7 +312,7 @@ def test_a_node_whose_neighbours_all_died_rejoins_through_its_contacts(mesh):
     )[-1]
     assert poll_until(lambda: neighbours(node) == {first.identity.public_key}, 5)
     settings = EndpointSettings("late", late_address, views=SMALL_VIEWS, **FAST)
-    late = Endpoint(late_identity, MESH, settings)
+    late = Endpoint(late_identity, MESH, settings, network=mesh.network)
     try:
         late.start([])
         first.close()
@@ -359,7 +383,7 @@ def test_a_node_that_links_a_greeter_hears_what_the_greeter_announced_before(mes
     # round (a heartbeat period, stretched in a crowded host).
     host = mesh(1, through_first, views=views)[0]
     host.set_round(1)
-    greeter = _endpoint("greeter", views=views, **FAST)
+    greeter = _endpoint("greeter", views=views, network=mesh.network, **FAST)
     try:
         greeter.set_round(1)
         arrays = {"w": np.arange(4, dtype=np.float32)}
