@@ -1,4 +1,6 @@
-"""Whom a node of a bounded mesh drops from its neighbours after a round (WIRE.md 7.7).
+"""A node's neighbours between rounds: in a full mesh its members, kept as they are
+(`MeshKeeper`); in a bounded one (WIRE.md 7.7) the view it refills and drops from
+(`ViewKeeper`), as follows.
 
 Each round a node rates the neighbours it began the round with by what they did for it
 (the rule's `benefits`: screening's evidence records, which add up over rounds, or else
@@ -20,7 +22,9 @@ is shunned, and candidates are drawn at random.
 from __future__ import annotations
 
 import random
-from collections.abc import Collection, Mapping
+import time
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
 
 from meshfl.algorithms import PeerAlgorithm
 from meshfl.algorithms.base import draw_seed
@@ -29,6 +33,12 @@ from meshfl.protocol.endpoint import Endpoint
 from .config import MeshConfig
 
 MOST_DROPPED = 2  # neighbours that did nothing dropped after one round
+# How long a round of a bounded mesh waits for the candidates it greeted for free places,
+# in heartbeat periods. In a crowded mesh half the answers to a hello turn the greeter
+# away (their views full) with others to greet, so a place takes two or three round
+# trips to fill; with one period, a few views of the fault bench began every round short
+# (docs/measurements.md, "When a fifth of the nodes die at once").
+VIEW_PATIENCE_BEATS = 3
 # A node whose neighbours all help still drops the one that helps least, one round in
 # this many: often enough to find better ones, seldom enough to keep good ones.
 EXPLORE_EVERY = 3
@@ -58,10 +68,17 @@ def neighbours_to_drop(
     return ranked[:1] if rng.random() < 1 / EXPLORE_EVERY else []
 
 
-class ViewKeeper:
-    """What a node of a bounded mesh does with its neighbours between rounds: it notes
-    whom each round tries, and drops those `neighbours_to_drop` names, so that its
-    endpoint greets candidates in their place."""
+def keeper_for(
+    endpoint: Endpoint, algorithm: PeerAlgorithm, cfg: MeshConfig, name: str
+) -> MeshKeeper:
+    """The keeper of the neighbours `endpoint`'s overlay gives the node."""
+    keeper = ViewKeeper if endpoint.views is not None else MeshKeeper
+    return keeper(endpoint, algorithm, cfg, name)
+
+
+class MeshKeeper:
+    """A full mesh's neighbours are its members: the node waits for them as the mesh
+    starts (they start together), and keeps, tries, drops and records none."""
 
     def __init__(
         self, endpoint: Endpoint, algorithm: PeerAlgorithm, cfg: MeshConfig, name: str
@@ -70,7 +87,81 @@ class ViewKeeper:
         self.algorithm = algorithm
         self.cfg = cfg
         self.name = name
+
+    @property
+    def patience(self) -> float:
+        """How long a wait for the node's neighbours lasts at most."""
+        return self.cfg.round_timeout
+
+    def waits_at_start(self) -> bool:
+        """Whether a fresh node waits for its neighbours before its first round."""
+        return bool(self.endpoint.alive_peers())
+
+    def refill(self, wait: Callable[[], object]) -> dict[str, float]:
+        """Before a round's models: the places freed since the last round filled (`wait`
+        waits for them), and the seconds it took, for the round's record."""
+        return {}
+
+    def neighbours_now(self) -> dict[str, bytes]:
+        """The neighbours a round ends with, by name."""
+        return {}
+
+    def drop(
+        self,
+        round_no: int,
+        began_with: Collection[str],
+        current: Mapping[str, bytes],
+        weights: Mapping[str, float],
+    ) -> list[str]:
+        return []
+
+    def record(
+        self, began_with: Mapping[bytes, str], ended_with: Collection[str], dropped: list[str]
+    ) -> dict[str, Any]:
+        """The round record's fields about the view."""
+        return {"neighbours": None, "neighbours_at_end": None, "tried": None, "dropped": None}
+
+
+class ViewKeeper(MeshKeeper):
+    """What a node of a bounded mesh does with its neighbours between rounds: it refills
+    its free places, notes whom each round tries, and drops those `neighbours_to_drop`
+    names, so that its endpoint greets candidates in their place."""
+
+    def __init__(
+        self, endpoint: Endpoint, algorithm: PeerAlgorithm, cfg: MeshConfig, name: str
+    ) -> None:
+        super().__init__(endpoint, algorithm, cfg, name)
         self._last_neighbours: set[str] = set()  # when the last round began
+
+    @property
+    def patience(self) -> float:
+        """Only a few round trips: a place its contacts keep refusing (or whose hello was
+        lost) is filled in a later round, not waited for by all."""
+        return VIEW_PATIENCE_BEATS * self.cfg.heartbeat_interval
+
+    def waits_at_start(self) -> bool:
+        """Always: nodes that start together may turn away every first hello of one of
+        them (their views full), and it then greets candidates, whose answers are worth
+        the wait."""
+        return True
+
+    def refill(self, wait: Callable[[], object]) -> dict[str, float]:
+        clock = time.perf_counter()
+        wait()
+        return {"view_wait": time.perf_counter() - clock}
+
+    def neighbours_now(self) -> dict[str, bytes]:
+        return {peer.name: peer.public_key for peer in self.endpoint.alive_peers()}
+
+    def record(
+        self, began_with: Mapping[bytes, str], ended_with: Collection[str], dropped: list[str]
+    ) -> dict[str, Any]:
+        return {
+            "neighbours": sorted(began_with.values()),
+            "neighbours_at_end": sorted(ended_with),
+            "tried": self.tried(began_with.values()),
+            "dropped": dropped,
+        }
 
     def tried(self, neighbours: Collection[str]) -> list[str]:
         """The neighbours this round tries: those that were not neighbours when the last
@@ -88,10 +179,11 @@ class ViewKeeper:
     ) -> list[str]:
         """Drop the neighbours (of `current`, name -> key) the node shuns, and when its
         view is full the neighbour it began the round with that did least for it
-        (`topology.select`); none in a full mesh or after the last round. Without a
-        candidate to try instead, only shunned ones are dropped."""
+        (`topology.select`); none after the last round. Without a candidate to try
+        instead, only shunned ones are dropped."""
         views = self.endpoint.views
-        if views is None or round_no >= self.cfg.rounds:
+        assert views is not None, "a bounded mesh's keeper"
+        if round_no >= self.cfg.rounds:
             return []  # after the last round there is nothing left to explore for
         shunned = {name for name in current if self.endpoint.shuns(name)}
         still = [name for name in began_with if name in current]

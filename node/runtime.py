@@ -44,7 +44,7 @@ from .mesh_identity import mesh_id, model_digest
 from .metrics import RoundRecord
 from .model_exchange import ModelExchange, PeerIntake
 from .models import batchnorm_keys
-from .neighbours import ViewKeeper
+from .neighbours import keeper_for
 from .splits import NodeData
 from .task import Task, node_info, task_of
 from .trainer import (
@@ -57,13 +57,6 @@ from .trainer import (
 )
 
 log = logging.getLogger("meshfl.node")
-
-# How long a round of a bounded mesh waits for the candidates it greeted for free places,
-# in heartbeat periods. In a crowded mesh half the answers to a hello turn the greeter
-# away (their views full) with others to greet, so a place takes two or three round
-# trips to fill; with one period, a few views of the fault bench began every round short
-# (docs/measurements.md, "When a fifth of the nodes die at once").
-VIEW_PATIENCE_BEATS = 3
 
 # Test-only: the fault tests make a node fail in the middle of a run with
 # MESHFL_TEST_FAIL_AT=NAME:ROUND[,NAME:ROUND...]. Never set in a real run.
@@ -148,7 +141,7 @@ class Node:
         self.local_keys = batchnorm_keys(model) if self.cfg.local_batchnorm else frozenset()
         # `compression: topk`: models travel as deltas against public copies (deltas.py).
         self.deltas = DeltaGossip() if self.cfg.compression == TOPK else None
-        self.view_keeper = ViewKeeper(endpoint, algorithm, self.cfg, options.name)
+        self.view_keeper = keeper_for(endpoint, algorithm, self.cfg, options.name)
         self.exchange = ModelExchange(
             endpoint,
             algorithm,
@@ -177,14 +170,10 @@ class Node:
     def wait_for_neighbours(self) -> bool:
         """Wait for as many live peers as the mesh gives a node; whether they came. A
         full mesh waits up to `round_timeout` (its members start together); a bounded
-        view at most VIEW_PATIENCE_BEATS heartbeat periods for the candidates it greeted
+        view at most neighbours.VIEW_PATIENCE_BEATS heartbeat periods for the candidates it greeted
         for its free places, ending as soon as no hello is left to answer."""
         expected = self.endpoint.expected_peers(len(self.cfg.peers))
-        if self.endpoint.views is None:
-            return self.endpoint.wait_for_peers(expected, self.cfg.round_timeout)
-        return self.endpoint.wait_for_peers(
-            expected, VIEW_PATIENCE_BEATS * self.cfg.heartbeat_interval
-        )
+        return self.endpoint.wait_for_peers(expected, self.view_keeper.patience)
 
     @property
     def schema(self) -> bytes:
@@ -268,14 +257,9 @@ class Node:
         """The peer role: gossip rounds until the last, then serve the last blob a while."""
         if self.options.joining and first_round == 1:
             first_round = self._catch_up()
-        elif first_round == 1 and (self.endpoint.alive_peers() or self.endpoint.views is not None):
+        elif first_round == 1 and self.view_keeper.waits_at_start():
             # A fresh mesh starts together: otherwise a peer still starting up would miss
-            # round 1, and the same seed would not give the same run twice. A bounded
-            # view waits only a few round trips: a place its contacts keep refusing (or
-            # whose hello was lost) is filled in a later round, not waited for by all.
-            # It waits too when it has no neighbour yet: nodes that start together may
-            # turn away every first hello of one of them (their views full), and it then
-            # greets candidates, whose answers are worth the wait.
+            # round 1, and the same seed would not give the same run twice.
             self.wait_for_neighbours()
         elif first_round > 1:
             # Resumed: the announces that came with our first hellos were too far ahead of
@@ -384,12 +368,9 @@ class Node:
             for blob in self.exchange.blobs_of(round_no, kind, state_to_arrays(state), claimed):
                 self.endpoint.publish(blob)
                 published_bytes += blob.size
-        if self.endpoint.views is not None:
-            # Places freed after the last round are being filled. Published first, so
-            # no neighbour waits on this; a newcomer hears of our blob when it links.
-            view_clock = time.perf_counter()
-            self.wait_for_neighbours()
-            seconds["view_wait"] = time.perf_counter() - view_clock
+        # Places freed after the last round are being filled. Published first, so no
+        # neighbour waits on this; a newcomer hears of our blob when it links.
+        seconds.update(self.view_keeper.refill(self.wait_for_neighbours))
         deadline = time.monotonic() + self.model_wait
         neighbours = {peer.public_key: peer.name for peer in self.endpoint.alive_peers()}
         alive = set(neighbours)
@@ -412,10 +393,7 @@ class Node:
             val, test = self.val_and_test()
             seconds["evaluate"] = time.perf_counter() - clock
             # Read once: what the round's record shows is what the drops chose among.
-            ended_with = {
-                peer.name: peer.public_key
-                for peer in (self.endpoint.alive_peers() if self.endpoint.views else ())
-            }
+            ended_with = self.view_keeper.neighbours_now()
             dropped = self.view_keeper.drop(
                 round_no, neighbours.values(), ended_with, outcome.weights
             )
@@ -448,10 +426,7 @@ class Node:
                 n_train=len(self.data.y_train),
                 **self.device_fields(),
                 attacker=self.attack.active,
-                neighbours=sorted(neighbours.values()) if self.endpoint.views else None,
-                neighbours_at_end=sorted(ended_with) if self.endpoint.views else None,
-                tried=self.view_keeper.tried(neighbours.values()) if self.endpoint.views else None,
-                dropped=dropped if self.endpoint.views else None,
+                **self.view_keeper.record(neighbours, ended_with, dropped),
                 connections=after["connections"],
             ).to_json()
         )
