@@ -27,9 +27,9 @@ meshfl node has). Around the rule's `aggregate`, for the whole models received
    round's evidence about j, added to j's record across rounds (evidence.py). At that
    share a peer is judged by what it does to the node's model, not by the loss barrier
    between two models trained apart: mixed half and half, an honest peer of mildly
-   skewed data raised the val loss by 1.5 to 2 standard errors a round on small shards
-   (every peer kept out, the node alone where FedAvg gained 8 points), while at its
-   share it helps.
+   skewed data raised the val loss beyond the noise on small shards (every peer kept
+   out, the node alone where FedAvg gained most), while at its share it helps
+   (docs/defences.md).
    The peer is screened out ("val_loss") while its record shows harm beyond the noise of the val
    split: a new peer as one round's test allows, a slight harm once it repeats, while a
    peer that has been helping keeps its place through an unlucky round. The pivot is
@@ -44,18 +44,18 @@ meshfl node has). Around the rule's `aggregate`, for the whole models received
    (`more_errors_beyond_noise`), or, for an aggregate far from the own model
    (`a_far_jump`), it is worse on most val samples beyond HARM_BOUND (`sign_z`); else
    the node keeps the own model. The burden is on harm, not help: an average of models that
-   trained apart fits each node's data less than its own model for the first rounds
-   (0.3 nats above it in round 1 on small shards) and pays later, from the common start
-   it gives; a guard that asked each aggregate to prove on 30 samples that it helps left
-   nodes alone where FedAvg gained 8 points. Errors as well as loss, for loss alone is
-   not enough where a model is over-confident (LeNet on Digit-5 overfits in loss long
-   before accuracy): an aggregate a hair lower in loss can be 12 points lower in val
-   accuracy. pFedSV's val guard is this one (`guard_verdict`), judged on the logits
+   trained apart fits each node's data less than its own model for the first rounds and
+   pays later, from the common start it gives; a guard that asked each aggregate to
+   prove on a small val split that it helps left nodes alone where FedAvg gained most
+   (docs/defences.md, "Where collaboration pays"). Errors as well as loss, for loss
+   alone is not enough where a model is over-confident (LeNet on Digit-5 overfits in
+   loss long before accuracy): an aggregate a hair lower in loss can be far lower in
+   val accuracy (docs/algorithms-and-results.md). pFedSV's val guard is this one (`guard_verdict`), judged on the logits
    its game computed.
 6. Spikes: where the outcome makes more val errors than the model the round started
    from beyond noise, the node keeps that model instead: a round whose local training
-   went astray (a loss spike at lr 0.05 and momentum 0.9 costs an MLP 30 points in one
-   round) and that no peer mended is undone rather than carried on.
+   went astray (a loss spike at a high lr and momentum can cost an MLP most of its
+   accuracy in one round) and that no peer mended is undone rather than carried on.
    Local training alone has no such step, so a screened rule can end above Local
    through it as well as through its peers. The round start is held in memory only: a
    node's first round here, and its first after a resume, have none, so they judge

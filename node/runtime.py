@@ -161,10 +161,9 @@ class Node:
         """How long a round waits for its peers' models (and a finished node serves its
         last one): `round_timeout`, stretched as liveness is by the nodes sharing this
         process (`liveness_stretch`). A host's nodes share its CPU, so a round of all of
-        them takes that much longer: at 1,000 nodes in 5 hosts of 200 on 2 cores, 38 to
-        51% of node-rounds ended at a 30 s timeout, short of 2 of their 8 models. The
-        wait still ends as soon as every live neighbour's model is in, and a dead one is
-        not waited for once it is marked down (after its stretched timeout)."""
+        them takes that much longer (docs/measurements.md, at 1,000 nodes). The wait
+        still ends as soon as every live neighbour's model is in, and a dead one is not
+        waited for once it is marked down (after its stretched timeout)."""
         return self.cfg.round_timeout * liveness_stretch(self.options.host_nodes)
 
     def wait_for_neighbours(self) -> bool:
