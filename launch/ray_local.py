@@ -24,7 +24,11 @@ from pathlib import Path
 from meshfl.protocol.transport import free_ports
 
 START_LIMIT_S = 120.0  # a Ray node that has not said it started by then never will
-STOP_LIMIT_S = 30.0
+# How long a Ray node is given to stop on SIGTERM before its processes are killed. The
+# nodes stop one at a time, the last started first: so a Ray node stops in under a
+# second, while the head, once alone, spends half a minute in its own shutdown with
+# nothing left to save (its scratch folder goes anyway).
+STOP_GRACE_S = 5.0
 STATUS_LIMIT_S = 30.0  # one `ray status` call
 STARTED = "Ray runtime started"  # what `ray start` prints once the node is up
 ACTIVE_NODE = re.compile(r"^ *\d+ node_[0-9a-f]+$", re.MULTILINE)  # a line of `ray status`
@@ -110,12 +114,13 @@ class LocalRayCluster:
         return process
 
     def stop(self) -> None:
-        """SIGTERM first: `ray start --block` then stops the Ray processes it started."""
+        """SIGTERM first, one process at a time, the last started first: `ray start
+        --block` then stops the Ray processes it started; after STOP_GRACE_S they are
+        killed."""
         for process in reversed(self.processes):
             _signal_group(process, signal.SIGTERM)
-        for process in reversed(self.processes):
             try:
-                process.wait(timeout=STOP_LIMIT_S)
+                process.wait(timeout=STOP_GRACE_S)
             except subprocess.TimeoutExpired:
                 _signal_group(process, signal.SIGKILL)
                 process.wait(timeout=10)
