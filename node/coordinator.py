@@ -202,8 +202,16 @@ class CoordinatorNode(Node):
         needed = math.ceil(self.cfg.round_quorum * len(expected) - 1e-9)
         while len(expected) - len(waiting) < needed and (left := deadline - time.monotonic()) > 0:
             message = self.endpoint.next_message(UPLOAD, timeout=min(left, 0.5))
-            if message is None or message.blob is None or message.sender not in waiting:
+            if message is None or message.sender not in waiting:
                 continue  # nothing, or not from a client still awaited this round
+            if message.refused is not None and message.round == round_no:
+                # Its frames were refused as they came: not waited for any longer.
+                name = waiting.pop(message.sender)
+                log.warning("coordinator: refused %s's upload: %s", name, message.refused)
+                intake.refuse(UPLOAD, name, message.refused)
+                continue
+            if message.blob is None:
+                continue  # a refused upload of an earlier round
             if message.blob.meta.get("round") != round_no:
                 continue  # a late upload of an earlier round: that round is closed
             name = waiting.pop(message.sender)

@@ -547,6 +547,13 @@ class Endpoint:
             log.info("%s: %s left", self.settings.name, entry.name)
             self.transport.forget(entry.address)
 
+    def on_refused_direct(self, message: Message, reason: str) -> None:
+        """A direct message of a peer whose frames the decoder refused (`reason`, counted
+        there): queued without them, marked `refused`, so that the node reading it stops
+        waiting for it (a coordinator for a client's upload)."""
+        if self.table.get(message.sender) is not None:
+            self.on_direct(replace(message, blob=None, refused=reason))
+
     def on_direct(self, message: Message) -> None:
         """Queue an `upload` or `personal` for `next_message`, if this node reads that kind
         and its sender has room in the inbox (inbox.py)."""

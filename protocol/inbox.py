@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections import Counter, defaultdict
+from collections import Counter
 
 from .wire import Message
 
@@ -21,7 +21,8 @@ class DirectInbox:
 
     def __init__(self, kinds: frozenset[str]) -> None:
         self.kinds = kinds
-        self._queues: dict[str, queue.Queue[Message]] = defaultdict(queue.Queue)
+        # Made here, not on first use: two threads must never each make one.
+        self._queues: dict[str, queue.Queue[Message]] = {kind: queue.Queue() for kind in kinds}
         self._waiting: Counter[tuple[str, bytes]] = Counter()  # (kind, sender) queued
         self._lock = threading.Lock()
 

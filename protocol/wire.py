@@ -203,6 +203,9 @@ class Message:
     body: dict[str, Any]
     blob: Blob | None = None
     mesh: bytes = b""  # the sender's mesh id (a probe's decoder takes any)
+    # Why the decoder refused the frames of this authentic direct message: it is queued
+    # without them, so that its reader need not wait for it (Endpoint.on_refused_direct).
+    refused: str | None = None
 
     @property
     def sender_id(self) -> str:

@@ -114,6 +114,9 @@ class Worker:
         elif refused is not None and refused.kind == "blob":
             with endpoint.lock:
                 endpoint.blobs.holder_failed(refused.sender, id_of_record(refused.body["record"]))
+        elif refused is not None and refused.kind in endpoint.inbox.kinds:
+            with endpoint.lock:
+                endpoint.on_refused_direct(refused, rejection.reason)
         elif rejection.claim is not None:
             with endpoint.lock:
                 endpoint.admission.meet_other_mesh(rejection.claim)

@@ -109,5 +109,9 @@ def test_a_coordinator_refuses_every_lying_upload_and_its_clients_finish(tmp_pat
     assert [r["round"] for r in rounds] == list(range(1, ROUNDS + 1))
     assert refused_lies(rounds, lambda r: r["refused"]) == set(MUTATIONS)
     assert all(set(HONEST) <= set(record["uploaded"]) for record in rounds)
+    # An upload whose frames the decoder dropped is refused at once, not waited for.
+    dropped = [r for r in rounds if mutation_of(r["round"]) in DECODER_DROPS]
+    assert dropped and all(r["refused"] == [ROGUE] for r in dropped)
+    assert all(r["seconds"]["wait"] < 20.0 for r in dropped)
     for name in HONEST:
         assert [r["round"] for r in records(tmp_path, name)] == list(range(1, ROUNDS + 1))
