@@ -50,8 +50,8 @@ meshfl node has). Around the rule's `aggregate`, for the whole models received
    (docs/defences.md, "Where collaboration pays"). Errors as well as loss, for loss
    alone is not enough where a model is over-confident (LeNet on Digit-5 overfits in
    loss long before accuracy): an aggregate a hair lower in loss can be far lower in
-   val accuracy (docs/algorithms-and-results.md). pFedSV's val guard is this one (`guard_verdict`), judged on the logits
-   its game computed.
+   val accuracy (docs/algorithms-and-results.md). pFedSV's val guard is this one
+   (`guard_verdict`), judged on the logits its game computed.
 6. Spikes: where the outcome makes more val errors than the model the round started
    from beyond noise, the node keeps that model instead: a round whose local training
    went astray (a loss spike at a high lr and momentum can cost an MLP most of its

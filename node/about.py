@@ -16,8 +16,8 @@ from pathlib import PurePath
 
 import torch
 
-from meshfl.protocol.admission import OtherMesh
 from meshfl.protocol.decoder import MAX_ABOUT_TEXT
+from meshfl.protocol.parts import OtherMesh
 
 from . import config as cfgmod
 from .task import USER_PREFIX

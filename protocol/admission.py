@@ -7,17 +7,12 @@ What strangers can make a node hold, dial or check is bounded (WIRE.md 7.1, 7.3,
 
 from __future__ import annotations
 
-import time
-from collections import deque
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .inbox import INBOX_FULL
 from .membership import ALIVE
+from .parts import Host, OtherMesh, RateLimit
 from .wire import BLOB_KINDS, Message, Rejected, SignedClaim
-
-if TYPE_CHECKING:
-    from .endpoint import Endpoint
 
 ADDRESS_TAKEN = "address_taken"  # another key claims the address of a reached peer
 TABLE_FULL = "table_full"  # no room for a new peer (or for one more not yet reached)
@@ -25,38 +20,10 @@ TABLE_FULL = "table_full"  # no room for a new peer (or for one more not yet rea
 MAX_OTHER_MESHES = 64
 
 
-@dataclass(frozen=True)
-class OtherMesh:
-    """A node of another mesh that said hello, and what it says its mesh is (its
-    `about`, WIRE.md 7.8): enough for a human to see how the two meshes differ."""
-
-    name: str
-    address: str
-    about: dict[str, str | int]
-
-
-class RateLimit:
-    """At most `count` events in any `period` seconds."""
-
-    def __init__(self, count: int, period: float = 1.0) -> None:
-        self.count = count
-        self.period = period
-        self._times: deque[float] = deque()
-
-    def allow(self) -> bool:
-        now = time.monotonic()
-        while self._times and now - self._times[0] > self.period:
-            self._times.popleft()
-        if len(self._times) >= self.count:
-            return False
-        self._times.append(now)
-        return True
-
-
 class Admission:
     """The admission checks of one endpoint (`endpoint`)."""
 
-    def __init__(self, endpoint: Endpoint) -> None:
+    def __init__(self, endpoint: Host) -> None:
         self.endpoint = endpoint
         self._about_checks = RateLimit(endpoint.settings.status_per_second)
 

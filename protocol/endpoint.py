@@ -18,11 +18,11 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from .addresses import resolved
-from .admission import Admission, OtherMesh, RateLimit
+from .admission import Admission
 from .decoder import Decoder
 from .errors import UserError
 from .exchange import BlobExchange, Counts, FetchRecord
@@ -34,17 +34,15 @@ from .membership import ALIVE, PeerEntry, PeerTable, liveness_stretch
 from .memory import MemoryNetwork, MemoryTransport
 from .offers import Offer
 from .overlay import BoundedView, FullMesh, Overlay
+from .parts import EndpointSettings, OtherMesh, RateLimit
 from .probe import StatusAnswers
 from .transport import (
     Encryption,
     Transport,
-    TransportOptions,
     contact,
 )
-from .views import ViewSettings
 from .wire import (
     Blob,
-    Limits,
     Message,
     announce_body,
     encode,
@@ -70,46 +68,9 @@ class Refused(UserError):
     """The mesh refused this process (its key is already live elsewhere)."""
 
 
-@dataclass(frozen=True)
-class EndpointSettings:
-    name: str
-    listen: str  # where the ROUTER binds
-    advertise: str = ""  # where peers dial us; default: `listen`
-    heartbeat_interval: float = 1.0
-    peer_timeout: float = 5.0
-    store_bytes: int = 1 << 30
-    max_inflight: int = 2  # blob fetches outstanding per peer
-    fetch_timeout: float = 30.0  # an unanswered fetch frees its in-flight slot after this
-    allowlist: frozenset[bytes] | None = None  # closed mesh: the only keys allowed
-    encrypt: bool = True  # ZeroMQ CURVE on every connection; off only for measurements
-    # Status answers, and unlinks answering heartbeats of non-neighbours, a second (each
-    # one to a stranger costs a connection).
-    status_per_second: int = 10
-    max_peers: int = 1024  # entries in the peer table, whatever their state
-    # Peers not yet reached (no handshake with a node at their address) at any one time:
-    # each costs a connection attempt, and a stranger can name any number of them.
-    max_unreached: int = 128
-    # A peer that left this long ago is forgotten (it says hello if it comes back); one
-    # never reached, after twice the (stretched) peer timeout (WIRE.md 7.1).
-    forget_after: float = 300.0
-    # The direct kinds this node reads (`next_message`): a coordinator `upload`s, a client
-    # `personal` blobs. Any other direct message is dropped and counted, unread.
-    direct_kinds: frozenset[str] = frozenset({"upload", "personal"})
-    limits: Limits = Limits()
-    transport: TransportOptions = TransportOptions()
-    # None: a full mesh, every node a peer of every other; else bounded views (WIRE.md 7.7).
-    views: ViewSettings | None = None
-    crowd: int = 1  # nodes in this process, this one included (membership.PeerTable)
-    # What this node's mesh is, for a human (WIRE.md 7.8): sent in every hello, so a node
-    # of another mesh can say how the two differ. None: nothing said.
-    about: dict[str, str | int] | None = None
-
-    @property
-    def address(self) -> str:
-        return self.advertise or self.listen
-
-
 class Endpoint:
+    worker: Worker  # made last, for it dispatches to every other part
+
     def __init__(
         self,
         identity: Identity,

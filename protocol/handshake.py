@@ -16,14 +16,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .identity import BadPublicKey, curve_public_key, node_id
+from .parts import Host
 from .transport import split_contact
 from .wire import Message
-
-if TYPE_CHECKING:
-    from .endpoint import Endpoint
 
 log = logging.getLogger("meshfl.endpoint")
 
@@ -43,7 +41,7 @@ class _HelloOut:
 class Handshake:
     """The handshake of one endpoint (`endpoint`), with the keys and contacts it needs."""
 
-    def __init__(self, endpoint: Endpoint) -> None:
+    def __init__(self, endpoint: Host) -> None:
         self.endpoint = endpoint
         self.joined = threading.Event()  # a peer answered our hello, or we were refused
         self.refusal = ""  # why the mesh refused us (our key is live elsewhere)

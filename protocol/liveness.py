@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 from .handshake import curve_key_of
 from .membership import LEFT, PeerEntry
-
-if TYPE_CHECKING:
-    from .endpoint import Endpoint
+from .parts import Host
 
 log = logging.getLogger("meshfl.endpoint")
 
@@ -27,7 +24,7 @@ BEAT_ANYWAY_PERIODS = 5
 class Liveness:
     """The liveness of one endpoint's peers (`endpoint`)."""
 
-    def __init__(self, endpoint: Endpoint) -> None:
+    def __init__(self, endpoint: Host) -> None:
         self.endpoint = endpoint
         self.last_beat: dict[str, float] = {}  # address -> when we last heartbeat it
         self._reached_seen = 0  # transport.reached_count when we last looked

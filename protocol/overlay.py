@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import random
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .membership import LEFT, PeerEntry
+from .parts import Greeting, Host
 from .views import (
     UNSOLICITED_CARDS,
     Candidate,
@@ -25,16 +26,11 @@ from .views import (
 )
 from .wire import Message
 
-if TYPE_CHECKING:
-    from .endpoint import Endpoint
-
 # Refusals an overlay counts beside the decoder's (WIRE.md 7.7): a greeting while the node
 # has all the neighbours it takes, a shuffle from a node that is not a neighbour, a
 # bounded view holding all the peers one network group may (views.py counts the rest).
 VIEW_FULL, NOT_LINKED = "view_full", "not_linked"
 GROUP_FULL = "group_full"
-
-Greeting = tuple[str, bool]  # an address to greet, and whether to ask it for a peer list
 
 
 class Overlay:
@@ -44,7 +40,7 @@ class Overlay:
     views: ViewSettings | None  # None for a full mesh
     passive: PassiveView  # candidates for a neighbour's place (none in a full mesh)
 
-    def __init__(self, endpoint: Endpoint) -> None:
+    def __init__(self, endpoint: Host) -> None:
         self.endpoint = endpoint
 
     def first_contacts(self, targets: list[str]) -> list[str]:
@@ -126,7 +122,7 @@ class FullMesh(Overlay):
 
     views = None
 
-    def __init__(self, endpoint: Endpoint) -> None:
+    def __init__(self, endpoint: Host) -> None:
         super().__init__(endpoint)
         self.passive = PassiveView(0, random.Random(endpoint.instance))
 
@@ -170,7 +166,7 @@ class BoundedView(Overlay):
 
     views: ViewSettings
 
-    def __init__(self, endpoint: Endpoint, views: ViewSettings) -> None:
+    def __init__(self, endpoint: Host, views: ViewSettings) -> None:
         super().__init__(endpoint)
         self.views = views
         self.rng = random.Random(endpoint.instance)

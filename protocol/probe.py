@@ -14,18 +14,15 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import zmq
 
-from .admission import RateLimit
 from .decoder import Decoder
 from .identity import Identity, curve_public_key, node_id
+from .parts import Host, RateLimit
 from .transport import Encryption, curve_client, curve_server, split_contact
 from .wire import ANY_MESH, Message, Rejected, encode, new_instance
-
-if TYPE_CHECKING:
-    from .endpoint import Endpoint
 
 TERM_WAIT_S = 2.0  # how long a probe waits for its ZeroMQ context to end
 
@@ -107,7 +104,7 @@ class StatusAnswers:
     """How one endpoint (`endpoint`) answers `status`: at most `status_per_second` a
     second, each answer costing a connection to the address the asker names."""
 
-    def __init__(self, endpoint: Endpoint) -> None:
+    def __init__(self, endpoint: Host) -> None:
         self.endpoint = endpoint
         self.limit = RateLimit(endpoint.settings.status_per_second)
         self.started = time.monotonic()

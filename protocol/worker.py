@@ -13,14 +13,11 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
+from .parts import Host
 from .transport import LogOnce, Received
 from .wire import KINDS, PROTOCOL_VERSION, Message, Rejected
 from .wire import blob_id as id_of_record
-
-if TYPE_CHECKING:
-    from .endpoint import Endpoint
 
 log = logging.getLogger("meshfl.endpoint")
 
@@ -30,7 +27,7 @@ WORKER_ERROR = "worker_error"  # the worker raised: a bug, contained and logged
 class Worker:
     """The thread of one endpoint (`endpoint`); `handlers` takes each kind of message."""
 
-    def __init__(self, endpoint: Endpoint, handlers: dict[str, Callable[[Message], None]]):
+    def __init__(self, endpoint: Host, handlers: dict[str, Callable[[Message], None]]):
         missing = set(KINDS) ^ set(handlers)
         assert not missing, f"kinds without a handler, or handlers without a kind: {missing}"
         self.endpoint = endpoint

@@ -575,7 +575,7 @@ def test_data_classes_beside_a_task_is_refused_by_name():
 
 def test_the_other_mesh_line_names_each_field_that_differs_and_only_those():
     from meshfl.node.about import other_mesh_line
-    from meshfl.protocol.admission import OtherMesh
+    from meshfl.protocol.parts import OtherMesh
 
     ours = {"mesh": "lab", "task": "a.py", "classes": 10, "model": "m1", "layout": "ab"}
     met = OtherMesh("beta", "tcp://10.0.0.2:7700", {**ours, "model": "m2", "classes": 9})

@@ -18,10 +18,10 @@ import msgpack
 import numpy as np
 import pytest
 
-from meshfl.protocol.admission import OtherMesh
 from meshfl.protocol.endpoint import Refused
 from meshfl.protocol.identity import Identity
 from meshfl.protocol.membership import ALIVE
+from meshfl.protocol.parts import OtherMesh
 from meshfl.protocol.transport import (
     contact,
     free_ports,
