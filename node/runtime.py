@@ -44,7 +44,7 @@ from .mesh_identity import mesh_id, model_digest
 from .metrics import RoundRecord
 from .model_exchange import ModelExchange, PeerIntake
 from .models import batchnorm_keys
-from .neighbours import keeper_for
+from .neighbours import MeshKeeper, keeper_for
 from .splits import NodeData
 from .task import Task, node_info, task_of
 from .trainer import (
@@ -141,7 +141,6 @@ class Node:
         self.local_keys = batchnorm_keys(model) if self.cfg.local_batchnorm else frozenset()
         # `compression: topk`: models travel as deltas against public copies (deltas.py).
         self.deltas = DeltaGossip() if self.cfg.compression == TOPK else None
-        self.view_keeper = keeper_for(endpoint, algorithm, self.cfg, options.name)
         self.exchange = ModelExchange(
             endpoint,
             algorithm,
@@ -155,6 +154,11 @@ class Node:
     @property
     def identity(self) -> Identity:
         return self.endpoint.identity
+
+    @functools.cached_property
+    def view_keeper(self) -> MeshKeeper:
+        """What the node does with its neighbours between rounds, as its overlay has it."""
+        return keeper_for(self.endpoint, self.algorithm, self.cfg, self.options.name)
 
     @functools.cached_property
     def model_wait(self) -> float:
