@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from .handshake import curve_key_of
 from .inbox import INBOX_FULL
 from .membership import ALIVE
 from .parts import Host, OtherMesh, RateLimit
+from .transport import Encryption
 from .wire import BLOB_KINDS, Message, Rejected, SignedClaim
 
 ADDRESS_TAKEN = "address_taken"  # another key claims the address of a reached peer
@@ -26,6 +28,18 @@ class Admission:
     def __init__(self, endpoint: Host) -> None:
         self.endpoint = endpoint
         self._about_checks = RateLimit(endpoint.settings.status_per_second)
+
+    def encryption(self) -> Encryption | None:
+        """The endpoint's CURVE keys, and in a closed mesh the client keys its handshake
+        admits (WIRE.md 1.1); None where the mesh does not encrypt."""
+        settings, identity = self.endpoint.settings, self.endpoint.identity
+        if not settings.encrypt:
+            return None
+        admit = None
+        if settings.allowlist is not None:
+            listed = {curve_key_of(key) for key in [*settings.allowlist, identity.public_key]}
+            admit = listed.__contains__
+        return Encryption(identity.curve_public_key, identity.curve_secret_key, admit)
 
     # --- the decoder's hooks -------------------------------------------------------------
 

@@ -37,7 +37,6 @@ from .overlay import BoundedView, FullMesh, Overlay
 from .parts import EndpointSettings, OtherMesh, RateLimit
 from .probe import StatusAnswers
 from .transport import (
-    Encryption,
     Transport,
     contact,
 )
@@ -170,7 +169,10 @@ class Endpoint:
         options = replace(settings.transport, idle_check_s=tick)
         connect = network.transport if network is not None else Transport
         self.transport: Transport | MemoryTransport = connect(
-            settings.listen, options, self._encryption(), screen=self.admission.worth_holding
+            settings.listen,
+            options,
+            self.admission.encryption(),
+            screen=self.admission.worth_holding,
         )
 
     def is_peer(self, key: bytes) -> bool:
@@ -184,17 +186,6 @@ class Endpoint:
     def contact(self) -> str:
         """How another node dials this one: KEY@ADDRESS (WIRE.md 1.1)."""
         return contact(self.address, self.identity.public_key)
-
-    def _encryption(self) -> Encryption | None:
-        if not self.settings.encrypt:
-            return None
-        admit = None
-        if self.settings.allowlist is not None:
-            listed = {
-                curve_key_of(key) for key in [*self.settings.allowlist, self.identity.public_key]
-            }
-            admit = listed.__contains__
-        return Encryption(self.identity.curve_public_key, self.identity.curve_secret_key, admit)
 
     # --- the node's side --------------------------------------------------
 
