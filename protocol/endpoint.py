@@ -40,6 +40,7 @@ from .transport import (
     Transport,
     contact,
 )
+from .views import ViewSettings
 from .wire import (
     Blob,
     Message,
@@ -78,8 +79,7 @@ class Endpoint:
         schema: bytes | None = None,
         network: MemoryNetwork | None = None,
     ) -> None:
-        """`network`: carry messages over that in-process network instead of ZeroMQ
-        sockets (memory.py)."""
+        """`network`: an in-process network to carry messages instead of sockets."""
         self.identity = identity
         self.mesh_id = mesh_id
         self.settings = settings
@@ -128,8 +128,8 @@ class Endpoint:
         self._seq = time.time_ns()
         self.liveness = Liveness(self)
         # Whom the node links with (overlay.py), and the hellos it links by (handshake.py).
-        self.views = settings.views
-        self.overlay: Overlay = BoundedView(self, self.views) if self.views else FullMesh(self)
+        views = settings.views
+        self.overlay: Overlay = BoundedView(self, views) if views else FullMesh(self)
         self.passive = self.overlay.passive
         self.handshake = Handshake(self)
         # Set once the node has done its last round: it keeps the neighbours it has, to
@@ -174,6 +174,11 @@ class Endpoint:
             self.admission.encryption(),
             screen=self.admission.worth_holding,
         )
+
+    @property
+    def views(self) -> ViewSettings | None:
+        """The bounded view's settings; None in a full mesh (the overlay's)."""
+        return self.overlay.views
 
     def is_peer(self, key: bytes) -> bool:
         return self.table.get(key) is not None

@@ -202,8 +202,8 @@ class Handshake:
 
     def _peers_body(self, listed: list[dict[str, Any]], linked: bool = True) -> dict[str, Any]:
         endpoint = self.endpoint
-        me: dict[str, Any] = {"name": endpoint.settings.name, "addr": endpoint.address}
-        me["key"] = endpoint.identity.public_key
+        settings, identity = endpoint.settings, endpoint.identity
+        me = {"name": settings.name, "addr": endpoint.address, "key": identity.public_key}
         return {"peers": [me, *listed], **endpoint.overlay.card_fields(linked)}
 
     def _listed(self, greeter: bytes) -> list[dict[str, Any]]:

@@ -35,7 +35,7 @@ class _Link:
     server_key: bytes | None
     routing_id: bytes = field(default_factory=lambda: os.urandom(5))
     connected: bool = False
-    waiting: deque[tuple[list[bytes], str, bool]] = field(default_factory=deque)
+    waiting: deque[list[bytes]] = field(default_factory=deque)  # each message's frames
 
 
 class MemoryNetwork:
@@ -226,7 +226,7 @@ class MemoryTransport:
             self.dropped += 1
             return
         self._count_out(address, frames, kind, proves_life)
-        link.waiting.append((frames, kind, proves_life))
+        link.waiting.append(frames)
         self.try_link(address, link)
 
     def try_link(self, address: str, link: _Link) -> None:
@@ -249,8 +249,7 @@ class MemoryTransport:
                 self.reached_count += 1
                 self.wake_reader()
         while link.waiting:
-            frames, _, _ = link.waiting.popleft()
-            there.arrive(link.routing_id, frames, self)
+            there.arrive(link.routing_id, link.waiting.popleft(), self)
 
     def _send_once(
         self, address: str, frames: list[bytes], server_key: bytes | None, kind: str
