@@ -20,12 +20,14 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import random
 import socket
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -100,18 +102,56 @@ class BadContact(ValueError):
     """A contact that is neither tcp://HOST:PORT nor KEY@tcp://HOST:PORT."""
 
 
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """Ports the OS calls free right now (held open together so they differ)."""
-    sockets = []
+# Where the OS says nothing of its ephemeral range, Linux's default is assumed.
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+# Listening ports are picked at or above this, and below the ephemeral range.
+LOWEST_PICKED_PORT = 20000
+_ports_handed_out: set[tuple[str, int]] = set()
+# A generator of its own: a run that seeds `random` must not make two launchers on one
+# machine pick the same ports.
+_port_picker = random.Random()
+
+
+def ephemeral_ports_start() -> int:
+    """The first port the OS may give an outgoing connection (Linux's default where it
+    does not say)."""
     try:
-        for _ in range(count):
-            sock = socket.socket()
-            sock.bind((host, 0))
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
+        return int(EPHEMERAL_RANGE_FILE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` different ports free on `host` right now, for nodes about to listen.
+
+    They are picked below the OS's ephemeral range, so that no outgoing connection (the
+    mesh's first nodes dial out while later ones still start) can take one before its
+    node binds it, and never twice in one process, so two meshes started one after the
+    other from one launcher cannot be handed the same port."""
+    below_ephemeral = ephemeral_ports_start()
+    if below_ephemeral - LOWEST_PICKED_PORT < 1000:  # an OS that lends almost every port
+        below_ephemeral = 65536
+    candidates = list(range(LOWEST_PICKED_PORT, below_ephemeral))
+    _port_picker.shuffle(candidates)
+    picked: list[int] = []
+    for port in candidates:
+        if len(picked) == count:
+            break
+        if (host, port) not in _ports_handed_out and port_is_free(host, port):
+            picked.append(port)
+    if len(picked) < count:
+        raise UserError(f"only {len(picked)} of {count} listening ports are free on {host}")
+    _ports_handed_out.update((host, port) for port in picked)
+    return picked
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def split_contact(contact: str) -> tuple[str, bytes | None]:

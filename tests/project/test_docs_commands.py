@@ -25,7 +25,6 @@ from __future__ import annotations
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import unicodedata
@@ -33,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from meshfl.protocol.transport import free_ports
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 PAGES = [REPOSITORY / "README.md", *sorted((REPOSITORY / "docs").glob("*.md"))]
@@ -298,18 +299,12 @@ def shortened(words: list[str]) -> list[str]:
     return [*words, "--rounds", SHORT_ROUNDS]
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def example_files(folder: Path) -> None:
     """What the pages' commands name, in folder: the repository's examples/, and its
     peers.yaml with its loopback ports moved to free ones."""
     shutil.copytree(REPOSITORY / "examples", folder / "examples")
     text = (REPOSITORY / "peers.yaml").read_text()
-    text = re.sub(r"tcp://127\.0\.0\.1:\d+", lambda _: f"tcp://127.0.0.1:{free_port()}", text)
+    text = re.sub(r"tcp://127\.0\.0\.1:\d+", lambda _: f"tcp://127.0.0.1:{free_ports(1)[0]}", text)
     (folder / "peers.yaml").write_text(text)
 
 

@@ -1,13 +1,15 @@
 """The transport (protocol/transport.py) as a node relies on it: what it could not send
-is counted as dropped, not as sent, and is no sign of life."""
+is counted as dropped, not as sent, and is no sign of life; the ports a launcher picks
+for its nodes are still free when the nodes bind them."""
 
 from __future__ import annotations
 
+import socket
 import time
 
 import pytest
 
-from meshfl.protocol.transport import TransportOptions
+from meshfl.protocol.transport import TransportOptions, ephemeral_ports_start, free_ports
 from meshfl.protocol.wire import make_blob
 from tests.protocol.endpoints import RawPeer, model_arrays, poll_until
 
@@ -33,3 +35,16 @@ def test_messages_dropped_at_the_high_water_mark_are_not_counted_as_sent(context
     endpoint.publish(make_blob(endpoint.identity, 99, "model", model_arrays(0)))
     time.sleep(0.2)
     assert endpoint.transport.last_proof_of_life[peer.address] == left, "dropped: no sign of life"
+
+
+def test_picked_ports_differ_lie_below_the_ephemeral_range_and_are_free():
+    # Below the range the OS lends outgoing connections, so the dialling of a mesh's
+    # first nodes cannot take a port a later node is about to bind; never handed twice,
+    # so two meshes started one after the other cannot share one.
+    first, second = free_ports(50), free_ports(50)
+    picked = first + second
+    assert len(set(picked)) == len(picked)
+    assert all(port < ephemeral_ports_start() for port in picked)
+    for port in picked:
+        with socket.socket() as listener:
+            listener.bind(("127.0.0.1", port))
