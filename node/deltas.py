@@ -38,7 +38,7 @@ from meshfl.protocol.wire import Blob
 
 DELTA = "model~delta"  # the blob kind of a model's delta; never one a rule publishes
 PUBLIC = "public"  # meta of a `model` blob that is a public copy (true), not the model
-TOPK_FRACTION = 0.22  # of each tensor's entries: a bit each, and a byte each of these: 0.09
+TOPK_FRACTION = 0.30  # of each tensor's entries: a bit each, half a byte each of these: 0.07
 
 Arrays = dict[str, np.ndarray]
 

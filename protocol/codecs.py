@@ -16,8 +16,8 @@ is checked like any other input (WIRE.md 9.2), and a blob that fails is refused 
 
 A delta (`encode_delta`, `apply_delta`; WIRE.md 9.3) is another kind of blob: the
 largest entries of a model's change against a base both sides hold, named by the
-base's digest, as a bit mask of the entries and their changes in int8. It is not one
-of CODECS, for it decodes only beside its base.
+base's digest, as a bit mask of the entries and their changes in 4 bits each. It is not
+one of CODECS, for it decodes only beside its base.
 """
 
 from __future__ import annotations
@@ -133,19 +133,20 @@ def _widen(array: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------- int8
 
 
-def _int8(array: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+def _int8(array: np.ndarray, block: int, peak: int = 127) -> tuple[np.ndarray, np.ndarray]:
+    """`array` as int8 values within ±`peak`, with a float32 scale per `block` of them."""
     flat = np.ascontiguousarray(array, dtype="<f4").reshape(-1)
     full = flat.size - flat.size % block
     rows = [flat[:full].reshape(-1, block)] + ([flat[full:][None, :]] if full < flat.size else [])
     # max |x| as max and -min: no temporary array of absolute values
     peaks = [np.maximum(part.max(axis=1), -part.min(axis=1)) for part in rows if part.size]
-    scales = (np.concatenate(peaks) if peaks else np.zeros(0, "<f4")) / np.float32(127)
+    scales = (np.concatenate(peaks) if peaks else np.zeros(0, "<f4")) / np.float32(peak)
     inverse = np.divide(1, scales, out=np.zeros_like(scales), where=scales > 0)
     q = np.empty(flat.size, dtype=np.int8)
     for part, begin in zip(rows, (0, full), strict=False):
         factors = inverse[begin // block : begin // block + len(part), None]
         scaled = part * factors
-        np.rint(scaled, out=scaled)  # within [-127, 127]: the peak maps to ±127
+        np.rint(scaled, out=scaled)  # within ±peak: the block's largest maps to it
         q[begin : begin + part.size] = scaled.reshape(-1)
     return q.reshape(array.shape), scales.astype("<f4")
 
@@ -199,10 +200,15 @@ def _dequantize(name: str, q: np.ndarray, scales: np.ndarray, block: int) -> np.
 
 TOPK = "topk"
 # A delta's three tensors, over the model's float32 tensors flattened and laid end to
-# end in the base's order: which entries changed (a bit each), their changes as int8,
-# and the int8 scales (named SCALES, whole: the changes are quantized as int8 is, by
-# INT8_BLOCK). '#' is in no torch state-dict key, so no tensor is named alike.
+# end in the base's order: which entries changed (a bit each), their changes in 4 bits
+# each, two to a byte, and the changes' scales (named SCALES, whole: a scale per
+# INT8_BLOCK changes, as int8 has). '#' is in no torch state-dict key, so no tensor is
+# named alike.
 MASK, VALUES = "#mask", "#values"
+# A change travels as a 4-bit two's-complement value within ±NIBBLE_PEAK; error
+# feedback carries its rounding in a later delta, so 4 bits cost no more accuracy than 8
+# did, and send a third more entries in the same bytes (docs/measurements.md).
+NIBBLE_PEAK = 7
 # Entries a large tensor's threshold is taken from: partitioning all of a 45 MB model's
 # changes took a fifth of its encoding, and a sample this size counts the entries kept
 # to within about half a percent (a binomial's spread at 22%). Every tensor of the
@@ -226,35 +232,47 @@ def encode_delta(
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """The change from `base` to `arrays` as it travels (WIRE.md 9.3): of each float32
     tensor its largest changes (those at least its ceil(fraction * size)-th largest,
-    zeros never), all tensors' in one bit mask and one run of blockwise int8 changes;
-    other tensors whole. A bit per entry and a byte per change: at a fraction of 0.22,
-    0.09 of float32's bytes. The meta names the codec, the block and the base's digest."""
-    picked, changes, begin = [], [], 0
-    for name, array in arrays.items():
-        if array.dtype != np.float32:
-            continue
-        change = (np.asarray(array, dtype="<f4") - base[name]).reshape(-1)
-        at = _largest(change, math.ceil(fraction * change.size))
-        picked.append(at + begin)
-        changes.append(change.take(at))
-        begin += change.size
-    chosen = np.zeros(begin, dtype=bool)
-    if picked:
-        chosen[np.concatenate(picked)] = True
-    values, scales = _int8(np.concatenate(changes or [np.zeros(0, "<f4")]), INT8_BLOCK)
+    zeros never), all tensors' in one bit mask and one run of blockwise 4-bit changes;
+    other tensors whole. A bit per entry and half a byte per change: at a fraction of
+    0.3, 0.07 of float32's bytes. The meta names the codec, the block and the base's
+    digest."""
+    floats = [name for name, array in arrays.items() if array.dtype == np.float32]
+    sizes = [arrays[name].size for name in floats]
+    chosen = np.empty(sum(sizes), dtype=bool)
+    # Each tensor's change in turn, in one buffer: a model-sized array would cost its
+    # fresh pages on every encoding.
+    scratch = np.empty(max(sizes, default=0), dtype="<f4")
+    changes, begin = [], 0
+    for name, size in zip(floats, sizes, strict=True):
+        change = np.subtract(
+            np.asarray(arrays[name], "<f4").reshape(-1),
+            np.asarray(base[name], "<f4").reshape(-1),
+            out=scratch[:size],
+        )
+        mask = chosen[begin : begin + size]
+        _mark_largest(change, math.ceil(fraction * size), out=mask)
+        changes.append(change.take(np.flatnonzero(mask)))
+        begin += size
+    values, scales = _int8(np.concatenate(changes or [np.zeros(0, "<f4")]), INT8_BLOCK, NIBBLE_PEAK)
     encoded = {name: array for name, array in arrays.items() if array.dtype != np.float32}
-    encoded |= {MASK: np.packbits(chosen, bitorder="little"), VALUES: values, SCALES: scales}
+    encoded |= {
+        MASK: np.packbits(chosen, bitorder="little"),
+        VALUES: _nibbles(values),
+        SCALES: scales,
+    }
     return encoded, {"codec": TOPK, "block": INT8_BLOCK, "base": base_digest(base)}
 
 
-def _largest(change: np.ndarray, keep: int) -> np.ndarray:
-    """The ascending indices of the entries of `change` whose magnitude is at least the
-    `keep`-th largest, and not zero. A threshold and a scan: a quarter of argpartition's
-    time, and no boolean indexing, which mispredicts its way through a random mask. Past
-    2 * THRESHOLD_SAMPLE entries the threshold is that of every stride-th entry, about
-    THRESHOLD_SAMPLE of them, whose count is within about a percent of `keep`."""
+def _mark_largest(change: np.ndarray, keep: int, out: np.ndarray) -> None:
+    """Sets in `out` (booleans) the entries of `change` whose magnitude is at least its
+    `keep`-th largest and that are not zero. A threshold and a scan: a quarter of
+    argpartition's time; the changes are then taken by index, for boolean indexing
+    mispredicts its way through a random mask. Past 2 * THRESHOLD_SAMPLE entries the
+    threshold is that of every stride-th entry, about THRESHOLD_SAMPLE of them, whose
+    count is within about a percent of `keep`."""
     if keep <= 0 or change.size == 0:
-        return np.zeros(0, dtype=np.int64)
+        out[:] = False
+        return
     stride = max(1, change.size // THRESHOLD_SAMPLE)
     sample = change[::stride]
     at = sample.size - min(math.ceil(keep * sample.size / change.size), sample.size)
@@ -262,8 +280,10 @@ def _largest(change: np.ndarray, keep: int) -> np.ndarray:
     magnitude.partition(at)  # in place: the scan below reads `change`
     threshold = magnitude[at]
     if threshold == 0:
-        return np.flatnonzero(change)
-    return np.flatnonzero((change >= threshold) | (change <= -threshold))
+        np.not_equal(change, 0, out=out)
+        return
+    np.greater_equal(change, threshold, out=out)
+    out |= change <= -threshold
 
 
 def apply_delta(
@@ -283,9 +303,7 @@ def apply_delta(
         [np.asarray(base[name], "<f4").reshape(-1) for name in floats] or [np.zeros(0, "<f4")]
     )
     at = np.flatnonzero(_chosen(delta[MASK], flat.size))
-    values = delta[VALUES]
-    if values.ndim != 1 or values.size != at.size:
-        raise CodecError(f"{values.shape} values for {at.size} changed entries")
+    values = _from_nibbles(delta[VALUES], at.size)
     flat[at] += _dequantize(VALUES, values, delta[SCALES], meta["block"])
     applied, begin = {}, 0
     for name, array in base.items():
@@ -295,6 +313,31 @@ def apply_delta(
         applied[name] = flat[begin : begin + array.size].reshape(array.shape)
         begin += array.size
     return applied
+
+
+def _nibbles(values: np.ndarray) -> np.ndarray:
+    """int8 values within ±NIBBLE_PEAK, two to a byte: the even-numbered one in the low
+    four bits, in two's complement; an odd count leaves the last high four bits zero."""
+    low4 = np.zeros(values.size + values.size % 2, dtype=np.uint8)
+    np.bitwise_and(values.view(np.uint8), np.uint8(0x0F), out=low4[: values.size])
+    return low4[0::2] | (low4[1::2] << np.uint8(4))
+
+
+def _from_nibbles(packed: np.ndarray, count: int) -> np.ndarray:
+    """The `count` int8 values `_nibbles` packed, or CodecError where `packed` is not
+    what it makes: another dtype or length, a value of -8, bits set past the last value."""
+    size = -(-count // 2)
+    if packed.dtype != np.uint8 or packed.shape != (size,):
+        raise CodecError(f"values are {packed.dtype} {packed.shape}, not uint8 ({size},)")
+    low4 = np.empty(2 * size, dtype=np.uint8)
+    np.bitwise_and(packed, np.uint8(0x0F), out=low4[0::2])
+    np.right_shift(packed, np.uint8(4), out=low4[1::2])
+    if count % 2 and low4[-1]:
+        raise CodecError("bits set past the last value")
+    if (low4 == 8).any():
+        raise CodecError(f"a value of -8, beyond ±{NIBBLE_PEAK}")
+    # Sign extension of four bits: flip the sign bit, then take its weight off.
+    return ((low4[:count] ^ np.uint8(8)).view(np.int8) - np.int8(8)).astype(np.int8, copy=False)
 
 
 def _chosen(mask: np.ndarray, size: int) -> np.ndarray:

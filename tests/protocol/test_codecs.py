@@ -182,6 +182,10 @@ def changed(arrays, seed=1, scale=0.01):
     }
 
 
+def changes_in(delta) -> int:
+    return int(np.unpackbits(delta[codecs.MASK]).sum())
+
+
 def test_a_delta_carries_a_few_bytes_and_the_largest_changes_of_each_tensor():
     after = changed(ARRAYS)
     delta, meta = codecs.encode_delta(after, ARRAYS, TOPK_FRACTION)
@@ -203,7 +207,7 @@ def test_a_large_tensor_keeps_its_largest_changes_within_a_percent_of_the_fracti
     base = {"big": np.zeros(size, dtype=np.float32)}
     after = changed(base, seed=5)
     delta, meta = codecs.encode_delta(after, base, TOPK_FRACTION)
-    count = delta[codecs.VALUES].size
+    count = changes_in(delta)
     assert abs(count / math.ceil(TOPK_FRACTION * size) - 1) < 0.01
     kept = codecs.apply_delta(delta, meta, base)["big"] != 0
     assert kept.sum() == count
@@ -214,17 +218,17 @@ def test_a_delta_carries_no_entry_that_did_not_change():
     """A frozen layer, or one the round left alone, costs a delta its mask bits only."""
     after = {**ARRAYS, FIRST: changed({FIRST: ARRAYS[FIRST]})[FIRST]}
     delta, meta = codecs.encode_delta(after, ARRAYS, TOPK_FRACTION)
-    assert delta[codecs.VALUES].size == math.ceil(TOPK_FRACTION * ARRAYS[FIRST].size)
+    assert changes_in(delta) == math.ceil(TOPK_FRACTION * ARRAYS[FIRST].size)
     applied = codecs.apply_delta(delta, meta, ARRAYS)
     assert all(np.array_equal(applied[name], ARRAYS[name]) for name in ARRAYS if name != FIRST)
 
 
 def test_error_feedback_sends_what_a_delta_left_out_in_later_rounds():
-    node = DeltaGossip(fraction=0.06)
+    node = DeltaGossip()
     node.start(1, ARRAYS)
     target = changed(ARRAYS)
     gaps = []
-    for _ in range(20):  # the model stands still: its public copy closes in on it
+    for _ in range(10):  # the model stands still: its public copy closes in on it
         public, _ = node.publish(target)
         gaps.append(max(float(np.abs(public[k] - target[k]).max()) for k in ARRAYS))
     assert gaps[-1] < 0.01 * gaps[0]
@@ -261,6 +265,13 @@ def delta_lie(what: str):
         mask[-1] |= 0x80  # the last bit of the last byte: past the float entries
     elif what == "a value too few":
         values = values[:-1]
+    elif what == "values of another dtype":
+        values = values.view(np.int8)
+    elif what == "a value of -8":
+        values[0] = (values[0] & 0xF0) | 0x08
+    elif what == "bits past the last value":
+        assert changes_in(delta) % 2, "the change count must leave a high nibble unused"
+        values[-1] |= 0x10
     elif what == "a scale not finite":
         scales[0] = np.inf
     elif what == "a negative scale":
@@ -281,6 +292,9 @@ def delta_lie(what: str):
         "a mask of another length",
         "a mask bit past the model",
         "a value too few",
+        "values of another dtype",
+        "a value of -8",
+        "bits past the last value",
         "a scale not finite",
         "a negative scale",
         "a block out of range",
@@ -293,6 +307,52 @@ def test_a_lying_delta_is_refused_as_codec(what):
     with pytest.raises(UnusableBlob) as refused:
         peer_model(blob, (LAYOUT,), base=ARRAYS, delta=True)
     assert refused.value.reason == "codec"
+
+
+def test_four_bit_changes_round_trip_in_twos_complement():
+    values = np.array([-7, 7, 0, -1, 1, 3, -4], dtype=np.int8)  # an odd count
+    packed = codecs._nibbles(values)
+    assert packed.tolist() == [0x79, 0xF0, 0x31, 0x0C]
+    assert np.array_equal(codecs._from_nibbles(packed, values.size), values)
+
+
+def mutated(array: np.ndarray, flip: tuple[int, int] | None, cut: int) -> np.ndarray:
+    """`array` with one byte XORed (`flip`: position, bits) and `cut` bytes taken off."""
+    array = array.copy()
+    if flip is not None and array.size:
+        array[flip[0] % array.size] ^= flip[1]
+    return array[: array.size - cut]
+
+
+FLIPS = st.one_of(st.none(), st.tuples(st.integers(0, 1 << 16), st.integers(1, 255)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    mask_flip=FLIPS,
+    values_flip=FLIPS,
+    values_cut=st.sampled_from([0, 0, 1]),
+    scale=st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True, width=32)),
+    block=st.one_of(st.just(codecs.INT8_BLOCK), st.integers(-5, 1 << 17), st.booleans()),
+)
+def test_whatever_a_deltas_fields_say_applying_it_gives_the_bases_layout_or_a_codec_error(
+    mask_flip, values_flip, values_cut, scale, block
+):
+    # A base of 21 float entries: mask bits past them, and an odd count of changes.
+    base = {"w": np.linspace(-1, 1, 21, dtype=np.float32), "steps": np.arange(2)}
+    delta, meta = codecs.encode_delta(changed(base), base, TOPK_FRACTION)
+    delta[codecs.MASK] = mutated(delta[codecs.MASK], mask_flip, 0)
+    delta[codecs.VALUES] = mutated(delta[codecs.VALUES], values_flip, values_cut)
+    if scale is not None:
+        delta[codecs.SCALES] = np.array([scale], np.float32)
+    meta["block"] = block
+    try:
+        applied = codecs.apply_delta(delta, meta, base)
+    except codecs.CodecError:
+        return
+    assert list(applied) == list(base)
+    for name, array in applied.items():
+        assert array.dtype == base[name].dtype and array.shape == base[name].shape
 
 
 def test_a_delta_against_a_base_never_held_is_refused_as_codec():
