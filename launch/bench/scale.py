@@ -40,6 +40,8 @@ from ..run_folder import last_record
 from .flags import add_rounds, add_sizes, bench_parser, positive
 
 if TYPE_CHECKING:
+    from meshfl.node.metrics import RoundRecord
+
     from ..ray_local import LocalRayCluster
 
 BLOB_KINDS = ("blob",)  # what carries model bytes; everything else is control traffic
@@ -58,7 +60,7 @@ class ScaleResult:
     down_marks: int
     failed: bool
     topology: str = "auto"
-    compression: str = "none"  # the codec of the blobs every node sent
+    compression: str = "none"  # the codec of the blobs every node sent, or "mixed"
     connections: tuple[float, int] = (0.0, 0)  # per node after its last round: mean, most
 
     def line(self) -> str:
@@ -156,17 +158,18 @@ def run_size(
     peak = pss.stop()
     if process.returncode not in (0, 3):
         raise RuntimeError(f"meshfl launch --nodes {nodes} failed: {stderr.decode()[-800:]}")
+    records = last_records(out)
     return ScaleResult(
         nodes,
         "ray" if ray is not None else str(hosts) if hosts is not None else "auto",
         rounds,
         wall,
         peak,
-        sent_bytes(out),
+        sent_bytes(records),
         down_marks(out),
         process.returncode != 0,
         topology=setting_of(settings, "topology.neighbours", "auto"),
-        compression=setting_of(settings, "compression", "none"),
+        compression=codec_of(records),
         connections=open_connections(out),
     )
 
@@ -202,14 +205,25 @@ def open_connections(out: Path) -> tuple[float, int]:
     return (sum(counts) / len(counts), max(counts)) if counts else (0.0, 0)
 
 
-def sent_bytes(out: Path) -> Counter[str]:
+def last_records(out: Path) -> list[RoundRecord]:
+    """Each node's last round record in the run folder `out`."""
+    records = (last_record(metrics.parent) for metrics in out.glob("*/metrics.jsonl"))
+    return [record for record in records if record is not None]
+
+
+def sent_bytes(records: list[RoundRecord]) -> Counter[str]:
     """Bytes every node sent by message kind, up to its last round (bye excluded)."""
     total: Counter[str] = Counter()
-    for metrics in out.glob("*/metrics.jsonl"):
-        record = last_record(metrics.parent)
-        if record is not None:
-            total.update(record.bytes_sent_by_kind or {})
+    for record in records:
+        total.update(record.bytes_sent_by_kind or {})
     return total
+
+
+def codec_of(records: list[RoundRecord]) -> str:
+    """The codec the nodes' blobs travelled under, as their records say ("mixed" where
+    they differ)."""
+    codecs = {record.compression or "none" for record in records}
+    return codecs.pop() if len(codecs) == 1 else "mixed"
 
 
 def down_marks(out: Path) -> int:

@@ -27,6 +27,7 @@ def run_mesh(tmp_path, model=None, **algorithm):
         rounds=ROUNDS,
         round_timeout=20.0,
         model=model or {"name": "mlp"},
+        compression="none",  # float32 as it is: a blob's bytes are its model's
         # The paper's rule: screening would hold back some of what it fetched.
         algorithm={"name": "pfedsv", "k": K, "k_min": K, "k_max": K, "screen": False, **algorithm},
     )
