@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+from meshfl.protocol import transport
+from meshfl.protocol.errors import UserError
 from meshfl.protocol.transport import TransportOptions, ephemeral_ports_start, free_ports
 from meshfl.protocol.wire import make_blob
 from tests.protocol.endpoints import RawPeer, model_arrays, poll_until
@@ -48,3 +50,16 @@ def test_picked_ports_differ_lie_below_the_ephemeral_range_and_are_free():
     for port in picked:
         with socket.socket() as listener:
             listener.bind(("127.0.0.1", port))
+
+
+def test_a_port_is_handed_out_again_only_once_its_node_had_time_to_bind_it(monkeypatch):
+    # 1,000 ports to pick from, each handed out at most once within HANDED_OUT_S: a
+    # second mesh of 900 does not fit, until the first mesh's ports are old enough.
+    lowest = transport.LOWEST_PICKED_PORT + 5000
+    monkeypatch.setattr(transport, "LOWEST_PICKED_PORT", lowest)
+    monkeypatch.setattr(transport, "ephemeral_ports_start", lambda: lowest + 1000)
+    first = free_ports(900)
+    with pytest.raises(UserError, match="listening ports are free"):
+        free_ports(900)
+    monkeypatch.setattr(transport, "HANDED_OUT_S", 0.0)
+    assert set(free_ports(900)) & set(first)
