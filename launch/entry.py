@@ -20,7 +20,8 @@ from meshfl.node.coordinator import COORDINATOR, make_node, needs_coordinator
 from meshfl.node.host import raise_open_files_limit
 from meshfl.node.logs import configure as configure_logging
 from meshfl.node.runtime import NodeOptions
-from meshfl.protocol.transport import free_ports, host_towards, split_contact
+from meshfl.protocol.ports import free_ports
+from meshfl.protocol.transport import host_towards, split_contact
 
 from .contacts import join_contact, key_path, listed_contacts, own_contact
 from .errors import STOP_SIGNALS, UserError, command_status, raise_stopped

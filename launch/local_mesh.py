@@ -20,7 +20,7 @@ from meshfl.node.host import forget_restarts
 from meshfl.node.joining import JOINING_DIR
 from meshfl.node.task import node_info, task_of
 from meshfl.node.trainer import set_torch_threads
-from meshfl.protocol.transport import free_ports
+from meshfl.protocol.ports import free_ports
 
 from .contacts import key_path, own_contact
 from .errors import stop_signals_as_interrupts

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshfl.protocol.transport import free_ports
+from meshfl.protocol.ports import free_ports
 
 START_LIMIT_S = 120.0  # a Ray node that has not said it started by then never will
 # How long a Ray node is given to stop on SIGTERM before its processes are killed. The

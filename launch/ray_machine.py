@@ -28,7 +28,7 @@ from meshfl.node.checkpoint import write_atomically
 from meshfl.node.host import FINISHED, raise_open_files_limit
 from meshfl.node.trainer import set_torch_threads
 from meshfl.protocol.identity import Identity
-from meshfl.protocol.transport import free_ports
+from meshfl.protocol.ports import free_ports
 
 from .contacts import key_path
 from .summary import FAILED

@@ -29,7 +29,8 @@ import numpy as np
 
 from meshfl.protocol.endpoint import Endpoint, EndpointSettings
 from meshfl.protocol.identity import Identity, verify
-from meshfl.protocol.transport import TransportError, free_ports
+from meshfl.protocol.ports import free_ports
+from meshfl.protocol.transport import TransportError
 from meshfl.protocol.wire import RECORD_CONTEXT, frames_digest, make_blob
 
 MESH = hashlib.sha256(b"meshfl multi-process test").digest()[:16]

@@ -18,7 +18,7 @@ import yaml
 
 from meshfl.node.config import MeshConfig
 from meshfl.node.runtime import Node, NodeOptions
-from meshfl.protocol.transport import free_ports
+from meshfl.protocol.ports import free_ports
 
 
 def node_from(

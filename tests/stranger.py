@@ -35,12 +35,12 @@ import zmq
 
 from meshfl.protocol.decoder import Decoder
 from meshfl.protocol.identity import Identity, curve_public_key
+from meshfl.protocol.ports import free_ports
 from meshfl.protocol.probe import ask_status
 from meshfl.protocol.transport import (
     Encryption,
     curve_client,
     curve_server,
-    free_ports,
     split_contact,
 )
 from meshfl.protocol.wire import (

@@ -43,7 +43,7 @@ from meshfl.protocol import codecs
 from meshfl.protocol.decoder import Decoder
 from meshfl.protocol.endpoint import Endpoint, EndpointSettings
 from meshfl.protocol.identity import Identity
-from meshfl.protocol.transport import free_ports
+from meshfl.protocol.ports import free_ports
 from meshfl.protocol.wire import encode, make_blob, new_instance
 
 from .flags import bench_parser, positive

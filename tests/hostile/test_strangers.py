@@ -18,6 +18,7 @@ import zmq
 
 from meshfl.protocol.endpoint import Endpoint, EndpointSettings
 from meshfl.protocol.identity import Identity, is_usable_public_key
+from meshfl.protocol.ports import free_ports
 from meshfl.protocol.probe import ask_status
 from meshfl.protocol.transport import (
     BadContact,
@@ -25,7 +26,6 @@ from meshfl.protocol.transport import (
     Transport,
     TransportError,
     curve_server,
-    free_ports,
     split_contact,
 )
 from meshfl.protocol.wire import make_blob

@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from meshfl.algorithms import is_coordinated
-from meshfl.protocol.transport import free_ports
+from meshfl.protocol.ports import free_ports
 from tests.nodes import records, stop, write_config
 
 pytestmark = pytest.mark.slow  # real processes over real sockets

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from meshfl.protocol.transport import free_ports
+from meshfl.protocol.ports import free_ports
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 PAGES = [REPOSITORY / "README.md", *sorted((REPOSITORY / "docs").glob("*.md"))]

@@ -23,12 +23,12 @@ from meshfl.protocol.endpoint import (
 )
 from meshfl.protocol.identity import Identity, curve_public_key
 from meshfl.protocol.memory import MemoryNetwork
+from meshfl.protocol.ports import free_ports
 from meshfl.protocol.transport import (
     Encryption,
     TransportError,
     curve_client,
     curve_server,
-    free_ports,
     split_contact,
 )
 from meshfl.protocol.wire import (

@@ -23,7 +23,8 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from meshfl.protocol import wire
 from meshfl.protocol.endpoint import REFUSED_HANDSHAKE, Endpoint, EndpointSettings
 from meshfl.protocol.identity import BadPublicKey, Identity, curve_public_key
-from meshfl.protocol.transport import BadContact, contact, free_ports, split_contact
+from meshfl.protocol.ports import free_ports
+from meshfl.protocol.transport import BadContact, contact, split_contact
 
 pytestmark = pytest.mark.sockets  # CURVE is the sockets'
 

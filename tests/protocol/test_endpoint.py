@@ -22,9 +22,9 @@ from meshfl.protocol.endpoint import Refused
 from meshfl.protocol.identity import Identity
 from meshfl.protocol.membership import ALIVE
 from meshfl.protocol.parts import OtherMesh
+from meshfl.protocol.ports import free_ports
 from meshfl.protocol.transport import (
     contact,
-    free_ports,
 )
 from meshfl.protocol.views import MAX_CARDS
 from meshfl.protocol.wire import (

@@ -20,7 +20,7 @@ from meshfl.protocol.membership import (
     PeerTable,
     liveness_stretch,
 )
-from meshfl.protocol.transport import free_ports
+from meshfl.protocol.ports import free_ports
 from meshfl.protocol.wire import make_blob
 from tests.protocol.endpoints import (
     SCHEMA,

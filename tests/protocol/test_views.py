@@ -25,7 +25,8 @@ from meshfl.node.config import MeshConfig
 from meshfl.protocol.endpoint import Endpoint, EndpointSettings
 from meshfl.protocol.identity import Identity
 from meshfl.protocol.memory import MemoryNetwork
-from meshfl.protocol.transport import TransportError, contact, free_ports
+from meshfl.protocol.ports import free_ports
+from meshfl.protocol.transport import TransportError, contact
 from meshfl.protocol.views import (
     MAX_CARDS,
     Candidate,

@@ -14,7 +14,7 @@ import pytest
 
 from meshfl.protocol.endpoint import Endpoint, EndpointSettings
 from meshfl.protocol.identity import Identity
-from meshfl.protocol.transport import free_ports
+from meshfl.protocol.ports import free_ports
 
 SPEC = Path(__file__).resolve().parents[2] / "protocol" / "WIRE.md"
 MESH = hashlib.sha256(b"spec client mesh").digest()[:16]

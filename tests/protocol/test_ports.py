@@ -1,0 +1,41 @@
+"""The ports a launcher picks for its nodes (protocol/ports.py): free, below the range
+the OS lends outgoing connections, and not handed out twice while a node may still be
+about to bind one."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from meshfl.protocol import ports
+from meshfl.protocol.errors import UserError
+from meshfl.protocol.ports import ephemeral_ports_start, free_ports
+
+pytestmark = pytest.mark.sockets  # real ports, bound and probed
+
+
+def test_picked_ports_differ_lie_below_the_ephemeral_range_and_are_free():
+    # Below the range the OS lends outgoing connections, so the dialling of a mesh's
+    # first nodes cannot take a port a later node is about to bind; never handed twice,
+    # so two meshes started one after the other cannot share one.
+    first, second = free_ports(50), free_ports(50)
+    picked = first + second
+    assert len(set(picked)) == len(picked)
+    assert all(port < ephemeral_ports_start() for port in picked)
+    for port in picked:
+        with socket.socket() as listener:
+            listener.bind(("127.0.0.1", port))
+
+
+def test_a_port_is_handed_out_again_only_once_its_node_had_time_to_bind_it(monkeypatch):
+    # 1,000 ports to pick from, each handed out at most once within HANDED_OUT_S: a
+    # second mesh of 900 does not fit, until the first mesh's ports are old enough.
+    lowest = ports.LOWEST_PICKED_PORT + 5000
+    monkeypatch.setattr(ports, "LOWEST_PICKED_PORT", lowest)
+    monkeypatch.setattr(ports, "ephemeral_ports_start", lambda: lowest + 1000)
+    first = free_ports(900)
+    with pytest.raises(UserError, match="listening ports are free"):
+        free_ports(900)
+    monkeypatch.setattr(ports, "HANDED_OUT_S", 0.0)
+    assert set(free_ports(900)) & set(first)
