@@ -38,6 +38,8 @@ from meshfl.protocol import codecs
 from meshfl.protocol.identity import Identity
 from meshfl.protocol.wire import Blob, make_blob, wire_dtype
 
+from .deltas import Copy
+
 # Beyond 2**53 a float weight no longer holds the count exactly; no node has that many
 # samples. (A count merely inflated below it cannot be told from a big dataset.)
 MAX_SAMPLE_COUNT = 2**53
@@ -128,12 +130,12 @@ def _check_layout(
         )
 
 
-def delta_arrays(blob: Blob, base: Mapping[str, np.ndarray] | None) -> dict[str, np.ndarray]:
+def delta_arrays(blob: Blob, base: Copy | None) -> dict[str, np.ndarray]:
     """A delta blob's model (node/deltas.py): `base` with its changes, or UnusableBlob."""
     try:
         if base is None:
             raise codecs.CodecError("a delta against a base this node does not hold")
-        return codecs.apply_delta(blob.arrays(), blob.meta, base)
+        return codecs.apply_delta(blob.arrays(), blob.meta, base.arrays, base.digest)
     except codecs.CodecError as error:
         what = f"{reprlib.repr(blob.kind)} blob of round {blob.round}"
         raise UnusableBlob("codec", f"{what}: {error}") from None
@@ -143,7 +145,7 @@ def peer_model(
     blob: Blob,
     expected: tuple[Layout, ...],
     fits: Callable[[Layout], bool] | None = None,
-    base: Mapping[str, np.ndarray] | None = None,
+    base: Copy | None = None,
     delta: bool = False,
 ) -> PeerModel:
     """The blob's tensors and sample count, or UnusableBlob (see the module docstring).

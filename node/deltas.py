@@ -13,7 +13,9 @@ does not (a newcomer, a new neighbour, one that missed a round) fetches the whol
 In round 1 every node's base is the mesh's seeded initial model, which every node
 builds alike, so no whole model travels in a mesh that starts together. A delta names
 its base by digest, so a receiver whose base differs (a task whose model() is not
-seeded) refuses it as `codec` and fetches that peer's whole model a round later.
+seeded) refuses it as `codec` and fetches that peer's whole model a round later. A
+copy a delta made is named by its base's name and the delta's own bytes, a whole copy
+by the name its blob gives, so no copy is hashed but the initial model, once a run.
 
 A peer's public copy lags its model by what its deltas have not carried yet, and
 where a round's change is dense (an aggregate replaces the whole model) that lag is
@@ -29,6 +31,7 @@ model it took in then (one model per such peer).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -47,34 +50,49 @@ def owned(arrays: Mapping[str, np.ndarray]) -> Arrays:
     return {name: np.array(array) for name, array in arrays.items()}
 
 
+class Copy(NamedTuple):
+    """A public copy and the digest it is named by (codecs.base_digest): a receiver
+    takes the digest from the blob that made the copy, so that it hashes no copy it
+    holds."""
+
+    arrays: Arrays
+    digest: bytes
+
+
+def named(arrays: Arrays) -> Copy:
+    return Copy(arrays, codecs.base_digest(arrays))
+
+
 class DeltaGossip:
     """A node's public copy, and what it holds of each peer's."""
 
     def __init__(self, fraction: float = TOPK_FRACTION) -> None:
         self.fraction = fraction
-        self.public: Arrays | None = None  # what peers hold of this node's model
-        self.initial: Arrays | None = None  # the mesh's initial model, round 1's base
-        self._peers: dict[str, tuple[int, Arrays]] = {}  # name -> (round, public copy)
+        self.public: Copy | None = None  # what peers hold of this node's model
+        self.initial: Copy | None = None  # the mesh's initial model, round 1's base
+        self._peers: dict[str, tuple[int, Copy]] = {}  # name -> (round, public copy)
 
     def start(self, round_no: int, model: Mapping[str, np.ndarray]) -> None:
         """Before round `round_no` trains: a mesh's first round starts from its initial
-        model, the base of round 1's deltas, on both sides."""
+        model, the base of round 1's deltas, on both sides (hashed once a run)."""
         if round_no == 1 and self.initial is None:
-            self.initial = owned(model)
+            self.initial = named(owned(model))
             self.public = self.initial
 
-    def publish(self, model: Mapping[str, np.ndarray]) -> tuple[Arrays, tuple[Arrays, dict] | None]:
-        """The whole public copy to publish after this round's change, and the delta
-        (its arrays and meta) that makes it from the last one; None where there is no
-        last one (a node resumed or joined mid-run publishes whole models first)."""
+    def publish(self, model: Mapping[str, np.ndarray]) -> tuple[Copy, tuple[Arrays, dict] | None]:
+        """The whole public copy to publish after this round's change, named, and the
+        delta (its arrays and meta) that makes it from the last one; None where there is
+        no last one (a node resumed or joined mid-run publishes whole models first)."""
         if self.public is None:
-            self.public = owned(model)
+            self.public = named(owned(model))
             return self.public, None
-        delta, meta = codecs.encode_delta(model, self.public, self.fraction)
-        self.public = codecs.apply_delta(delta, meta, self.public, digest=meta["base"])
+        last = self.public
+        delta, meta = codecs.encode_delta(model, last.arrays, self.fraction, last.digest)
+        copy = codecs.apply_delta(delta, meta, last.arrays, last.digest)
+        self.public = Copy(copy, codecs.delta_copy_name(last.digest, delta))
         return self.public, (delta, meta)
 
-    def base_for(self, peer: str, round_no: int) -> Arrays | None:
+    def base_for(self, peer: str, round_no: int) -> Copy | None:
         """The base of `peer`'s delta of round `round_no`: its public copy of the round
         before, where this node took it in, or the initial model in round 1."""
         held = self._peers.get(peer)
@@ -82,12 +100,12 @@ class DeltaGossip:
             return held[1]
         return self.initial if round_no == 1 else None
 
-    def took_in(self, round_no: int, copies: Mapping[str, Arrays]) -> None:
+    def took_in(self, round_no: int, copies: Mapping[str, Copy]) -> None:
         """The public copies that arrived in round `round_no`, by peer: the bases of
         their next deltas. Peers not among them would need a base this node lacks.
         Kept as they are: a rule reads them only through `read_as`, which makes new
         float tensors, so nothing writes into them."""
-        self._peers = {peer: (round_no, dict(arrays)) for peer, arrays in copies.items()}
+        self._peers = {peer: (round_no, copy) for peer, copy in copies.items()}
 
     def lag(self, model: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This node's model less its public copy, float entries only: what its own
@@ -95,9 +113,9 @@ class DeltaGossip:
         if self.public is None:
             return {}
         return {
-            name: tensor - torch.from_numpy(self.public[name])
+            name: tensor - torch.from_numpy(self.public.arrays[name])
             for name, tensor in model.items()
-            if tensor.is_floating_point() and name in self.public
+            if tensor.is_floating_point() and name in self.public.arrays
         }
 
 
@@ -110,3 +128,15 @@ def is_public_copy(blob: Blob) -> bool:
     """Whether a peer's model blob is its public copy (a delta's, or one it says it is),
     read with this node's lag added; any other is the peer's model as it is."""
     return blob.kind == DELTA or blob.meta.get(PUBLIC) is True
+
+
+def copy_named_by(blob: Blob, arrays: Arrays) -> Copy | None:
+    """`arrays`, the public copy `blob` carried or made, under its name: a delta's copy
+    by its base's name and its own tensors (codecs.delta_copy_name), a whole copy by the
+    name its blob gives; None where that gives none: no delta can then be applied to it."""
+    try:
+        if blob.kind == DELTA:
+            return Copy(arrays, codecs.delta_copy_name(blob.meta["base"], blob.arrays()))
+        return Copy(arrays, codecs.named_copy(blob.meta))
+    except codecs.CodecError:
+        return None

@@ -17,14 +17,22 @@ import torch
 
 from meshfl.algorithms import PeerAlgorithm, PeerModel
 from meshfl.algorithms.base import MODEL
-from meshfl.protocol.codecs import TOPK
+from meshfl.protocol.codecs import COPY, TOPK
 from meshfl.protocol.endpoint import Endpoint
 from meshfl.protocol.identity import Identity, node_id
 from meshfl.protocol.offers import Offer
 from meshfl.protocol.wire import Blob, make_blob
 
 from .blobs import UnusableBlob, peer_model, signed_blob
-from .deltas import DELTA, PUBLIC, DeltaGossip, is_public_copy, read_as
+from .deltas import (
+    DELTA,
+    PUBLIC,
+    Copy,
+    DeltaGossip,
+    copy_named_by,
+    is_public_copy,
+    read_as,
+)
 from .mesh_identity import model_digest
 
 log = logging.getLogger("meshfl.node")
@@ -215,7 +223,14 @@ class ModelExchange:
                 make_blob(self.identity, round_no, DELTA, changes, self.schema, {**meta, **named})
             )
         blobs.append(
-            make_blob(self.identity, round_no, kind, public, self.schema, {**meta, PUBLIC: True})
+            make_blob(
+                self.identity,
+                round_no,
+                kind,
+                public.arrays,
+                self.schema,
+                {**meta, PUBLIC: True, COPY: public.digest},
+            )
         )
         return blobs
 
@@ -239,7 +254,7 @@ class ModelExchange:
         the blobs leave the endpoint's store: the models are decoded into memory of
         their own, and a node serves its peers only its own blobs."""
         intake = PeerIntake()
-        public_copies: dict[str, dict[str, np.ndarray]] = {}
+        public_copies: dict[str, Copy] = {}
         own_lag = self.deltas.lag(self.model.state_dict()) if self.deltas is not None else {}
         for kind, by_peer in in_peer_order(blobs).items():  # kinds too, for a rule of several
             expected = self.algorithm.layouts(kind)
@@ -254,7 +269,9 @@ class ModelExchange:
                     continue
                 if kind == MODEL and self.deltas is not None and is_public_copy(blob):
                     # The base of the peer's next delta; any other model is read as it is.
-                    public_copies[name] = {k: v.numpy() for k, v in model.state.items()}
+                    copy = copy_named_by(blob, {k: v.numpy() for k, v in model.state.items()})
+                    if copy is not None:
+                        public_copies[name] = copy
                     model = PeerModel(read_as(model.state, own_lag), model.n_samples)
                 intake.received.setdefault(kind, {})[name] = self.with_own_local(model)
         if self.deltas is not None:

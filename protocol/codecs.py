@@ -23,13 +23,14 @@ one of CODECS, for it decodes only beside its base.
 from __future__ import annotations
 
 import math
+import reprlib
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 from blake3 import blake3
 
-from .wire import wire_dtype
+from .wire import DIGEST_BYTES, wire_dtype
 
 CODECS = ("none", "fp16", "bf16", "int8")
 INT8_BLOCK = 128  # values per scale: 4 bytes of scale per 128 of data, 0.26 of float32
@@ -205,6 +206,9 @@ TOPK = "topk"
 # INT8_BLOCK changes, as int8 has). '#' is in no torch state-dict key, so no tensor is
 # named alike.
 MASK, VALUES = "#mask", "#values"
+# The meta entry of a whole public copy that names it: a receiver that took it in knows
+# the name of the next delta's base without hashing the copy.
+COPY = "copy"
 # A change travels as a 4-bit two's-complement value within ±NIBBLE_PEAK; error
 # feedback carries its rounding in a later delta, so 4 bits cost no more accuracy than 8
 # did, and send a third more entries in the same bytes (docs/measurements.md).
@@ -217,8 +221,9 @@ THRESHOLD_SAMPLE = 1 << 17
 
 
 def base_digest(arrays: Arrays) -> bytes:
-    """The digest a delta names its base by: BLAKE3 over every tensor's name, dtype,
-    shape and bytes, in order (a base differing in any of them is another base)."""
+    """BLAKE3 over every tensor's name, dtype, shape and bytes, in order: the name of a
+    copy that no delta made (the initial model, a copy published whole first), and of
+    a delta's own tensors in `delta_copy_name`."""
     digest = blake3()
     for name, array in arrays.items():
         shape = ",".join(str(size) for size in array.shape)
@@ -228,14 +233,14 @@ def base_digest(arrays: Arrays) -> bytes:
 
 
 def encode_delta(
-    arrays: Arrays, base: Arrays, fraction: float
+    arrays: Arrays, base: Arrays, fraction: float, base_named: bytes | None = None
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """The change from `base` to `arrays` as it travels (WIRE.md 9.3): of each float32
     tensor its largest changes (those at least its ceil(fraction * size)-th largest,
     zeros never), all tensors' in one bit mask and one run of blockwise 4-bit changes;
     other tensors whole. A bit per entry and half a byte per change: at a fraction of
     0.3, 0.07 of float32's bytes. The meta names the codec, the block and the base's
-    digest."""
+    digest (`base_named`, where the caller holds it)."""
     floats = [name for name, array in arrays.items() if array.dtype == np.float32]
     sizes = [arrays[name].size for name in floats]
     chosen = np.empty(sum(sizes), dtype=bool)
@@ -260,7 +265,8 @@ def encode_delta(
         VALUES: _nibbles(values),
         SCALES: scales,
     }
-    return encoded, {"codec": TOPK, "block": INT8_BLOCK, "base": base_digest(base)}
+    named = base_named if base_named is not None else base_digest(base)
+    return encoded, {"codec": TOPK, "block": INT8_BLOCK, "base": named}
 
 
 def _mark_largest(change: np.ndarray, keep: int, out: np.ndarray) -> None:
@@ -291,7 +297,8 @@ def apply_delta(
 ) -> dict[str, np.ndarray]:
     """`base` with `delta`'s changes added (float32), or CodecError where the delta is
     not one of `base` (another digest, other tensors) or its fields do not hold.
-    `digest`: the base's, where the caller has it (a sender that just encoded)."""
+    `digest`: the base's, where the caller holds it (the digest its copy was named by),
+    else it is computed."""
     if meta.get("codec") != TOPK or meta.get("base") != (digest or base_digest(base)):
         raise CodecError("a delta against a base this node does not hold")
     _check_block(meta.get("block"))
@@ -313,6 +320,22 @@ def apply_delta(
         applied[name] = flat[begin : begin + array.size].reshape(array.shape)
         begin += array.size
     return applied
+
+
+def named_copy(meta: Mapping[str, Any]) -> bytes:
+    """The name a whole public copy's blob gives the copy, `meta.copy` (WIRE.md 9.3), or
+    CodecError where it gives none."""
+    named = meta.get(COPY)
+    if not isinstance(named, bytes) or len(named) != DIGEST_BYTES:
+        raise CodecError(f"meta.{COPY} is {reprlib.repr(named)}, not a {DIGEST_BYTES}-byte digest")
+    return named
+
+
+def delta_copy_name(base_named: bytes, delta: Arrays) -> bytes:
+    """The name of the copy a delta makes: BLAKE3 over its base's name and the digest of
+    its own tensors as they travel. Sender and receiver each compute it from a few
+    megabytes of delta, where hashing the copy would read the whole model."""
+    return blake3(base_named + base_digest(delta)).digest()
 
 
 def _nibbles(values: np.ndarray) -> np.ndarray:

@@ -19,9 +19,9 @@ repetitions:
     codec MB/s  float32 MB over encode + decode seconds: what one core turns through
 
 A top-k delta needs the base both sides hold, so `topk` is measured apart, codec alone:
-the model's state against a copy of it changed by noise, encoded (its base's digest
-included) and applied (the receiver's check of that digest included), medians over as
-many repetitions.
+the model's state against a copy of it changed by noise, encoded and applied to a base
+held under its name, each side naming the copy the delta makes (WIRE.md 9.3), medians
+over as many repetitions.
 
 The model is ResNet-18's state (torchvision, 10 classes: 44.7 MB of float32) unless
 --model names another of node/models.py's or torchvision's.
@@ -162,7 +162,8 @@ def main(argv: list[str]) -> int:
 
 def delta_seconds(arrays: dict[str, np.ndarray], repeats: int) -> tuple[float, float, float]:
     """MB of a top-k delta of `arrays` against a noisy copy, and the median seconds to
-    encode it and to apply it (digests of the base included)."""
+    encode it and to apply it to a base held under its name, each side naming the copy
+    the delta makes (node/deltas.py)."""
     noise = np.random.default_rng(0)
     base = {
         name: array + (0.01 * noise.standard_normal(array.shape)).astype(array.dtype)
@@ -170,13 +171,16 @@ def delta_seconds(arrays: dict[str, np.ndarray], repeats: int) -> tuple[float, f
         else array
         for name, array in arrays.items()
     }
+    base_named = codecs.base_digest(base)
     encodes, applies, size = [], [], 0
     for _ in range(repeats):
         clock = time.perf_counter()
-        delta, meta = codecs.encode_delta(arrays, base, TOPK_FRACTION)
+        delta, meta = codecs.encode_delta(arrays, base, TOPK_FRACTION, base_named)
+        codecs.delta_copy_name(base_named, delta)
         encodes.append(time.perf_counter() - clock)
         clock = time.perf_counter()
-        codecs.apply_delta(delta, meta, base)
+        codecs.apply_delta(delta, meta, base, base_named)
+        codecs.delta_copy_name(base_named, delta)
         applies.append(time.perf_counter() - clock)
         size = sum(array.nbytes for array in delta.values())
     return size / 2**20, statistics.median(encodes), statistics.median(applies)
