@@ -69,9 +69,12 @@ def signed_blob(
     arrays: Mapping[str, np.ndarray],
     schema: bytes,
     meta: Mapping[str, Any],
-    codec: str,
+    compression: str,
 ) -> Blob:
-    """`arrays` encoded by `codec` and signed as a blob, the codec named in its meta."""
+    """`arrays` signed as a blob under the node's `compression`, the codec named in its
+    meta: a whole blob under `topk` travels as float32 (only a gossiped model has a
+    base its peers hold, node/deltas.py)."""
+    codec = "none" if compression == codecs.TOPK else compression
     encoded, named = codecs.encode(arrays, codec)
     return make_blob(identity, round_no, kind, encoded, schema, {**meta, **named})
 

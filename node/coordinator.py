@@ -35,9 +35,9 @@ import torch
 from meshfl.algorithms import CoordinatorAlgorithm, Upload, is_coordinated
 from meshfl.algorithms.base import Layout, PeerModel, draw_seed
 from meshfl.protocol.errors import UserError
-from meshfl.protocol.wire import Message, make_blob
+from meshfl.protocol.wire import Blob, Message
 
-from .blobs import RULE_ERROR, UnusableBlob, peer_model
+from .blobs import RULE_ERROR, UnusableBlob, peer_model, signed_blob
 from .containment import run_contained
 from .metrics import CoordinatorRecord, RoundRecord
 from .model_exchange import PeerIntake, in_peer_order
@@ -185,7 +185,7 @@ class CoordinatorNode(Node):
         arrays = {k: a.copy() for k, a in state_to_arrays(state).items()}
         arrays.update(_extra_arrays(self.algorithm.personal_extras(round_no, name)))
         meta = {"round": round_no, "train": train, "weights": self.algorithm.weights_for(name)}
-        blob = make_blob(self.identity, round_no, PERSONAL, arrays, self.schema, meta)
+        blob = _signed(self, round_no, PERSONAL, arrays, meta)
         self.endpoint.send_blob(key, PERSONAL, blob)
 
     def collect_uploads(
@@ -239,6 +239,7 @@ class _RoundInFlight:
     train_loss: float
     seconds: dict[str, float]
     bytes_before: dict[str, Any] = field(default_factory=dict)
+    uploaded_bytes: int = 0  # the upload's tensors as they travelled
 
 
 class ClientNode(Node):
@@ -340,12 +341,9 @@ class ClientNode(Node):
         arrays = {k: a.copy() for k, a in state_to_arrays(self.model).items()}
         arrays.update(_extra_arrays(extras))
         meta = {"round": round_no, "n": len(self.data.y_train)}
-        self.endpoint.send_blob(
-            coordinator,
-            UPLOAD,
-            make_blob(self.identity, round_no, UPLOAD, arrays, self.schema, meta),
-        )
-        return _RoundInFlight(round_no, train_loss, seconds, before)
+        blob = _signed(self, round_no, UPLOAD, arrays, meta)
+        self.endpoint.send_blob(coordinator, UPLOAD, blob)
+        return _RoundInFlight(round_no, train_loss, seconds, before, blob.size)
 
     def _record(self, done: _RoundInFlight, weights: dict[str, float]) -> None:
         """Evaluate the coordinator's answer to round `done.round` and write its line."""
@@ -374,12 +372,21 @@ class ClientNode(Node):
                 bytes_sent_by_kind=after["bytes_sent_by_kind"],  # since the node started
                 seconds={**done.seconds, "evaluate": seconds},
                 n_train=len(self.data.y_train),
+                compression=self.cfg.compression,
+                published_bytes=done.uploaded_bytes,
                 **self.device_fields(),
             ).to_json()
         )
         self.refusals.clear()
         self.last_written = done.round
         self._save(done.round)
+
+
+def _signed(node: Node, round_no: int, kind: str, arrays: dict, meta: dict[str, Any]) -> Blob:
+    """A direct blob of `node`'s, under its `compression` as its gossip would be."""
+    return signed_blob(
+        node.identity, round_no, kind, arrays, node.schema, meta, node.cfg.compression
+    )
 
 
 def needs_coordinator(algorithm_name: str) -> bool:

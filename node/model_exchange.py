@@ -17,7 +17,7 @@ import torch
 
 from meshfl.algorithms import PeerAlgorithm, PeerModel
 from meshfl.algorithms.base import MODEL
-from meshfl.protocol.codecs import COPY, TOPK
+from meshfl.protocol.codecs import COPY
 from meshfl.protocol.endpoint import Endpoint
 from meshfl.protocol.identity import Identity, node_id
 from meshfl.protocol.offers import Offer
@@ -213,8 +213,11 @@ class ModelExchange:
         node's codec; under `topk` a model is its delta and its whole public copy."""
         meta = {"n": claimed}
         if self.deltas is None or kind != MODEL:
-            codec = "none" if self.compression == TOPK else self.compression
-            return [signed_blob(self.identity, round_no, kind, arrays, self.schema, meta, codec)]
+            return [
+                signed_blob(
+                    self.identity, round_no, kind, arrays, self.schema, meta, self.compression
+                )
+            ]
         public, delta = self.deltas.publish(arrays)
         blobs = []
         if delta is not None:  # announced first: a peer that sees the model sees it

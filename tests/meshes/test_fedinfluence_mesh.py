@@ -1,5 +1,5 @@
 """Fed-Influence on real processes: a coordinator and three clients over loopback, with
-float16 gradient sets on the wire and a cleansing round. Every client trains every
+float16 gradient sets on the wire, models in int8 both ways, and a cleansing round. Every client trains every
 round (sampling is unit-tested): each client process pays torch.func's one-off start-up
 in its first round, and a sampled schedule would pay it in several rounds one by one."""
 
@@ -37,6 +37,7 @@ def test_coordinated_run_writes_every_clients_influence(tmp_path):
         peer_timeout=10.0,
         algorithm=algorithm,
         model={"name": "logreg"},
+        compression="int8",  # the coordinator's and the clients' blobs alike
         coordinator=f"tcp://127.0.0.1:{free_ports(1)[0]}",
     )
     run_coordinated_mesh(config, tmp_path, NODES, timeout=90)
@@ -62,4 +63,8 @@ def test_coordinated_run_writes_every_clients_influence(tmp_path):
     gradient_bytes = STEPS * SAMPLES * LOGREG_ON_DIGITS * 2
     trained = [line for name in names for line in records(tmp_path, name)]
     assert trained and all(line["bytes_out"] > gradient_bytes for line in trained)
+    # The model travels as int8 (a quarter of its float32 bytes), the gradients as float16.
+    assert {line["compression"] for line in trained} == {"int8"}
+    model_bytes = [line["published_bytes"] - gradient_bytes for line in trained]
+    assert all(0 < size < 0.3 * LOGREG_ON_DIGITS * 4 for size in model_bytes)
     assert sum(trained[0]["weights"].values()) == pytest.approx(1.0)
