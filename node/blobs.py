@@ -62,6 +62,12 @@ def layout_of(arrays: Mapping[str, np.ndarray]) -> Layout:
     return tuple((name, wire_dtype(array), tuple(array.shape)) for name, array in arrays.items())
 
 
+def whole_blob_codec(compression: str) -> str:
+    """The codec of a node's whole blobs under its `compression`: under `topk` float32,
+    for only a gossiped model has a base its peers hold (node/deltas.py)."""
+    return "none" if compression == codecs.TOPK else compression
+
+
 def signed_blob(
     identity: Identity,
     round_no: int,
@@ -72,10 +78,8 @@ def signed_blob(
     compression: str,
 ) -> Blob:
     """`arrays` signed as a blob under the node's `compression`, the codec named in its
-    meta: a whole blob under `topk` travels as float32 (only a gossiped model has a
-    base its peers hold, node/deltas.py)."""
-    codec = "none" if compression == codecs.TOPK else compression
-    encoded, named = codecs.encode(arrays, codec)
+    meta (`whole_blob_codec`)."""
+    encoded, named = codecs.encode(arrays, whole_blob_codec(compression))
     return make_blob(identity, round_no, kind, encoded, schema, {**meta, **named})
 
 

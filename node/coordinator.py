@@ -37,7 +37,7 @@ from meshfl.algorithms.base import Layout, PeerModel, draw_seed
 from meshfl.protocol.errors import UserError
 from meshfl.protocol.wire import Blob, Message
 
-from .blobs import RULE_ERROR, UnusableBlob, peer_model, signed_blob
+from .blobs import RULE_ERROR, UnusableBlob, peer_model, signed_blob, whole_blob_codec
 from .containment import run_contained
 from .metrics import CoordinatorRecord, RoundRecord
 from .model_exchange import PeerIntake, in_peer_order
@@ -142,8 +142,10 @@ class CoordinatorNode(Node):
         clock = time.perf_counter()
         clients = {peer.name: peer.public_key for peer in self.endpoint.alive_peers()}
         chosen = self.algorithm.clients_for_round(round_no, sorted(clients))
-        for name in chosen:
+        sent = sum(
             self._send_personal(clients[name], name, round_no, initial, train=True)
+            for name in chosen
+        )
         uploads, intake = self.collect_uploads(round_no, {clients[name]: name for name in chosen})
         seconds = {"wait": time.perf_counter() - clock}
         clock = time.perf_counter()
@@ -168,6 +170,7 @@ class CoordinatorNode(Node):
                 clients=chosen,
                 uploaded=sorted(uploads),
                 refused=sorted(intake.refused.get(UPLOAD, [])),
+                published_bytes=sent,
                 refusals=dict(sorted(intake.reasons.items())),
                 rejections=after["rejections"],
                 diagnostics=diagnostics,
@@ -180,13 +183,15 @@ class CoordinatorNode(Node):
 
     def _send_personal(
         self, key: bytes, name: str, round_no: int, initial: dict[str, torch.Tensor], train: bool
-    ) -> None:
+    ) -> int:
+        """Sends `name` the model it starts round `round_no` from; the blob's bytes."""
         state = self.algorithm.model_for(round_no, name, initial)
         arrays = {k: a.copy() for k, a in state_to_arrays(state).items()}
         arrays.update(_extra_arrays(self.algorithm.personal_extras(round_no, name)))
         meta = {"round": round_no, "train": train, "weights": self.algorithm.weights_for(name)}
         blob = _signed(self, round_no, PERSONAL, arrays, meta)
         self.endpoint.send_blob(key, PERSONAL, blob)
+        return blob.size
 
     def collect_uploads(
         self, round_no: int, expected: dict[bytes, str]
@@ -372,7 +377,7 @@ class ClientNode(Node):
                 bytes_sent_by_kind=after["bytes_sent_by_kind"],  # since the node started
                 seconds={**done.seconds, "evaluate": seconds},
                 n_train=len(self.data.y_train),
-                compression=self.cfg.compression,
+                compression=whole_blob_codec(self.cfg.compression),
                 published_bytes=done.uploaded_bytes,
                 **self.device_fields(),
             ).to_json()

@@ -15,7 +15,8 @@ builds alike, so no whole model travels in a mesh that starts together. A delta 
 its base by digest, so a receiver whose base differs (a task whose model() is not
 seeded) refuses it as `codec` and fetches that peer's whole model a round later. A
 copy a delta made is named by its base's name and the delta's own bytes, a whole copy
-by the name its blob gives, so no copy is hashed but the initial model, once a run.
+by the name its blob gives, so the only copies hashed whole are the initial model
+(once a run) and the first copy a node publishes after a resume or a join.
 
 A peer's public copy lags its model by what its deltas have not carried yet, and
 where a round's change is dense (an aggregate replaces the whole model) that lag is
@@ -51,9 +52,9 @@ def owned(arrays: Mapping[str, np.ndarray]) -> Arrays:
 
 
 class Copy(NamedTuple):
-    """A public copy and the digest it is named by (codecs.base_digest): a receiver
-    takes the digest from the blob that made the copy, so that it hashes no copy it
-    holds."""
+    """A public copy and its name (WIRE.md 9.3): a delta's copy named by its base's
+    name and the delta's bytes, a whole one by the name its blob gives, the initial
+    model by its content digest."""
 
     arrays: Arrays
     digest: bytes
@@ -134,9 +135,14 @@ def copy_named_by(blob: Blob, arrays: Arrays) -> Copy | None:
     """`arrays`, the public copy `blob` carried or made, under its name: a delta's copy
     by its base's name and its own tensors (codecs.delta_copy_name), a whole copy by the
     name its blob gives; None where that gives none: no delta can then be applied to it."""
+    if blob.kind == DELTA:
+        base = blob.meta.get("base")  # the name of the copy it was applied to
+        return (
+            Copy(arrays, codecs.delta_copy_name(base, blob.arrays()))
+            if isinstance(base, bytes)
+            else None
+        )
     try:
-        if blob.kind == DELTA:
-            return Copy(arrays, codecs.delta_copy_name(blob.meta["base"], blob.arrays()))
         return Copy(arrays, codecs.named_copy(blob.meta))
     except codecs.CodecError:
         return None

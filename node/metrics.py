@@ -107,6 +107,7 @@ class CoordinatorRecord(_Round):
     clients: list[str] = field(default_factory=list)  # chosen to train this round
     uploaded: list[str] = field(default_factory=list)  # whose upload came in time
     refused: list[str] = field(default_factory=list)  # whose upload was unusable
+    published_bytes: int | None = None  # the models sent to clients, as they travelled
 
 
 def parse_records(lines: Iterable[str], kind: type[Record]) -> Iterator[Record]:

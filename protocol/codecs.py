@@ -15,9 +15,10 @@ is checked like any other input (WIRE.md 9.2), and a blob that fails is refused 
            scales travel as a tensor of their own, named NAME#scales, after NAME.
 
 A delta (`encode_delta`, `apply_delta`; WIRE.md 9.3) is another kind of blob: the
-largest entries of a model's change against a base both sides hold, named by the
-base's digest, as a bit mask of the entries and their changes in 4 bits each. It is not
-one of CODECS, for it decodes only beside its base.
+largest entries of a model's change against a base both sides hold, which it names, as
+a bit mask of the entries and their changes in 4 bits each; the copy it makes is named
+by its base's name and its own bytes (`delta_copy_name`). It is not one of CODECS, for
+it decodes only beside its base.
 """
 
 from __future__ import annotations
@@ -299,7 +300,8 @@ def apply_delta(
     not one of `base` (another digest, other tensors) or its fields do not hold.
     `digest`: the base's, where the caller holds it (the digest its copy was named by),
     else it is computed."""
-    if meta.get("codec") != TOPK or meta.get("base") != (digest or base_digest(base)):
+    held = digest if digest is not None else base_digest(base)
+    if meta.get("codec") != TOPK or meta.get("base") != held:
         raise CodecError("a delta against a base this node does not hold")
     _check_block(meta.get("block"))
     floats = [name for name, array in base.items() if array.dtype == np.float32]

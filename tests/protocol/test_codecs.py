@@ -378,6 +378,23 @@ def test_whatever_a_deltas_fields_say_applying_it_gives_the_bases_layout_or_a_co
         assert array.dtype == base[name].dtype and array.shape == base[name].shape
 
 
+def test_a_whole_blob_under_topk_travels_as_float32():
+    """Only a gossiped model has a base its peers hold: a coordinator's model, or any
+    other whole blob of a topk node, goes as it is."""
+    blob = signed_blob(PEER, 1, "personal", ARRAYS, b"", {}, "topk")
+    assert "codec" not in blob.meta and layout_of(blob.arrays()) == layout_of(ARRAYS)
+
+
+def test_the_next_delta_names_as_its_base_the_copy_a_sender_published_whole():
+    sender = DeltaGossip()
+    first, _ = sender.publish(ARRAYS)  # no copy before it (a resumed node): hashed whole
+    assert first.digest == codecs.base_digest(ARRAYS)
+    second, (delta, meta) = sender.publish(changed(ARRAYS))
+    assert meta["base"] == first.digest
+    _, (_, after) = sender.publish(changed(ARRAYS, seed=2))
+    assert after["base"] == second.digest == codecs.delta_copy_name(first.digest, delta)
+
+
 def test_a_whole_copy_is_a_base_only_under_the_name_its_blob_gives():
     """A receiver that takes a peer's whole public copy in hashes it no more than a
     delta's: it keeps it under `meta.copy`, and one without a name is no base."""

@@ -1,6 +1,5 @@
 """The transport (protocol/transport.py) as a node relies on it: what it could not send
-is counted as dropped, not as sent, and is no sign of life; the ports a launcher picks
-for its nodes are still free when the nodes bind them."""
+is counted as dropped, not as sent, and is no sign of life."""
 
 from __future__ import annotations
 
