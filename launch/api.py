@@ -96,17 +96,12 @@ def run_node(
     from .options import resolve_config
     from .run_folder import last_record
 
-    source = _config_source(config, {"task": task}, settings)
-    process = ProcessOptions(source, Path(out))
-
-    def run_it() -> dict[str, Any] | None:
-        own_key = str(key) if key is not None else None
-        options = named_node_options(resolve_config(process.config), name, process.out, own_key)
-        make_node(options, "peer").run()
-        record = last_record(options.out_dir)
-        return None if record is None else record.to_json()
-
-    return run_it()
+    process = ProcessOptions(_config_source(config, {"task": task}, settings), Path(out))
+    own_key = str(key) if key is not None else None
+    options = named_node_options(resolve_config(process.config), name, process.out, own_key)
+    make_node(options, "peer").run()
+    record = last_record(options.out_dir)
+    return None if record is None else record.to_json()
 
 
 def _config_source(

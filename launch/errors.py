@@ -56,8 +56,6 @@ def command_status(command: Callable[[], int]) -> int:
         return command()
     except KeyboardInterrupt as interrupt:
         return getattr(interrupt, "exit_code", EXIT_INTERRUPTED)
-    except Exception as err:
-        if isinstance(err, UserError):
-            print(f"meshfl: error: {err}", file=sys.stderr)
-            return EXIT_USAGE
-        raise
+    except UserError as err:
+        print(f"meshfl: error: {err}", file=sys.stderr)
+        return EXIT_USAGE

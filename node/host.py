@@ -72,11 +72,10 @@ def forget_restarts(node_dir: Path) -> None:
 
 
 # How long a thread of a host may hold the interpreter lock while another waits for it
-# (Python's default: 5 ms). A host of hundreds of nodes runs three threads each; every
-# forced hand-over wakes one of hundreds of waiters, and at 1,000 nodes on 2 cores the
-# default left nodes silent for longer than the down timeout as the mesh started (11
-# down marks in a run; 1 ms: 182 in the first four minutes, when that run was stopped;
-# 20 ms: none, in two runs; docs/measurements.md).
+# (Python's default: 5 ms). A host of hundreds of nodes runs three threads each, and every
+# forced hand-over wakes one of hundreds of waiters: at 1,000 nodes on 2 cores shorter
+# intervals leave nodes silent past the down timeout as the mesh starts, 20 ms does not
+# (docs/measurements.md).
 SWITCH_INTERVAL_S = 0.02
 
 

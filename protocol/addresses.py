@@ -69,11 +69,14 @@ def _is_ip(host: str) -> bool:
 
 def resolved(address: str) -> str:
     """`address` with its hostname, if any, resolved once to an IP address: what a node
-    tells others to dial (they take IP addresses only). Unresolvable: left as it is."""
+    tells others to dial (they take IP addresses only); `localhost` is 127.0.0.1.
+    Unresolvable: left as it is."""
     endpoint = tcp_endpoint(address)
-    if endpoint is None or _is_ip(endpoint[0]):
+    if endpoint is None:
         return address
     host, port = endpoint
+    if _is_ip(host):  # localhost among them, read as 127.0.0.1
+        return f"tcp://{host}:{port}"
     try:
         family, *_, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except OSError:

@@ -58,6 +58,8 @@ def test_a_node_tells_others_an_ip_address_and_leaves_what_does_not_resolve(monk
     assert resolved("tcp://node-a.lan:7700") == "tcp://10.1.2.3:7700"
     assert resolved("tcp://node-b.lan:7700") == "tcp://[fd00::7]:7700"
     assert resolved("tcp://10.0.0.7:7700") == "tcp://10.0.0.7:7700"
+    # A node listening on localhost tells its peers an address they will dial.
+    assert resolved("tcp://localhost:7700") == "tcp://127.0.0.1:7700"
     assert resolved("tcp://no-such-host.lan:7700") == "tcp://no-such-host.lan:7700"
 
 
