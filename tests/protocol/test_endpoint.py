@@ -1,5 +1,5 @@
-"""A live Endpoint over real ZeroMQ sockets on loopback: what it refuses and how it
-meets peers.
+"""A live Endpoint over real ZeroMQ sockets on loopback: what it refuses, counts and
+logs, and that it goes on serving (how it meets peers: test_handshake.py).
 
 Hostile and broken messages are crafted by hand and sent from a raw DEALER; the
 test side binds its own ROUTER to receive what the endpoint answers, so it can tell
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from collections import Counter
 
@@ -18,14 +17,6 @@ import msgpack
 import numpy as np
 import pytest
 
-from meshfl.protocol.endpoint import Refused
-from meshfl.protocol.identity import Identity
-from meshfl.protocol.membership import ALIVE
-from meshfl.protocol.parts import OtherMesh
-from meshfl.protocol.ports import free_ports
-from meshfl.protocol.transport import (
-    contact,
-)
 from meshfl.protocol.views import MAX_CARDS
 from meshfl.protocol.wire import (
     HEADER_CONTEXT,
@@ -37,12 +28,10 @@ from meshfl.protocol.wire import (
 from tests.protocol.endpoints import (
     MESH,
     OTHER_MESH,
-    WAIT,
     RawPeer,
     blob_message,
     delivered,
     hand_made_blob,
-    poll_until,
     resign,
     small_blob,
     valid_header,
@@ -264,176 +253,3 @@ def test_rejections_are_logged_once_per_connection_and_reason(context, make_endp
     other.join()
     assert endpoint.decoder.rejections["wrong_mesh"] == 6
     assert logged() == 2
-
-
-# --- membership ---------------------------------------------------------------------
-
-
-def test_a_second_process_with_a_live_key_is_refused(make_endpoint):
-    identity = Identity.generate()
-    live = make_endpoint("live", identity)
-    live.start()
-    twin = make_endpoint("twin", identity)
-    twin.start([live.contact])
-    with pytest.raises(Refused, match=identity.id):
-        twin.wait_joined(WAIT)
-    assert live.decoder.rejections["duplicate_key"] == 1
-    assert live.peers() == []
-
-
-def test_a_twin_joining_through_another_peer_is_refused(make_endpoint):
-    identity = Identity.generate()
-    live = make_endpoint("live", identity)
-    live.start()
-    friend = make_endpoint("friend")
-    friend.start([live.contact])
-    assert friend.wait_joined(WAIT)
-    assert live.wait_for_peers(1, WAIT) and friend.wait_for_peers(1, WAIT)
-
-    twin = make_endpoint("twin", identity)
-    twin.start([friend.contact])
-    with pytest.raises(Refused, match=live.settings.listen):
-        twin.wait_joined(WAIT)
-    # The friend still knows the key at the live process's address.
-    (entry,) = friend.peers()
-    assert (entry.public_key, entry.address, entry.state) == (
-        identity.public_key,
-        live.settings.listen,
-        ALIVE,
-    )
-    assert entry.instance == live.instance
-
-
-def test_wait_joined_is_false_when_nobody_answers(make_endpoint):
-    lonely = make_endpoint("lonely")
-    lonely.start([f"tcp://127.0.0.1:{free_ports(1)[0]}"])
-    assert lonely.wait_joined(0.3) is False
-
-
-def test_a_node_greets_a_peer_named_in_a_list_without_asking_for_its_list(context, make_endpoint):
-    endpoint = make_endpoint("joiner")
-    lister = RawPeer(context, endpoint.contact, name="lister")
-    named = RawPeer(context, endpoint.contact, name="named")
-    endpoint.start([contact(lister.address, lister.public_key)])
-    hello = lister.expect("hello")
-    assert hello.body.get("list", True) is True, "the first bootstrap is asked for its list"
-    entries = [
-        {"name": "lister", "addr": lister.address, "key": lister.public_key},
-        {"name": "named", "addr": named.address, "key": named.public_key},
-    ]
-    lister.send(lister.frames("peers", {"peers": entries}))
-    assert named.expect("hello").body.get("list") is False
-    assert endpoint.wait_joined(WAIT)
-
-
-def test_a_peer_list_nobody_asked_for_makes_the_node_dial_nothing(context, make_endpoint):
-    endpoint = make_endpoint("target")
-    endpoint.start()
-    stranger = RawPeer(context, endpoint.contact, name="stranger")
-    stranger.join()
-    named = [RawPeer(context, endpoint.contact, name=f"aimed{i}") for i in range(20)]
-    entries = [{"name": p.name, "addr": p.address, "key": p.public_key} for p in named]
-    stranger.send(stranger.frames("peers", {"peers": entries}))
-    stranger.join()  # handled by now: the list came before this hello
-    assert endpoint.rejections()["unsolicited_peers"] == 1
-    assert all(p.collect("hello", 0.2) == [] for p in named), "nobody was greeted"
-    assert [e.name for e in endpoint.peers()] == ["stranger"]
-
-
-def test_a_hello_that_asks_for_no_list_is_answered_by_the_node_alone(context, make_endpoint):
-    endpoint = make_endpoint("target")
-    endpoint.start()
-    first = RawPeer(context, endpoint.contact, name="first")
-    first.join()
-    second = RawPeer(context, endpoint.contact, name="second")
-    second.send(second.frames("hello", {"name": "second", "addr": second.address, "list": False}))
-    answer = second.expect("peers")
-    assert [entry["name"] for entry in answer.body["peers"]] == ["target"]
-    second.send(second.hello())
-    listed = {entry["name"] for entry in second.expect("peers").body["peers"]}
-    assert listed == {"target", "first", "second"}
-
-
-def test_peers_learn_each_other_through_one_bootstrap(make_endpoint):
-    hub = make_endpoint("hub")
-    hub.start()
-    spokes = [make_endpoint(f"spoke{i}") for i in range(3)]
-    for spoke in spokes:
-        spoke.start([hub.contact])
-    for endpoint in [hub, *spokes]:
-        assert endpoint.wait_for_peers(3, WAIT), endpoint.settings.name
-    keys = {e.identity.public_key for e in [hub, *spokes]}
-    for endpoint in [hub, *spokes]:
-        alive = {e.public_key for e in endpoint.alive_peers()}
-        assert alive == keys - {endpoint.identity.public_key}
-
-
-def test_messages_are_decoded_without_holding_the_endpoint_lock(context, make_endpoint):
-    endpoint = make_endpoint("target")
-    endpoint.start()
-    lock_free_while_decoding: list[bool] = []
-    decode = endpoint.decoder.decode
-
-    def try_the_lock() -> None:
-        taken = endpoint.lock.acquire(timeout=0.5)
-        if taken:
-            endpoint.lock.release()
-        lock_free_while_decoding.append(taken)
-
-    def observed_decode(frames):
-        # Another thread must be able to take the lock while a message is being decoded.
-        probe = threading.Thread(target=try_the_lock)
-        probe.start()
-        probe.join()
-        return decode(frames)
-
-    endpoint.decoder.decode = observed_decode
-    raw = RawPeer(context, endpoint.contact)
-    raw.join()
-    raw.send(raw.frames("heartbeat", {}, mesh=OTHER_MESH))  # a rejected one too
-    raw.join()
-    assert len(lock_free_while_decoding) >= 3 and all(lock_free_while_decoding)
-    assert endpoint.rejections() == {"wrong_mesh": 1}
-
-
-# --- another mesh ---------------------------------------------------------------------
-
-
-def test_nodes_of_two_meshes_tell_each_other_what_their_mesh_is_and_stay_apart(make_endpoint):
-    """A hello to a node of another mesh is dropped, yet its signed `about` is noted, and
-    answered once with the receiver's own, so that both sides can say how the meshes
-    differ (WIRE.md 7.8); a joiner that asked to learn it stops waiting at once."""
-    ours = make_endpoint("alpha", about={"task": "cnn.py", "classes": 10})
-    theirs = make_endpoint("beta", mesh=OTHER_MESH, about={"task": "mlp.py", "classes": 10})
-    told: list[OtherMesh] = []
-    ours.on_other_mesh = told.append
-    ours.start()
-    theirs.start([ours.contact])
-    started = time.monotonic()
-    assert theirs.wait_joined(WAIT, until_other_mesh=True) is False
-    assert time.monotonic() - started < WAIT / 2
-    assert told == [OtherMesh("beta", theirs.address, {"task": "mlp.py", "classes": 10})]
-    assert list(theirs.other_meshes.values()) == [
-        OtherMesh("alpha", ours.address, {"task": "cnn.py", "classes": 10})
-    ]
-    assert not ours.peers() and not theirs.peers()
-    time.sleep(0.5)  # each answered once: no hello goes back and forth
-    assert ours.rejections()["wrong_mesh"] == theirs.rejections()["wrong_mesh"] == 1
-
-
-def test_an_about_unsigned_or_not_a_short_map_of_text_is_not_noted(make_endpoint, context):
-    endpoint = make_endpoint(about={"task": "cnn.py"})
-    endpoint.start()
-    raw = RawPeer(context, endpoint.contact)
-    for about in ({"task": "x" * 257}, {"task": [1]}, ["task"], {str(i): i for i in range(17)}):
-        body = {"name": "raw", "addr": raw.address, "about": about}
-        raw.send(raw.frames("hello", body, mesh=OTHER_MESH))
-    signed = raw.frames(
-        "hello", {"name": "raw", "addr": raw.address, "about": {"task": "a"}}, mesh=OTHER_MESH
-    )
-    header_bytes, _ = msgpack.unpackb(signed[0])
-    forged = Identity.generate().sign(HEADER_CONTEXT + header_bytes)
-    raw.send([msgpack.packb([header_bytes, forged])])
-    assert poll_until(lambda: endpoint.rejections() == {"bad_header": 4, "wrong_mesh": 1})
-    assert not endpoint.other_meshes
-    assert raw.collect("hello", 0.3) == []
