@@ -142,7 +142,7 @@ def delta_arrays(blob: Blob, base: Copy | None) -> dict[str, np.ndarray]:
     try:
         if base is None:
             raise codecs.CodecError("a delta against a base this node does not hold")
-        return codecs.apply_delta(blob.arrays(), blob.meta, base.arrays, base.digest)
+        return codecs.apply_delta(blob.arrays(), blob.meta, base.arrays, base.name)
     except codecs.CodecError as error:
         what = f"{reprlib.repr(blob.kind)} blob of round {blob.round}"
         raise UnusableBlob("codec", f"{what}: {error}") from None

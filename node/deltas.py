@@ -57,7 +57,7 @@ class Copy(NamedTuple):
     model by its content digest."""
 
     arrays: Arrays
-    digest: bytes
+    name: bytes
 
 
 def named(arrays: Arrays) -> Copy:
@@ -88,9 +88,9 @@ class DeltaGossip:
             self.public = named(owned(model))
             return self.public, None
         last = self.public
-        delta, meta = codecs.encode_delta(model, last.arrays, self.fraction, last.digest)
-        copy = codecs.apply_delta(delta, meta, last.arrays, last.digest)
-        self.public = Copy(copy, codecs.delta_copy_name(last.digest, delta))
+        delta, meta = codecs.encode_delta(model, last.arrays, self.fraction, last.name)
+        copy = codecs.apply_delta(delta, meta, last.arrays, last.name)
+        self.public = Copy(copy, codecs.delta_copy_name(last.name, delta))
         return self.public, (delta, meta)
 
     def base_for(self, peer: str, round_no: int) -> Copy | None:

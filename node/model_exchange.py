@@ -232,7 +232,7 @@ class ModelExchange:
                 kind,
                 public.arrays,
                 self.schema,
-                {**meta, PUBLIC: True, COPY: public.digest},
+                {**meta, PUBLIC: True, COPY: public.name},
             )
         )
         return blobs

@@ -268,7 +268,7 @@ def test_a_receiver_rebuilds_the_senders_public_copy_bit_for_bit_hashing_none(mo
             rebuilt = {name: tensor.numpy() for name, tensor in got.state.items()}
             copy = copy_named_by(blob, rebuilt)
         assert all(np.array_equal(rebuilt[name], public.arrays[name]) for name in public.arrays)
-        assert copy is not None and copy.digest == public.digest, "named as the sender names it"
+        assert copy is not None and copy.name == public.name, "named as the sender names it"
         receiver.took_in(round_no, {"peer": copy})
     assert hashed and not [names for names in hashed if FIRST in names], "a model's tensors hashed"
     assert receiver.base_for("peer", 5) is None, "a round missed: no base"
@@ -388,11 +388,11 @@ def test_a_whole_blob_under_topk_travels_as_float32():
 def test_the_next_delta_names_as_its_base_the_copy_a_sender_published_whole():
     sender = DeltaGossip()
     first, _ = sender.publish(ARRAYS)  # no copy before it (a resumed node): hashed whole
-    assert first.digest == codecs.base_digest(ARRAYS)
+    assert first.name == codecs.base_digest(ARRAYS)
     second, (delta, meta) = sender.publish(changed(ARRAYS))
-    assert meta["base"] == first.digest
+    assert meta["base"] == first.name
     _, (_, after) = sender.publish(changed(ARRAYS, seed=2))
-    assert after["base"] == second.digest == codecs.delta_copy_name(first.digest, delta)
+    assert after["base"] == second.name == codecs.delta_copy_name(first.name, delta)
 
 
 def test_a_whole_copy_is_a_base_only_under_the_name_its_blob_gives():
@@ -401,7 +401,7 @@ def test_a_whole_copy_is_a_base_only_under_the_name_its_blob_gives():
     name = codecs.base_digest(ARRAYS)
     named_blob = make_blob(PEER, 2, "model", ARRAYS, b"", {PUBLIC: True, codecs.COPY: name})
     copy = copy_named_by(named_blob, ARRAYS)
-    assert copy is not None and copy.digest == name and copy.arrays is ARRAYS
+    assert copy is not None and copy.name == name and copy.arrays is ARRAYS
     for nameless in ({PUBLIC: True}, {PUBLIC: True, codecs.COPY: name[:31]}):
         assert copy_named_by(make_blob(PEER, 2, "model", ARRAYS, b"", nameless), ARRAYS) is None
 
