@@ -339,7 +339,9 @@ class FedInfluence(CoordinatorAlgorithm):
 
     def extras_fit(self, kind: str, extras: Layout) -> bool:
         """An upload's extras are per-sample gradient sets of the model's float entries:
-        (local_steps, 1..samples_per_step, numel) in `gradient_dtype`; nothing else."""
+        (local_steps, 1..samples_per_step, numel) in `gradient_dtype`, or in float32 where
+        the blob's codec widened them (fp16 widens every half float it carries: WIRE.md
+        9.2); nothing else. The rule reads them in float64 either way."""
         if kind != "upload" or not self.params.estimator:
             return not extras
         numels = {
@@ -349,7 +351,7 @@ class FedInfluence(CoordinatorAlgorithm):
         }
         return all(
             name in numels
-            and dtype == self.params.gradient_dtype
+            and dtype in (self.params.gradient_dtype, "float32")
             and len(shape) == 3
             and shape[0] == self.params.local_steps
             and 1 <= shape[1] <= self.params.samples_per_step

@@ -234,14 +234,14 @@ def base_digest(arrays: Arrays) -> bytes:
 
 
 def encode_delta(
-    arrays: Arrays, base: Arrays, fraction: float, base_named: bytes | None = None
+    arrays: Arrays, base: Arrays, fraction: float, base_named: bytes
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """The change from `base` to `arrays` as it travels (WIRE.md 9.3): of each float32
     tensor its largest changes (those at least its ceil(fraction * size)-th largest,
     zeros never), all tensors' in one bit mask and one run of blockwise 4-bit changes;
     other tensors whole. A bit per entry and half a byte per change: at a fraction of
-    0.3, 0.07 of float32's bytes. The meta names the codec, the block and the base's
-    digest (`base_named`, where the caller holds it)."""
+    0.3, 0.07 of float32's bytes. The meta names the codec, the block and the base (by
+    `base_named`, the name the caller holds it under)."""
     floats = [name for name, array in arrays.items() if array.dtype == np.float32]
     sizes = [arrays[name].size for name in floats]
     chosen = np.empty(sum(sizes), dtype=bool)
@@ -266,8 +266,7 @@ def encode_delta(
         VALUES: _nibbles(values),
         SCALES: scales,
     }
-    named = base_named if base_named is not None else base_digest(base)
-    return encoded, {"codec": TOPK, "block": INT8_BLOCK, "base": named}
+    return encoded, {"codec": TOPK, "block": INT8_BLOCK, "base": base_named}
 
 
 def _mark_largest(change: np.ndarray, keep: int, out: np.ndarray) -> None:
@@ -294,14 +293,12 @@ def _mark_largest(change: np.ndarray, keep: int, out: np.ndarray) -> None:
 
 
 def apply_delta(
-    delta: Arrays, meta: Mapping[str, Any], base: Arrays, digest: bytes | None = None
+    delta: Arrays, meta: Mapping[str, Any], base: Arrays, base_named: bytes
 ) -> dict[str, np.ndarray]:
     """`base` with `delta`'s changes added (float32), or CodecError where the delta is
     not one of `base` (another digest, other tensors) or its fields do not hold.
-    `digest`: the base's, where the caller holds it (the digest its copy was named by),
-    else it is computed."""
-    held = digest if digest is not None else base_digest(base)
-    if meta.get("codec") != TOPK or meta.get("base") != held:
+    `base_named`: the name the caller holds `base` under (WIRE.md 9.3)."""
+    if meta.get("codec") != TOPK or meta.get("base") != base_named:
         raise CodecError("a delta against a base this node does not hold")
     _check_block(meta.get("block"))
     floats = [name for name, array in base.items() if array.dtype == np.float32]

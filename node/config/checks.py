@@ -137,16 +137,6 @@ def _check_coordinator(cfg: MeshConfig) -> None:
             f"the coordinator's tcp://HOST:PORT: algorithm {cfg.algorithm.name} runs "
             "on a coordinator node",
         )
-    # fp16 widens every half-float tensor a node receives (WIRE.md 9.2), so gradients
-    # sent as float16 would arrive as float32 and be refused as another layout.
-    if cfg.algorithm.params.get("gradient_dtype") == "float16":
-        _require(
-            "compression",
-            cfg.compression,
-            cfg.compression != "fp16",
-            "none, bf16, int8 or topk with algorithm.gradient_dtype float16 (fp16 widens "
-            "the float16 gradients on arrival, and the coordinator refuses them)",
-        )
 
 
 def _check_attack(cfg: MeshConfig) -> None:

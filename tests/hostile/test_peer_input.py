@@ -137,6 +137,11 @@ def test_fedinfluence_takes_gradient_sets_of_its_own_shape_only():
     ):
         assert not rule_.extras_fit("upload", bad)
     assert rule_.extras_fit("personal", ()) and not rule_.extras_fit("personal", good)
+    # Sent as float16, they arrive as float16, or as float32 where fp16 widened them.
+    halves = rule("fedinfluence", local_steps=2, samples_per_step=4, gradient_dtype="float16")
+    for dtype in ("float16", "float32"):
+        assert halves.extras_fit("upload", ((weight[0], dtype, (2, 3, numel)),))
+    assert not halves.extras_fit("upload", ((weight[0], "float64", (2, 3, numel)),))
 
 
 def test_pfedlia_central_takes_an_anchor_and_whole_lazy_models_only():

@@ -182,18 +182,6 @@ BAD_OVERRIDES = [
     (["nosuch.deeper=1"], "'nosuch.deeper'", "unknown"),
     (["lr.deeper=1"], "'lr.deeper'", "unknown"),
     (["peers.9.listen=tcp://127.0.0.1:1"], "'peers.9'", "node3"),
-    # fp16 widens half floats on arrival: float16 gradients would reach the coordinator
-    # as float32, and be refused there.
-    (
-        FP16_WITH_HALF_GRADIENTS := [
-            "algorithm=fedinfluence",
-            "coordinator=tcp://127.0.0.1:7799",
-            "algorithm.gradient_dtype=float16",
-            "compression=fp16",
-        ],
-        "'compression'",
-        "'fp16'",
-    ),
 ]
 
 

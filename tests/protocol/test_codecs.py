@@ -197,9 +197,9 @@ def changes_in(delta) -> int:
 
 def test_a_delta_carries_a_few_bytes_and_the_largest_changes_of_each_tensor():
     after = changed(ARRAYS)
-    delta, meta = codecs.encode_delta(after, ARRAYS, TOPK_FRACTION)
+    delta, meta = codecs.encode_delta(after, ARRAYS, TOPK_FRACTION, codecs.base_digest(ARRAYS))
     assert sum(array.nbytes for array in delta.values()) <= 0.1 * FLOAT_BYTES
-    applied = codecs.apply_delta(delta, meta, ARRAYS)
+    applied = codecs.apply_delta(delta, meta, ARRAYS, codecs.base_digest(ARRAYS))
     for name, array in ARRAYS.items():
         change = (after[name] - array).reshape(-1)
         kept = (applied[name] - array).reshape(-1) != 0
@@ -215,10 +215,10 @@ def test_a_large_tensor_keeps_its_largest_changes_within_a_percent_of_the_fracti
     size = 4 * codecs.THRESHOLD_SAMPLE + 3
     base = {"big": np.zeros(size, dtype=np.float32)}
     after = changed(base, seed=5)
-    delta, meta = codecs.encode_delta(after, base, TOPK_FRACTION)
+    delta, meta = codecs.encode_delta(after, base, TOPK_FRACTION, codecs.base_digest(base))
     count = changes_in(delta)
     assert abs(count / math.ceil(TOPK_FRACTION * size) - 1) < 0.01
-    kept = codecs.apply_delta(delta, meta, base)["big"] != 0
+    kept = codecs.apply_delta(delta, meta, base, codecs.base_digest(base))["big"] != 0
     assert kept.sum() == count
     assert np.abs(after["big"][kept]).min() >= np.abs(after["big"][~kept]).max()
 
@@ -226,9 +226,9 @@ def test_a_large_tensor_keeps_its_largest_changes_within_a_percent_of_the_fracti
 def test_a_delta_carries_no_entry_that_did_not_change():
     """A frozen layer, or one the round left alone, costs a delta its mask bits only."""
     after = {**ARRAYS, FIRST: changed({FIRST: ARRAYS[FIRST]})[FIRST]}
-    delta, meta = codecs.encode_delta(after, ARRAYS, TOPK_FRACTION)
+    delta, meta = codecs.encode_delta(after, ARRAYS, TOPK_FRACTION, codecs.base_digest(ARRAYS))
     assert changes_in(delta) == math.ceil(TOPK_FRACTION * ARRAYS[FIRST].size)
-    applied = codecs.apply_delta(delta, meta, ARRAYS)
+    applied = codecs.apply_delta(delta, meta, ARRAYS, codecs.base_digest(ARRAYS))
     assert all(np.array_equal(applied[name], ARRAYS[name]) for name in ARRAYS if name != FIRST)
 
 
@@ -275,7 +275,7 @@ def test_a_receiver_rebuilds_the_senders_public_copy_bit_for_bit_hashing_none(mo
 
 
 def delta_lie(what: str):
-    delta, meta = codecs.encode_delta(changed(ARRAYS), ARRAYS, 0.06)
+    delta, meta = codecs.encode_delta(changed(ARRAYS), ARRAYS, 0.06, codecs.base_digest(ARRAYS))
     mask, values, scales = (
         delta[key].copy() for key in (codecs.MASK, codecs.VALUES, codecs.SCALES)
     )
@@ -363,14 +363,14 @@ def test_whatever_a_deltas_fields_say_applying_it_gives_the_bases_layout_or_a_co
 ):
     # A base of 21 float entries: mask bits past them, and an odd count of changes.
     base = {"w": np.linspace(-1, 1, 21, dtype=np.float32), "steps": np.arange(2)}
-    delta, meta = codecs.encode_delta(changed(base), base, TOPK_FRACTION)
+    delta, meta = codecs.encode_delta(changed(base), base, TOPK_FRACTION, codecs.base_digest(base))
     delta[codecs.MASK] = mutated(delta[codecs.MASK], mask_flip, 0)
     delta[codecs.VALUES] = mutated(delta[codecs.VALUES], values_flip, values_cut)
     if scale is not None:
         delta[codecs.SCALES] = np.array([scale], np.float32)
     meta["block"] = block
     try:
-        applied = codecs.apply_delta(delta, meta, base)
+        applied = codecs.apply_delta(delta, meta, base, codecs.base_digest(base))
     except codecs.CodecError:
         return
     assert list(applied) == list(base)
@@ -407,7 +407,7 @@ def test_a_whole_copy_is_a_base_only_under_the_name_its_blob_gives():
 
 
 def test_a_delta_against_a_base_never_held_is_refused_as_codec():
-    delta, meta = codecs.encode_delta(changed(ARRAYS), ARRAYS, 0.06)
+    delta, meta = codecs.encode_delta(changed(ARRAYS), ARRAYS, 0.06, codecs.base_digest(ARRAYS))
     blob = make_blob(PEER, 4, DELTA, delta, b"", {"n": 3, **meta})
     with pytest.raises(UnusableBlob, match="does not hold") as refused:
         peer_model(blob, (LAYOUT,), base=DeltaGossip().base_for("peer", 4), delta=True)
