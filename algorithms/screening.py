@@ -8,10 +8,11 @@ meshfl node has). Around the rule's `aggregate`, for the whole models received
 1. Sample counts: a peer claiming more than `N_CLAIM_FACTOR` times the median of the
    counts reported this round (the own one included) is screened out ("n_claim"): the
    median is honest while fewer than half lie, and FedAvg-style rules trust `n`.
-2. Copies: a model bit-identical to another peer's of this round ("copy"), or to one
-   received or adopted in the last `MEMORY_ROUNDS` rounds ("replay"), is nobody's work
-   of this round: colluders publishing one model, a replayed model, a free rider
-   handing back an aggregate unchanged.
+2. Copies: a model within a little noise of another peer's of this round ("copy"), or
+   of one received or adopted in the last `MEMORY_ROUNDS` rounds ("replay"), is nobody's
+   work of this round: colluders publishing one model, a replayed model, a free rider
+   handing back an aggregate unchanged, a relay adding noise to another's model
+   (copies.py says how near is a copy).
 3. Distance: a model further from the node's own than DISTANCE_FACTOR times the median
    distance of the round's models from it ("distance") is no step of training on data
    like anyone's: a scaled update or noise. At the share of step 4 a scaled update looks
@@ -109,7 +110,6 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
-import blake3
 import torch
 from torch.nn import functional
 
@@ -125,10 +125,10 @@ from .base import (
     model_distance,
     weighted_average,
 )
+from .copies import Memory, Sketcher, copies, near_pairs, nearest_share, spread
 from .evidence import HARM_BOUND, PeerRecords, harm_z, sign_z
 
 N_CLAIM_FACTOR = 4
-MEMORY_ROUNDS = 3
 # Step 3: a model this many times the round's median distance from the own model is kept
 # out. An honest model of the task stays within about twice the median (in the tables of
 # docs/defences.md, at most 2 of 9,000 honest models were ever further than three
@@ -142,8 +142,9 @@ TRIALS_KEY = "trials"  # step 7, the rule's `trials_by_default` unless set: see 
 # better from then on (FedC²I on Office-Caltech, seed 0: the paper rule's models pass
 # the own ones in test accuracy in the fourth or fifth round of mixing).
 TRIAL_ROUNDS = 5
-# The digests screening remembers, in the node's checkpoint beside the rule's own state:
-# a node that resumes still knows the models of its last rounds, and a replay of one.
+# The sketches screening remembers (copies.py), in the node's checkpoint beside the
+# rule's own state: a node that resumes still knows the models of its last rounds, and a
+# replay of one.
 MEMORY_KEY = "screening_memory"
 RECORDS_KEY = "peer_records"  # the evidence about each peer, kept for the same reason
 
@@ -219,33 +220,6 @@ def far_models(reference: State, states: Mapping[str, State]) -> set[str]:
     finite = [value for value in distances.values() if math.isfinite(value)]
     bound = DISTANCE_FACTOR * statistics.median(finite) if finite else 0.0
     return {name for name, value in distances.items() if not value <= bound}
-
-
-def state_digest(state: State) -> bytes:
-    """What tells two models apart bit for bit: BLAKE3 over the names and bytes (read in
-    place, about a fifth of blake2b over a copy's time: every peer model, every round)."""
-    digest = blake3.blake3()
-    for key in sorted(state):
-        digest.update(key.encode())
-        digest.update(state[key].detach().contiguous().cpu().numpy().data.cast("B"))
-    return digest.digest(16)
-
-
-def copies(digests: dict[str, bytes], seen_before: set[bytes]) -> dict[str, str]:
-    """Peers whose model equals another peer's this round ("copy") or one seen in an
-    earlier round ("replay")."""
-    holders: dict[bytes, int] = {}
-    for digest in digests.values():
-        holders[digest] = holders.get(digest, 0) + 1
-    found = {peer: "replay" for peer, digest in digests.items() if digest in seen_before}
-    found.update(
-        {
-            peer: "copy"
-            for peer, digest in digests.items()
-            if holders[digest] > 1 and peer not in found
-        }
-    )
-    return found
 
 
 def more_errors_beyond_noise(own: torch.Tensor, other: torch.Tensor) -> bool:
@@ -349,7 +323,8 @@ class Screened(PeerAlgorithm):
         self.trials = trials  # step 7
         self.name = rule.name
         self.ranks_offers = rule.ranks_offers
-        self._seen: dict[int, set[bytes]] = {}  # round -> digests received or adopted
+        self.sketch = Sketcher(draw_seed(rule.context.seed, rule.context.node, 0, "sketch"))
+        self.memory = Memory()  # the sketches of models received or adopted lately
         # The outcomes of this round and the last, with their val scores where known.
         self._adopted: dict[int, tuple[State, ValScores | None]] = {}
         self.records = PeerRecords()  # what each peer's models did to this node, so far
@@ -398,16 +373,14 @@ class Screened(PeerAlgorithm):
         return self.records.not_worth_fetching(peer) or self.rule.shuns(peer)
 
     def state_dict(self) -> dict[str, Any]:
-        memory = {round_no: sorted(d.hex() for d in seen) for round_no, seen in self._seen.items()}
         return {
             **self.rule.state_dict(),
-            MEMORY_KEY: memory,
+            MEMORY_KEY: self.memory.state_dict(),
             RECORDS_KEY: self.records.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        memory = state.get(MEMORY_KEY, {})  # absent in a checkpoint of an older version
-        self._seen = {int(r): {bytes.fromhex(d) for d in seen} for r, seen in memory.items()}
+        self.memory.load_state_dict(state.get(MEMORY_KEY, {}))  # absent in older ones
         self.records.load_state_dict(state.get(RECORDS_KEY, {}))
         ours = (MEMORY_KEY, RECORDS_KEY)
         self.rule.load_state_dict({key: value for key, value in state.items() if key not in ours})
@@ -431,7 +404,8 @@ class Screened(PeerAlgorithm):
             and _mean_loss(start) < _mean_loss(own_scored)
         ):
             pivot = start
-        reasons = self._screen(round_no, own, models, data, pivot)
+        copied, report["nearest_copy"] = self._copies(round_no, own, models)
+        reasons = self._screen(round_no, own, models, copied, data, pivot)
         passed_round, passed_over = self._passed_over
         if passed_round == round_no:
             reasons.update({peer: "record" for peer in passed_over if peer not in models})
@@ -444,7 +418,7 @@ class Screened(PeerAlgorithm):
         outcome, scores = self._guard(outcome, own_scored, start, report, data)
         if start is not None:
             outcome, scores = self._unless_a_spike((outcome, scores), start, report, data)
-        self._remember(round_no, [state_digest(outcome.state)])
+        self.memory.remember(round_no, [self.sketch(outcome.state)])
         kept = {key: value.detach().clone() for key, value in outcome.state.items()}
         self.rule.adopted(outcome.state)
         self._adopted = {round_no: (kept, scores)}  # the next round's start: all it reads
@@ -606,11 +580,25 @@ class Screened(PeerAlgorithm):
         state, scores = self._adopted[round_no - 1]
         return state, scores if scores is not None else self._scores(state, data)
 
+    def _copies(
+        self, round_no: int, own: PeerModel, models: dict[str, PeerModel]
+    ) -> tuple[dict[str, str], float | None]:
+        """Step 2's {peer: "copy" or "replay"}, and how near the nearest of the others
+        came to being called one (copies.py)."""
+        sketches = {peer: self.sketch(model.state) for peer, model in models.items()}
+        began_with = self._adopted.get(round_no - 1, (own.state, None))[0]
+        scale = spread(self.sketch(began_with), sketches)
+        nearest = near_pairs(sketches, self.memory.before(round_no), scale)
+        self.memory.remember(round_no, list(sketches.values()))
+        copied = copies(nearest)
+        return copied, nearest_share(nearest, copied)
+
     def _screen(
         self,
         round_no: int,
         own: PeerModel,
         models: dict[str, PeerModel],
+        copied: dict[str, str],
         data: Any,
         pivot: tuple[State, ValScores] | None,
     ) -> dict[str, str]:
@@ -621,15 +609,7 @@ class Screened(PeerAlgorithm):
                 own.n_samples, {peer: model.n_samples for peer, model in models.items()}
             )
         }
-        digests = {peer: state_digest(model.state) for peer, model in models.items()}
-        reasons.update(
-            {
-                peer: why
-                for peer, why in copies(digests, self._seen_before(round_no)).items()
-                if peer not in reasons
-            }
-        )
-        self._remember(round_no, digests.values())
+        reasons.update({peer: why for peer, why in copied.items() if peer not in reasons})
         not_yet_out = {peer: models[peer].state for peer in models if peer not in reasons}
         for peer in far_models(own.state, not_yet_out):
             reasons[peer] = "distance"
@@ -653,18 +633,6 @@ class Screened(PeerAlgorithm):
 
     def _scores(self, state: State, data: Any) -> ValScores:
         return val_scores(self.scratch_model(), state, data.x_val, data.y_val)
-
-    def _seen_before(self, round_no: int) -> set[bytes]:
-        """Digests of earlier rounds only: a step the node re-runs (node/containment.py)
-        must not find this round's own models there."""
-        return set().union(
-            *(digests for seen_round, digests in self._seen.items() if seen_round < round_no)
-        )
-
-    def _remember(self, round_no: int, digests: Any) -> None:
-        self._seen.setdefault(round_no, set()).update(digests)
-        for old in [r for r in self._seen if r <= round_no - MEMORY_ROUNDS]:
-            del self._seen[old]
 
 
 def with_screening(rule: PeerAlgorithm, screen: bool, trials: bool = False) -> PeerAlgorithm:

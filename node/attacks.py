@@ -13,6 +13,10 @@ its model and how many samples it claims. Kinds (`attack.kind`):
   untrained model in round 1, when there is nothing to replay).
 - `freeride`: never trains; publishes its model as it is, i.e. what it aggregated from
   what it received.
+- `relay:<s>`: never trains; publishes an honest peer's model of the round before (one
+  drawn afresh each round from those it received) with Gaussian noise of s times each
+  tensor's root mean square added: a near-copy, which no bit-for-bit check catches (a
+  Sybil's way to look helpful; its own untrained model in round 1).
 - `collude:<k>`: the first k nodes of `attack.nodes` publish one and the same poisoned
   model (random weights of the initial model's scale, from a seed they share); any
   other attacker publishes noise of its own.
@@ -41,10 +45,12 @@ KINDS: dict[str, type | None] = {
     "inflate_n": int,
     "replay": None,
     "freeride": None,
+    "relay": float,
     "collude": int,
 }
 KINDS_ALLOWED = (
-    "labelflip, scale:<s>, noise, signflip, inflate_n:<n>, replay, freeride, collude:<k>"
+    "labelflip, scale:<s>, noise, signflip, inflate_n:<n>, replay, freeride, relay:<s>, "
+    "collude:<k>"
 )
 
 
@@ -70,6 +76,8 @@ def parse_kind(text: str) -> AttackSpec:
         raise ValueError(f"got {text!r}; allowed: {kind}:<{value_type.__name__}>") from None
     if kind == "scale" and not torch.isfinite(torch.tensor(value)):
         raise ValueError(f"got {text!r}; the scale must be a finite number")
+    if kind == "relay" and not 0 <= value < float("inf"):
+        raise ValueError(f"got {text!r}; the noise must be a finite number >= 0")
     if kind == "inflate_n" and not 1 <= value <= MAX_SAMPLE_COUNT:
         raise ValueError(f"got {text!r}; the claimed count must be 1 to 2**53")
     if kind == "collude" and value < 2:
@@ -113,6 +121,16 @@ def replay_source(previous: dict[str, PeerModel], attackers: frozenset[str]) -> 
     return honest[0] if honest else None
 
 
+def with_noise(state: State, relative: float, generator: torch.Generator) -> State:
+    """`state` plus Gaussian noise of `relative` times each float tensor's root mean
+    square; counters as they are."""
+    noise = noise_like(state, generator)
+    return {
+        key: value + relative * noise[key] if value.is_floating_point() else value.clone()
+        for key, value in state.items()
+    }
+
+
 # --------------------------------------------------------------------------- a node's attack
 
 
@@ -135,7 +153,7 @@ class Attack:
 
     @property
     def trains(self) -> bool:
-        return self.spec is None or self.spec.kind != "freeride"
+        return self.spec is None or self.spec.kind not in ("freeride", "relay")
 
     def training_labels(self, y: torch.Tensor, num_classes: int) -> torch.Tensor:
         if self.spec is not None and self.spec.kind == "labelflip":
@@ -179,6 +197,14 @@ class Attack:
         if kind == "replay":
             source = replay_source(self._previous, self.attackers)
             return start if source is None else dict(self._previous[source].state)
+        if kind == "relay":
+            assert self.spec.value is not None, "relay has a noise level"
+            generator = self._generator(round_no, self.node)
+            honest = sorted(name for name in self._previous if name not in self.attackers)
+            if not honest:
+                return trained
+            source = honest[int(torch.randint(len(honest), (1,), generator=generator))]
+            return with_noise(self._previous[source].state, float(self.spec.value), generator)
         return trained  # labelflip (poisoned in training), freeride (never trained)
 
     def _generator(self, round_no: int, owner: str) -> torch.Generator:

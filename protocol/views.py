@@ -49,9 +49,11 @@ class Limits:
     identities cost nothing, addresses and networks do, so an operator of many keys
     on few machines gets no more places than a few honest nodes would (WIRE.md 7.7).
     A node's active view holds at most `neighbours` peers of one group, its passive view
-    at most `candidates` of one group and `per_source` that one node told it of. Its own
-    group (`own`: its machine, or its network) is not limited, nor are addresses grouped
-    by port (a mesh on one machine)."""
+    at most `candidates` of one group and `per_source` that one node told it of; where a
+    group is a network, one machine of it (an IP address) holds at most half its
+    group's places (at least one): many identities on one machine earn no more than a
+    machine's share. Its own group (`own`: its machine, or its network) is not limited,
+    nor are addresses grouped by port (a mesh on one machine)."""
 
     group_by: str = "auto"
     neighbours: int = 2
@@ -65,9 +67,18 @@ class Limits:
         return None if group in (address, self.own) else group
 
     def crowded(self, address: str, held: Iterable[str], most: int) -> bool:
-        """Whether the addresses `held` fill `address`'s group to `most` places."""
+        """Whether the addresses `held` fill `address`'s group to `most` places, or its
+        machine, where the group is wider, to half of them (at least one)."""
         group = self.group(address)
-        return group is not None and sum(self.group(other) == group for other in held) >= most
+        if group is None:
+            return False
+        held = list(held)
+        if sum(self.group(other) == group for other in held) >= most:
+            return True
+        machine = network_group(address, "ip")
+        if machine == group:
+            return False
+        return sum(network_group(other, "ip") == machine for other in held) >= max(1, most // 2)
 
     def of_node_at(self, address: str) -> Limits:
         """These limits as the node listening at `address` applies them."""
@@ -282,18 +293,20 @@ class PassiveView:
     ) -> list[Candidate]:
         """Up to `count` random candidates not in `exclude`, removed from the view: first
         those a neighbour in `friends` named as its own neighbours (whom a node's chosen
-        neighbours chose are likelier to help it too), then any; none of a group that
-        the addresses `linked` to already (the neighbours' and those greeted) and the
-        ones chosen before it fill to `limits.neighbours`."""
+        neighbours chose are likelier to help it too), then any; none of a group (or a
+        machine) that the addresses `linked` to already (the neighbours' and those
+        greeted) and the ones chosen before it fill (`Limits.crowded`)."""
         free = [key for key in self.entries if key not in exclude]
         vouched = [key for key in free if self.entries[key].via in friends]
         rest = [key for key in free if self.entries[key].via not in friends]
-        held = Counter(self.limits.group(address) for address in linked)
+        held = list(linked)
         chosen: list[bytes] = []
         for key in self.rng.sample(vouched, len(vouched)) + self.rng.sample(rest, len(rest)):
-            group = self.limits.group(self.entries[key].addr)
-            if len(chosen) < count and (group is None or held[group] < self.limits.neighbours):
-                held[group] += 1
+            address = self.entries[key].addr
+            if len(chosen) < count and not self.limits.crowded(
+                address, held, self.limits.neighbours
+            ):
+                held.append(address)
                 chosen.append(key)
         return [self.entries.pop(key) for key in chosen]
 

@@ -20,6 +20,7 @@ BENCHMARKS = {
     "views": "neighbours chosen by benefit against random ones: wall time and where it goes",
     "codecs": "a 45 MB model between two nodes under each codec: bytes, time, MB/s",
     "devices": "one mesh trained on the CPU and on the GPU, alternately: time and memory",
+    "sybil": "many identities on few addresses against a bounded mesh: places and weight",
 }
 
 

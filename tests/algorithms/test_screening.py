@@ -17,6 +17,7 @@ from meshfl.algorithms import (
     screening_setting,
 )
 from meshfl.algorithms.base import Aggregate, Context, weighted_average
+from meshfl.algorithms.copies import NEAR_COPY, Sketcher, copies, near_pairs
 from meshfl.algorithms.evidence import harm_z
 from meshfl.algorithms.pfedsv import _guard_verdict as pfedsv_guard
 from meshfl.algorithms.screening import (
@@ -25,17 +26,15 @@ from meshfl.algorithms.screening import (
     ValScores,
     a_far_jump,
     beats_a_constant_guess,
-    copies,
     far_models,
     guard_verdict,
     inflated_claims,
     more_errors_beyond_noise,
     path_shares,
     scores_of_logits,
-    state_digest,
     worse_beyond_noise,
 )
-from meshfl.node.attacks import flip_labels, noise_like, scaled_update
+from meshfl.node.attacks import flip_labels, noise_like, scaled_update, with_noise
 from meshfl.node.checkpoint import load_checkpoint, save_checkpoint
 from meshfl.node.models import body_keys, build_model, head_keys
 from meshfl.node.splits import load_node_data
@@ -95,6 +94,16 @@ def world():
         context=context,
         n=len(shards[0].y_train),
     )
+
+
+def fresh(state, round_no):
+    """`state` with noise of norm 0.2 drawn for `round_no`: a model of that round rather
+    than a replay of another's, for the screening of a node whose peers' models are a
+    round's training (about 0.55) apart (algorithms/copies.py)."""
+    generator = torch.Generator().manual_seed(round_no)
+    noise = {key: torch.randn(value.shape, generator=generator) for key, value in state.items()}
+    norm = sum(float(each.pow(2).sum()) for each in noise.values()) ** 0.5
+    return {key: value + 0.2 / norm * noise[key] for key, value in state.items()}
 
 
 def screened(world, name, trials=False, **params):
@@ -193,13 +202,36 @@ def test_claims_far_above_the_median_count_are_screened():
 
 
 def test_copies_within_a_round_and_replays_of_earlier_rounds_are_found():
-    a, b = state_digest({"w": torch.ones(2)}), state_digest({"w": torch.zeros(2)})
-    old = state_digest({"w": torch.full((2,), 3.0)})
-    assert copies({"x": a, "y": a, "z": b, "r": old}, {old}) == {
-        "x": "copy",
-        "y": "copy",
-        "r": "replay",
+    sketch = Sketcher(seed=0)
+    a, b = sketch({"w": torch.ones(2)}), sketch({"w": -torch.ones(2)})
+    old = sketch({"w": torch.full((2,), 3.0)})
+    nearest = near_pairs({"x": a, "y": a, "z": b, "r": old}, [old], scale=1.0)
+    assert copies(nearest) == {"x": "copy", "y": "copy", "r": "replay"}
+
+
+def test_a_relay_with_noise_earns_nothing_and_honest_peers_of_like_data_are_no_copies(world):
+    """A relay (node/attacks.py `relay`) publishes a model received the round before with
+    noise of a thousandth of the weights' scale: every bit differs, and it is kept out as
+    a replay; two relays of one model this round are copies of each other. Two honest
+    peers trained from one start on shards of one distribution are not: the nearest pair
+    lies at about the round's spread, ten times the bound."""
+    rule = screened(world, "fedavg")
+    first = aggregate(rule, world, {"h1": world.honest["h1"], "h2": world.honest["h2"]}, 1)
+    assert first.diagnostics["screened_out"] == {}
+    assert first.diagnostics["screening"]["nearest_copy"] > 5 * NEAR_COPY
+    relayed = {
+        name: with_noise(world.honest["h1"], 1e-3, torch.Generator().manual_seed(seed))
+        for seed, name in enumerate(("r1", "r2"))
     }
+    assert not torch.equal(relayed["r1"]["head.weight"], world.honest["h1"]["head.weight"])
+    peers = {"h2": fresh(world.honest["h2"], 2), "r1": relayed["r1"]}
+    second = aggregate(rule, world, peers, round_no=2)
+    assert second.diagnostics["screened_out"] == {"r1": "replay"}
+    assert second.weights.get("r1", 0.0) == 0.0 and second.weights.get("h2", 0.0) > 0
+    third = aggregate(
+        screened(world, "fedavg"), world, {"h2": world.honest["h2"], **relayed}, round_no=1
+    )
+    assert third.diagnostics["screened_out"] == {"r1": "copy", "r2": "copy"}
 
 
 @pytest.mark.parametrize("kind", ["labelflip", "scale", "signflip", "noise"])
@@ -264,7 +296,7 @@ def test_a_clearly_harmful_peer_is_not_fetched_until_its_record_fades(world):
     fetched_rounds = []
     for round_no in range(1, 8):
         peers = {  # new models every round, or the second would be a replay
-            "h1": {key: value + 1e-6 * round_no for key, value in world.honest["h1"].items()},
+            "h1": fresh(world.honest["h1"], round_no),
             "bad": noise_like(world.honest["h1"], torch.Generator().manual_seed(round_no)),
         }
         wanted = rule.wanted(round_no, offered)["model"]
@@ -319,7 +351,7 @@ def test_a_trial_is_judged_the_next_round_only(world):
     # A path that goes on after a lost round is dropped the same way (fresh models, not
     # replays of round 2's).
     peers = {"h1": world.honest["h1"], "bad": world.attackers["scale"]}
-    aggregate(rule, world, {p: {k: v + 1e-6 for k, v in s.items()} for p, s in peers.items()}, 6)
+    aggregate(rule, world, {peer: fresh(state, 6) for peer, state in peers.items()}, 6)
     rule.context = dataclasses.replace(rule.context, train=lambda *args, **kwargs: None)
     lost = aggregate(rule, world, {}, round_no=7).diagnostics["screening"]
     assert lost["trial"]["won"] is False and rule._trial is not None, "the path goes on"
@@ -414,7 +446,7 @@ def test_a_path_that_wins_rounds_later_names_each_models_share_in_it(world):
     aggregate(rule, world, {"h1": world.honest["h1"], "bad": bad})
     training = rule.context.train
     rule.context = dataclasses.replace(rule.context, train=lambda *args, **kwargs: None)
-    again = {key: value + 1e-6 for key, value in bad.items()}  # not a replay of round 2's
+    again = fresh(bad, 3)  # not a replay of round 2's
     third = aggregate(rule, world, {"h2": world.honest["h2"], "bad": again}, round_no=3)
     report = third.diagnostics["screening"]
     assert report["trial"]["won"] is False and report["on_trial"] == ["bad"]
@@ -472,8 +504,8 @@ def test_a_trial_leaves_a_stateful_rule_as_it_would_be_without_it(world, name, p
 
     tried.context = dataclasses.replace(tried.context, train=ruin)
     for round_no in (1, 2, 3):
-        fresh = {peer: {k: v + 1e-6 * round_no for k, v in s.items()} for peer, s in peers.items()}
-        outcomes = [aggregate(rule, world, fresh, round_no=round_no) for rule in (tried, untried)]
+        models = {peer: fresh(state, round_no) for peer, state in peers.items()}
+        outcomes = [aggregate(rule, world, models, round_no=round_no) for rule in (tried, untried)]
         assert outcomes[0].diagnostics["screened_out"]["bad"] == "val_loss"
         report = outcomes[0].diagnostics["screening"]
         assert "on_trial" in report, round_no
@@ -490,7 +522,7 @@ def test_a_trial_leaves_a_stateful_rule_as_it_would_be_without_it(world, name, p
             for outcome in outcomes
         ]
         assert kept[0] == kept[1]
-        assert all(torch.equal(outcomes[0].state[k], outcomes[1].state[k]) for k in fresh["h1"])
+        assert all(torch.equal(outcomes[0].state[k], outcomes[1].state[k]) for k in models["h1"])
 
 
 def test_a_round_of_training_gone_astray_does_not_let_an_attacker_in(world):
@@ -567,11 +599,10 @@ def test_every_peer_rule_behind_screening_leaves_attackers_no_weight(world, name
     rule = screened(world, name, **params)
     peers = {**{p: s for p, s in world.honest.items() if p != "h0"}, **world.attackers}
     for round_no in (1, 2):
-        fresh = {  # new models every round, or the second would be a replay
-            peer: {key: value + 1e-6 * round_no for key, value in state.items()}
-            for peer, state in peers.items()
+        models = {  # new models every round, or the second would be a replay
+            peer: fresh(state, round_no) for peer, state in peers.items()
         }
-        outcome = aggregate(rule, world, fresh, round_no=round_no)
+        outcome = aggregate(rule, world, models, round_no=round_no)
         out = set(outcome.diagnostics["screened_out"])
         assert set(world.attackers) - {"labelflip"} <= out, round_no
         own = rule._scores(world.honest["h0"], world.data).losses
@@ -654,11 +685,10 @@ def test_pfedsv_behind_screening_settles_k_on_the_peers_it_admits(world):
     # slight harm only began (the label flipper's) has put its peer out.
     for round_no in (1, 2, 3):
         wanted = rule.wanted(round_no, {"model": sorted(peers)})["model"]
-        fresh = {  # new models every round, or the second would be a replay
-            peer: {key: value + 1e-6 * round_no for key, value in peers[peer].items()}
-            for peer in wanted
+        models = {  # new models every round, or the second would be a replay
+            peer: fresh(peers[peer], round_no) for peer in wanted
         }
-        outcome = aggregate(rule, world, fresh, round_no=round_no)
+        outcome = aggregate(rule, world, models, round_no=round_no)
         kept_out |= set(outcome.diagnostics["screened_out"])
     assert set(world.attackers) <= kept_out
     assert set(world.attackers) <= rule.explored
@@ -674,11 +704,8 @@ def test_pfedsv_behind_screening_by_default_downloads_one_peer_beyond_those_that
     peers = {**{p: s for p, s in world.honest.items() if p != "h0"}, **world.attackers}
     for round_no in (1, 2, 3, 4):
         wanted = rule.wanted(round_no, {"model": sorted(peers)})["model"]
-        fresh = {
-            peer: {key: value + 1e-6 * round_no for key, value in peers[peer].items()}
-            for peer in wanted
-        }
-        outcome = aggregate(rule, world, fresh, round_no=round_no)
+        models = {peer: fresh(peers[peer], round_no) for peer in wanted}
+        outcome = aggregate(rule, world, models, round_no=round_no)
         assert len(wanted) == outcome.diagnostics["k"]
         assert not set(outcome.weights) & set(world.attackers)
     relevant = [peer for peer, score in rule.relevance.items() if score > 0]

@@ -88,6 +88,34 @@ def test_freeride_never_trains_and_publishes_its_model_as_it_is():
     assert tampered(attack, [4.0, 4.0], [4.0, 4.0]) == ([4.0, 4.0], 100)
 
 
+def test_relay_publishes_a_received_honest_model_with_a_little_noise_and_never_trains():
+    attack = attacked("relay:0.001", nodes=("a", "b"))
+    assert attack.active and not attack.trains
+    assert tampered(attack, [5.0, 5.0], [5.0, 5.0], round_no=1)[0] == [5.0, 5.0], (
+        "round 1: nothing to relay, the untrained model"
+    )
+    honest = {"h1": [100.0] * 500, "h2": [-100.0] * 500}
+    attack.observe(
+        {
+            "model": {
+                "b": PeerModel(state(*[1e6] * 500), 10),
+                **{name: PeerModel(state(*values), 10) for name, values in honest.items()},
+            }
+        }
+    )
+    sources = set()
+    for round_no in range(2, 12):
+        relayed = torch.tensor(tampered(attack, [0.0] * 500, [0.0] * 500, round_no)[0])
+        source = "h1" if relayed.mean() > 0 else "h2"
+        sources.add(source)
+        copy = torch.tensor(honest[source])
+        assert not torch.equal(relayed, copy), "not a bit-for-bit copy"
+        assert (relayed - copy).pow(2).mean().sqrt().item() == pytest.approx(0.1, rel=0.2), (
+            "noise of 0.001 times the tensor's scale"
+        )
+    assert sources == {"h1", "h2"}, "the source is drawn afresh each round, never an attacker"
+
+
 def test_colluders_publish_one_identical_model_and_the_others_their_own_noise():
     nodes = ("a", "b", "c")
     models = [
@@ -121,6 +149,8 @@ def test_only_the_whole_model_is_tampered_with():
         ("inflate_n:0", "1 to 2**53"),
         ("collude:1", "k >= 2"),
         ("scale:inf", "finite"),
+        ("relay", "relay:<float>"),
+        ("relay:-1", "finite number >= 0"),
     ],
 )
 def test_a_bad_kind_says_what_is_allowed(text, problem):

@@ -787,3 +787,25 @@ def test_a_view_greets_no_more_candidates_of_one_group_than_it_may_hold():
     taken = view.take(4, exclude=(), linked=linked)
     assert {candidate.key for candidate in taken} - {loner} <= set(crowd)
     assert len(taken) == 2 and loner in {candidate.key for candidate in taken}
+
+
+def test_one_machine_of_a_network_holds_half_its_groups_places():
+    """Many identities on one address earn a machine's share, not a network's: one of
+    the two neighbour places of a /24, two of its four candidate places."""
+    limits = Limits("network", neighbours=2, candidates=4)
+    machine, other = "tcp://203.0.113.5:7", "tcp://203.0.113.6:7"
+    assert limits.crowded("tcp://203.0.113.5:8", [machine], limits.neighbours)
+    assert not limits.crowded(other, [machine], limits.neighbours)
+    assert limits.crowded("tcp://203.0.113.7:7", [machine, other], limits.neighbours)
+    assert not limits.crowded("tcp://203.0.113.5:9", [machine], limits.candidates)
+    assert limits.crowded("tcp://203.0.113.5:9", [machine, machine], limits.candidates)
+    by_machine = Limits("ip", neighbours=2)
+    assert not by_machine.crowded("tcp://203.0.113.5:8", [machine], 2), "the group is a machine"
+    view = PassiveView(8, random.Random(0), limits)
+    sybils = [
+        Candidate(Identity.generate().public_key, f"tcp://203.0.113.5:{7 + i}") for i in range(3)
+    ]
+    for sybil in sybils:
+        view.add(sybil)
+    assert len(view) == 2 and view.refused == 1
+    assert len(view.take(2, exclude=())) == 1, "one neighbour place for the machine"

@@ -1,0 +1,142 @@
+"""Models that are nobody's work of their round (screening's step 2): a copy of another
+peer's model of the same round ("copy"), or of a model this node received or adopted in
+one of the last MEMORY_ROUNDS rounds ("replay"), bit for bit or within a little noise.
+
+Bit for bit is not enough: a relay that adds noise to a model it got elsewhere changes
+every bit and looks as helpful as its source, and one process can run many such
+identities for the cost of none of their training. Distance gives it away. Two honest
+peers that trained from nearby starts on data of their own lie about as far from each
+other as each lies from this node's model; a relay lies within its noise of its source.
+So a model is a copy where it lies closer to another than NEAR_COPY times the round's
+spread: the lower median distance of the round's models from the model the node began
+the round with (its own model in its first round here), a distance a round of training
+makes. A lower median, so that far models (which step 3 keeps out) cannot stretch it
+unless they are more than half the round's (a bounded view holds few places for one
+network, WIRE.md 7.7). Every model of a pair
+is kept out, as bit-for-bit copies always were: neither earns credit for the other's
+work, and benefit-chosen views drop them.
+
+Distances are measured between sketches, so that a model of an earlier round costs
+SKETCH_SIZE numbers to remember rather than a model: each float is added, with a random
+sign, to one of SKETCH_SIZE sums (a count sketch), which keeps a distance to within about
+a tenth. The signs and sums are drawn by each node for itself, from its own seed: a
+relay that knew them could hide its noise where the sketch does not look.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Collection, Mapping
+
+import torch
+
+from .base import State, draw_seed
+
+MEMORY_ROUNDS = 3
+SKETCH_SIZE = 256
+# Below this share of the round's spread, two models are one model. The nearest honest
+# pair of the measured tables lies at about half the spread or more (docs/defences.md,
+# "Relays and near-copies"); a relay adding noise of a thousandth of the weights' scale
+# at a few thousandths.
+NEAR_COPY = 0.1
+
+
+class Sketcher:
+    """A node's count sketch of models (see above), drawn from `seed`."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+
+    def __call__(self, state: State) -> torch.Tensor:
+        """The sketch of `state`'s float tensors (integer buffers are no one's work)."""
+        sums = torch.zeros(SKETCH_SIZE, dtype=torch.float64)
+        for key in sorted(state):
+            value = state[key]
+            if not value.is_floating_point():
+                continue
+            flat = value.detach().reshape(-1).double()
+            seed = draw_seed(self.seed, key, flat.numel(), "sketch")
+            generator = torch.Generator().manual_seed(seed)
+            buckets = torch.randint(SKETCH_SIZE, (flat.numel(),), generator=generator)
+            signs = torch.randint(2, (flat.numel(),), generator=generator).double() * 2 - 1
+            sums.index_add_(0, buckets, flat * signs)
+        return sums
+
+
+def spread(reference: torch.Tensor, sketches: Mapping[str, torch.Tensor]) -> float:
+    """The lower median distance of the round's models from `reference` (0 without any)."""
+    distances = [float(torch.dist(reference, sketch)) for sketch in sketches.values()]
+    return statistics.median_low(distances) if distances else 0.0
+
+
+def near_pairs(
+    sketches: Mapping[str, torch.Tensor], remembered: list[torch.Tensor], scale: float
+) -> dict[str, tuple[str, float]]:
+    """For each peer, its nearest other model, as ("replay", share) for a remembered one
+    or ("copy", share) for another of this round's, share being their distance over
+    `scale`; a tie goes to the replay. Bit-for-bit copies are at share 0 at any scale."""
+    nearest: dict[str, tuple[str, float]] = {}
+
+    def note(peer: str, why: str, distance: float) -> None:
+        share = 0.0 if distance == 0 else distance / scale if scale > 0 else math.inf
+        if peer not in nearest or share < nearest[peer][1]:
+            nearest[peer] = (why, share)
+
+    peers = sorted(sketches)
+    for peer in peers:
+        for old in remembered:
+            note(peer, "replay", float(torch.dist(sketches[peer], old)))
+    for i, peer in enumerate(peers):
+        for other in peers[i + 1 :]:
+            distance = float(torch.dist(sketches[peer], sketches[other]))
+            note(peer, "copy", distance)
+            note(other, "copy", distance)
+    return nearest
+
+
+def copies(nearest: Mapping[str, tuple[str, float]]) -> dict[str, str]:
+    """{peer: "copy" or "replay"} for the peers whose nearest model lies within NEAR_COPY
+    of the scale (`near_pairs`)."""
+    return {peer: why for peer, (why, share) in nearest.items() if share <= NEAR_COPY}
+
+
+def nearest_share(
+    nearest: Mapping[str, tuple[str, float]], kept_out: Collection[str]
+) -> float | None:
+    """How near the nearest peer not kept out came to being called a copy (None
+    without one): what NEAR_COPY was chosen by."""
+    shares = [share for peer, (_, share) in nearest.items() if peer not in kept_out]
+    return min(shares) if shares else None
+
+
+class Memory:
+    """The sketches of the models received or adopted in the last MEMORY_ROUNDS rounds."""
+
+    def __init__(self) -> None:
+        self.rounds: dict[int, list[torch.Tensor]] = {}
+
+    def before(self, round_no: int) -> list[torch.Tensor]:
+        """Sketches of earlier rounds only: a step the node re-runs (node/containment.py)
+        must not find this round's own models there."""
+        return [s for seen, sketches in self.rounds.items() if seen < round_no for s in sketches]
+
+    def remember(self, round_no: int, sketches: list[torch.Tensor]) -> None:
+        self.rounds.setdefault(round_no, []).extend(sketches)
+        for old in [r for r in self.rounds if r <= round_no - MEMORY_ROUNDS]:
+            del self.rounds[old]
+
+    def state_dict(self) -> dict[int, list[list[float]]]:
+        return {r: [s.tolist() for s in sketches] for r, sketches in self.rounds.items()}
+
+    def load_state_dict(self, state: Mapping[object, object]) -> None:
+        """What `state_dict` wrote; a checkpoint of an older version (digests, not
+        sketches) leaves the memory empty."""
+        self.rounds = {}
+        for round_no, sketches in state.items():
+            if isinstance(sketches, list) and all(
+                isinstance(s, list) and len(s) == SKETCH_SIZE for s in sketches
+            ):
+                self.rounds[int(str(round_no))] = [
+                    torch.tensor(s, dtype=torch.float64) for s in sketches
+                ]
