@@ -17,10 +17,12 @@ is kept out, as bit-for-bit copies always were: neither earns credit for the oth
 work, and benefit-chosen views drop them.
 
 Distances are measured between sketches, so that a model of an earlier round costs
-SKETCH_SIZE numbers to remember rather than a model: each float is added, with a random
-sign, to one of SKETCH_SIZE sums (a count sketch), which keeps a distance to within about
-a tenth. The signs and sums are drawn by each node for itself, from its own seed: a
-relay that knew them could hide its noise where the sketch does not look.
+SKETCH_SIZE numbers to remember rather than a model, and a sketch a few thousand reads
+rather than a pass over the model: the floats at SAMPLED positions drawn at random,
+each added with a random sign to one of SKETCH_SIZE sums (a count sketch of a random
+sample), which estimates a distance spread over the model to within about a tenth.
+Positions, signs and sums are drawn by each node for itself, from its own seed: a
+relay that knew them could put its noise where the sketch does not look.
 """
 
 from __future__ import annotations
@@ -34,34 +36,40 @@ import torch
 from .base import State, draw_seed
 
 MEMORY_ROUNDS = 3
+SAMPLED = 4096  # floats a sketch reads, at positions drawn by the node
 SKETCH_SIZE = 256
-# Below this share of the round's spread, two models are one model. The nearest honest
-# pair of the measured tables lies at about half the spread or more (docs/defences.md,
-# "Relays and near-copies"); a relay adding noise of a thousandth of the weights' scale
-# at a few thousandths.
-NEAR_COPY = 0.1
+# Below this share of the round's spread, two models are one model. Honest models lie
+# further apart: the nearest pair of each run measured (docs/defences.md, "Relays and
+# near-copies") at 0.10 to 0.36 of the spread, 1% of node-rounds below 0.15 to 0.38; a
+# model that barely moved from its last round's (a node alone on a small shard that
+# it has learned by heart) comes nearest. A relay adding noise of a thousandth of the
+# weights' scale lies at about a hundredth.
+NEAR_COPY = 0.05
 
 
 class Sketcher:
-    """A node's count sketch of models (see above), drawn from `seed`."""
+    """A node's sketches of models (see above), drawn from `seed`."""
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
 
     def __call__(self, state: State) -> torch.Tensor:
-        """The sketch of `state`'s float tensors (integer buffers are no one's work)."""
-        sums = torch.zeros(SKETCH_SIZE, dtype=torch.float64)
-        for key in sorted(state):
-            value = state[key]
-            if not value.is_floating_point():
-                continue
-            flat = value.detach().reshape(-1).double()
-            seed = draw_seed(self.seed, key, flat.numel(), "sketch")
-            generator = torch.Generator().manual_seed(seed)
-            buckets = torch.randint(SKETCH_SIZE, (flat.numel(),), generator=generator)
-            signs = torch.randint(2, (flat.numel(),), generator=generator).double() * 2 - 1
-            sums.index_add_(0, buckets, flat * signs)
-        return sums
+        """The sketch of `state`'s float tensors (integer buffers are no one's work): the
+        floats at SAMPLED positions, each added with a random sign to one of SKETCH_SIZE
+        sums. The same positions, signs and sums for every model of one size."""
+        floats = [state[key].detach().reshape(-1) for key in sorted(state)]
+        floats = [tensor for tensor in floats if tensor.is_floating_point()]
+        if not floats:
+            return torch.zeros(SKETCH_SIZE, dtype=torch.float64)
+        flat = torch.cat(floats)
+        generator = torch.Generator().manual_seed(
+            draw_seed(self.seed, "sketch", flat.numel(), "copies")
+        )
+        positions = torch.randint(flat.numel(), (SAMPLED,), generator=generator)
+        buckets = torch.randint(SKETCH_SIZE, (SAMPLED,), generator=generator)
+        signs = torch.randint(2, (SAMPLED,), generator=generator).double() * 2 - 1
+        values = flat[positions].double()
+        return torch.zeros(SKETCH_SIZE, dtype=torch.float64).index_add_(0, buckets, values * signs)
 
 
 def spread(reference: torch.Tensor, sketches: Mapping[str, torch.Tensor]) -> float:

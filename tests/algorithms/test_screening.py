@@ -214,7 +214,7 @@ def test_a_relay_with_noise_earns_nothing_and_honest_peers_of_like_data_are_no_c
     noise of a thousandth of the weights' scale: every bit differs, and it is kept out as
     a replay; two relays of one model this round are copies of each other. Two honest
     peers trained from one start on shards of one distribution are not: the nearest pair
-    lies at about the round's spread, ten times the bound."""
+    lies at about the round's spread, twenty times the bound."""
     rule = screened(world, "fedavg")
     first = aggregate(rule, world, {"h1": world.honest["h1"], "h2": world.honest["h2"]}, 1)
     assert first.diagnostics["screened_out"] == {}
