@@ -49,8 +49,7 @@ KINDS: dict[str, type | None] = {
     "collude": int,
 }
 KINDS_ALLOWED = (
-    "labelflip, scale:<s>, noise, signflip, inflate_n:<n>, replay, freeride, relay:<s>, "
-    "collude:<k>"
+    "labelflip, scale:<s>, noise, signflip, inflate_n:<n>, replay, freeride, relay:<s>, collude:<k>"
 )
 
 

@@ -42,6 +42,12 @@ VIEW_PATIENCE_BEATS = 3
 # A node whose neighbours all help still drops the one that helps least, one round in
 # this many: often enough to find better ones, seldom enough to keep good ones.
 EXPLORE_EVERY = 3
+# A node's anchors: up to ANCHORS neighbours that stayed ANCHOR_ROUNDS rounds or more and
+# helped it, the longest-staying first. Its checkpoint keeps them, and a resumed node
+# greets them before its other contacts: a restart does not hand its view to whoever
+# greets it first (many identities on few machines, docs/defences.md).
+ANCHORS = 2
+ANCHOR_ROUNDS = 3
 
 
 def neighbours_to_drop(
@@ -106,6 +112,10 @@ class MeshKeeper:
         """The neighbours a round ends with, by name."""
         return {}
 
+    def anchors(self) -> list[str]:
+        """The names of the node's anchors (see ANCHORS); none in a full mesh."""
+        return []
+
     def drop(
         self,
         round_no: int,
@@ -132,6 +142,8 @@ class ViewKeeper(MeshKeeper):
     ) -> None:
         super().__init__(endpoint, algorithm, cfg, name)
         self._last_neighbours: set[str] = set()  # when the last round began
+        self._stayed: dict[str, int] = {}  # neighbour -> rounds it began in a row with us
+        self._anchors: list[str] = []
 
     @property
     def patience(self) -> float:
@@ -168,7 +180,11 @@ class ViewKeeper(MeshKeeper):
         round began (every one, in a node's first round here)."""
         tried = sorted(set(neighbours) - self._last_neighbours)
         self._last_neighbours = set(neighbours)
+        self._stayed = {name: self._stayed.get(name, 0) + 1 for name in neighbours}
         return tried
+
+    def anchors(self) -> list[str]:
+        return list(self._anchors)
 
     def drop(
         self,
@@ -194,4 +210,13 @@ class ViewKeeper(MeshKeeper):
         dropped = neighbours_to_drop(benefit, weights, shunned, select, rng, explore)
         for name in dropped:
             self.endpoint.unlink(current[name])
+        proven = [
+            name
+            for name in benefit
+            if benefit[name] > 0
+            and name not in dropped
+            and name not in shunned
+            and self._stayed.get(name, 0) >= ANCHOR_ROUNDS
+        ]
+        self._anchors = sorted(proven, key=lambda name: -self._stayed[name])[:ANCHORS]
         return dropped

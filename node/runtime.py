@@ -137,6 +137,7 @@ class Node:
         # among its nodes (node/host.py); a node alone in its process needs none.
         self.cpu: AbstractContextManager[Any] = contextlib.nullcontext()
         self._suspects: set[str] = set()  # peers whose input made the rule raise last round
+        self._anchors: list[str] = []  # contacts to greet first: a resumed node's anchors
         # FedBN (`local_batchnorm`): the entries every model taken in carries as ours.
         self.local_keys = batchnorm_keys(model) if self.cfg.local_batchnorm else frozenset()
         # `compression: topk`: models travel as deltas against public copies (deltas.py).
@@ -220,7 +221,7 @@ class Node:
                 + "\n"
             ).encode(),
         )
-        self.endpoint.start(self.options.bootstrap)
+        self.endpoint.start(self.options.bootstrap, self._anchors)
         try:
             joined = self.endpoint.wait_joined(
                 self.cfg.round_timeout, until_other_mesh=self.options.joining
@@ -308,6 +309,7 @@ class Node:
             if p["addr"] != self.options.listen
         ]
         self.options.bootstrap = list(dict.fromkeys([*self.options.bootstrap, *known]))
+        self._anchors = json.loads(state.get("anchors", "[]"))  # absent in older checkpoints
         self.metrics.keep_until(state["round"])
         log.info("%s: resumed from the checkpoint of round %d", self.options.name, state["round"])
         return state["round"] + 1
@@ -485,6 +487,10 @@ class Node:
             {"name": p.name, "addr": p.address, "key": p.public_key.hex()}
             for p in self.endpoint.peers()
         ]
+        names = self.view_keeper.anchors()
+        anchors = [
+            contact(p.address, p.public_key) for p in self.endpoint.peers() if p.name in names
+        ]
         save_checkpoint(
             self.checkpoint_path,
             {
@@ -492,6 +498,7 @@ class Node:
                 "model": self.model.state_dict(),
                 "algorithm": self.algorithm.state_dict(),
                 "peers": json.dumps(peers),
+                "anchors": json.dumps(anchors),
             },
         )
 

@@ -194,14 +194,15 @@ class Endpoint:
 
     # --- the node's side --------------------------------------------------
 
-    def start(self, bootstrap: Iterable[str] = ()) -> None:
+    def start(self, bootstrap: Iterable[str] = (), anchors: Iterable[str] = ()) -> None:
         """Start serving and say hello to every bootstrap contact (any one is enough):
-        KEY@tcp://HOST:PORT, or a bare address where the mesh does not encrypt."""
+        KEY@tcp://HOST:PORT, or a bare address where the mesh does not encrypt; a
+        bounded view greets its `anchors` (contacts alike) first."""
         if self.settings.encrypt:
             log.info(
                 "%s: listening encrypted; others dial it as %s", self.settings.name, self.contact
             )
-        greet = self.handshake.begin(bootstrap)
+        greet = self.handshake.begin(bootstrap, anchors)
         self.worker.thread.start()  # after the keys above are in place: it learns more
         for index, address in enumerate(greet):
             # One peer list is enough: the others were named to us already (WIRE.md 7.1).

@@ -54,17 +54,23 @@ class Handshake:
         self.curve_keys: dict[str, bytes] = {}
         # Bootstrap addresses given without a key: greeted once some message names it.
         self.when_keyed: set[str] = set()
+        # Contacts a bounded view greets before the others: the neighbours of long
+        # standing a resumed node had (WIRE.md 7.7, anchors).
+        self.anchors: list[str] = []
 
-    def begin(self, bootstrap: Iterable[str]) -> list[str]:
+    def begin(self, bootstrap: Iterable[str], anchors: Iterable[str] = ()) -> list[str]:
         """Take the bootstrap contacts (KEY@ADDRESS, or a bare address where the mesh does
-        not encrypt); return the ones to greet now."""
+        not encrypt), and the `anchors` among them (or besides) to greet first; return
+        the ones to greet now."""
         endpoint = self.endpoint
+        anchors = list(anchors)
         keys: dict[str, bytes | None] = {}  # each address once, with its key where given
-        for address, key in map(split_contact, bootstrap):
+        for address, key in map(split_contact, [*anchors, *bootstrap]):
             if keys.get(address) is None:
                 keys[address] = key
         own = (endpoint.settings.address, endpoint.address)
         self.contacts = {address: key for address, key in keys.items() if address not in own}
+        self.anchors = [split_contact(anchor)[0] for anchor in anchors]
         targets = self.choose_contacts()
         endpoint.table.most_known = len(targets)
         if self.when_keyed:

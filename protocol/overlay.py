@@ -186,10 +186,12 @@ class BoundedView(Overlay):
     # --- joining and keeping the view full -------------------------------------------
 
     def first_contacts(self, targets: list[str]) -> list[str]:
-        """As many of the contacts as the node wants neighbours; the others, with their
-        keys where known, become candidates."""
+        """As many of the contacts as the node wants neighbours, its anchors first; the
+        others, with their keys where known, become candidates."""
         contacts = list(targets)
         self.rng.shuffle(contacts)
+        anchors = self.endpoint.handshake.anchors
+        contacts.sort(key=lambda address: address not in anchors)  # stable: the rest shuffled
         first, rest = contacts[: self.views.neighbours], contacts[self.views.neighbours :]
         keys = self.endpoint.handshake.contacts
         for address in rest:

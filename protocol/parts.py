@@ -118,6 +118,7 @@ class Greeter(Protocol):
     out: OrderedDict[str, Any]
     contacts: dict[str, bytes | None]
     when_keyed: set[str]
+    anchors: list[str]
 
     def choose_contacts(self) -> list[str]: ...
     def learn(self, address: str, public_key: bytes, from_its_owner: bool = True) -> None: ...

@@ -4,9 +4,12 @@ changes them by what they do for it (WIRE.md 7.7, node/neighbours.py)."""
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 
+from meshfl.node.checkpoint import load_checkpoint
+from meshfl.node.neighbours import ANCHORS
 from tests.nodes import meshfl, records, write_config
 
 pytestmark = pytest.mark.slow  # real processes over real sockets
@@ -61,6 +64,29 @@ def test_each_node_learns_from_a_bounded_changing_set_of_neighbours(tmp_path):
     # Exploring never stops: full views drop one neighbour in a few rounds, and another
     # is tried in its place.
     assert drops >= NODES and explorers >= NODES // 2, (drops, explorers)
+    assert_anchors_stayed(tmp_path / "run")
+
+
+def assert_anchors_stayed(run) -> None:
+    """Each node's checkpoint names as its anchors (greeted first after a restart) at
+    most ANCHORS neighbours, each one that began the 3 rounds before the last drop with
+    it and was not dropped then; most nodes have one."""
+    keys = {
+        json.loads((run / f"node{i}" / "info.json").read_text())["public_key"]: f"node{i}"
+        for i in range(NODES)
+    }
+    anchored = 0
+    for i in range(NODES):
+        history = records(run, f"node{i}")
+        state = load_checkpoint(run / f"node{i}" / "checkpoint.pt")
+        anchors = [keys[contact.split("@")[0]] for contact in json.loads(state["anchors"])]
+        assert len(anchors) <= ANCHORS
+        last_drop = history[-2]  # the last round drops nothing: its anchors are older
+        for name in anchors:
+            assert name not in last_drop["dropped"]
+            assert all(name in record["neighbours"] for record in history[-4:-1]), name
+        anchored += bool(anchors)
+    assert anchored >= NODES // 2, anchored
 
 
 def test_honest_nodes_drop_an_attacker_and_keep_it_out(tmp_path):

@@ -809,3 +809,16 @@ def test_one_machine_of_a_network_holds_half_its_groups_places():
         view.add(sybil)
     assert len(view) == 2 and view.refused == 1
     assert len(view.take(2, exclude=())) == 1, "one neighbour place for the machine"
+
+
+@pytest.mark.sockets
+def test_a_node_greets_its_anchors_before_its_other_contacts(mesh):
+    """A resumed node's anchors (its neighbours of long standing, node/neighbours.py)
+    take the places of its view first, whatever else it was told of."""
+    others = mesh(8, lambda started: [])
+    anchors = [others[2].contact, others[6].contact]
+    node = _endpoint("resumed", network=mesh.network, **FAST)
+    mesh.made.append(node)
+    node.start([peer.contact for peer in others], anchors=anchors)
+    assert poll_until(lambda: len(neighbours(node)) >= 2, 5)
+    assert {others[2].identity.public_key, others[6].identity.public_key} <= neighbours(node)
