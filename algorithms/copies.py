@@ -45,6 +45,8 @@ SKETCH_SIZE = 256
 # it has learned by heart) comes nearest. A relay adding noise of a thousandth of the
 # weights' scale lies at about a hundredth.
 NEAR_COPY = 0.05
+OWN = ""  # the origin of the node's own outcomes in its memory
+Remembered = list[tuple[str, torch.Tensor]]  # (whose, sketch) of earlier rounds
 
 
 class Sketcher:
@@ -79,11 +81,14 @@ def spread(reference: torch.Tensor, sketches: Mapping[str, torch.Tensor]) -> flo
 
 
 def near_pairs(
-    sketches: Mapping[str, torch.Tensor], remembered: list[torch.Tensor], scale: float
+    sketches: Mapping[str, torch.Tensor], remembered: Remembered, scale: float
 ) -> dict[str, tuple[str, float]]:
     """For each peer, its nearest other model, as ("replay", share) for a remembered one
     or ("copy", share) for another of this round's, share being their distance over
-    `scale`; a tie goes to the replay. Bit-for-bit copies are at share 0 at any scale."""
+    `scale`; a tie goes to the replay. Bit-for-bit copies are at share 0 at any scale. A
+    peer's own earlier models count only bit for bit: a node whose model has settled
+    (skewed shards, late rounds) moves less in a round than nodes lie apart, and it is
+    still its own work."""
     nearest: dict[str, tuple[str, float]] = {}
 
     def note(peer: str, why: str, distance: float) -> None:
@@ -93,8 +98,10 @@ def near_pairs(
 
     peers = sorted(sketches)
     for peer in peers:
-        for old in remembered:
-            note(peer, "replay", float(torch.dist(sketches[peer], old)))
+        for origin, old in remembered:
+            distance = float(torch.dist(sketches[peer], old))
+            if origin != peer or distance == 0:
+                note(peer, "replay", distance)
     for i, peer in enumerate(peers):
         for other in peers[i + 1 :]:
             distance = float(torch.dist(sketches[peer], sketches[other]))
@@ -119,32 +126,42 @@ def nearest_share(
 
 
 class Memory:
-    """The sketches of the models received or adopted in the last MEMORY_ROUNDS rounds."""
+    """The sketches of the models received or adopted in the last MEMORY_ROUNDS rounds,
+    by whose they were (OWN: the node's own outcome)."""
 
     def __init__(self) -> None:
-        self.rounds: dict[int, list[torch.Tensor]] = {}
+        self.rounds: dict[int, dict[str, torch.Tensor]] = {}
 
-    def before(self, round_no: int) -> list[torch.Tensor]:
+    def before(self, round_no: int) -> Remembered:
         """Sketches of earlier rounds only: a step the node re-runs (node/containment.py)
         must not find this round's own models there."""
-        return [s for seen, sketches in self.rounds.items() if seen < round_no for s in sketches]
+        return [
+            (origin, sketch)
+            for seen, sketches in self.rounds.items()
+            if seen < round_no
+            for origin, sketch in sketches.items()
+        ]
 
-    def remember(self, round_no: int, sketches: list[torch.Tensor]) -> None:
-        self.rounds.setdefault(round_no, []).extend(sketches)
+    def remember(self, round_no: int, sketches: Mapping[str, torch.Tensor]) -> None:
+        self.rounds.setdefault(round_no, {}).update(sketches)
         for old in [r for r in self.rounds if r <= round_no - MEMORY_ROUNDS]:
             del self.rounds[old]
 
-    def state_dict(self) -> dict[int, list[list[float]]]:
-        return {r: [s.tolist() for s in sketches] for r, sketches in self.rounds.items()}
+    def state_dict(self) -> dict[int, dict[str, list[float]]]:
+        return {
+            r: {origin: s.tolist() for origin, s in sketches.items()}
+            for r, sketches in self.rounds.items()
+        }
 
     def load_state_dict(self, state: Mapping[object, object]) -> None:
         """What `state_dict` wrote; a checkpoint of an older version (digests, not
         sketches) leaves the memory empty."""
         self.rounds = {}
         for round_no, sketches in state.items():
-            if isinstance(sketches, list) and all(
-                isinstance(s, list) and len(s) == SKETCH_SIZE for s in sketches
+            if isinstance(sketches, dict) and all(
+                isinstance(s, list) and len(s) == SKETCH_SIZE for s in sketches.values()
             ):
-                self.rounds[int(str(round_no))] = [
-                    torch.tensor(s, dtype=torch.float64) for s in sketches
-                ]
+                self.rounds[int(str(round_no))] = {
+                    str(origin): torch.tensor(s, dtype=torch.float64)
+                    for origin, s in sketches.items()
+                }

@@ -125,7 +125,7 @@ from .base import (
     model_distance,
     weighted_average,
 )
-from .copies import Memory, Sketcher, copies, near_pairs, nearest_share, spread
+from .copies import OWN, Memory, Sketcher, copies, near_pairs, nearest_share, spread
 from .evidence import HARM_BOUND, PeerRecords, harm_z, sign_z
 
 N_CLAIM_FACTOR = 4
@@ -418,7 +418,7 @@ class Screened(PeerAlgorithm):
         outcome, scores = self._guard(outcome, own_scored, start, report, data)
         if start is not None:
             outcome, scores = self._unless_a_spike((outcome, scores), start, report, data)
-        self.memory.remember(round_no, [self.sketch(outcome.state)])
+        self.memory.remember(round_no, {OWN: self.sketch(outcome.state)})
         kept = {key: value.detach().clone() for key, value in outcome.state.items()}
         self.rule.adopted(outcome.state)
         self._adopted = {round_no: (kept, scores)}  # the next round's start: all it reads
@@ -589,7 +589,7 @@ class Screened(PeerAlgorithm):
         began_with = self._adopted.get(round_no - 1, (own.state, None))[0]
         scale = spread(self.sketch(began_with), sketches)
         nearest = near_pairs(sketches, self.memory.before(round_no), scale)
-        self.memory.remember(round_no, list(sketches.values()))
+        self.memory.remember(round_no, sketches)
         copied = copies(nearest)
         return copied, nearest_share(nearest, copied)
 

@@ -205,8 +205,14 @@ def test_copies_within_a_round_and_replays_of_earlier_rounds_are_found():
     sketch = Sketcher(seed=0)
     a, b = sketch({"w": torch.ones(2)}), sketch({"w": -torch.ones(2)})
     old = sketch({"w": torch.full((2,), 3.0)})
-    nearest = near_pairs({"x": a, "y": a, "z": b, "r": old}, [old], scale=1.0)
+    moved = sketch({"w": torch.full((2,), 3.02)})
+    nearest = near_pairs({"x": a, "y": a, "z": b, "r": old}, [("q", old)], scale=1.0)
     assert copies(nearest) == {"x": "copy", "y": "copy", "r": "replay"}
+    # q's model moved a little from its own last one: its own work, if settled; r hands
+    # back q's last model, s its own bit for bit.
+    remembered = [("q", old), ("s", b)]
+    settled = near_pairs({"q": moved, "r": old + 0.001, "s": b}, remembered, scale=1.0)
+    assert copies(settled) == {"r": "replay", "s": "replay"}
 
 
 def test_a_relay_with_noise_earns_nothing_and_honest_peers_of_like_data_are_no_copies(world):
