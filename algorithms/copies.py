@@ -1,6 +1,7 @@
 """Models that are nobody's work of their round (screening's step 2): a copy of another
-peer's model of the same round ("copy"), or of a model this node received or adopted in
-one of the last MEMORY_ROUNDS rounds ("replay"), bit for bit or within a little noise.
+peer's model of the same round ("copy"), or of a model another peer sent or this node
+adopted in one of the last MEMORY_ROUNDS rounds ("replay"), bit for bit or within a
+little noise.
 
 Bit for bit is not enough: a relay that adds noise to a model it got elsewhere changes
 every bit and looks as helpful as its source, and one process can run many such
@@ -12,17 +13,20 @@ spread: the lower median distance of the round's models from the model the node 
 the round with (its own model in its first round here), a distance a round of training
 makes. A lower median, so that far models (which step 3 keeps out) cannot stretch it
 unless they are more than half the round's (a bounded view holds few places for one
-network, WIRE.md 7.7). Every model of a pair
-is kept out, as bit-for-bit copies always were: neither earns credit for the other's
-work, and benefit-chosen views drop them.
+network, WIRE.md 7.7). Every model of a pair is kept out, as bit-for-bit copies always
+were: neither earns credit for the other's work, and benefit-chosen views drop them. A
+peer's own earlier models count only bit for bit: a node settled on a skewed shard
+moves less in a round than nodes lie apart, and its model is still its own work.
 
 Distances are measured between sketches, so that a model of an earlier round costs
 SKETCH_SIZE numbers to remember rather than a model, and a sketch a few thousand reads
-rather than a pass over the model: the floats at SAMPLED positions drawn at random,
-each added with a random sign to one of SKETCH_SIZE sums (a count sketch of a random
-sample), which estimates a distance spread over the model to within about a tenth.
-Positions, signs and sums are drawn by each node for itself, from its own seed: a
-relay that knew them could put its noise where the sketch does not look.
+rather than a pass over the model: about SAMPLED floats at positions drawn at random,
+each tensor read at least MIN_SAMPLED times (a small head beside a large frozen body is
+not missed) and weighted by how many floats each read stands for, each added with a
+random sign to one of SKETCH_SIZE sums (a count sketch of a random sample): an estimate
+of a distance spread over the model to within about a tenth. Positions, signs and sums
+are drawn from the node's seed and name: a relay that knew them could put its noise
+where the sketch does not look (a seed of its own keeps a node's draws to itself).
 """
 
 from __future__ import annotations
@@ -36,14 +40,13 @@ import torch
 from .base import State, draw_seed
 
 MEMORY_ROUNDS = 3
-SAMPLED = 4096  # floats a sketch reads, at positions drawn by the node
+SAMPLED = 4096  # floats a sketch reads, about, at positions drawn by the node
+MIN_SAMPLED = 16  # ...and at least this many of every tensor (all of a smaller one)
 SKETCH_SIZE = 256
 # Below this share of the round's spread, two models are one model. Honest models lie
-# further apart: the nearest pair of each run measured (docs/defences.md, "Relays and
-# near-copies") at 0.10 to 0.36 of the spread, 1% of node-rounds below 0.15 to 0.38; a
-# model that barely moved from its last round's (a node alone on a small shard that
-# it has learned by heart) comes nearest. A relay adding noise of a thousandth of the
-# weights' scale lies at about a hundredth.
+# further apart: the nearest honest pair of each run measured (docs/defences.md, "Many
+# identities on few machines") at 0.19 to 0.50 of the spread. A relay adding noise of a
+# thousandth of the weights' scale lies at about a hundredth.
 NEAR_COPY = 0.05
 OWN = ""  # the origin of the node's own outcomes in its memory
 Remembered = list[tuple[str, torch.Tensor]]  # (whose, sketch) of earlier rounds
@@ -55,23 +58,26 @@ class Sketcher:
     def __init__(self, seed: int) -> None:
         self.seed = seed
 
-    def __call__(self, state: State) -> torch.Tensor:
-        """The sketch of `state`'s float tensors (integer buffers are no one's work): the
-        floats at SAMPLED positions, each added with a random sign to one of SKETCH_SIZE
-        sums. The same positions, signs and sums for every model of one size."""
-        floats = [state[key].detach().reshape(-1) for key in sorted(state)]
-        floats = [tensor for tensor in floats if tensor.is_floating_point()]
-        if not floats:
-            return torch.zeros(SKETCH_SIZE, dtype=torch.float64)
-        flat = torch.cat(floats)
-        generator = torch.Generator().manual_seed(
-            draw_seed(self.seed, "sketch", flat.numel(), "copies")
-        )
-        positions = torch.randint(flat.numel(), (SAMPLED,), generator=generator)
-        buckets = torch.randint(SKETCH_SIZE, (SAMPLED,), generator=generator)
-        signs = torch.randint(2, (SAMPLED,), generator=generator).double() * 2 - 1
-        values = flat[positions].double()
-        return torch.zeros(SKETCH_SIZE, dtype=torch.float64).index_add_(0, buckets, values * signs)
+    def __call__(self, state: State) -> torch.Tensor | None:
+        """The sketch of `state`'s float tensors (see above; integer buffers are no
+        one's work); None for a model without floats. The same positions, signs and sums
+        for every model of one layout."""
+        floats = [(key, state[key].detach()) for key in sorted(state)]
+        floats = [(key, tensor) for key, tensor in floats if tensor.is_floating_point()]
+        total = sum(tensor.numel() for _, tensor in floats)
+        if total == 0:
+            return None
+        sums = torch.zeros(SKETCH_SIZE, dtype=torch.float64)
+        for key, tensor in floats:
+            size = tensor.numel()
+            reads = min(size, max(MIN_SAMPLED, round(SAMPLED * size / total)))
+            generator = torch.Generator().manual_seed(draw_seed(self.seed, key, size, "sketch"))
+            positions = torch.randint(size, (reads,), generator=generator)
+            buckets = torch.randint(SKETCH_SIZE, (reads,), generator=generator)
+            signs = torch.randint(2, (reads,), generator=generator).double() * 2 - 1
+            values = tensor.reshape(-1)[positions].double() * math.sqrt(size / reads)
+            sums.index_add_(0, buckets, values * signs)
+        return sums
 
 
 def spread(reference: torch.Tensor, sketches: Mapping[str, torch.Tensor]) -> float:

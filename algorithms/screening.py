@@ -12,7 +12,8 @@ meshfl node has). Around the rule's `aggregate`, for the whole models received
    of one received or adopted in the last `MEMORY_ROUNDS` rounds ("replay"), is nobody's
    work of this round: colluders publishing one model, a replayed model, a free rider
    handing back an aggregate unchanged, a relay adding noise to another's model
-   (copies.py says how near is a copy).
+   (copies.py says how near is a copy; a peer's own earlier models count only bit for
+   bit).
 3. Distance: a model further from the node's own than DISTANCE_FACTOR times the median
    distance of the round's models from it ("distance") is no step of training on data
    like anyone's: a scaled update or noise. At the share of step 4 a scaled update looks
@@ -418,7 +419,8 @@ class Screened(PeerAlgorithm):
         outcome, scores = self._guard(outcome, own_scored, start, report, data)
         if start is not None:
             outcome, scores = self._unless_a_spike((outcome, scores), start, report, data)
-        self.memory.remember(round_no, {OWN: self.sketch(outcome.state)})
+        if (sketch := self.sketch(outcome.state)) is not None:
+            self.memory.remember(round_no, {OWN: sketch})
         kept = {key: value.detach().clone() for key, value in outcome.state.items()}
         self.rule.adopted(outcome.state)
         self._adopted = {round_no: (kept, scores)}  # the next round's start: all it reads
@@ -584,11 +586,16 @@ class Screened(PeerAlgorithm):
         self, round_no: int, own: PeerModel, models: dict[str, PeerModel]
     ) -> tuple[dict[str, str], float | None]:
         """Step 2's {peer: "copy" or "replay"}, and how near the nearest of the others
-        came to being called one (copies.py)."""
-        sketches = {peer: self.sketch(model.state) for peer, model in models.items()}
-        began_with = self._adopted.get(round_no - 1, (own.state, None))[0]
-        scale = spread(self.sketch(began_with), sketches)
-        nearest = near_pairs(sketches, self.memory.before(round_no), scale)
+        came to being called one (copies.py); none for a model without floats."""
+        began_with = self.sketch(self._adopted.get(round_no - 1, (own.state, None))[0])
+        if began_with is None:
+            return {}, None
+        sketches = {
+            peer: sketch
+            for peer, model in models.items()
+            if (sketch := self.sketch(model.state)) is not None
+        }
+        nearest = near_pairs(sketches, self.memory.before(round_no), spread(began_with, sketches))
         self.memory.remember(round_no, sketches)
         copied = copies(nearest)
         return copied, nearest_share(nearest, copied)

@@ -16,7 +16,8 @@ its model and how many samples it claims. Kinds (`attack.kind`):
 - `relay:<s>`: never trains; publishes an honest peer's model of the round before (one
   drawn afresh each round from those it received) with Gaussian noise of s times each
   tensor's root mean square added: a near-copy, which no bit-for-bit check catches (a
-  Sybil's way to look helpful; its own untrained model in round 1).
+  Sybil's way to look helpful; its own model, as aggregated, where it received no
+  honest one: the untrained model in round 1).
 - `collude:<k>`: the first k nodes of `attack.nodes` publish one and the same poisoned
   model (random weights of the initial model's scale, from a seed they share); any
   other attacker publishes noise of its own.

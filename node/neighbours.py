@@ -142,7 +142,7 @@ class ViewKeeper(MeshKeeper):
     ) -> None:
         super().__init__(endpoint, algorithm, cfg, name)
         self._last_neighbours: set[str] = set()  # when the last round began
-        self._stayed: dict[str, int] = {}  # neighbour -> rounds it began in a row with us
+        self._stayed: dict[str, int] = {}  # neighbour -> rounds in a row it was one
         self._anchors: list[str] = []
 
     @property
@@ -180,7 +180,6 @@ class ViewKeeper(MeshKeeper):
         round began (every one, in a node's first round here)."""
         tried = sorted(set(neighbours) - self._last_neighbours)
         self._last_neighbours = set(neighbours)
-        self._stayed = {name: self._stayed.get(name, 0) + 1 for name in neighbours}
         return tried
 
     def anchors(self) -> list[str]:
@@ -203,6 +202,7 @@ class ViewKeeper(MeshKeeper):
             return []  # after the last round there is nothing left to explore for
         shunned = {name for name in current if self.endpoint.shuns(name)}
         still = [name for name in began_with if name in current]
+        self._stayed = {name: self._stayed.get(name, 0) + 1 for name in still}
         benefit = self.algorithm.benefits(still, weights)
         explore = len(current) >= views.neighbours and self.endpoint.passive_size() > 0
         rng = random.Random(draw_seed(self.cfg.seed, self.name, round_no, "neighbours"))

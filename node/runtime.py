@@ -487,10 +487,13 @@ class Node:
             {"name": p.name, "addr": p.address, "key": p.public_key.hex()}
             for p in self.endpoint.peers()
         ]
-        names = self.view_keeper.anchors()
-        anchors = [
-            contact(p.address, p.public_key) for p in self.endpoint.peers() if p.name in names
+        neighbours = self.view_keeper.neighbours_now()
+        keys = {neighbours[name] for name in self.view_keeper.anchors() if name in neighbours}
+        chosen = [
+            contact(p.address, p.public_key) for p in self.endpoint.peers() if p.public_key in keys
         ]
+        # A node resumed less than ANCHOR_ROUNDS ago keeps the anchors it resumed with.
+        anchors = chosen or self._anchors
         save_checkpoint(
             self.checkpoint_path,
             {

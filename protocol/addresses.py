@@ -92,6 +92,7 @@ def resolved(address: str) -> str:
 # trusted alike), or by `port`.
 GROUPINGS = ("auto", "network", "ip", "port")
 NETWORK_BITS = {4: 24, 6: 48}
+MACHINE_BITS = {4: 32, 6: 64}  # what one machine commonly holds: an address, an IPv6 /64
 
 
 @functools.lru_cache(maxsize=4096)
@@ -111,3 +112,16 @@ def network_group(address: str, by: str = "auto") -> str:
     if by == "ip":
         return str(ip)
     return str(ipaddress.ip_network(f"{ip}/{NETWORK_BITS[ip.version]}", strict=False))
+
+
+@functools.lru_cache(maxsize=4096)
+def machine_of(address: str) -> str:
+    """The machine `address` is on, as far as an address tells: its IPv4 address, or
+    the /64 of its IPv6 address; a hostname, or anything not a TCP endpoint, itself."""
+    endpoint = tcp_endpoint(address)
+    if endpoint is None or not _is_ip(endpoint[0]):
+        return address
+    ip = ipaddress.ip_address(endpoint[0].strip("[]"))
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return str(ipaddress.ip_network(f"{ip}/{MACHINE_BITS[ip.version]}", strict=False))

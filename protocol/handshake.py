@@ -55,7 +55,7 @@ class Handshake:
         # Bootstrap addresses given without a key: greeted once some message names it.
         self.when_keyed: set[str] = set()
         # Contacts a bounded view greets before the others: the neighbours of long
-        # standing a resumed node had (WIRE.md 7.7, anchors).
+        # standing a resumed node had (node/neighbours.py, anchors).
         self.anchors: list[str] = []
 
     def begin(self, bootstrap: Iterable[str], anchors: Iterable[str] = ()) -> list[str]:
@@ -65,7 +65,7 @@ class Handshake:
         endpoint = self.endpoint
         anchors = list(anchors)
         keys: dict[str, bytes | None] = {}  # each address once, with its key where given
-        for address, key in map(split_contact, [*anchors, *bootstrap]):
+        for address, key in map(split_contact, [*bootstrap, *anchors]):
             if keys.get(address) is None:
                 keys[address] = key
         own = (endpoint.settings.address, endpoint.address)

@@ -28,7 +28,7 @@ from typing import Any
 
 import msgpack
 
-from .addresses import is_wire_endpoint, network_group
+from .addresses import is_wire_endpoint, machine_of, network_group
 from .identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, is_usable_public_key, verify
 from .membership import PEER_NAME, PeerEntry
 
@@ -51,9 +51,10 @@ class Limits:
     A node's active view holds at most `neighbours` peers of one group, its passive view
     at most `candidates` of one group and `per_source` that one node told it of; where a
     group is a network, one machine of it (an IP address) holds at most half its
-    group's places (at least one): many identities on one machine earn no more than a
-    machine's share. Its own group (`own`: its machine, or its network) is not limited,
-    nor are addresses grouped by port (a mesh on one machine)."""
+    group's places (at least one; an IPv6 machine is its /64): many identities on one
+    machine earn no more than a machine's share. Its own group (`own`: its machine, or
+    its network) is not limited, nor are addresses grouped by port (a mesh on one
+    machine)."""
 
     group_by: str = "auto"
     neighbours: int = 2
@@ -75,10 +76,10 @@ class Limits:
         held = list(held)
         if sum(self.group(other) == group for other in held) >= most:
             return True
-        machine = network_group(address, "ip")
-        if machine == group:
-            return False
-        return sum(network_group(other, "ip") == machine for other in held) >= max(1, most // 2)
+        if group == network_group(address, "ip"):
+            return False  # grouped by IP: the group is one machine already
+        machine = machine_of(address)
+        return sum(machine_of(other) == machine for other in held) >= max(1, most // 2)
 
     def of_node_at(self, address: str) -> Limits:
         """These limits as the node listening at `address` applies them."""

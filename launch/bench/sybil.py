@@ -9,7 +9,8 @@ that stands for a machine of its own network: honest node i on 127.(1 + i // 256
 internet. The Sybils run `attack.kind=relay:<noise>`: each publishes an honest model it
 received the round before with a little noise added, the most helpful-looking thing an
 identity that does no work can publish, and otherwise runs the protocol as any node
-does (it greets, shuffles and answers).
+does (it greets, shuffles and answers). The loopback's 127.x.y.z addresses bind as they
+do on Linux.
 
 Per round of the run with Sybils it prints, over the honest nodes' neighbours at the
 round's end: the Sybils' share of all their places, the honest node with the fewest
@@ -23,6 +24,8 @@ nodes' mean test accuracy with and without the Sybils:
 
 from __future__ import annotations
 
+import argparse
+import math
 import statistics
 import subprocess
 import sys
@@ -41,6 +44,17 @@ from .flags import add_rounds, bench_parser, positive
 
 SYBIL_NETWORKS_FROM = 200  # 127.200.0.1 and on: the Sybils' addresses; honest ones below
 BENCH_SETTINGS = ("topology.neighbours=8", "topology.select=benefit", "topology.group_by=network")
+
+
+def non_negative(text: str) -> float:
+    """An argparse type: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected a finite number >= 0")
+    return value
 
 
 def honest_address(index: int) -> str:
@@ -112,7 +126,7 @@ def round_takes(run: RunRecords) -> list[RoundTake]:
 
 
 def _take(number: int, rows: list[tuple[str, RoundRecord]], sybils: frozenset[str]) -> RoundTake:
-    views = {name: record.neighbours_at_end or record.neighbours or [] for name, record in rows}
+    views = {name: _view_at_end(record) for name, record in rows}
     places = sum(len(view) for view in views.values())
     taken = sum(peer in sybils for view in views.values() for peer in view)
     worst = min(views, key=lambda name: sum(peer not in sybils for peer in views[name]))
@@ -127,16 +141,28 @@ def _take(number: int, rows: list[tuple[str, RoundRecord]], sybils: frozenset[st
     )
 
 
+def _view_at_end(record: RoundRecord) -> list[str]:
+    """The neighbours a round ended with (those it began with, for a record that lacks
+    them)."""
+    view = record.neighbours if record.neighbours_at_end is None else record.neighbours_at_end
+    return view or []
+
+
 def honest_accuracy(run: RunRecords) -> float:
-    """The honest nodes' mean test accuracy in their last round."""
+    """The honest nodes' mean test accuracy in their last round (nan without any)."""
     last = [
-        rounds[-1].test_acc for name, rounds in run.history.items() if name not in run.attackers
+        rounds[-1].test_acc
+        for name, rounds in run.history.items()
+        if name not in run.attackers and rounds
     ]
-    return statistics.fmean(acc for acc in last if acc is not None)
+    scores = [accuracy for accuracy in last if accuracy is not None]
+    return statistics.fmean(scores) if scores else math.nan
 
 
 def describe(takes: list[RoundTake], from_round: int) -> str:
     later = [take for take in takes if take.round >= from_round] or takes
+    if not later:
+        return "no honest node recorded a round"
     worst = min(later, key=lambda take: (take.worst_honest, take.round))
     return (
         f"from round {from_round}: worst node {worst.worst_node} with "
@@ -155,7 +181,10 @@ def main(argv: list[str]) -> int:
         "--addresses", type=positive(int), default=1, help="addresses the Sybils share"
     )
     parser.add_argument(
-        "--noise", type=float, default=1e-3, help="relayed models' noise (relay:<s>)"
+        "--noise",
+        type=non_negative,
+        default=1e-3,
+        help="the relayed models' noise, in each tensor's scale (relay:<s>; default 0.001)",
     )
     add_rounds(parser, 15, "rounds (default: 15)")
     parser.add_argument("--repeats", type=positive(int), default=1, help="runs of each")

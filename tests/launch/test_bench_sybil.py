@@ -1,0 +1,43 @@
+"""`meshfl bench sybil`: the mesh it builds and what it reads from a run's records."""
+
+from __future__ import annotations
+
+from meshfl.launch.bench.sybil import round_takes, sybil_mesh
+from meshfl.launch.run_folder import RunRecords
+from meshfl.node.metrics import RoundRecord
+from meshfl.protocol.addresses import network_group
+
+
+def test_honest_nodes_get_a_network_each_and_sybils_share_few_addresses():
+    cfg = sybil_mesh([], honest=3, sybils=5, addresses=2, noise=0.01)
+    honest = [peer for peer in cfg.peers if peer.name.startswith("node")]
+    sybils = [peer for peer in cfg.peers if peer.name.startswith("sybil")]
+    assert len(honest) == 3 and len(sybils) == 5
+    assert len({network_group(peer.listen, "network") for peer in honest}) == 3
+    assert len({network_group(peer.listen, "ip") for peer in sybils}) == 2
+    assert {network_group(p.listen, "network") for p in sybils}.isdisjoint(
+        network_group(p.listen, "network") for p in honest
+    )
+    assert len({peer.listen for peer in cfg.peers}) == 8, "every node a port of its own"
+    assert cfg.attack.kind == "relay:0.01" and cfg.attack.nodes == [p.name for p in sybils]
+    assert cfg.topology.group_by == "network" and cfg.topology.select == "benefit"
+    alone = sybil_mesh([], honest=3, sybils=0, addresses=2, noise=0.01)
+    assert len(alone.peers) == 3 and alone.attack.kind == "" and not alone.attack.nodes
+
+
+def test_a_rounds_take_counts_sybil_places_the_worst_node_and_sybil_weight():
+    def record(node, view, weights):
+        return RoundRecord(round=2, node=node, neighbours_at_end=view, weights=weights)
+
+    run = RunRecords(
+        history={
+            "a": [record("a", ["b", "s1", "s2", "c"], {"a": 0.5, "s1": 0.5})],
+            "b": [record("b", ["a", "c", "d", "e"], {"b": 1.0})],
+            "s1": [record("s1", ["a"], {})],
+        },
+        attackers=frozenset({"s1", "s2"}),
+    )
+    (take,) = round_takes(run)
+    assert take.sybil_places == 2 / 8
+    assert (take.worst_node, take.worst_honest, take.worst_of) == ("a", 2, 4)
+    assert take.sybil_weight == 0.25
