@@ -72,7 +72,11 @@ class Sketcher:
             size = tensor.numel()
             reads = min(size, max(MIN_SAMPLED, round(SAMPLED * size / total)))
             generator = torch.Generator().manual_seed(draw_seed(self.seed, key, size, "sketch"))
-            positions = torch.randint(size, (reads,), generator=generator)
+            positions = (
+                torch.arange(size)
+                if reads == size
+                else torch.randint(size, (reads,), generator=generator)
+            )
             buckets = torch.randint(SKETCH_SIZE, (reads,), generator=generator)
             signs = torch.randint(2, (reads,), generator=generator).double() * 2 - 1
             values = tensor.reshape(-1)[positions].double() * math.sqrt(size / reads)

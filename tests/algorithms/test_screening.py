@@ -205,7 +205,7 @@ def test_copies_within_a_round_and_replays_of_earlier_rounds_are_found():
     sketch = Sketcher(seed=0)
     a, b = sketch({"w": torch.ones(2)}), sketch({"w": -torch.ones(2)})
     old = sketch({"w": torch.full((2,), 3.0)})
-    moved = sketch({"w": torch.full((2,), 3.02)})
+    moved = sketch({"w": torch.full((2,), 3.5)})
     nearest = near_pairs({"x": a, "y": a, "z": b, "r": old}, [("q", old)], scale=1.0)
     assert copies(nearest) == {"x": "copy", "y": "copy", "r": "replay"}
     # q's model moved a little from its own last one: its own work, if settled; r hands
