@@ -114,7 +114,12 @@ class RawPeer:
     """A peer driven by hand: a DEALER to the endpoint, a ROUTER for its answers."""
 
     def __init__(
-        self, context: zmq.Context, target: str, identity: Identity | None = None, name: str = "raw"
+        self,
+        context: zmq.Context,
+        target: str,
+        identity: Identity | None = None,
+        name: str = "raw",
+        host: str = "127.0.0.1",
     ) -> None:
         self.identity = identity or Identity.generate()
         self.name = name
@@ -129,7 +134,7 @@ class RawPeer:
             keys = Encryption(self.identity.curve_public_key, self.identity.curve_secret_key)
             curve_server(self.inbox, keys)
             curve_client(self.out, keys, curve_public_key(node_key))
-        self.inbox.bind("tcp://127.0.0.1:*")
+        self.inbox.bind(f"tcp://{host}:*")
         self.address = self.inbox.getsockopt_string(zmq.LAST_ENDPOINT)
         self.out.connect(address)
         self.decoder = Decoder(MESH)

@@ -828,3 +828,29 @@ def test_a_node_greets_its_anchors_before_its_other_contacts(mesh):
     assert {peer.address for peer in chosen} <= node.handshake.bootstrap, "greeted first"
     wanted = {peer.identity.public_key for peer in chosen}
     assert poll_until(lambda: wanted <= neighbours(node), 10)
+
+
+def test_one_machine_of_a_network_gets_one_place_of_a_view_on_sockets(context):
+    """Greeters of one /24 (network grouping): two identities of one machine get one
+    place, another machine of that network the second, a third machine none."""
+    limits = Limits("network", neighbours=2, candidates=3, per_source=3)
+    node = _endpoint("node", host="127.0.1.1", views=replace(SMALL_VIEWS, limits=limits))
+    try:
+        node.start()
+
+        def greet(name: str, host: str) -> RawPeer:
+            greeter = RawPeer(context, node.contact, name=name, host=host)
+            greeter.send(greeter.frames("hello", {"name": name, "addr": greeter.address}))
+            return greeter
+
+        first = greet("first", "127.0.0.3")
+        assert poll_until(lambda: first.public_key in node.table.entries, 5)
+        twin = greet("twin", "127.0.0.3")  # another identity of the same machine
+        assert twin.expect("peers", 5).body["linked"] is False
+        other = greet("other", "127.0.0.4")
+        assert poll_until(lambda: other.public_key in node.table.entries, 5)
+        third = greet("third", "127.0.0.5")  # the network holds its two places
+        assert third.expect("peers", 5).body["linked"] is False
+        assert node.flow_rejections["group_full"] == 2 and len(node.table.entries) == 2
+    finally:
+        node.close()
