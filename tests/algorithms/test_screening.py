@@ -772,3 +772,27 @@ def test_screening_reports_the_verdict_of_a_rule_that_guards_its_own_aggregate(w
     assert pfedsv_guard(own, own, torch.tensor([0, 1]))[1]["adopted"] is True
     wrong = torch.tensor([[0.0, 4.0], [4.0, 0.0]])
     assert pfedsv_guard(own, wrong, torch.tensor([0, 1]))[1]["adopted"] is False
+
+
+def test_a_sketch_keeps_distances_and_is_a_nodes_own_draw():
+    """Sketches estimate distances (the copy check's scale is one of them): within a
+    fifth for a difference spread over a model, a small tensor beside a large one
+    included; one node's sketch of a model is the same every time, another node's is
+    drawn apart."""
+    generator = torch.Generator().manual_seed(0)
+    base = {
+        "body": torch.randn(50_000, generator=generator),
+        "head": torch.randn(40, generator=generator),
+    }
+    moved = {
+        key: value + 0.01 * torch.randn(value.shape, generator=generator)
+        for key, value in base.items()
+    }
+    headed = {**base, "head": base["head"] + 1.0}
+    sketch = Sketcher(seed=1)
+    for other in (moved, headed):
+        true = sum(float((other[key] - base[key]).pow(2).sum()) for key in base) ** 0.5
+        assert float(torch.dist(sketch(base), sketch(other))) == pytest.approx(true, rel=0.2)
+    assert torch.equal(sketch(base), Sketcher(seed=1)(base))
+    assert not torch.equal(sketch(base), Sketcher(seed=2)(base))
+    assert sketch({"steps": torch.tensor(3)}) is None, "a model without floats has none"
