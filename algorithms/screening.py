@@ -587,7 +587,11 @@ class Screened(PeerAlgorithm):
     ) -> tuple[dict[str, str], float | None]:
         """Step 2's {peer: "copy" or "replay"}, and how near the nearest of the others
         came to being called one (copies.py); none for a model without floats."""
-        began_with = self.sketch(self._adopted.get(round_no - 1, (own.state, None))[0])
+        # The round's start is the outcome remembered last round; in a node's first
+        # round here, its own model.
+        began_with = self.memory.rounds.get(round_no - 1, {}).get(OWN)
+        if began_with is None:
+            began_with = self.sketch(own.state)
         if began_with is None:
             return {}, None
         sketches = {

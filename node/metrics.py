@@ -41,6 +41,8 @@ class _Round:
     bytes_out: int | None = None  # sent during the round
     rejections: dict[str, int] = field(default_factory=dict)  # reason -> messages, since start
     refusals: dict[str, int] = field(default_factory=dict)  # reason -> blobs refused this round
+    # The tensors' bytes of the blobs the role published this round, as they travelled.
+    published_bytes: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # keys this version does not know
 
     def to_json(self) -> dict[str, Any]:
@@ -88,7 +90,6 @@ class RoundRecord(_Round):
     attacker: bool | None = None  # the node ran an attack this round
     bytes_sent_by_kind: dict[str, int] | None = None  # message kind -> bytes, since start
     compression: str | None = None  # the codec of the blobs the node published
-    published_bytes: int | None = None  # their tensors' bytes as they travel
     # A bounded mesh's only (WIRE.md 7.7): the neighbours when the round began and when
     # it ended (before any was dropped: places freed after a round are filled while the
     # next one runs), the ones new since the last round began, and the ones the node
@@ -107,7 +108,6 @@ class CoordinatorRecord(_Round):
     clients: list[str] = field(default_factory=list)  # chosen to train this round
     uploaded: list[str] = field(default_factory=list)  # whose upload came in time
     refused: list[str] = field(default_factory=list)  # whose upload was unusable
-    published_bytes: int | None = None  # the models sent to clients, as they travelled
 
 
 def parse_records(lines: Iterable[str], kind: type[Record]) -> Iterator[Record]:
