@@ -129,7 +129,7 @@ class MeshKeeper:
         self, began_with: Mapping[bytes, str], ended_with: Collection[str], dropped: list[str]
     ) -> dict[str, Any]:
         """The round record's fields about the view."""
-        return {"neighbours": None, "neighbours_at_end": None, "tried": None, "dropped": None}
+        return dict.fromkeys(("neighbours", "neighbours_at_end", "tried", "dropped", "anchors"))
 
 
 class ViewKeeper(MeshKeeper):
@@ -173,6 +173,7 @@ class ViewKeeper(MeshKeeper):
             "neighbours_at_end": sorted(ended_with),
             "tried": self.tried(began_with.values()),
             "dropped": dropped,
+            "anchors": self.anchors(),
         }
 
     def tried(self, neighbours: Collection[str]) -> list[str]:
@@ -204,7 +205,7 @@ class ViewKeeper(MeshKeeper):
         still = [name for name in began_with if name in current]
         self._stayed = {name: self._stayed.get(name, 0) + 1 for name in still}
         benefit = self.algorithm.benefits(still, weights)
-        explore = len(current) >= views.neighbours and self.endpoint.passive_size() > 0
+        explore = len(current) >= views.neighbours and self.endpoint.greetable_candidates() > 0
         rng = random.Random(draw_seed(self.cfg.seed, self.name, round_no, "neighbours"))
         select = self.cfg.topology.select
         dropped = neighbours_to_drop(benefit, weights, shunned, select, rng, explore)

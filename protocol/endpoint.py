@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -194,10 +194,17 @@ class Endpoint:
 
     # --- the node's side --------------------------------------------------
 
-    def start(self, bootstrap: Iterable[str] = (), anchors: Iterable[str] = ()) -> None:
+    def start(
+        self,
+        bootstrap: Iterable[str] = (),
+        anchors: Iterable[str] = (),
+        kept_out: Mapping[str, int] | None = None,
+    ) -> None:
         """Start serving and say hello to every bootstrap contact (any one is enough):
         KEY@tcp://HOST:PORT, or a bare address where the mesh does not encrypt; a
-        bounded view greets its `anchors` (contacts alike) first."""
+        bounded view greets its `anchors` (contacts alike) first, and keeps out the
+        network groups `kept_out` (a checkpoint's `dropped_groups`)."""
+        self.overlay.keep_out(kept_out or {})
         if self.settings.encrypt:
             log.info(
                 "%s: listening encrypted; others dial it as %s", self.settings.name, self.contact
@@ -252,9 +259,16 @@ class Endpoint:
             if entry is not None:
                 self.overlay.unlink(entry)
 
-    def passive_size(self) -> int:
+    def dropped_groups(self) -> dict[str, int]:
+        """The network groups of dropped neighbours the view keeps out for a while, each
+        with the round of its drop (for the checkpoint)."""
         with self.lock:
-            return len(self.passive)
+            return self.overlay.dropped_groups()
+
+    def greetable_candidates(self) -> int:
+        """How many candidates the node could greet for a free place now."""
+        with self.lock:
+            return self.overlay.greetable()
 
     def finish(self) -> None:
         """The node has done its last round (`set_round` past it): every live peer hears

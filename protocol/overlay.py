@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from .membership import LEFT, PeerEntry
@@ -31,6 +32,16 @@ from .wire import Message
 # bounded view holding all the peers one network group may (views.py counts the rest).
 VIEW_FULL, NOT_LINKED = "view_full", "not_linked"
 GROUP_FULL = "group_full"
+# A greeting from a network group whose neighbour the node dropped a few rounds ago.
+GROUP_DROPPED = "group_dropped"
+
+# Rounds a node keeps out the network group of a neighbour it dropped: its greeters are
+# turned away and its candidates not greeted. Identities cost nothing, so without it one
+# machine's dropped identity would give its place to the next at once (docs/defences.md,
+# "Many identities on few machines"); an honest peer's group is one of many, and out of
+# one node's reach for a few rounds only. Ungrouped addresses (a mesh on one machine, a
+# LAN under `auto`) are never kept out.
+DROPPED_GROUP_ROUNDS = 3
 
 
 class Overlay:
@@ -60,6 +71,18 @@ class Overlay:
 
     def fill(self) -> None:
         """Greet now whoever takes the places a peer left (a full mesh has no places)."""
+
+    def greetable(self) -> int:
+        """How many candidates could take a free place now (a full mesh has none)."""
+        return 0
+
+    def dropped_groups(self) -> dict[str, int]:
+        """The network groups kept out (DROPPED_GROUP_ROUNDS), each with the round of the
+        drop that keeps it out; what a checkpoint keeps (a full mesh keeps none out)."""
+        return {}
+
+    def keep_out(self, groups: Mapping[str, int]) -> None:
+        """Keep out the `groups` a checkpoint kept (as `dropped_groups` gave them)."""
 
     def may_wait(self) -> bool:
         """Whether waiting for more live peers may still be answered."""
@@ -182,6 +205,10 @@ class BoundedView(Overlay):
             rejections=endpoint.flow_rejections,
         )
         self._unheard_seen = 0  # transport.unheard_count when we last looked
+        self._round = 0
+        # The groups of neighbours dropped in the last DROPPED_GROUP_ROUNDS rounds (this
+        # one included), each with the round of its drop; `pace` forgets older ones.
+        self._dropped_groups: dict[str, int] = {}
 
     # --- joining and keeping the view full -------------------------------------------
 
@@ -216,11 +243,25 @@ class BoundedView(Overlay):
         return any(entry.reached for entry in self.endpoint.table.alive())
 
     def unlink(self, entry: PeerEntry) -> None:
-        """The neighbour is told (`unlink`), and another candidate is greeted in its place."""
+        """The neighbour is told (`unlink`), its network group kept out for
+        DROPPED_GROUP_ROUNDS rounds, and another candidate greeted in its place."""
+        group = self.passive.limits.group(entry.address)
+        if group is not None:
+            self._dropped_groups[group] = self._round
         self.endpoint.send(entry.address, "unlink", {})
         self.forget_neighbour(entry, drain=True)
         self.passive.discard(entry.public_key)  # not the candidate greeted in its place
         self.fill()  # now, not at the next tick: the next round may wait for it
+
+    def dropped_groups(self) -> dict[str, int]:
+        return dict(self._dropped_groups)
+
+    def keep_out(self, groups: Mapping[str, int]) -> None:
+        self._dropped_groups.update(groups)
+
+    def greetable(self) -> int:
+        """The candidates of groups the node does not keep out."""
+        return sum(not self.kept_out(entry.addr) for entry in self.passive.entries.values())
 
     def may_wait(self) -> bool:
         """Only while a candidate greeted for a place the view lacks has yet to answer:
@@ -246,6 +287,7 @@ class BoundedView(Overlay):
                 self.passive.discard(candidate.key)  # the node wants no link with it
         table = endpoint.table
         exclude = set(table.entries) | {endpoint.identity.public_key}
+        exclude |= {key for key, entry in self.passive.entries.items() if self.kept_out(entry.addr)}
         friends = table.entries.keys() if self.views.friends_first else ()
         greeted = [address for address in endpoint.handshake.out if not table.at(address)]
         chosen = self.passive.take(short, exclude, friends, self.linked_addresses() + greeted)
@@ -317,6 +359,15 @@ class BoundedView(Overlay):
 
     def pace(self, old_round: int, new_round: int) -> None:
         self.shuffles.pace(old_round, new_round, time.monotonic())
+        self._round = new_round
+        since = new_round - DROPPED_GROUP_ROUNDS
+        self._dropped_groups = {g: r for g, r in self._dropped_groups.items() if r >= since}
+
+    def kept_out(self, address: str) -> bool:
+        """Whether `address`'s network group had a neighbour dropped in the last
+        DROPPED_GROUP_ROUNDS rounds (this one included)."""
+        group = self.passive.limits.group(address)
+        return group is not None and group in self._dropped_groups
 
     # --- who may link ------------------------------------------------------------------
 
@@ -347,12 +398,17 @@ class BoundedView(Overlay):
         """No room, or none for a peer the node shuns, or for anyone once it is done."""
         if self.is_full() or self.endpoint.finished or self.endpoint.shuns(name):
             return VIEW_FULL
-        return GROUP_FULL if self.group_is_full(address) else None
+        return self._group_refusal(address)
 
     def turns_away(self, name: str, address: str) -> str | None:
         if self.is_full(address) or self.endpoint.shuns(name):
             return VIEW_FULL
-        return GROUP_FULL if self.group_is_full(address) else None
+        return self._group_refusal(address)
+
+    def _group_refusal(self, address: str) -> str | None:
+        if self.group_is_full(address):
+            return GROUP_FULL
+        return GROUP_DROPPED if self.kept_out(address) else None
 
     def took_greeter(self, message: Message, address: str) -> None:
         self.shuffles.keep(message.sender, message.body.get("card"), address)

@@ -134,19 +134,33 @@ def kill_hosts_in_round(
     """Once every node of a live host of the launch `process` (writing to `out`) has
     recorded round `round_no` - 1, SIGKILL `count` of those hosts drawn by `rng`; the
     names of their nodes (none if the launch ended first)."""
+    hosts = hosts_in_round(process, out, round_no, least=count + 1)
+    return kill_hosts(rng.sample(hosts, count)) if hosts else set()
+
+
+def hosts_in_round(
+    process: subprocess.Popen[bytes], out: Path, round_no: int, least: int = 1
+) -> list[dict[str, Any]]:
+    """The live node hosts of the launch `process` (writing to `out`), once at least
+    `least` are listed and every node of theirs has recorded round `round_no` - 1 (none
+    if the launch ended first)."""
     while process.poll() is None:
         hosts = [host for host in _listed_hosts(out, process.pid) if _alive(host["pid"])]
         nodes = [name for host in hosts for name in host["nodes"]]
-        if len(hosts) > count and all(
+        if len(hosts) >= least and all(
             rounds_recorded(out / name) >= round_no - 1 for name in nodes
         ):
-            victims = rng.sample(hosts, count)
-            for host in victims:
-                with contextlib.suppress(ProcessLookupError):  # it ended just now
-                    os.kill(host["pid"], signal.SIGKILL)
-            return {name for host in victims for name in host["nodes"]}
+            return hosts
         time.sleep(LOOK_EVERY_S)
-    return set()
+    return []
+
+
+def kill_hosts(hosts: list[dict[str, Any]]) -> set[str]:
+    """SIGKILL the node hosts `hosts`: the names of their nodes."""
+    for host in hosts:
+        with contextlib.suppress(ProcessLookupError):  # it ended just now
+            os.kill(host["pid"], signal.SIGKILL)
+    return {name for host in hosts for name in host["nodes"]}
 
 
 def _listed_hosts(out: Path, launcher: int) -> list[dict[str, Any]]:

@@ -16,7 +16,15 @@ Per round of the run with Sybils it prints, over the honest nodes' neighbours at
 round's end: the Sybils' share of all their places, the honest node with the fewest
 honest neighbours, and the Sybils' share of the honest nodes' aggregation weight. Then,
 from `--from-round` on: the worst node and round, the largest share, and the honest
-nodes' mean test accuracy with and without the Sybils:
+nodes' mean test accuracy with and without the Sybils.
+
+With `--restart-at R` each run has a node host per 10 nodes and restarts a host that
+dies (`--restarts 1`); once the nodes of node0's host (honest ones) have recorded
+round R - 1, that host is killed (SIGKILL) and comes back from its nodes' checkpoints
+while the Sybils stay. For each of its nodes the bench then prints how many of its
+anchors (those its last checkpoint named) it began its first round back with, and the
+first round it then ended with a full view of honest neighbours. The command of the
+measurements (docs/defences.md):
 
     meshfl bench sybil --honest 100 --sybils 100 --addresses 1 --rounds 15 \\
         --set data.dataset=mnist --set data.root=DIR --set data.samples_per_node=200
@@ -40,10 +48,12 @@ from meshfl.protocol.ports import free_ports
 
 from ..options import ConfigSource, add_assignments, resolve_config
 from ..run_folder import RunRecords, read_run
+from .faults import hosts_in_round, kill_hosts, rounds_recorded
 from .flags import add_rounds, bench_parser, positive
 
 SYBIL_NETWORKS_FROM = 200  # 127.200.0.1 and on: the Sybils' addresses; honest ones below
 BENCH_SETTINGS = ("topology.neighbours=8", "topology.select=benefit", "topology.group_by=network")
+RESTARTED_HOST_NODES = 10  # nodes per host where a host is killed and restarted
 
 
 def non_negative(text: str) -> float:
@@ -87,19 +97,88 @@ def sybil_mesh(
     return replace(cfg, peers=peers + sybil_peers, attack=attack)
 
 
-def run_mesh_once(cfg: cfgmod.MeshConfig, out: Path) -> float:
-    """`meshfl launch` of `cfg` (written under `out`) to its end: its wall seconds."""
+def run_mesh_once(cfg: cfgmod.MeshConfig, out: Path, restart_at: int | None = None) -> Restart:
+    """`meshfl launch` of `cfg` (written under `out`) to its end, killing and restarting
+    node0's host once its nodes recorded round `restart_at` - 1 where one is given: its
+    wall seconds, and the rounds the killed nodes had recorded by then."""
     out.mkdir(parents=True)
     config = out.parent / f"{out.name}.yaml"
     cfgmod.save_config(cfg, config)
     command = [sys.executable, "-m", "meshfl.launch.cli", "launch", "--config", str(config)]
+    command += ["--out", str(out), "--quiet"]
+    if restart_at is not None:
+        hosts = math.ceil(len(cfg.peers) / RESTARTED_HOST_NODES)
+        command += ["--hosts", str(hosts), "--restarts", "1"]
     clock = time.perf_counter()
-    done = subprocess.run(
-        [*command, "--out", str(out), "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
-    if done.returncode not in (0, 3):
-        raise RuntimeError(f"meshfl launch failed: {done.stderr.decode()[-800:]}")
-    return time.perf_counter() - clock
+    with open(out.parent / f"{out.name}.log", "wb") as log:  # a pipe unread would fill
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log)
+    killed: dict[str, int] = {}
+    try:
+        if restart_at is not None:
+            hosts_now = hosts_in_round(process, out, restart_at, least=2)
+            first = [host for host in hosts_now if cfg.peers[0].name in host["nodes"]]
+            killed = {name: rounds_recorded(out / name) for host in first for name in host["nodes"]}
+            kill_hosts(first)
+        process.wait()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    if process.returncode not in (0, 3):
+        tail = (out.parent / f"{out.name}.log").read_text(errors="replace")[-800:]
+        raise RuntimeError(f"meshfl launch failed: {tail}")
+    return Restart(time.perf_counter() - clock, killed)
+
+
+@dataclass(frozen=True)
+class Restart:
+    """A run's wall seconds, and the nodes killed mid-run with the last round each had
+    recorded then (none where no host was killed)."""
+
+    wall: float
+    killed: dict[str, int]
+
+
+def _view_size(cfg: cfgmod.MeshConfig) -> int:
+    views = cfg.topology.views(len(cfg.peers))
+    return views.neighbours if views is not None else len(cfg.peers) - 1
+
+
+def comebacks(run: RunRecords, killed: dict[str, int], neighbours: int) -> list[str]:
+    """One line per node that was killed: its anchors at its last checkpoint, how many
+    of them its first round back began with (a resumed node may skip to its
+    neighbours' round), and the first round it then ended with `neighbours`
+    neighbours, all honest."""
+    lines = []
+    for name, last in sorted(killed.items()):
+        history = run.history.get(name, [])
+        before = [record for record in history if record.round == last]
+        anchors = set(before[0].anchors or []) if before else set()
+        back = [record for record in history if record.round > last]
+        text = f"{name} (died in round {last + 1}): "
+        if not back:
+            lines.append(text + "no round recorded after")
+            continue
+        greeted = len(anchors & set(back[0].neighbours or []))
+        full = [
+            record.round
+            for record in back
+            if len(_view_at_end(record)) >= neighbours
+            and not set(_view_at_end(record)) & run.attackers
+        ]
+        text += (
+            f"{greeted} of its {len(anchors)} anchors among the neighbours it began round "
+            f"{back[0].round} with; "
+        )
+        lines.append(
+            text
+            + (
+                f"first full honest view at the end of round {full[0]}"
+                if full
+                else "no full honest view again"
+            )
+        )
+    return lines
 
 
 @dataclass(frozen=True)
@@ -192,10 +271,18 @@ def main(argv: list[str]) -> int:
         "--from-round", type=positive(int), default=5, help="first round of the summary"
     )
     add_assignments(parser, "a config change for both runs, repeatable")
+    parser.add_argument(
+        "--restart-at",
+        type=positive(int),
+        metavar="ROUND",
+        help="kill node0's host in this round and restart it (see above)",
+    )
     parser.add_argument("--keep", metavar="DIR", type=Path, help="keep the runs under DIR")
     args = parser.parse_args(argv)
     if args.keep is not None and args.keep.exists() and any(args.keep.iterdir()):
         parser.error(f"--keep {args.keep}: not empty; the runs go into a folder of their own")
+    if args.restart_at is not None and not 2 <= args.restart_at < args.rounds:
+        parser.error(f"--restart-at {args.restart_at}: must be after round 1 and before the last")
     settings = [*args.assignments, f"rounds={args.rounds}"]
     accuracy: dict[int, list[float]] = {0: [], args.sybils: []}
     with tempfile.TemporaryDirectory(prefix="meshfl-sybil-") as scratch:
@@ -204,14 +291,16 @@ def main(argv: list[str]) -> int:
             for sybils in (0, args.sybils):
                 cfg = sybil_mesh(settings, args.honest, sybils, args.addresses, args.noise)
                 out = runs / f"sybils{sybils}-{repeat}"
-                wall = run_mesh_once(cfg, out)
+                done = run_mesh_once(cfg, out, args.restart_at)
                 run = read_run(out, attackers=frozenset(cfg.attack.nodes))
                 accuracy[sybils].append(honest_accuracy(run))
                 print(
                     f"repeat {repeat + 1}, {sybils} Sybils on {args.addresses} addresses: "
-                    f"wall_s={wall:.1f} honest mean_test_acc={accuracy[sybils][-1]:.4f}",
+                    f"wall_s={done.wall:.1f} honest mean_test_acc={accuracy[sybils][-1]:.4f}",
                     flush=True,
                 )
+                for line in comebacks(run, done.killed, _view_size(cfg)):
+                    print("  " + line, flush=True)
                 if sybils:
                     takes = round_takes(run)
                     for take in takes:

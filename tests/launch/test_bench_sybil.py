@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from meshfl.launch.bench.sybil import round_takes, sybil_mesh
+from meshfl.launch.bench.sybil import comebacks, round_takes, sybil_mesh
 from meshfl.launch.run_folder import RunRecords
 from meshfl.node.metrics import RoundRecord
 from meshfl.protocol.addresses import network_group
@@ -41,3 +41,26 @@ def test_a_rounds_take_counts_sybil_places_the_worst_node_and_sybil_weight():
     assert take.sybil_places == 2 / 8
     assert (take.worst_node, take.worst_honest, take.worst_of) == ("a", 2, 4)
     assert take.sybil_weight == 0.25
+
+
+def test_a_restarted_nodes_comeback_counts_its_anchors_and_rounds_to_a_full_honest_view():
+    def record(number, began, ended, anchors=None):
+        return RoundRecord(round=number, neighbours=began, neighbours_at_end=ended, anchors=anchors)
+
+    history = [
+        record(3, ["b", "c"], ["b", "c"], anchors=["b", "c"]),  # its last checkpoint
+        record(4, ["b", "s1"], ["b", "s1"]),  # back with one anchor, and a Sybil
+        record(5, ["b", "s1"], ["b", "d"]),  # ends full (2 places here) and honest
+        record(6, ["b", "d"], ["b", "d"]),
+    ]
+    run = RunRecords(history={"a": history}, attackers=frozenset({"s1"}))
+    (line,) = comebacks(run, {"a": 3}, neighbours=2)
+    assert line == (
+        "a (died in round 4): 1 of its 2 anchors among the neighbours it began round 4 "
+        "with; first full honest view at the end of round 5"
+    )
+    (never,) = comebacks(run, {"a": 5}, neighbours=3)
+    assert never.endswith("no full honest view again")
+    skipped = RunRecords(history={"a": [history[0], *history[2:]]}, attackers=frozenset({"s1"}))
+    (late,) = comebacks(skipped, {"a": 3}, neighbours=2)
+    assert "1 of its 2 anchors among the neighbours it began round 5 with" in late

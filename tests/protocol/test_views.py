@@ -25,6 +25,7 @@ from meshfl.node.config import MeshConfig
 from meshfl.protocol.endpoint import Endpoint, EndpointSettings
 from meshfl.protocol.identity import Identity
 from meshfl.protocol.memory import MemoryNetwork
+from meshfl.protocol.overlay import DROPPED_GROUP_ROUNDS
 from meshfl.protocol.ports import free_ports
 from meshfl.protocol.transport import TransportError, contact
 from meshfl.protocol.views import (
@@ -719,6 +720,74 @@ def test_one_shuffle_fills_no_more_candidates_than_its_group_and_its_source_may(
         assert poll_until(lambda: node.received["shuffle"] == 1, 5)
         assert len(node.passive) == 3
         assert node.stats()["candidates_refused"] == 3
+    finally:
+        node.close()
+
+
+def test_a_dropped_neighbours_group_is_kept_out_for_a_few_rounds(context):
+    # Identities cost nothing: another key of the group of a neighbour the node dropped
+    # gets the place neither by greeting nor as a candidate, until DROPPED_GROUP_ROUNDS
+    # rounds have passed. A view of one neighbour; its group is its address (`ip`).
+    node = _endpoint("node", host=OTHER_ADDRESS, views=replace(LIMITED, neighbours=1, most=2))
+    try:
+        node.start()
+        node.set_round(1)
+        dropped = linked_raw_peer(context, node, name="dropped")
+        same_group = RawPeer(context, node.contact, name="same")
+        elsewhere = RawPeer(context, node.contact, name="elsewhere", host="127.0.0.3")
+        with node.lock:
+            for peer in (same_group, elsewhere):
+                node.passive.add(Candidate(peer.public_key, peer.address, name=peer.name))
+        node.unlink(dropped.public_key)
+        dropped.expect("unlink", 5)
+        elsewhere.expect("hello", 5)  # its place goes to a candidate of another group
+        assert same_group.collect("hello", 0.5) == []
+        assert node.greetable_candidates() == 0 and len(node.passive) == 1  # none to explore
+        newcomer = RawPeer(context, node.contact, name="newcomer")
+        newcomer.send(newcomer.hello())
+        assert newcomer.expect("peers", 5).body["linked"] is False
+        assert node.flow_rejections["group_dropped"] == 1
+        node.set_round(1 + DROPPED_GROUP_ROUNDS)  # the last round it is kept out
+        newcomer.send(newcomer.hello())
+        assert newcomer.expect("peers", 5).body["linked"] is False
+        node.set_round(2 + DROPPED_GROUP_ROUNDS)
+        newcomer.send(newcomer.hello())
+        assert newcomer.expect("peers", 5).body["linked"] is not False
+    finally:
+        node.close()
+
+
+def test_a_restarted_node_keeps_out_the_groups_its_checkpoint_kept_out(context):
+    views = replace(LIMITED, neighbours=1, most=2)
+    node = _endpoint("node", host=OTHER_ADDRESS, views=views)
+    try:
+        node.start()
+        node.set_round(2)
+        node.unlink(linked_raw_peer(context, node, name="dropped").public_key)
+        kept = node.dropped_groups()  # what the node's checkpoint keeps
+        assert list(kept.values()) == [2]
+    finally:
+        node.close()
+    again = _endpoint("node", host=OTHER_ADDRESS, views=views)
+    try:
+        again.start(kept_out=kept)
+        again.set_round(3)
+        greeter = RawPeer(context, again.contact, name="greeter")
+        greeter.send(greeter.hello())
+        assert greeter.expect("peers", 5).body["linked"] is False
+        assert again.flow_rejections["group_dropped"] == 1
+    finally:
+        again.close()
+
+
+def test_a_mesh_on_one_machine_keeps_no_dropped_group_out(context):
+    # Loopback addresses are grouped by port under `auto`: each node is a group of its own.
+    node = _endpoint("node", host=OTHER_ADDRESS, views=replace(SMALL_VIEWS, neighbours=1, most=2))
+    try:
+        node.start()
+        node.unlink(linked_raw_peer(context, node, name="dropped").public_key)
+        linked_raw_peer(context, node, name="next")  # at the same address, at once
+        assert node.flow_rejections["group_dropped"] == 0
     finally:
         node.close()
 
