@@ -209,8 +209,7 @@ class ViewKeeper(MeshKeeper):
         rng = random.Random(draw_seed(self.cfg.seed, self.name, round_no, "neighbours"))
         select = self.cfg.topology.select
         dropped = neighbours_to_drop(benefit, weights, shunned, select, rng, explore)
-        for name in dropped:
-            self.endpoint.unlink(current[name])
+        self.endpoint.unlink([current[name] for name in dropped])
         proven = [
             name
             for name in benefit

@@ -138,7 +138,7 @@ class Node:
         self.cpu: AbstractContextManager[Any] = contextlib.nullcontext()
         self._suspects: set[str] = set()  # peers whose input made the rule raise last round
         self._anchors: list[str] = []  # contacts to greet first: a resumed node's anchors
-        self._kept_out: dict[str, int] = {}  # a resumed node's groups of dropped neighbours
+        self._kept_out: dict[str, int] = {}  # a resumed node's machines of dropped neighbours
         # FedBN (`local_batchnorm`): the entries every model taken in carries as ours.
         self.local_keys = batchnorm_keys(model) if self.cfg.local_batchnorm else frozenset()
         # `compression: topk`: models travel as deltas against public copies (deltas.py).
@@ -312,7 +312,7 @@ class Node:
         self.options.bootstrap = list(dict.fromkeys([*self.options.bootstrap, *known]))
         # Both absent in older checkpoints.
         self._anchors = json.loads(state.get("anchors", "[]"))
-        self._kept_out = json.loads(state.get("dropped_groups", "{}"))
+        self._kept_out = json.loads(state.get("dropped_machines", "{}"))
         self.metrics.keep_until(state["round"])
         log.info("%s: resumed from the checkpoint of round %d", self.options.name, state["round"])
         return state["round"] + 1
@@ -505,7 +505,7 @@ class Node:
                 "algorithm": self.algorithm.state_dict(),
                 "peers": json.dumps(peers),
                 "anchors": json.dumps(anchors),
-                "dropped_groups": json.dumps(self.endpoint.dropped_groups()),
+                "dropped_machines": json.dumps(self.endpoint.dropped_machines(round_no + 1)),
             },
         )
 

@@ -203,7 +203,7 @@ class Endpoint:
         """Start serving and say hello to every bootstrap contact (any one is enough):
         KEY@tcp://HOST:PORT, or a bare address where the mesh does not encrypt; a
         bounded view greets its `anchors` (contacts alike) first, and keeps out the
-        network groups `kept_out` (a checkpoint's `dropped_groups`)."""
+        machines `kept_out` (a checkpoint's `dropped_machines`)."""
         self.overlay.keep_out(kept_out or {})
         if self.settings.encrypt:
             log.info(
@@ -234,7 +234,8 @@ class Endpoint:
         return self.handshake.joined.is_set()
 
     def set_round(self, round_no: int) -> None:
-        self.overlay.pace(self.round, round_no)
+        with self.lock:  # the overlay is read on the worker thread
+            self.overlay.pace(self.round, round_no)
         self.round = round_no
         self.blobs.forget_before(round_no)
 
@@ -251,22 +252,22 @@ class Endpoint:
         others = max(mesh_size - 1, 0)
         return self.overlay.expected_peers(others)
 
-    def unlink(self, public_key: bytes) -> None:
-        """Drop a neighbour of a bounded mesh: it is told (`unlink`), and another
-        candidate is greeted in its place."""
+    def unlink(self, public_keys: Iterable[bytes]) -> None:
+        """Drop neighbours of a bounded mesh: each is told (`unlink`), and other
+        candidates are greeted in their places."""
         with self.lock:
-            entry = self.table.get(public_key)
-            if entry is not None:
-                self.overlay.unlink(entry)
+            entries = [self.table.get(key) for key in public_keys]
+            self.overlay.unlink([entry for entry in entries if entry is not None])
 
-    def dropped_groups(self) -> dict[str, int]:
-        """The network groups of dropped neighbours the view keeps out for a while, each
-        with the round of its drop (for the checkpoint)."""
+    def dropped_machines(self, in_round: int) -> dict[str, int]:
+        """The machines of dropped neighbours the view still keeps out in round
+        `in_round`, each with the round of its drop (for the checkpoint)."""
         with self.lock:
-            return self.overlay.dropped_groups()
+            return self.overlay.dropped_machines(in_round)
 
     def greetable_candidates(self) -> int:
-        """How many candidates the node could greet for a free place now."""
+        """How many candidates the node could greet for a free place now (those on
+        machines it keeps out not counted)."""
         with self.lock:
             return self.overlay.greetable()
 

@@ -15,6 +15,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from .addresses import machine_of
 from .membership import LEFT, PeerEntry
 from .parts import Greeting, Host
 from .views import (
@@ -32,16 +33,17 @@ from .wire import Message
 # bounded view holding all the peers one network group may (views.py counts the rest).
 VIEW_FULL, NOT_LINKED = "view_full", "not_linked"
 GROUP_FULL = "group_full"
-# A greeting from a network group whose neighbour the node dropped a few rounds ago.
-GROUP_DROPPED = "group_dropped"
+# A greeting from the machine of a neighbour the node dropped a few rounds ago.
+MACHINE_DROPPED = "machine_dropped"
 
-# Rounds a node keeps out the network group of a neighbour it dropped: its greeters are
-# turned away and its candidates not greeted. Identities cost nothing, so without it one
-# machine's dropped identity would give its place to the next at once (docs/defences.md,
-# "Many identities on few machines"); an honest peer's group is one of many, and out of
-# one node's reach for a few rounds only. Ungrouped addresses (a mesh on one machine, a
-# LAN under `auto`) are never kept out.
-DROPPED_GROUP_ROUNDS = 3
+# A node keeps out the machine of a neighbour it dropped for the rest of the round of the
+# drop and this many rounds after it: the machine's greeters are turned away and its
+# candidates not greeted. Identities cost nothing, so without it a machine's dropped
+# identity would give its place to the next one at once (docs/defences.md, "Many
+# identities on few machines"); an honest machine is mostly one node, out of one node's
+# reach for a few rounds. Ungrouped addresses (a mesh on one machine, a LAN under
+# `auto`) are never kept out.
+DROPPED_MACHINE_ROUNDS = 3
 
 
 class Overlay:
@@ -66,8 +68,8 @@ class Overlay:
         """How many live peers a node can expect where `others` nodes besides it run."""
         raise NotImplementedError
 
-    def unlink(self, entry: PeerEntry) -> None:
-        """Drop the peer `entry` at the node's wish (a full mesh drops nobody)."""
+    def unlink(self, entries: list[PeerEntry]) -> None:
+        """Drop the peers `entries` at the node's wish (a full mesh drops nobody)."""
 
     def fill(self) -> None:
         """Greet now whoever takes the places a peer left (a full mesh has no places)."""
@@ -76,13 +78,13 @@ class Overlay:
         """How many candidates could take a free place now (a full mesh has none)."""
         return 0
 
-    def dropped_groups(self) -> dict[str, int]:
-        """The network groups kept out (DROPPED_GROUP_ROUNDS), each with the round of the
-        drop that keeps it out; what a checkpoint keeps (a full mesh keeps none out)."""
+    def dropped_machines(self, in_round: int) -> dict[str, int]:
+        """The machines still kept out in round `in_round` (DROPPED_MACHINE_ROUNDS), each
+        with the round of its drop: what a checkpoint keeps (a full mesh keeps none out)."""
         return {}
 
-    def keep_out(self, groups: Mapping[str, int]) -> None:
-        """Keep out the `groups` a checkpoint kept (as `dropped_groups` gave them)."""
+    def keep_out(self, machines: Mapping[str, int]) -> None:
+        """Keep out the `machines` a checkpoint kept (as `dropped_machines` gave them)."""
 
     def may_wait(self) -> bool:
         """Whether waiting for more live peers may still be answered."""
@@ -206,9 +208,9 @@ class BoundedView(Overlay):
         )
         self._unheard_seen = 0  # transport.unheard_count when we last looked
         self._round = 0
-        # The groups of neighbours dropped in the last DROPPED_GROUP_ROUNDS rounds (this
-        # one included), each with the round of its drop; `pace` forgets older ones.
-        self._dropped_groups: dict[str, int] = {}
+        # The machines of neighbours dropped in this round or the DROPPED_MACHINE_ROUNDS
+        # before it, each with the round of its drop; `pace` forgets older ones.
+        self._dropped_machines: dict[str, int] = {}
 
     # --- joining and keeping the view full -------------------------------------------
 
@@ -242,26 +244,33 @@ class BoundedView(Overlay):
         stranger's hello alone does not make one)."""
         return any(entry.reached for entry in self.endpoint.table.alive())
 
-    def unlink(self, entry: PeerEntry) -> None:
-        """The neighbour is told (`unlink`), its network group kept out for
-        DROPPED_GROUP_ROUNDS rounds, and another candidate greeted in its place."""
-        group = self.passive.limits.group(entry.address)
-        if group is not None:
-            self._dropped_groups[group] = self._round
-        self.endpoint.send(entry.address, "unlink", {})
-        self.forget_neighbour(entry, drain=True)
-        self.passive.discard(entry.public_key)  # not the candidate greeted in its place
+    def unlink(self, entries: list[PeerEntry]) -> None:
+        """Each neighbour is told (`unlink`) and its machine kept out (where its address
+        is grouped), and other candidates are greeted in their places."""
+        for entry in entries:
+            if self.passive.limits.group(entry.address) is not None:
+                self._dropped_machines[machine_of(entry.address)] = self._round
+        for entry in entries:
+            self.endpoint.send(entry.address, "unlink", {})
+            self.forget_neighbour(entry, drain=True)
+            self.passive.discard(entry.public_key)  # not a candidate greeted in its place
         self.fill()  # now, not at the next tick: the next round may wait for it
 
-    def dropped_groups(self) -> dict[str, int]:
-        return dict(self._dropped_groups)
+    def dropped_machines(self, in_round: int) -> dict[str, int]:
+        since = in_round - DROPPED_MACHINE_ROUNDS
+        return {machine: r for machine, r in self._dropped_machines.items() if r >= since}
 
-    def keep_out(self, groups: Mapping[str, int]) -> None:
-        self._dropped_groups.update(groups)
+    def keep_out(self, machines: Mapping[str, int]) -> None:
+        self._dropped_machines.update(machines)
 
     def greetable(self) -> int:
-        """The candidates of groups the node does not keep out."""
-        return sum(not self.kept_out(entry.addr) for entry in self.passive.entries.values())
+        """The candidates on machines the node does not keep out."""
+        return len(self.passive) - len(self._kept_out_candidates())
+
+    def _kept_out_candidates(self) -> set[bytes]:
+        if not self._dropped_machines:  # a local mesh's always: its addresses are ungrouped
+            return set()
+        return {key for key, entry in self.passive.entries.items() if self.keeps_out(entry.addr)}
 
     def may_wait(self) -> bool:
         """Only while a candidate greeted for a place the view lacks has yet to answer:
@@ -287,7 +296,7 @@ class BoundedView(Overlay):
                 self.passive.discard(candidate.key)  # the node wants no link with it
         table = endpoint.table
         exclude = set(table.entries) | {endpoint.identity.public_key}
-        exclude |= {key for key, entry in self.passive.entries.items() if self.kept_out(entry.addr)}
+        exclude |= self._kept_out_candidates()
         friends = table.entries.keys() if self.views.friends_first else ()
         greeted = [address for address in endpoint.handshake.out if not table.at(address)]
         chosen = self.passive.take(short, exclude, friends, self.linked_addresses() + greeted)
@@ -308,7 +317,7 @@ class BoundedView(Overlay):
         its start (7.1) until one answers; a contact that was not up when the node joined
         may be now."""
         endpoint = self.endpoint
-        if endpoint.finished or self.greeting() or self.passive.entries or self.has_neighbour():
+        if endpoint.finished or self.greeting() or self.greetable() or self.has_neighbour():
             return []
         handshake = endpoint.handshake
         chosen = handshake.choose_contacts()
@@ -360,14 +369,14 @@ class BoundedView(Overlay):
     def pace(self, old_round: int, new_round: int) -> None:
         self.shuffles.pace(old_round, new_round, time.monotonic())
         self._round = new_round
-        since = new_round - DROPPED_GROUP_ROUNDS
-        self._dropped_groups = {g: r for g, r in self._dropped_groups.items() if r >= since}
+        self._dropped_machines = self.dropped_machines(new_round)
 
-    def kept_out(self, address: str) -> bool:
-        """Whether `address`'s network group had a neighbour dropped in the last
-        DROPPED_GROUP_ROUNDS rounds (this one included)."""
-        group = self.passive.limits.group(address)
-        return group is not None and group in self._dropped_groups
+    def keeps_out(self, address: str) -> bool:
+        """Whether the node dropped a neighbour on `address`'s machine in this round or
+        the DROPPED_MACHINE_ROUNDS before it (an ungrouped address never)."""
+        if self.passive.limits.group(address) is None:
+            return False
+        return machine_of(address) in self._dropped_machines
 
     # --- who may link ------------------------------------------------------------------
 
@@ -398,17 +407,16 @@ class BoundedView(Overlay):
         """No room, or none for a peer the node shuns, or for anyone once it is done."""
         if self.is_full() or self.endpoint.finished or self.endpoint.shuns(name):
             return VIEW_FULL
-        return self._group_refusal(address)
+        return GROUP_FULL if self.group_is_full(address) else None
 
     def turns_away(self, name: str, address: str) -> str | None:
+        """As `refusal`, and a greeter on a machine the node keeps out (a node it greeted
+        itself, an anchor say, is not refused so)."""
         if self.is_full(address) or self.endpoint.shuns(name):
             return VIEW_FULL
-        return self._group_refusal(address)
-
-    def _group_refusal(self, address: str) -> str | None:
         if self.group_is_full(address):
             return GROUP_FULL
-        return GROUP_DROPPED if self.kept_out(address) else None
+        return MACHINE_DROPPED if self.keeps_out(address) else None
 
     def took_greeter(self, message: Message, address: str) -> None:
         self.shuffles.keep(message.sender, message.body.get("card"), address)

@@ -97,7 +97,7 @@ def sybil_mesh(
     return replace(cfg, peers=peers + sybil_peers, attack=attack)
 
 
-def run_mesh_once(cfg: cfgmod.MeshConfig, out: Path, restart_at: int | None = None) -> Restart:
+def run_mesh_once(cfg: cfgmod.MeshConfig, out: Path, restart_at: int | None = None) -> MeshRun:
     """`meshfl launch` of `cfg` (written under `out`) to its end, killing and restarting
     node0's host once its nodes recorded round `restart_at` - 1 where one is given: its
     wall seconds, and the rounds the killed nodes had recorded by then."""
@@ -117,8 +117,10 @@ def run_mesh_once(cfg: cfgmod.MeshConfig, out: Path, restart_at: int | None = No
         if restart_at is not None:
             hosts_now = hosts_in_round(process, out, restart_at, least=2)
             first = [host for host in hosts_now if cfg.peers[0].name in host["nodes"]]
-            killed = {name: rounds_recorded(out / name) for host in first for name in host["nodes"]}
             kill_hosts(first)
+            killed = {name: rounds_recorded(out / name) for host in first for name in host["nodes"]}
+            if not killed:
+                print(f"  the run ended before round {restart_at}: nothing was killed")
         process.wait()
     finally:
         if process.poll() is None:
@@ -127,11 +129,11 @@ def run_mesh_once(cfg: cfgmod.MeshConfig, out: Path, restart_at: int | None = No
     if process.returncode not in (0, 3):
         tail = (out.parent / f"{out.name}.log").read_text(errors="replace")[-800:]
         raise RuntimeError(f"meshfl launch failed: {tail}")
-    return Restart(time.perf_counter() - clock, killed)
+    return MeshRun(time.perf_counter() - clock, killed)
 
 
 @dataclass(frozen=True)
-class Restart:
+class MeshRun:
     """A run's wall seconds, and the nodes killed mid-run with the last round each had
     recorded then (none where no host was killed)."""
 
@@ -283,6 +285,11 @@ def main(argv: list[str]) -> int:
         parser.error(f"--keep {args.keep}: not empty; the runs go into a folder of their own")
     if args.restart_at is not None and not 2 <= args.restart_at < args.rounds:
         parser.error(f"--restart-at {args.restart_at}: must be after round 1 and before the last")
+    if args.restart_at is not None and args.honest < RESTARTED_HOST_NODES:
+        parser.error(
+            f"--restart-at: needs --honest {RESTARTED_HOST_NODES} or more (the host it kills "
+            "must hold honest nodes only)"
+        )
     settings = [*args.assignments, f"rounds={args.rounds}"]
     accuracy: dict[int, list[float]] = {0: [], args.sybils: []}
     with tempfile.TemporaryDirectory(prefix="meshfl-sybil-") as scratch:

@@ -82,7 +82,7 @@ def assert_anchors_stayed(run) -> None:
         anchors = [keys[contact.split("@")[0]] for contact in json.loads(state["anchors"])]
         assert len(anchors) <= ANCHORS
         assert set(anchors) <= set(history[-1]["anchors"])  # as the last round recorded
-        assert json.loads(state["dropped_groups"]) == {}  # one machine: no group kept out
+        assert json.loads(state["dropped_machines"]) == {}  # one machine: none kept out
         last_drop = history[-2]  # the last round drops nothing: its anchors are older
         for name in anchors:
             assert name not in last_drop["dropped"]

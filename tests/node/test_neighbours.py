@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import random
 
+import torch
+
 from meshfl.node.neighbours import EXPLORE_EVERY, neighbours_to_drop
+from meshfl.node.runtime import Node
+from tests.nodes import node_from
 
 
 def test_benefit_now_and_then_drops_the_neighbour_that_did_least():
@@ -74,3 +78,42 @@ def test_random_drops_one_whatever_the_benefit():
 
 def test_nobody_rated_nobody_dropped():
     assert neighbours_to_drop({}, (), set(), "benefit", random.Random(0)) == []
+
+
+def test_a_restarted_node_keeps_out_the_machines_it_kept_out(tmp_path):
+    """The machines of dropped neighbours a node keeps out (protocol/overlay.py) go
+    into its checkpoint, those still kept out when its next round begins, and a
+    resumed node takes them back to hand to its endpoint."""
+
+    class Endpoint:  # what saving and resuming ask of it: a full mesh's keeper, no peers
+        views = None
+        asked: int | None = None
+
+        def peers(self) -> list:
+            return []
+
+        def dropped_machines(self, in_round: int) -> dict[str, int]:
+            self.asked = in_round
+            return {"203.0.113.5/32": 4}
+
+    class Rule:
+        def state_dict(self) -> dict:
+            return {}
+
+        def load_state_dict(self, state: dict) -> None:
+            pass
+
+    class Metrics:
+        def keep_until(self, round_no: int) -> None:
+            pass
+
+    def node(endpoint: Endpoint) -> Node:
+        parts = {"model": torch.nn.Linear(2, 1), "algorithm": Rule(), "metrics": Metrics()}
+        return node_from(endpoint=endpoint, checkpoint_path=tmp_path / "checkpoint.pt", **parts)
+
+    before = Endpoint()
+    node(before)._save(5)
+    assert before.asked == 6
+    resumed = node(Endpoint())
+    assert resumed._resume() == 6
+    assert resumed._kept_out == {"203.0.113.5/32": 4}

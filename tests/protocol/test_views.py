@@ -25,7 +25,7 @@ from meshfl.node.config import MeshConfig
 from meshfl.protocol.endpoint import Endpoint, EndpointSettings
 from meshfl.protocol.identity import Identity
 from meshfl.protocol.memory import MemoryNetwork
-from meshfl.protocol.overlay import DROPPED_GROUP_ROUNDS
+from meshfl.protocol.overlay import DROPPED_MACHINE_ROUNDS
 from meshfl.protocol.ports import free_ports
 from meshfl.protocol.transport import TransportError, contact
 from meshfl.protocol.views import (
@@ -331,7 +331,7 @@ def test_a_node_its_neighbour_dropped_greets_for_the_place_at_once(mesh):
     dropped = mesh(1, lambda _: [dropper.contact], views=one_place, **slow)[-1]
     assert poll_until(lambda: neighbours(dropped) == {dropper.identity.public_key}, 5)
     dropped.passive.add(Candidate(spare.identity.public_key, spare.address))
-    dropper.unlink(dropped.identity.public_key)
+    dropper.unlink([dropped.identity.public_key])
     assert poll_until(lambda: neighbours(dropped) == {spare.identity.public_key}, 1.5)
 
 
@@ -342,7 +342,7 @@ def test_an_unlinked_neighbour_is_replaced_and_told(mesh):
     dropped = next(iter(neighbours(node)))
     other = next(e for e in endpoints if e.identity.public_key == dropped)
     unlinked_at = time.monotonic()
-    node.unlink(dropped)
+    node.unlink([dropped])
     assert dropped not in node.table.entries
 
     def told() -> bool:
@@ -370,7 +370,7 @@ def test_a_finished_node_is_heard_at_once_and_keeps_the_neighbours_it_has(mesh):
     assert poll_until(lambda: all(e.table.get(me).round == 7 for e in others), 0.2)
     # Its neighbours stay (it serves them its last blob); it looks for no others, and
     # turns newcomers away.
-    node.unlink(next(iter(kept)))
+    node.unlink([next(iter(kept))])
     late = mesh(1, lambda _: [node.contact])[-1]
     time.sleep(1.0)
     assert late.identity.public_key not in node.table.entries
@@ -579,7 +579,7 @@ def test_a_heartbeat_never_links_and_a_dropped_neighbours_is_answered_with_unlin
     # The node has room, yet a heartbeat is not a hello: a neighbour just dropped whose
     # heartbeat crossed our unlink must not come back by it, nor a stranger get in so.
     peer = linked_raw_peer(context, node)
-    node.unlink(peer.public_key)
+    node.unlink([peer.public_key])
     peer.expect("unlink", 5)
     peer.send(peer.frames("heartbeat", {"name": peer.name, "addr": peer.address}))
     peer.expect("unlink", 5)
@@ -595,7 +595,7 @@ def test_a_dropped_neighbours_place_is_greeted_for_at_once(context):
         dropped = linked_raw_peer(context, node)
         candidate = RawPeer(context, node.contact, name="candidate")
         node.passive.add(Candidate(candidate.public_key, candidate.address, name="candidate"))
-        node.unlink(dropped.public_key)
+        node.unlink([dropped.public_key])
         clock = time.monotonic()
         candidate.expect("hello", 3)
         assert time.monotonic() - clock < 1.0
@@ -724,70 +724,71 @@ def test_one_shuffle_fills_no_more_candidates_than_its_group_and_its_source_may(
         node.close()
 
 
-def test_a_dropped_neighbours_group_is_kept_out_for_a_few_rounds(context):
-    # Identities cost nothing: another key of the group of a neighbour the node dropped
-    # gets the place neither by greeting nor as a candidate, until DROPPED_GROUP_ROUNDS
-    # rounds have passed. A view of one neighbour; its group is its address (`ip`).
+def test_a_dropped_neighbours_machine_is_kept_out_for_a_few_rounds(context):
+    # Identities cost nothing: another key on the machine of a neighbour the node dropped
+    # gets the place neither by greeting nor as a candidate, until the rounds it is kept
+    # out are over. A view of one neighbour; addresses grouped by machine (`ip`).
     node = _endpoint("node", host=OTHER_ADDRESS, views=replace(LIMITED, neighbours=1, most=2))
     try:
         node.start()
         node.set_round(1)
         dropped = linked_raw_peer(context, node, name="dropped")
-        same_group = RawPeer(context, node.contact, name="same")
+        same_machine = RawPeer(context, node.contact, name="same")
+        with node.lock:
+            node.passive.add(Candidate(same_machine.public_key, same_machine.address))
+        node.unlink([dropped.public_key])
+        dropped.expect("unlink", 5)
+        assert same_machine.collect("hello", 0.5) == []
+        assert node.greetable_candidates() == 0 and len(node.passive) == 1  # none to explore
         elsewhere = RawPeer(context, node.contact, name="elsewhere", host="127.0.0.3")
         with node.lock:
-            for peer in (same_group, elsewhere):
-                node.passive.add(Candidate(peer.public_key, peer.address, name=peer.name))
-        node.unlink(dropped.public_key)
-        dropped.expect("unlink", 5)
-        elsewhere.expect("hello", 5)  # its place goes to a candidate of another group
-        assert same_group.collect("hello", 0.5) == []
-        assert node.greetable_candidates() == 0 and len(node.passive) == 1  # none to explore
+            node.passive.add(Candidate(elsewhere.public_key, elsewhere.address))
+            node.overlay.fill()
+        elsewhere.expect("hello", 5)  # the place goes to a candidate of another machine
         newcomer = RawPeer(context, node.contact, name="newcomer")
-        newcomer.send(newcomer.hello())
-        assert newcomer.expect("peers", 5).body["linked"] is False
-        assert node.flow_rejections["group_dropped"] == 1
-        node.set_round(1 + DROPPED_GROUP_ROUNDS)  # the last round it is kept out
-        newcomer.send(newcomer.hello())
-        assert newcomer.expect("peers", 5).body["linked"] is False
-        node.set_round(2 + DROPPED_GROUP_ROUNDS)
+        for round_no, rejected in [(1, 1), (1 + DROPPED_MACHINE_ROUNDS, 2)]:
+            node.set_round(round_no)
+            newcomer.send(newcomer.hello())
+            assert newcomer.expect("peers", 5).body["linked"] is False
+            assert node.flow_rejections["machine_dropped"] == rejected
+        node.set_round(2 + DROPPED_MACHINE_ROUNDS)
         newcomer.send(newcomer.hello())
         assert newcomer.expect("peers", 5).body["linked"] is not False
     finally:
         node.close()
 
 
-def test_a_restarted_node_keeps_out_the_groups_its_checkpoint_kept_out(context):
+def test_a_restarted_node_keeps_out_the_machines_its_checkpoint_kept_out(context):
     views = replace(LIMITED, neighbours=1, most=2)
     node = _endpoint("node", host=OTHER_ADDRESS, views=views)
     try:
         node.start()
         node.set_round(2)
-        node.unlink(linked_raw_peer(context, node, name="dropped").public_key)
-        kept = node.dropped_groups()  # what the node's checkpoint keeps
-        assert list(kept.values()) == [2]
+        node.unlink([linked_raw_peer(context, node, name="dropped").public_key])
+        assert node.dropped_machines(2 + DROPPED_MACHINE_ROUNDS + 1) == {}  # over by then
+        kept = node.dropped_machines(3)  # what the node's checkpoint of round 2 keeps
+        assert kept == {"127.0.0.1/32": 2}
     finally:
         node.close()
     again = _endpoint("node", host=OTHER_ADDRESS, views=views)
     try:
         again.start(kept_out=kept)
-        again.set_round(3)
         greeter = RawPeer(context, again.contact, name="greeter")
         greeter.send(greeter.hello())
         assert greeter.expect("peers", 5).body["linked"] is False
-        assert again.flow_rejections["group_dropped"] == 1
+        assert again.flow_rejections["machine_dropped"] == 1
     finally:
         again.close()
 
 
-def test_a_mesh_on_one_machine_keeps_no_dropped_group_out(context):
+def test_a_mesh_on_one_machine_keeps_no_dropped_machine_out(context):
     # Loopback addresses are grouped by port under `auto`: each node is a group of its own.
     node = _endpoint("node", host=OTHER_ADDRESS, views=replace(SMALL_VIEWS, neighbours=1, most=2))
     try:
         node.start()
-        node.unlink(linked_raw_peer(context, node, name="dropped").public_key)
+        node.unlink([linked_raw_peer(context, node, name="dropped").public_key])
         linked_raw_peer(context, node, name="next")  # at the same address, at once
-        assert node.flow_rejections["group_dropped"] == 0
+        assert node.flow_rejections["machine_dropped"] == 0
     finally:
         node.close()
 
