@@ -312,10 +312,10 @@ class BoundedView(Overlay):
         return sum(not table.at(address) for address in out if address != besides)
 
     def _rejoin(self) -> list[Greeting]:
-        """Greetings for a node left with no neighbour, no candidate and no greeting
-        (every node it knew died or left): its contacts, chosen and greeted again as at
-        its start (7.1) until one answers; a contact that was not up when the node joined
-        may be now."""
+        """Greetings for a node left with no neighbour, no candidate it may greet and no
+        greeting (every node it knew died or left, or its candidates are kept out): its
+        contacts, chosen and greeted again as at its start (7.1) until one answers; a
+        contact that was not up when the node joined may be now."""
         endpoint = self.endpoint
         if endpoint.finished or self.greeting() or self.greetable() or self.has_neighbour():
             return []
