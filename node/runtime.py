@@ -138,7 +138,7 @@ class Node:
         self.cpu: AbstractContextManager[Any] = contextlib.nullcontext()
         self._suspects: set[str] = set()  # peers whose input made the rule raise last round
         self._anchors: list[str] = []  # contacts to greet first: a resumed node's anchors
-        self._kept_out: dict[str, int] = {}  # a resumed node's machines of dropped neighbours
+        self._dropped_machines: dict[str, int] = {}  # a resumed node's, to keep out
         # FedBN (`local_batchnorm`): the entries every model taken in carries as ours.
         self.local_keys = batchnorm_keys(model) if self.cfg.local_batchnorm else frozenset()
         # `compression: topk`: models travel as deltas against public copies (deltas.py).
@@ -222,7 +222,7 @@ class Node:
                 + "\n"
             ).encode(),
         )
-        self.endpoint.start(self.options.bootstrap, self._anchors, self._kept_out)
+        self.endpoint.start(self.options.bootstrap, self._anchors, self._dropped_machines)
         try:
             joined = self.endpoint.wait_joined(
                 self.cfg.round_timeout, until_other_mesh=self.options.joining
@@ -312,7 +312,7 @@ class Node:
         self.options.bootstrap = list(dict.fromkeys([*self.options.bootstrap, *known]))
         # Both absent in older checkpoints.
         self._anchors = json.loads(state.get("anchors", "[]"))
-        self._kept_out = json.loads(state.get("dropped_machines", "{}"))
+        self._dropped_machines = json.loads(state.get("dropped_machines", "{}"))
         self.metrics.keep_until(state["round"])
         log.info("%s: resumed from the checkpoint of round %d", self.options.name, state["round"])
         return state["round"] + 1

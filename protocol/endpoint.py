@@ -198,13 +198,13 @@ class Endpoint:
         self,
         bootstrap: Iterable[str] = (),
         anchors: Iterable[str] = (),
-        kept_out: Mapping[str, int] | None = None,
+        dropped_machines: Mapping[str, int] | None = None,
     ) -> None:
         """Start serving and say hello to every bootstrap contact (any one is enough):
         KEY@tcp://HOST:PORT, or a bare address where the mesh does not encrypt; a
         bounded view greets its `anchors` (contacts alike) first, and keeps out the
-        machines `kept_out` (a checkpoint's `dropped_machines`)."""
-        self.overlay.keep_out(kept_out or {})
+        `dropped_machines` a checkpoint kept (machine -> the round of its drop)."""
+        self.overlay.keep_out(dropped_machines or {})
         if self.settings.encrypt:
             log.info(
                 "%s: listening encrypted; others dial it as %s", self.settings.name, self.contact

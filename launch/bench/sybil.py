@@ -154,8 +154,8 @@ def comebacks(run: RunRecords, killed: dict[str, int], neighbours: int) -> list[
     lines = []
     for name, last in sorted(killed.items()):
         history = run.history.get(name, [])
-        before = [record for record in history if record.round == last]
-        anchors = set(before[0].anchors or []) if before else set()
+        before = next((record for record in history if record.round == last), None)
+        anchors = set(before.anchors or []) if before else set()
         back = [record for record in history if record.round > last]
         text = f"{name} (died in round {last + 1}): "
         if not back:

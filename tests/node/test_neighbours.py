@@ -116,4 +116,4 @@ def test_a_restarted_node_keeps_out_the_machines_it_kept_out(tmp_path):
     assert before.asked == 6
     resumed = node(Endpoint())
     assert resumed._resume() == 6
-    assert resumed._kept_out == {"203.0.113.5/32": 4}
+    assert resumed._dropped_machines == {"203.0.113.5/32": 4}

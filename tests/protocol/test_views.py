@@ -772,7 +772,7 @@ def test_a_restarted_node_keeps_out_the_machines_its_checkpoint_kept_out(context
         node.close()
     again = _endpoint("node", host=OTHER_ADDRESS, views=views)
     try:
-        again.start(kept_out=kept)
+        again.start(dropped_machines=kept)
         greeter = RawPeer(context, again.contact, name="greeter")
         greeter.send(greeter.hello())
         assert greeter.expect("peers", 5).body["linked"] is False
