@@ -889,7 +889,10 @@ def test_a_node_greets_its_anchors_before_its_other_contacts(mesh):
     """A resumed node's anchors (its neighbours of long standing, node/neighbours.py)
     take the places of its view first, whatever else it was told of."""
     others = mesh(8, through_first)  # views full before the node comes: none greets it
-    assert poll_until(lambda: all(len(neighbours(peer)) >= 3 for peer in others), 10)
+    # Settled, and no hello of theirs outstanding: no other greeter takes the room left.
+    assert poll_until(
+        lambda: views_settled(others) and not any(peer.overlay.greeting() for peer in others), 10
+    )
     # Two with room left (a view at `most` would turn the node away).
     chosen = sorted(others[1:], key=lambda peer: len(neighbours(peer)))[:2]
     node = _endpoint("resumed", network=mesh.network, **FAST)
