@@ -191,7 +191,7 @@ def guard_verdict(
         "val_errors_aggregate": int(aggregate.errors.sum()),
     }
     harmed = worse_beyond_noise(own.losses, aggregate.losses, by_signs=far)
-    return not harmed and not more_errors_beyond_noise(own.errors, aggregate.errors), figures
+    return not harmed and not more_errors_beyond_noise(own, aggregate), figures
 
 
 def a_far_jump(aggregate: State, own: State, start: State) -> bool:
@@ -223,18 +223,23 @@ def far_models(reference: State, states: Mapping[str, State]) -> set[str]:
     return {name for name, value in distances.items() if not value <= bound}
 
 
-def more_errors_beyond_noise(own: torch.Tensor, other: torch.Tensor) -> bool:
-    """Whether 0/1 errors are more than the own model's beyond noise: of the samples on
-    which the two differ, the other gets w wrong and b right, and w - b exceeds
-    sqrt(w + b), the standard deviation of w - b were each such sample a coin flip.
-    (The paired standard error of `worse_beyond_noise` ties exactly with one extra
-    error, where rounding alone would decide.) One standard error, not two: the spike
-    check (step 6) at two let local training that went astray stand, and cost the
-    Dirichlet(0.3) small shards' worst node 8 points; the guard's loss test is the
-    lenient one."""
-    worse = int(((other > 0) & (own == 0)).sum())
-    better = int(((own > 0) & (other == 0)).sum())
-    return worse - better > math.sqrt(worse + better)
+def more_errors_beyond_noise(own: ValScores, other: ValScores) -> bool:
+    """Whether another model's 0/1 val errors are more than the own model's beyond noise:
+    of the samples on which the two differ, the other gets w wrong and b right, and
+    w - b exceeds HARM_BOUND times sqrt(w + b), the standard deviation of w - b were each
+    such sample a coin flip; one standard deviation suffices where the other's mean val
+    loss is higher as well, for then both measures point to harm. (The paired standard
+    error of `worse_beyond_noise` ties exactly with one extra error, where rounding alone
+    would decide.) Errors alone at one standard deviation, a one-sided test at about
+    16%, let noise refuse aggregates of a mesh that trains together, often ones lower
+    in val loss (docs/defences.md, "Where collaboration pays"). Where the loss agrees,
+    one standard deviation stays: the spike check (step 6) at two let local training
+    that went astray stand, and cost the Dirichlet(0.3) small shards' worst node 8 points."""
+    worse = int(((other.errors > 0) & (own.errors == 0)).sum())
+    better = int(((own.errors > 0) & (other.errors == 0)).sum())
+    loss_higher = float(other.losses.mean()) > float(own.losses.mean())
+    bound = 1.0 if loss_higher else HARM_BOUND
+    return worse - better > bound * math.sqrt(worse + better)
 
 
 def batched_logits(
@@ -568,7 +573,7 @@ class Screened(PeerAlgorithm):
         went astray, with no peer's help to mend it, is undone rather than kept."""
         outcome, scores = scored
         scores = scores if scores is not None else self._scores(outcome.state, data)
-        report["kept_round_start"] = more_errors_beyond_noise(start[1].errors, scores.errors)
+        report["kept_round_start"] = more_errors_beyond_noise(start[1], scores)
         if report["kept_round_start"]:
             report.get("trial", {}).pop("weights", None)  # not carried on from after all
             return Aggregate(start[0], {self.context.node: 1.0}, outcome.diagnostics), start[1]

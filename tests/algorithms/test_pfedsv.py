@@ -514,14 +514,15 @@ def test_the_val_guard_keeps_the_own_model_when_the_average_ties_on_accuracy_but
 
 
 def test_the_val_guard_keeps_the_own_model_when_the_average_is_lower_in_loss_but_wrong_more():
-    """Confidently wrong on 2 of 10 costs the own model more loss than being unsure on 5
-    costs the average: loss alone would adopt the average, its 3 extra errors do not."""
-    y = torch.zeros(10, dtype=torch.long)
-    own = torch.tensor([[0.0, 6.0]] * 2 + [[3.0, 0.0]] * 8)
-    average = torch.tensor([[0.3, 0.0]] * 5 + [[0.0, 0.3]] * 5)
+    """Confidently wrong on 2 of 40 costs the own model more loss than being unsure on
+    10 costs the average: loss alone would adopt the average, 8 errors more do not (twice
+    their noise, sqrt(12), and more)."""
+    y = torch.zeros(40, dtype=torch.long)
+    own = torch.tensor([[0.0, 15.0]] * 2 + [[3.0, 0.0]] * 38)
+    average = torch.tensor([[0.3, 0.0]] * 2 + [[0.0, 0.3]] * 10 + [[0.3, 0.0]] * 28)
     adopt, figures = _guard_verdict(own, average, y)
     assert figures["val_loss_aggregate"] < figures["val_loss_own"]
-    assert figures["val_errors_aggregate"] == 5 and figures["val_errors_own"] == 2
+    assert figures["val_errors_aggregate"] == 10 and figures["val_errors_own"] == 2
     assert not adopt
 
 

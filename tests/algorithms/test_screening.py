@@ -167,25 +167,38 @@ def guard_adopts(own, aggregate):
 def test_the_guard_refuses_an_aggregate_lower_in_loss_but_wrong_on_more_samples():
     """The Digit-5 case: confidently wrong on a few samples costs more loss than being
     unsure on many, so mean loss alone took an aggregate 12 points worse in accuracy."""
-    own = scores([3.0] * 2 + [0.1] * 8, [1] * 2 + [0] * 8)
-    unsure = scores([0.6] * 2 + [0.9] * 5 + [0.1] * 3, [0] * 2 + [1] * 5 + [0] * 3)
+    own = scores([6.0] * 2 + [0.1] * 38, [1] * 2 + [0] * 38)
+    unsure = scores([0.6] * 2 + [0.9] * 10 + [0.1] * 28, [0] * 2 + [1] * 10 + [0] * 28)
     assert float(unsure.losses.mean()) < float(own.losses.mean())
-    assert not guard_adopts(own, unsure), "3 more errors in 10"
-    swapped = scores([2.0] * 2 + [0.1] * 8, [1, 0, 1] + [0] * 7)
+    assert not guard_adopts(own, unsure), "20 points worse in accuracy"
+    swapped = scores([2.0] * 2 + [0.1] * 38, [1, 0, 1] + [0] * 37)
     assert guard_adopts(own, swapped), "as many errors, lower loss"
-    assert not guard_adopts(own, scores([9.0] * 10, [0] * 10)), "higher loss"
+    assert not guard_adopts(own, scores([9.0] * 40, [0] * 40)), "higher loss"
     assert guard_adopts(scores([], []), scores([], [])), "no val split: nothing to judge by"
 
 
+def with_errors(size, wrong, loss):
+    return scores([loss] * size, [1] * wrong + [0] * (size - wrong))
+
+
 @pytest.mark.parametrize("size", [2, 40, 80, 1000])
-def test_one_extra_val_error_is_noise_two_are_not_whatever_the_split_size(size):
-    own = torch.zeros(size)
-    one, two = own.clone(), own.clone()
-    one[0] = 1
-    two[:2] = 1
+def test_one_extra_val_error_is_noise_two_are_not_where_the_loss_is_higher_too(size):
+    own = with_errors(size, 0, 0.1)
+    one, two = with_errors(size, 1, 0.2), with_errors(size, 2, 0.2)
     assert not more_errors_beyond_noise(own, one)
     assert more_errors_beyond_noise(own, two)
     assert not more_errors_beyond_noise(two, own), "fewer errors"
+
+
+def test_errors_that_the_loss_does_not_confirm_count_only_beyond_two_deviations():
+    """On a split of 30, an aggregate lower in val loss with three more errors is what
+    noise gives a mesh that trains together (refusing it cost FedAvg's gain); five more,
+    with none fewer, are harm whatever the loss says."""
+    own = with_errors(30, 0, 0.5)
+    assert not more_errors_beyond_noise(own, with_errors(30, 3, 0.4)), "3 <= 2 * sqrt(3)"
+    assert more_errors_beyond_noise(own, with_errors(30, 3, 0.6)), "the loss agrees"
+    assert more_errors_beyond_noise(own, with_errors(30, 5, 0.4)), "5 > 2 * sqrt(5)"
+    assert guard_adopts(own, with_errors(30, 3, 0.4))
 
 
 def test_val_scores_are_the_per_sample_cross_entropy_and_misclassifications():
