@@ -246,20 +246,6 @@ def errors_beyond(own: torch.Tensor, other: torch.Tensor, deviations: float) -> 
     return worse - better > deviations * math.sqrt(worse + better)
 
 
-def a_spike(start: ValScores, outcome: ValScores, own_weight: float) -> bool:
-    """Whether a round's outcome makes more val errors than the model the round started
-    from beyond noise (step 6). For an outcome mostly the node's own model (`own_weight`
-    at least a half), errors alone at one standard deviation are evidence enough: at two,
-    training gone astray stood and cost the Dirichlet(0.3) small shards' worst node 8
-    points. An outcome mostly its peers' models is the mesh's average, which moves by
-    noise from round to round on a small split, and faces the guard's test: undone at
-    one deviation, it cost screened FedAvg 0.6 points of plain FedAvg's gain on iid
-    shards."""
-    if own_weight >= 0.5:
-        return errors_beyond(start.errors, outcome.errors, 1.0)
-    return more_errors_beyond_noise(start, outcome)
-
-
 def batched_logits(
     forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, batch_size: int = 1024
 ) -> torch.Tensor:
@@ -588,11 +574,14 @@ class Screened(PeerAlgorithm):
     ) -> tuple[Aggregate, ValScores | None]:
         """The round's outcome, or the model the round started from where the outcome
         makes more val errors than that one beyond noise: a round whose local training
-        went astray, with no peer's help to mend it, is undone rather than kept."""
+        went astray, with no peer's help to mend it, is undone rather than kept. The
+        guard's test of errors: at one deviation whatever the loss, undoing the mesh's
+        average cost screened FedAvg 0.6 points of plain FedAvg's gain on iid shards,
+        and undoing the own training where the guard refused the average cost it 0.7 on
+        Dirichlet(1) ones (docs/defences.md, "Where collaboration pays")."""
         outcome, scores = scored
         scores = scores if scores is not None else self._scores(outcome.state, data)
-        own_weight = outcome.weights.get(self.context.node, 0.0)
-        report["kept_round_start"] = a_spike(start[1], scores, own_weight)
+        report["kept_round_start"] = more_errors_beyond_noise(start[1], scores)
         if report["kept_round_start"]:
             report.get("trial", {}).pop("weights", None)  # not carried on from after all
             return Aggregate(start[0], {self.context.node: 1.0}, outcome.diagnostics), start[1]

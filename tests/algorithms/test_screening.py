@@ -25,7 +25,6 @@ from meshfl.algorithms.screening import (
     Screened,
     ValScores,
     a_far_jump,
-    a_spike,
     beats_a_constant_guess,
     far_models,
     guard_verdict,
@@ -200,19 +199,6 @@ def test_errors_that_the_loss_does_not_confirm_count_only_beyond_two_deviations(
     assert more_errors_beyond_noise(own, with_errors(30, 3, 0.6)), "the loss agrees"
     assert more_errors_beyond_noise(own, with_errors(30, 5, 0.4)), "5 > 2 * sqrt(5)"
     assert guard_adopts(own, with_errors(30, 3, 0.4))
-
-
-def test_a_spike_of_the_own_training_counts_from_one_deviation_of_the_mesh_from_two():
-    """Undoing a round: an outcome mostly the node's own model is undone at one deviation
-    of val errors, whatever its loss (training gone astray); one mostly its peers' (the
-    mesh's average) only where the guard's test would refuse it."""
-    start = with_errors(30, 0, 0.5)
-    three_more = with_errors(30, 3, 0.4)
-    assert a_spike(start, three_more, own_weight=1.0) and a_spike(start, three_more, 0.5)
-    assert not a_spike(start, three_more, own_weight=0.1), "noise of the mesh's average"
-    assert a_spike(start, with_errors(30, 5, 0.4), own_weight=0.1)
-    assert a_spike(start, with_errors(30, 3, 0.6), own_weight=0.1), "the loss agrees"
-    assert not a_spike(start, with_errors(30, 1, 0.6), own_weight=1.0), "one error is noise"
 
 
 def test_val_scores_are_the_per_sample_cross_entropy_and_misclassifications():
