@@ -43,7 +43,8 @@ meshfl node has). Around the rule's `aggregate`, for the whole models received
    harms the node: its val loss not finite, or above the own model's by more than
    HARM_BOUND paired standard errors, the test a peer with no record faces
    (`worse_beyond_noise`), or its val errors more than the own model's beyond noise
-   (`more_errors_beyond_noise`), or, for an aggregate far from the own model
+   (`more_errors_beyond_noise`: two standard deviations, one where the loss is higher
+   too), or, for an aggregate far from the own model
    (`a_far_jump`), it is worse on most val samples beyond HARM_BOUND (`sign_z`); else
    the node keeps the own model. The burden is on harm, not help: an average of models that
    trained apart fits each node's data less than its own model for the first rounds and
@@ -230,7 +231,7 @@ def more_errors_beyond_noise(own: ValScores, other: ValScores) -> bool:
     at one deviation, a one-sided test at about 16%, let noise refuse aggregates of a
     mesh that trains together, often ones lower in val loss (docs/defences.md, "Where
     collaboration pays")."""
-    loss_higher = float(other.losses.mean()) > float(own.losses.mean())
+    loss_higher = not float(other.losses.mean()) <= float(own.losses.mean())  # NaN: higher
     return errors_beyond(own.errors, other.errors, 1.0 if loss_higher else HARM_BOUND)
 
 
@@ -575,10 +576,10 @@ class Screened(PeerAlgorithm):
         """The round's outcome, or the model the round started from where the outcome
         makes more val errors than that one beyond noise: a round whose local training
         went astray, with no peer's help to mend it, is undone rather than kept. The
-        guard's test of errors: at one deviation whatever the loss, undoing the mesh's
-        average cost screened FedAvg 0.6 points of plain FedAvg's gain on iid shards,
-        and undoing the own training where the guard refused the average cost it 0.7 on
-        Dirichlet(1) ones (docs/defences.md, "Where collaboration pays")."""
+        test is the guard's: one deviation of errors whatever the loss undid the mesh's
+        average by noise on iid shards (screened FedAvg 0.6 points under plain FedAvg),
+        and kept only for an outcome mostly the node's own, it undid useful training on
+        Dirichlet(1) ones (0.7 points; docs/defences.md, "Where collaboration pays")."""
         outcome, scores = scored
         scores = scores if scores is not None else self._scores(outcome.state, data)
         report["kept_round_start"] = more_errors_beyond_noise(start[1], scores)

@@ -167,14 +167,25 @@ def render_robustness(
         }
     )
     lines += _attackers_in_views(summaries)
+    return "\n".join(lines + _footer(spec, seeds, args))
+
+
+def _footer(spec: dict[str, Any], seeds: list[int], args: argparse.Namespace) -> list[str]:
+    """The table's seeds and caps, and the command that makes it again: `--seeds` and
+    `--set` included, and the overridden settings named beside the caps, for a table
+    made with them is not the experiment's own."""
+    overrides = list(getattr(args, "assignments", None) or [])
     command = f"meshfl experiment {args.name}" + (" --data-root DIR" if args.data_root else "")
-    lines += [
+    if getattr(args, "seeds", None):
+        command += f" --seeds {args.seeds}"
+    command += "".join(f" --set {each}" for each in overrides)
+    caps = spec["caps"] + (f" Overridden here: {', '.join(overrides)}." if overrides else "")
+    return [
         "",
-        f"Seeds {', '.join(map(str, seeds))}; {spec['nodes']} nodes. Caps: {spec['caps']}",
+        f"Seeds {', '.join(map(str, seeds))}; {spec['nodes']} nodes. Caps: {caps}",
         f"Regenerate: `{command}`",
         "",
     ]
-    return "\n".join(lines)
 
 
 def _attackers_in_views(summaries: dict[str, list[dict[str, Any]]]) -> list[str]:
@@ -389,11 +400,4 @@ def render_table(
     lines.append("| mean (std over seeds) | " + " | ".join(means) + " |")
     lines += _worst_node_row(summaries)
     lines += _score_rows(summaries) + _cost_rows(summaries) + _share_per_round(summaries, seeds)
-    command = f"meshfl experiment {args.name}" + (" --data-root DIR" if args.data_root else "")
-    lines += [
-        "",
-        f"Seeds {', '.join(map(str, seeds))}; {spec['nodes']} nodes. Caps: {spec['caps']}",
-        f"Regenerate: `{command}`",
-        "",
-    ]
-    return "\n".join(lines)
+    return "\n".join(lines + _footer(spec, seeds, args))

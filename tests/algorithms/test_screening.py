@@ -199,6 +199,7 @@ def test_errors_that_the_loss_does_not_confirm_count_only_beyond_two_deviations(
     assert more_errors_beyond_noise(own, with_errors(30, 3, 0.6)), "the loss agrees"
     assert more_errors_beyond_noise(own, with_errors(30, 5, 0.4)), "5 > 2 * sqrt(5)"
     assert guard_adopts(own, with_errors(30, 3, 0.4))
+    assert more_errors_beyond_noise(own, with_errors(30, 3, float("nan"))), "no loss to trust"
 
 
 def test_val_scores_are_the_per_sample_cross_entropy_and_misclassifications():
@@ -489,7 +490,7 @@ def test_a_paths_shares_pass_on_at_the_weight_of_its_own_model():
 
 def test_a_won_trial_that_the_spike_check_undoes_names_no_peer_weights(world):
     """A trial can beat an own model whose training went astray and still make more val
-    errors than the model the round started from: the round is undone (step 5), and the
+    errors than the model the round started from: the round is undone (step 6), and the
     node carries on from none of the trial's peers, so its metrics must not name them
     (the experiment tables count those weights as attackers')."""
     rule = screened(world, "fedavg", trials=True)

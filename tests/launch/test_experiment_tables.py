@@ -67,6 +67,23 @@ def test_the_table_shows_the_share_per_ccp_round_and_its_lowest_value_over_seeds
     assert "Local, seed" not in table
 
 
+def test_a_table_made_with_overrides_names_them_beside_its_caps_and_in_its_command():
+    """A table made with `--set` is no table of the experiment's own settings: its caps
+    must not read as if it were, and its command must make it again."""
+    runs = {"Local": [summary(0.8)], "FedReMa": [summary(0.9)]}
+    args = argparse.Namespace(
+        name="x", data_root="d", seeds="30", assignments=["data.samples_per_node=200"]
+    )
+    table = render_table(SPEC, runs, [30], args)
+    assert f"Caps: {SPEC['caps']} Overridden here: data.samples_per_node=200." in table
+    assert (
+        "Regenerate: `meshfl experiment x --data-root DIR --seeds 30"
+        " --set data.samples_per_node=200`" in table
+    )
+    plain = render_table(SPEC, runs, [0], argparse.Namespace(name="x", data_root=None))
+    assert "Overridden" not in plain and "Regenerate: `meshfl experiment x`" in plain
+
+
 def test_the_table_shows_the_median_cost_of_a_round_where_it_was_measured():
     runs = {
         "FedAvg": [summary(0.8, cost={"mb_in_per_round": 5.5})],
