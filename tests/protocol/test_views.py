@@ -900,7 +900,8 @@ def test_a_node_greets_its_anchors_before_its_other_contacts(mesh):
     node.start([peer.contact for peer in others], anchors=[peer.contact for peer in chosen])
     assert {peer.address for peer in chosen} <= node.handshake.bootstrap, "greeted first"
     wanted = {peer.identity.public_key for peer in chosen}
-    assert poll_until(lambda: wanted <= neighbours(node), 10)
+    # Under a loaded machine the two handshakes can take seconds (a CI run once missed 10).
+    assert poll_until(lambda: wanted <= neighbours(node), 30)
 
 
 def test_one_machine_of_a_network_gets_one_place_of_a_view_on_sockets(context):
