@@ -576,10 +576,8 @@ class Screened(PeerAlgorithm):
         """The round's outcome, or the model the round started from where the outcome
         makes more val errors than that one beyond noise: a round whose local training
         went astray, with no peer's help to mend it, is undone rather than kept. The
-        test is the guard's: one deviation of errors whatever the loss undid the mesh's
-        average by noise on iid shards (screened FedAvg 0.6 points under plain FedAvg),
-        and kept only for an outcome mostly the node's own, it undid useful training on
-        Dirichlet(1) ones (0.7 points; docs/defences.md, "Where collaboration pays")."""
+        test is the guard's (`more_errors_beyond_noise`): a stricter one undoes the
+        mesh's average by noise (docs/defences.md, "Where collaboration pays")."""
         outcome, scores = scored
         scores = scores if scores is not None else self._scores(outcome.state, data)
         report["kept_round_start"] = more_errors_beyond_noise(start[1], scores)

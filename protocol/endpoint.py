@@ -210,10 +210,13 @@ class Endpoint:
                 "%s: listening encrypted; others dial it as %s", self.settings.name, self.contact
             )
         greet = self.handshake.begin(bootstrap, anchors)
-        self.worker.thread.start()  # after the keys above are in place: it learns more
         for index, address in enumerate(greet):
             # One peer list is enough: the others were named to us already (WIRE.md 7.1).
             self.handshake.say_hello(address, wants_peers=index == 0)
+        # After the keys above are in place (it learns more) and our first hellos await
+        # their answers: a worker started before them would greet candidates for the
+        # places the first contacts (a resumed node's anchors) are greeted for.
+        self.worker.thread.start()
         if not self.handshake.bootstrap:
             self.handshake.joined.set()
 
