@@ -43,8 +43,8 @@ meshfl node has). Around the rule's `aggregate`, for the whole models received
    harms the node: its val loss not finite, or above the own model's by more than
    HARM_BOUND paired standard errors, the test a peer with no record faces
    (`worse_beyond_noise`), or its val errors more than the own model's beyond noise
-   (`more_errors_beyond_noise`: two standard deviations, one where the loss is higher
-   too), or, for an aggregate far from the own model
+   (`more_errors_beyond_noise`: the errors' evidence and the loss's added, beyond
+   HARM_BOUND), or, for an aggregate far from the own model
    (`a_far_jump`), it is worse on most val samples beyond HARM_BOUND (`sign_z`); else
    the node keeps the own model. The burden is on harm, not help: an average of models that
    trained apart fits each node's data less than its own model for the first rounds and
@@ -225,26 +225,30 @@ def far_models(reference: State, states: Mapping[str, State]) -> set[str]:
 
 
 def more_errors_beyond_noise(own: ValScores, other: ValScores) -> bool:
-    """The guard's test of errors: whether another model's val errors exceed the own
-    model's by HARM_BOUND standard deviations (`errors_beyond`), or by one where its
-    mean val loss is higher as well, for then both measures point to harm. Errors alone
-    at one deviation, a one-sided test at about 16%, let noise refuse aggregates of a
-    mesh that trains together, often ones lower in val loss (docs/defences.md, "Where
-    collaboration pays")."""
-    loss_higher = not float(other.losses.mean()) <= float(own.losses.mean())  # NaN: higher
-    return errors_beyond(own.errors, other.errors, 1.0 if loss_higher else HARM_BOUND)
+    """The guard's test of errors: whether another model's extra val errors, in standard
+    deviations (`errors_z`), with the evidence of its val loss added where that points
+    to harm (`harm_z`), exceed HARM_BOUND. So errors the loss does not confirm count
+    from two deviations on (an over-confident own model), and fewer where the loss
+    leans the same way. A fixed one deviation wherever the loss was higher at all let
+    noise refuse the aggregates of a mesh that trains together, and let in on small
+    skewed shards an aggregate 0.5 nats higher in loss, just short of the loss's own
+    test (docs/defences.md, "Where collaboration pays")."""
+    if torch.isfinite(own.losses).all():
+        loss_z = max(harm_z(other.losses - own.losses), 0.0)
+    else:  # the own model is the broken one: its losses say nothing of the other's
+        loss_z = 0.0
+    return errors_z(own.errors, other.errors) + loss_z > HARM_BOUND
 
 
-def errors_beyond(own: torch.Tensor, other: torch.Tensor, deviations: float) -> bool:
-    """Whether 0/1 errors are more than the own model's by more than `deviations`
-    standard deviations: of the samples on which the two differ, the other gets w wrong
-    and b right, and w - b exceeds `deviations` times sqrt(w + b), the standard
-    deviation of w - b were each such sample a coin flip. (The paired standard error of
-    `worse_beyond_noise` ties exactly with one extra error, where rounding alone would
-    decide.)"""
+def errors_z(own: torch.Tensor, other: torch.Tensor) -> float:
+    """How many more 0/1 errors another model makes than the own model, in standard
+    deviations: of the samples on which the two differ, the other gets w wrong and b
+    right, and (w - b) / sqrt(w + b) is the count's excess were each such sample a coin
+    flip. (The paired standard error of `worse_beyond_noise` ties exactly with one
+    extra error, where rounding alone would decide.)"""
     worse = int(((other > 0) & (own == 0)).sum())
     better = int(((own > 0) & (other == 0)).sum())
-    return worse - better > deviations * math.sqrt(worse + better)
+    return (worse - better) / math.sqrt(worse + better) if worse + better else 0.0
 
 
 def batched_logits(

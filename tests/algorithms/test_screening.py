@@ -181,25 +181,41 @@ def with_errors(size, wrong, loss):
     return scores([loss] * size, [1] * wrong + [0] * (size - wrong))
 
 
-@pytest.mark.parametrize("size", [2, 40, 80, 1000])
-def test_one_extra_val_error_is_noise_two_are_not_where_the_loss_is_higher_too(size):
-    own = with_errors(size, 0, 0.1)
-    one, two = with_errors(size, 1, 0.2), with_errors(size, 2, 0.2)
-    assert not more_errors_beyond_noise(own, one)
-    assert more_errors_beyond_noise(own, two)
-    assert not more_errors_beyond_noise(two, own), "fewer errors"
+def beside(own, extra_errors, loss_z):
+    """A model making `extra_errors` more val errors than `own` (none fewer), its
+    per-sample losses apart from own's by noise whose mean is `loss_z` standard errors."""
+    n = len(own.losses)
+    noise = 0.5 * torch.tensor([1.0, -1.0] * (n // 2), dtype=torch.float64)
+    differences = noise + loss_z * float(noise.std()) / n**0.5
+    assert harm_z(differences) == pytest.approx(max(loss_z, -1.0))
+    errors = own.errors.clone()
+    errors[torch.nonzero(errors == 0)[:extra_errors]] = 1.0
+    return ValScores(own.losses + differences, errors)
+
+
+def test_extra_val_errors_and_a_higher_val_loss_add_up_as_evidence_of_harm():
+    """On a split of 30: two more errors (1.4 deviations) are noise beside a val loss
+    0.4 standard errors up, harm beside one 0.8 up; one more error is noise even then."""
+    own = with_errors(30, 0, 0.6)
+    assert not more_errors_beyond_noise(own, beside(own, 2, 0.4))
+    assert more_errors_beyond_noise(own, beside(own, 2, 0.8))
+    assert not more_errors_beyond_noise(own, beside(own, 1, 0.8))
+    assert not more_errors_beyond_noise(own, beside(own, 2, -1.0)), "the loss is lower"
+    assert not more_errors_beyond_noise(beside(own, 2, 0.8), own), "fewer errors"
 
 
 def test_errors_that_the_loss_does_not_confirm_count_only_beyond_two_deviations():
     """On a split of 30, an aggregate lower in val loss with three more errors is what
     noise gives a mesh that trains together (refusing it cost FedAvg's gain); five more,
     with none fewer, are harm whatever the loss says."""
-    own = with_errors(30, 0, 0.5)
-    assert not more_errors_beyond_noise(own, with_errors(30, 3, 0.4)), "3 <= 2 * sqrt(3)"
-    assert more_errors_beyond_noise(own, with_errors(30, 3, 0.6)), "the loss agrees"
-    assert more_errors_beyond_noise(own, with_errors(30, 5, 0.4)), "5 > 2 * sqrt(5)"
-    assert guard_adopts(own, with_errors(30, 3, 0.4))
+    own = with_errors(30, 0, 0.6)
+    assert not more_errors_beyond_noise(own, beside(own, 3, -1.0)), "3 <= 2 * sqrt(3)"
+    assert more_errors_beyond_noise(own, beside(own, 5, -1.0)), "5 > 2 * sqrt(5)"
+    assert more_errors_beyond_noise(own, beside(own, 3, 0.4)), "the loss leans the same way"
+    assert guard_adopts(own, beside(own, 3, -1.0))
     assert more_errors_beyond_noise(own, with_errors(30, 3, float("nan"))), "no loss to trust"
+    broken = with_errors(30, 0, float("nan"))
+    assert not more_errors_beyond_noise(broken, with_errors(30, 3, 0.6)), "own loss says nothing"
 
 
 def test_val_scores_are_the_per_sample_cross_entropy_and_misclassifications():
