@@ -43,7 +43,7 @@ meshfl node has). Around the rule's `aggregate`, for the whole models received
    harms the node: its val loss not finite, or above the own model's by more than
    HARM_BOUND paired standard errors, the test a peer with no record faces
    (`worse_beyond_noise`), or its val errors more than the own model's beyond noise
-   (`more_errors_beyond_noise`: the errors' evidence and the loss's added, beyond
+   (`errors_and_loss_beyond_noise`: the errors' evidence and the loss's added exceed
    HARM_BOUND), or, for an aggregate far from the own model
    (`a_far_jump`), it is worse on most val samples beyond HARM_BOUND (`sign_z`); else
    the node keeps the own model. The burden is on harm, not help: an average of models that
@@ -55,8 +55,9 @@ meshfl node has). Around the rule's `aggregate`, for the whole models received
    loss long before accuracy): an aggregate a hair lower in loss can be far lower in
    val accuracy (docs/algorithms-and-results.md). pFedSV's val guard is this one
    (`guard_verdict`), judged on the logits its game computed.
-6. Spikes: where the outcome makes more val errors than the model the round started
-   from beyond noise (`_unless_a_spike`), the node keeps that model instead: a round
+6. Spikes: where the outcome is worse than the model the round started from beyond
+   noise, in val errors and loss together (`_unless_a_spike`, the guard's
+   `errors_and_loss_beyond_noise`), the node keeps that model instead: a round
    whose local training went astray (a loss spike at a high lr and momentum can cost
    an MLP most of its accuracy in one round) and that no peer mended is undone rather
    than carried on. Local training alone has no such step, so a screened rule can end
@@ -192,7 +193,7 @@ def guard_verdict(
         "val_errors_aggregate": int(aggregate.errors.sum()),
     }
     harmed = worse_beyond_noise(own.losses, aggregate.losses, by_signs=far)
-    return not harmed and not more_errors_beyond_noise(own, aggregate), figures
+    return not harmed and not errors_and_loss_beyond_noise(own, aggregate), figures
 
 
 def a_far_jump(aggregate: State, own: State, start: State) -> bool:
@@ -224,15 +225,18 @@ def far_models(reference: State, states: Mapping[str, State]) -> set[str]:
     return {name for name, value in distances.items() if not value <= bound}
 
 
-def more_errors_beyond_noise(own: ValScores, other: ValScores) -> bool:
-    """The guard's test of errors: whether another model's extra val errors, in standard
-    deviations (`errors_z`), with the evidence of its val loss added where that points
-    to harm (`harm_z`), exceed HARM_BOUND. So errors the loss does not confirm count
-    from two deviations on (an over-confident own model), and fewer where the loss
-    leans the same way. A fixed one deviation wherever the loss was higher at all let
-    noise refuse the aggregates of a mesh that trains together, and let in on small
-    skewed shards an aggregate 0.5 nats higher in loss, just short of the loss's own
-    test (docs/defences.md, "Where collaboration pays")."""
+def errors_and_loss_beyond_noise(own: ValScores, other: ValScores) -> bool:
+    """Whether another model is worse than the own model beyond noise, in val errors and
+    val loss together: its extra errors in standard deviations (`errors_z`) plus its
+    loss's excess in paired standard errors (`harm_z`, where that points to harm) above
+    HARM_BOUND. So errors the loss does not confirm count from two deviations on (an
+    over-confident own model), fewer where the loss leans the same way; and a loss
+    beyond HARM_BOUND counts with no extra errors at all, as in `worse_beyond_noise`
+    (for the spike check: a round whose val loss rose beyond noise). Two fixed bounds,
+    one deviation of errors wherever the loss was higher at all and two elsewhere, let
+    noise refuse aggregates of a mesh that trains together, and let in on small skewed
+    shards an aggregate 0.5 nats higher in loss, just short of the loss's own test
+    (docs/defences.md, "Where collaboration pays")."""
     if torch.isfinite(own.losses).all():
         loss_z = max(harm_z(other.losses - own.losses), 0.0)
     else:  # the own model is the broken one: its losses say nothing of the other's
@@ -578,13 +582,14 @@ class Screened(PeerAlgorithm):
         data: Any,
     ) -> tuple[Aggregate, ValScores | None]:
         """The round's outcome, or the model the round started from where the outcome
-        makes more val errors than that one beyond noise: a round whose local training
-        went astray, with no peer's help to mend it, is undone rather than kept. The
-        test is the guard's (`more_errors_beyond_noise`): a stricter one undoes the
-        mesh's average by noise (docs/defences.md, "Where collaboration pays")."""
+        is worse than that one beyond noise, in val errors and loss together
+        (`errors_and_loss_beyond_noise`): a round whose local training went astray,
+        with no peer's help to mend it, is undone rather than kept. One deviation of
+        errors alone undid the mesh's average by noise (docs/defences.md, "Where
+        collaboration pays")."""
         outcome, scores = scored
         scores = scores if scores is not None else self._scores(outcome.state, data)
-        report["kept_round_start"] = more_errors_beyond_noise(start[1], scores)
+        report["kept_round_start"] = errors_and_loss_beyond_noise(start[1], scores)
         if report["kept_round_start"]:
             report.get("trial", {}).pop("weights", None)  # not carried on from after all
             return Aggregate(start[0], {self.context.node: 1.0}, outcome.diagnostics), start[1]

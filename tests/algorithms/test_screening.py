@@ -26,10 +26,10 @@ from meshfl.algorithms.screening import (
     ValScores,
     a_far_jump,
     beats_a_constant_guess,
+    errors_and_loss_beyond_noise,
     far_models,
     guard_verdict,
     inflated_claims,
-    more_errors_beyond_noise,
     path_shares,
     scores_of_logits,
     worse_beyond_noise,
@@ -195,13 +195,16 @@ def beside(own, extra_errors, loss_z):
 
 def test_extra_val_errors_and_a_higher_val_loss_add_up_as_evidence_of_harm():
     """On a split of 30: two more errors (1.4 deviations) are noise beside a val loss
-    0.4 standard errors up, harm beside one 0.8 up; one more error is noise even then."""
+    0.4 standard errors up, harm beside one 0.8 up; one more error is noise even then,
+    and a loss three standard errors up is harm with no extra error (the spike check
+    undoes such a round)."""
     own = with_errors(30, 0, 0.6)
-    assert not more_errors_beyond_noise(own, beside(own, 2, 0.4))
-    assert more_errors_beyond_noise(own, beside(own, 2, 0.8))
-    assert not more_errors_beyond_noise(own, beside(own, 1, 0.8))
-    assert not more_errors_beyond_noise(own, beside(own, 2, -1.0)), "the loss is lower"
-    assert not more_errors_beyond_noise(beside(own, 2, 0.8), own), "fewer errors"
+    assert not errors_and_loss_beyond_noise(own, beside(own, 2, 0.4))
+    assert errors_and_loss_beyond_noise(own, beside(own, 2, 0.8))
+    assert not errors_and_loss_beyond_noise(own, beside(own, 1, 0.8))
+    assert not errors_and_loss_beyond_noise(own, beside(own, 2, -1.0)), "the loss is lower"
+    assert errors_and_loss_beyond_noise(own, beside(own, 0, 3.0)), "the loss alone, beyond"
+    assert not errors_and_loss_beyond_noise(beside(own, 2, 0.8), own), "fewer errors"
 
 
 def test_errors_that_the_loss_does_not_confirm_count_only_beyond_two_deviations():
@@ -209,13 +212,13 @@ def test_errors_that_the_loss_does_not_confirm_count_only_beyond_two_deviations(
     noise gives a mesh that trains together (refusing it cost FedAvg's gain); five more,
     with none fewer, are harm whatever the loss says."""
     own = with_errors(30, 0, 0.6)
-    assert not more_errors_beyond_noise(own, beside(own, 3, -1.0)), "3 <= 2 * sqrt(3)"
-    assert more_errors_beyond_noise(own, beside(own, 5, -1.0)), "5 > 2 * sqrt(5)"
-    assert more_errors_beyond_noise(own, beside(own, 3, 0.4)), "the loss leans the same way"
+    assert not errors_and_loss_beyond_noise(own, beside(own, 3, -1.0)), "3 <= 2 * sqrt(3)"
+    assert errors_and_loss_beyond_noise(own, beside(own, 5, -1.0)), "5 > 2 * sqrt(5)"
+    assert errors_and_loss_beyond_noise(own, beside(own, 3, 0.4)), "the loss leans the same way"
     assert guard_adopts(own, beside(own, 3, -1.0))
-    assert more_errors_beyond_noise(own, with_errors(30, 3, float("nan"))), "no loss to trust"
+    assert errors_and_loss_beyond_noise(own, with_errors(30, 3, float("nan"))), "no loss to trust"
     broken = with_errors(30, 0, float("nan"))
-    assert not more_errors_beyond_noise(broken, with_errors(30, 3, 0.6)), "own loss says nothing"
+    assert not errors_and_loss_beyond_noise(broken, with_errors(30, 3, 0.6)), "no own loss"
 
 
 def test_val_scores_are_the_per_sample_cross_entropy_and_misclassifications():
