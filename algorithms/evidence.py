@@ -97,8 +97,13 @@ def sign_z(differences: torch.Tensor, negligible: float = NEGLIGIBLE_LOSS) -> fl
     d = differences.double()
     if len(d) == 0 or not float(d.mean()) > negligible:
         return 0.0
-    worse, better = int((d > 0).sum()), int((d < 0).sum())
-    return (worse - better) / math.sqrt(worse + better)
+    return coin_flip_z(int((d > 0).sum()), int((d < 0).sum()))
+
+
+def coin_flip_z(worse: int, better: int) -> float:
+    """How far `worse` exceeds `better`, in standard deviations of worse - better were
+    each of the worse + better samples a coin flip; 0 where there are none."""
+    return (worse - better) / math.sqrt(worse + better) if worse + better else 0.0
 
 
 class PeerRecords:

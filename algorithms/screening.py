@@ -129,7 +129,7 @@ from .base import (
     weighted_average,
 )
 from .copies import OWN, Memory, Sketcher, copies, near_pairs, nearest_share, spread
-from .evidence import HARM_BOUND, PeerRecords, harm_z, sign_z
+from .evidence import HARM_BOUND, PeerRecords, coin_flip_z, harm_z, sign_z
 
 N_CLAIM_FACTOR = 4
 # Step 3: a model this many times the round's median distance from the own model is kept
@@ -247,12 +247,12 @@ def errors_and_loss_beyond_noise(own: ValScores, other: ValScores) -> bool:
 def errors_z(own: torch.Tensor, other: torch.Tensor) -> float:
     """How many more 0/1 errors another model makes than the own model, in standard
     deviations: of the samples on which the two differ, the other gets w wrong and b
-    right, and (w - b) / sqrt(w + b) is the count's excess were each such sample a coin
-    flip. (The paired standard error of `worse_beyond_noise` ties exactly with one
-    extra error, where rounding alone would decide.)"""
+    right (`coin_flip_z`, as `sign_z` counts the samples worse and better in loss). (The
+    paired standard error of `worse_beyond_noise` ties exactly with one extra error,
+    where rounding alone would decide.)"""
     worse = int(((other > 0) & (own == 0)).sum())
     better = int(((own > 0) & (other == 0)).sum())
-    return (worse - better) / math.sqrt(worse + better) if worse + better else 0.0
+    return coin_flip_z(worse, better)
 
 
 def batched_logits(
