@@ -908,7 +908,7 @@ def test_a_node_greets_its_anchors_before_its_other_contacts(mesh):
 
     node.worker.thread.start = note_hellos_and_start  # type: ignore[method-assign]
     node.start([peer.contact for peer in others], anchors=[peer.contact for peer in chosen])
-    # In the order greeted: the anchors first, then one of the six others.
+    # In the order greeted: the anchors first, then one of the other contacts.
     assert set(awaited_at_start[:2]) == {peer.address for peer in chosen}, "greeted first"
     wanted = {peer.identity.public_key for peer in chosen}
     assert poll_until(lambda: wanted <= neighbours(node))
