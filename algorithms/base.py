@@ -7,13 +7,12 @@ model plus the weights and diagnostics it wants in the metrics.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import hashlib
 import math
 import types
 import typing
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,6 +94,14 @@ class PeerAlgorithm:
     names at once, so within a round a rule's choice must only grow with the offers.
     A rule that ranks the offers against each other (a top-k) sets `ranks_offers`:
     it is asked once, when every live peer announced or half the round's time is gone.
+
+    What a rule keeps from round to round is the values bound to its attributes, and no
+    method changes such a value in place: it binds a new one (`self.scores = {**self.
+    scores, **new}`, not `self.scores.update(new)`; the same for lists, sets, tensors and
+    the records it holds). So the bindings of a moment are the rule's state at that
+    moment, and a step is undone by putting them back (`Rewind`), with nothing copied:
+    the node replays steps so to find whose input made a rule raise, and screening so to
+    try a path. tests/algorithms/test_rule_state.py holds every rule to it.
     """
 
     name = "base"
@@ -181,20 +188,28 @@ class PeerAlgorithm:
 
 
 class Rewind:
-    """A rule's attributes as they are now, to put back exactly (not `load_state_dict`,
-    which is a resume and may merge): a step run only to see its outcome (the node's
-    containment, screening's trial) leaves the rule as it found it. Its context (the
-    node's data, model factory and training recipe) is shared, not copied: a step never
-    changes it."""
+    """A rule as it is now, to put back exactly: a step run only to see its outcome (the
+    node's containment, screening's trial) leaves the rule as it found it.
 
-    def __init__(self, rule: Any) -> None:
-        self.rule = rule
-        self.keep = {id(rule.context): rule.context}
-        self.saved = copy.deepcopy(vars(rule), dict(self.keep))
+    It copies nothing: a rule changes no value it holds in place (`PeerAlgorithm`), so
+    putting back its attributes' bindings of now is putting back its state of now; the
+    same for the rules a rule holds (the rule screening wraps, pFedLIA's FedAvg)."""
+
+    def __init__(self, rule: PeerAlgorithm) -> None:
+        self.saved = [(part, dict(vars(part))) for part in _rules_within(rule)]
 
     def __call__(self) -> None:
-        vars(self.rule).clear()
-        vars(self.rule).update(copy.deepcopy(self.saved, dict(self.keep)))
+        for part, bindings in self.saved:
+            vars(part).clear()
+            vars(part).update(bindings)
+
+
+def _rules_within(rule: PeerAlgorithm) -> Iterator[PeerAlgorithm]:
+    """`rule` and the rules it holds, at any depth."""
+    yield rule
+    for value in vars(rule).values():
+        if isinstance(value, PeerAlgorithm):
+            yield from _rules_within(value)
 
 
 @dataclass(frozen=True)

@@ -137,10 +137,11 @@ def nearest_share(
 
 class Memory:
     """The sketches of the models received or adopted in the last MEMORY_ROUNDS rounds,
-    by whose they were (OWN: the node's own outcome)."""
+    by whose they were (OWN: the node's own outcome). A value: `remember` returns the
+    memory with a round's sketches added and leaves this one as it was."""
 
-    def __init__(self) -> None:
-        self.rounds: dict[int, dict[str, torch.Tensor]] = {}
+    def __init__(self, rounds: Mapping[int, Mapping[str, torch.Tensor]] | None = None) -> None:
+        self.rounds: Mapping[int, Mapping[str, torch.Tensor]] = dict(rounds or {})
 
     def before(self, round_no: int) -> Remembered:
         """Sketches of earlier rounds only: a step the node re-runs (node/containment.py)
@@ -152,10 +153,9 @@ class Memory:
             for origin, sketch in sketches.items()
         ]
 
-    def remember(self, round_no: int, sketches: Mapping[str, torch.Tensor]) -> None:
-        self.rounds.setdefault(round_no, {}).update(sketches)
-        for old in [r for r in self.rounds if r <= round_no - MEMORY_ROUNDS]:
-            del self.rounds[old]
+    def remember(self, round_no: int, sketches: Mapping[str, torch.Tensor]) -> Memory:
+        merged = {**self.rounds, round_no: {**self.rounds.get(round_no, {}), **sketches}}
+        return Memory({r: kept for r, kept in merged.items() if r > round_no - MEMORY_ROUNDS})
 
     def state_dict(self) -> dict[int, dict[str, list[float]]]:
         return {
@@ -163,15 +163,18 @@ class Memory:
             for r, sketches in self.rounds.items()
         }
 
-    def load_state_dict(self, state: Mapping[object, object]) -> None:
+    @classmethod
+    def from_state_dict(cls, state: Mapping[object, object]) -> Memory:
         """What `state_dict` wrote; a checkpoint of an older version (digests, not
-        sketches) leaves the memory empty."""
-        self.rounds = {}
-        for round_no, sketches in state.items():
-            if isinstance(sketches, dict) and all(
-                isinstance(s, list) and len(s) == SKETCH_SIZE for s in sketches.values()
-            ):
-                self.rounds[int(str(round_no))] = {
+        sketches) gives an empty memory."""
+        return cls(
+            {
+                int(str(round_no)): {
                     str(origin): torch.tensor(s, dtype=torch.float64)
                     for origin, s in sketches.items()
                 }
+                for round_no, sketches in state.items()
+                if isinstance(sketches, dict)
+                and all(isinstance(s, list) and len(s) == SKETCH_SIZE for s in sketches.values())
+            }
+        )

@@ -48,6 +48,7 @@ choosing neighbours by measured benefit will read.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -107,33 +108,38 @@ def coin_flip_z(worse: int, better: int) -> float:
 
 
 class PeerRecords:
-    """Each peer's decayed sum of evidence of harm (positive) or help (negative)."""
+    """Each peer's decayed sum of evidence of harm (positive) or help (negative).
 
-    def __init__(self) -> None:
+    A value: `observe`, `convict` and `pass_over` return the records with one more
+    round's evidence and leave these as they were, so that a step the node runs only to
+    see its outcome (node/containment.py, a trial) changes no record it rewinds."""
+
+    def __init__(self, by_peer: Mapping[str, tuple[int, float, float]] | None = None) -> None:
         # peer -> (round of its last measurement, score before it, score after it): a
         # round measured again (a step the node re-runs) replaces that round's evidence.
-        self._records: dict[str, tuple[int, float, float]] = {}
+        self._records: Mapping[str, tuple[int, float, float]] = dict(by_peer or {})
 
-    def observe(self, peer: str, round_no: int, differences: torch.Tensor) -> None:
-        """Add round `round_no`'s measurement of `peer` (per-sample val loss differences,
+    def observe(self, peer: str, round_no: int, differences: torch.Tensor) -> PeerRecords:
+        """With round `round_no`'s measurement of `peer` (per-sample val loss differences,
         its model mixed in minus the own model alone)."""
-        self._add(peer, round_no, harm_z(differences))
+        return self._add(peer, round_no, harm_z(differences))
 
-    def convict(self, peer: str, round_no: int) -> None:
-        """`peer`'s model of round `round_no` was no model of the task (screening.py's
-        distance check): the worst one round's evidence can say, as a clipped z."""
-        self._add(peer, round_no, HARM_CLIP)
+    def convict(self, peer: str, round_no: int) -> PeerRecords:
+        """With `peer`'s model of round `round_no` found no model of the task
+        (screening.py's distance check): the worst one round's evidence can say, as a
+        clipped z."""
+        return self._add(peer, round_no, HARM_CLIP)
 
-    def pass_over(self, peer: str, round_no: int) -> None:
-        """`peer` was kept out unmeasured in round `round_no` (its model not even
+    def pass_over(self, peer: str, round_no: int) -> PeerRecords:
+        """With `peer` kept out unmeasured in round `round_no` (its model not even
         fetched): its record fades as after a round of no evidence, so that it is
         measured again a few rounds on, and stays out only if it still does harm."""
-        self._add(peer, round_no, 0.0)
+        return self._add(peer, round_no, 0.0)
 
-    def _add(self, peer: str, round_no: int, z: float) -> None:
+    def _add(self, peer: str, round_no: int, z: float) -> PeerRecords:
         last_round, before, after = self._records.get(peer, (0, 0.0, 0.0))
         base = before if last_round == round_no else after
-        self._records[peer] = (round_no, base, DECAY * base + z)
+        return PeerRecords({**self._records, peer: (round_no, base, DECAY * base + z)})
 
     def score(self, peer: str) -> float:
         """The evidence so far: above HARM_BOUND the peer is kept out; 0 when unmeasured."""
@@ -150,8 +156,11 @@ class PeerRecords:
     def state_dict(self) -> dict[str, list[float]]:
         return {peer: list(self._records[peer]) for peer in sorted(self._records)}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._records = {
-            str(peer): (int(last_round), float(before), float(after))
-            for peer, (last_round, before, after) in state.items()
-        }
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any]) -> PeerRecords:
+        return cls(
+            {
+                str(peer): (int(last_round), float(before), float(after))
+                for peer, (last_round, before, after) in state.items()
+            }
+        )

@@ -433,10 +433,11 @@ class FedInfluence(CoordinatorAlgorithm):
         new = [name for name in sorted(clients) if name not in self.clients]
         if not new:
             return
-        self.clients.extend(new)
-        for key, matrix in self.fip.items():
-            padding = matrix.new_zeros(len(new), matrix.shape[1])
-            self.fip[key] = torch.cat([matrix, padding])
+        self.clients = [*self.clients, *new]
+        self.fip = {
+            key: torch.cat([matrix, matrix.new_zeros(len(new), matrix.shape[1])])
+            for key, matrix in self.fip.items()
+        }
 
     def _parameter_keys(self) -> list[str]:
         """The tensors ε covers: the parameters (buffers, if any, are only averaged)."""
@@ -468,30 +469,34 @@ class FedInfluence(CoordinatorAlgorithm):
         assert self.global_state is not None, "the round's average comes first"
         new_flat, old_flat = _flat(self.global_state, keys), _flat(old_global, keys)
         flat_uploads = [_flat(uploads[name].state, keys) for name in names]
+        fip = dict(self.fip)
         for key in keys:
             uploaded = torch.stack([flat[key] for flat in flat_uploads])
             kappa = torch.zeros(len(self.clients), new_flat[key].numel(), dtype=torch.float64)
             kappa[rows] = combinatorial_terms(uploaded, counts, new_flat[key], old_flat[key])
             inputs = RoundInputs(
-                fip=self.fip.get(key, torch.zeros_like(kappa)),
+                fip=fip.get(key, torch.zeros_like(kappa)),
                 gradients=[uploads[n].extras[key].to(torch.float64) for n in names],
                 mix=mix,
                 kappa=kappa,
                 lr=self.params.lr,
             )
-            self.fip[key] = self._lwet(key, names, inputs)
+            fip[key] = self._lwet(key, names, inputs)
+        self.fip = fip
 
     def _lwet(self, key: str, uploaders: list[str], inputs: RoundInputs) -> torch.Tensor:
         if self.params.lwet == "off":
             return sequential_term(inputs, [True] * len(uploaders)) + inputs.kappa
         if self.params.lwet == "tensor":
-            fip, self.tensor_flags[key] = update_tensor_flag(
-                inputs, self.tensor_flags.get(key, True)
-            )
+            fip, flag = update_tensor_flag(inputs, self.tensor_flags.get(key, True))
+            self.tensor_flags = {**self.tensor_flags, key: flag}
             return fip
-        flags = self.client_flags.setdefault(key, {})
+        flags = self.client_flags.get(key, {})
         fip, kept = update_client_flags(inputs, [flags.get(n, True) for n in uploaders])
-        flags.update(zip(uploaders, kept, strict=True))
+        self.client_flags = {
+            **self.client_flags,
+            key: {**flags, **dict(zip(uploaders, kept, strict=True))},
+        }
         return fip
 
     def fip_of(self, client: str) -> State:

@@ -24,7 +24,7 @@ every head is aggregated from the round's snapshot of uploads into new tensors.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any, cast
@@ -138,6 +138,19 @@ def dependency_weights(
     if total == 0:
         return {client: 1.0}
     return {name: counts[name] / total for name in sorted(present) if counts.get(name, 0)}
+
+
+def counted(
+    dependency: Mapping[str, Mapping[str, int]], relevant: Mapping[str, Sequence[str]]
+) -> dict[str, dict[str, int]]:
+    """G with one more count for each member of each client's relevant set, in new
+    rows (G as given is left as it was)."""
+    rows = {name: dict(row) for name, row in dependency.items()}
+    for name, members in relevant.items():
+        row = rows.setdefault(name, {})
+        for member in members:
+            row[member] = row.get(member, 0) + 1
+    return rows
 
 
 def aggregate_heads(
@@ -261,8 +274,8 @@ class FedReMa(CoordinatorAlgorithm):
                 for name in names
             }
             diagnostics = {"ccp": False}
-        self.client_heads.update(aggregate_heads(heads, weights))
-        self.head_weights.update(weights)
+        self.client_heads = {**self.client_heads, **aggregate_heads(heads, weights)}
+        self.head_weights = {**self.head_weights, **weights}
         diagnostics["dependency"] = {k: dict(row) for k, row in sorted(self.dependency.items())}
         diagnostics["head_weights"] = weights
         return diagnostics
@@ -278,13 +291,11 @@ class FedReMa(CoordinatorAlgorithm):
         for index, name in enumerate(names):
             members, gaps[name] = relevant_set(similarity[index], index)
             relevant[name] = [names[i] for i in members]
-            row = self.dependency.setdefault(name, {})
-            for member in relevant[name]:
-                row[member] = row.get(member, 0) + 1
+        self.dependency = counted(self.dependency, relevant)
         mean_gap = sum(gaps.values()) / len(gaps)
         if len(names) >= MIN_CLIENTS_FOR_MATCHING:
             # A round of one or two uploads separates nobody; its Δs̄ = 0 would end the CCP.
-            self.gap_history.append(mean_gap)
+            self.gap_history = [*self.gap_history, mean_gap]
             self.ccp = ccp_still_on(self.gap_history, self.params.delta)
         # Eq. 7: |D_i| / Σ_{j ∈ A_k} |D_j| over each client's relevant set A_k
         weights = {

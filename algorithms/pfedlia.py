@@ -544,7 +544,7 @@ class PFedLIA(PeerAlgorithm):
         losses = lazy_validation_losses(model, unscored, data.x_val, data.y_val)
         anchor_loss = validation_loss_sum(model, self.anchor, data.x_val, data.y_val)
         new_scores = influence_scores(anchor_loss, losses)
-        self.scores.update(new_scores)
+        self.scores = {**self.scores, **new_scores}
         self._newly_scored = sorted(new_scores)
         if self.split is None and len(self.scores) >= 2:
             beneficial, self.split = two_means_split(self.scores, self.context.seed)
@@ -562,7 +562,7 @@ class PFedLIA(PeerAlgorithm):
         else:
             self.group = {self.node}  # alone so far: the split waits for a second score
             return
-        self.group |= {
+        self.group = self.group | {
             peer
             for peer, state in unscored.items()
             if peer not in self.group and self._harmless(state, data)
@@ -615,8 +615,10 @@ class PFedLIA(PeerAlgorithm):
         )
 
     def _learn_truths(self, blobs: Mapping[str, PeerModel]) -> None:
-        for peer, blob in blobs.items():
-            self.truths[peer] = int(blob.state[TRUTH_KEY].reshape(-1)[0])
+        self.truths = {
+            **self.truths,
+            **{peer: int(blob.state[TRUTH_KEY].reshape(-1)[0]) for peer, blob in blobs.items()},
+        }
 
     def _initial_state(self) -> State:
         """θ_0 without a warm-up: the architecture's own seeded initialisation, from a new

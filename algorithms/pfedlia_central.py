@@ -283,11 +283,10 @@ class PFedLIACentral(CoordinatorAlgorithm):
     def aggregate_uploads(self, round_no: int, uploads: dict[str, Upload]) -> dict[str, Any]:
         for client, upload in sorted(uploads.items()):
             if lazy := unprefixed(LAZY, upload.extras):
-                self.lazy_models[client] = lazy
+                self.lazy_models = {**self.lazy_models, client: lazy}
             if row := unprefixed(SCORE, upload.extras):
-                self.rows[client] = {
-                    peer: float(score.reshape(-1)[0]) for peer, score in sorted(row.items())
-                }
+                scores = {peer: float(score.reshape(-1)[0]) for peer, score in sorted(row.items())}
+                self.rows = {**self.rows, client: scores}
         if self.groups is None and self.rows:
             return {"phase": "clustered", **self._cluster(), **self._average_groups(uploads)}
         if self.groups is not None:
@@ -308,8 +307,8 @@ class PFedLIACentral(CoordinatorAlgorithm):
     def _average_groups(self, uploads: dict[str, Upload]) -> dict[str, Any]:
         assert self.groups is not None
         models, weights = group_averages(self.groups, uploads)
-        self.personal.update(models)
-        self.group_weights.update(weights)
+        self.personal = {**self.personal, **models}
+        self.group_weights = {**self.group_weights, **weights}
         return {"groups": self.groups, "group_weights": weights}
 
     # --- the client ------------------------------------------------------------

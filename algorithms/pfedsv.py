@@ -580,11 +580,16 @@ class PFedSV(PeerAlgorithm):
 
     def _update_relevance(self, shapley: dict[str, float]) -> None:
         alpha = self.params.alpha
-        for peer, value in shapley.items():
-            if peer == self.context.node:
-                continue  # a node never downloads itself: its own score would go unused
-            self.relevance[peer] = alpha * self.relevance.get(peer, 0.0) + (1 - alpha) * value
-            self.explored.add(peer)
+        # A node never downloads itself: its own score would go unused.
+        scored = {peer: value for peer, value in shapley.items() if peer != self.context.node}
+        self.relevance = {
+            **self.relevance,
+            **{
+                peer: alpha * self.relevance.get(peer, 0.0) + (1 - alpha) * value
+                for peer, value in scored.items()
+            },
+        }
+        self.explored = self.explored | set(scored)
 
     def kept_out(self, peers: set[str]) -> None:
         self._kept_out = set(peers)
@@ -594,11 +599,12 @@ class PFedSV(PeerAlgorithm):
         most 0: averaging their models in hurt this node, so they are not among the
         peers k counts, and an unscored 0 no longer holds the scores unsettled. A score
         below 0 stands, so they rank as the game last left them."""
-        for peer in peers:
-            if peer == self.context.node:
-                continue
-            self.relevance[peer] = min(self.relevance.get(peer, 0.0), 0.0)
-            self.explored.add(peer)
+        others = [peer for peer in peers if peer != self.context.node]
+        self.relevance = {
+            **self.relevance,
+            **{peer: min(self.relevance.get(peer, 0.0), 0.0) for peer in others},
+        }
+        self.explored = self.explored | set(others)
 
     def _next_k(self) -> int:
         if self.params.explore:  # the peers that help and one more, from the first round

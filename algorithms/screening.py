@@ -369,7 +369,7 @@ class Screened(PeerAlgorithm):
         kept_out = [p for p in offered.get(MODEL, []) if self.records.not_worth_fetching(p)]
         self._passed_over = (round_no, kept_out)
         for peer in kept_out:
-            self.records.pass_over(peer, round_no)
+            self.records = self.records.pass_over(peer, round_no)
         if not kept_out:
             return self.rule.wanted(round_no, offered)
         models = [peer for peer in offered[MODEL] if peer not in kept_out]
@@ -399,8 +399,8 @@ class Screened(PeerAlgorithm):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.memory.load_state_dict(state.get(MEMORY_KEY, {}))  # absent in older ones
-        self.records.load_state_dict(state.get(RECORDS_KEY, {}))
+        self.memory = Memory.from_state_dict(state.get(MEMORY_KEY, {}))  # absent in older ones
+        self.records = PeerRecords.from_state_dict(state.get(RECORDS_KEY, {}))
         ours = (MEMORY_KEY, RECORDS_KEY)
         self.rule.load_state_dict({key: value for key, value in state.items() if key not in ours})
 
@@ -438,7 +438,7 @@ class Screened(PeerAlgorithm):
         if start is not None:
             outcome, scores = self._unless_a_spike((outcome, scores), start, report, data)
         if (sketch := self.sketch(outcome.state)) is not None:
-            self.memory.remember(round_no, {OWN: sketch})
+            self.memory = self.memory.remember(round_no, {OWN: sketch})
         kept = {key: value.detach().clone() for key, value in outcome.state.items()}
         self.rule.adopted(outcome.state)
         self._adopted = {round_no: (kept, scores)}  # the next round's start: all it reads
@@ -621,7 +621,7 @@ class Screened(PeerAlgorithm):
             if (sketch := self.sketch(model.state)) is not None
         }
         nearest = near_pairs(sketches, self.memory.before(round_no), spread(began_with, sketches))
-        self.memory.remember(round_no, sketches)
+        self.memory = self.memory.remember(round_no, sketches)
         copied = copies(nearest)
         return copied, nearest_share(nearest, copied)
 
@@ -645,7 +645,8 @@ class Screened(PeerAlgorithm):
         not_yet_out = {peer: models[peer].state for peer in models if peer not in reasons}
         for peer in far_models(own.state, not_yet_out):
             reasons[peer] = "distance"
-            self.records.convict(peer, round_no)  # clear harm: not fetched next round
+            # Clear harm: not fetched next round.
+            self.records = self.records.convict(peer, round_no)
         if pivot is None:
             return reasons
         pivot_state, pivot_scores = pivot
@@ -658,7 +659,7 @@ class Screened(PeerAlgorithm):
                 {"pivot": pivot_state, peer: models[peer].state}, {"pivot": 1 - share, peer: share}
             )
             differences = self._scores(mix, data).losses - pivot_scores.losses
-            self.records.observe(peer, round_no, differences)
+            self.records = self.records.observe(peer, round_no, differences)
             if self.records.harmful(peer):
                 reasons[peer] = "val_loss"
         return reasons

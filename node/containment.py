@@ -8,9 +8,10 @@ peer alone. The peers whose input makes it raise are refused for the round and t
 step runs once more without them. Only a step that raises with no peer at all is the
 node's own fault, and that one propagates.
 
-The price while no rule raises is one deep copy of the rule's state a step (its models,
-scores and scratch space; about what its checkpoint holds). When one raises, the search
-costs up to one step per peer, in that round only.
+While no rule raises this costs nothing: a rule never changes in place what it holds,
+so its state is kept by keeping its attributes' bindings (algorithms/base.py `Rewind`),
+not by copying its models and scores. When one raises, the search costs up to one step
+per peer, in that round only.
 """
 
 from __future__ import annotations

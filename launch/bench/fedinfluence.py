@@ -24,7 +24,6 @@ shard instead.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import statistics
 import sys
@@ -253,9 +252,10 @@ class Simulation:
 
     def fork(self, params: dict[str, Any]) -> Simulation:
         """A run that goes on from this one's coordinator state under other parameters,
-        as a coordinator restarted from its checkpoint would."""
+        as a coordinator restarted from its checkpoint would. The two share the state's
+        values: a rule never changes one in place (algorithms/base.py `Rewind`)."""
         other = Simulation(self.federation, params)
-        other.coordinator.load_state_dict(copy.deepcopy(self.coordinator.state_dict()))
+        other.coordinator.load_state_dict(self.coordinator.state_dict())
         return other
 
     def _client_round(self, round_no: int, name: str) -> Upload:

@@ -51,22 +51,22 @@ def test_the_signs_evidence_counts_samples_worsened_against_samples_bettered():
 
 def test_clear_harm_is_kept_out_in_the_round_it_shows():
     records = PeerRecords()
-    records.observe("attacker", 1, differences(25.0))
+    records = records.observe("attacker", 1, differences(25.0))
     assert records.harmful("attacker")
 
 
 def test_a_new_peer_is_out_when_one_round_shows_harm_beyond_the_noise():
     records = PeerRecords()
-    records.observe("harmful", 1, differences(HARM_BOUND + 0.2))
-    records.observe("noisy", 1, differences(HARM_BOUND - 0.2))
+    records = records.observe("harmful", 1, differences(HARM_BOUND + 0.2))
+    records = records.observe("noisy", 1, differences(HARM_BOUND - 0.2))
     assert records.harmful("harmful") and not records.harmful("noisy")
 
 
 def test_one_unlucky_round_does_not_shut_out_a_peer_that_has_been_helping():
     records = PeerRecords()
     for round_no in range(1, 6):
-        records.observe("useful", round_no, differences(-2.0, seed=round_no))
-    records.observe("useful", 6, differences(1.8, seed=6))  # a one-round test: out
+        records = records.observe("useful", round_no, differences(-2.0, seed=round_no))
+    records = records.observe("useful", 6, differences(1.8, seed=6))  # a one-round test: out
     assert not records.harmful("useful")
 
 
@@ -74,7 +74,7 @@ def test_slight_harm_that_repeats_is_kept_out_within_a_few_rounds():
     records = PeerRecords()
     rounds_to_exclusion = None
     for round_no in range(1, 8):
-        records.observe("slight", round_no, differences(1.4, seed=round_no))
+        records = records.observe("slight", round_no, differences(1.4, seed=round_no))
         if records.harmful("slight"):
             rounds_to_exclusion = round_no
             break
@@ -84,27 +84,35 @@ def test_slight_harm_that_repeats_is_kept_out_within_a_few_rounds():
 def test_good_behaviour_cannot_be_banked_to_cover_an_attack():
     records = PeerRecords()
     for round_no in range(1, 20):
-        records.observe("patient", round_no, differences(-30.0, seed=round_no))
-    records.observe("patient", 20, differences(30.0, seed=20))
+        records = records.observe("patient", round_no, differences(-30.0, seed=round_no))
+    records = records.observe("patient", 20, differences(30.0, seed=20))
     assert records.harmful("patient")
 
 
 def test_a_round_measured_again_replaces_its_evidence_rather_than_adding_to_it():
     records = PeerRecords()
-    records.observe("peer", 1, differences(1.5))
-    records.observe("peer", 2, differences(1.5))
+    records = records.observe("peer", 1, differences(1.5))
+    records = records.observe("peer", 2, differences(1.5))
     once = records.score("peer")
-    records.observe("peer", 2, differences(1.5))  # the node re-ran round 2's step
+    records = records.observe("peer", 2, differences(1.5))  # the node re-ran round 2's step
     assert records.score("peer") == once
+
+
+def test_a_record_is_a_value_that_new_evidence_leaves_as_it_was():
+    """A step the node runs only to see its outcome (containment, a trial) is undone by
+    putting back the records it began with: adding evidence must not change them."""
+    before = PeerRecords().observe("peer", 1, differences(-1.0))
+    after = before.observe("peer", 2, differences(25.0)).convict("other", 2)
+    assert before.score("peer") == pytest.approx(-1.0) and before.score("other") == 0.0
+    assert after.harmful("peer") and after.harmful("other")
 
 
 def test_the_record_survives_its_state_dict():
     records = PeerRecords()
-    records.observe("helps", 1, differences(-3.0))
-    records.observe("hurts", 1, differences(3.0))
-    records.observe("neutral", 1, differences(0.0))
-    copy = PeerRecords()
-    copy.load_state_dict(records.state_dict())
+    records = records.observe("helps", 1, differences(-3.0))
+    records = records.observe("hurts", 1, differences(3.0))
+    records = records.observe("neutral", 1, differences(0.0))
+    copy = PeerRecords.from_state_dict(records.state_dict())
     assert copy.state_dict() == records.state_dict()
     scores = [copy.score(peer) for peer in ("helps", "neutral", "hurts")]
     assert scores == pytest.approx([-1.0, 0.0, 3.0])
@@ -113,12 +121,12 @@ def test_the_record_survives_its_state_dict():
 
 def test_a_peer_passed_over_fades_back_below_the_bound_to_be_measured_again():
     records = PeerRecords()
-    records.observe("attacker", 1, differences(25.0))
+    records = records.observe("attacker", 1, differences(25.0))
     rounds = 1
     while records.not_worth_fetching("attacker"):  # as screening's `wanted` asks
         rounds += 1
-        records.pass_over("attacker", rounds)
+        records = records.pass_over("attacker", rounds)
     assert rounds == 2, "passed over one round, then fetched and measured again"
     assert records.score("attacker") >= HARM_BOUND, "its faded record still at the bound"
-    records.observe("attacker", rounds + 1, differences(25.0))
+    records = records.observe("attacker", rounds + 1, differences(25.0))
     assert records.not_worth_fetching("attacker"), "and back out the round it is measured"
