@@ -148,9 +148,16 @@ class PeerRecords:
     def harmful(self, peer: str) -> bool:
         return self.score(peer) > HARM_BOUND
 
-    def not_worth_fetching(self, peer: str) -> bool:
+    def not_worth_fetching(self, peer: str, round_no: int | None = None) -> bool:
         """Whether the record shows harm so clear that the peer's next model is not
-        even fetched (see `pass_over`)."""
+        even fetched (see `pass_over`): the record as it stood before round
+        `round_no`'s own evidence, where one is given, so that a round that asks again
+        (a node asks each time more offers arrive) gets the same answer after its
+        pass-over faded the record."""
+        if round_no is not None and peer in self._records:
+            last_round, before, _ = self._records[peer]
+            if last_round == round_no:
+                return before > PASS_OVER_BOUND
         return self.score(peer) > PASS_OVER_BOUND
 
     def state_dict(self) -> dict[str, list[float]]:

@@ -366,7 +366,11 @@ class Screened(PeerAlgorithm):
     def wanted(self, round_no: int, offered: dict[str, list[str]]) -> dict[str, list[str]]:
         """The rule's choice among the offers, less the models of peers whose record
         shows clear harm: those are not even fetched (evidence.py, `pass_over`)."""
-        kept_out = [p for p in offered.get(MODEL, []) if self.records.not_worth_fetching(p)]
+        kept_out = [
+            peer
+            for peer in offered.get(MODEL, [])
+            if self.records.not_worth_fetching(peer, round_no)
+        ]
         self._passed_over = (round_no, kept_out)
         for peer in kept_out:
             self.records = self.records.pass_over(peer, round_no)

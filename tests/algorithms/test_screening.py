@@ -325,8 +325,8 @@ def test_a_resumed_node_does_not_admit_a_peer_it_had_kept_out(world, tmp_path):
     # Next round "bad" is on offer again: a node without the record would fetch it; the
     # resumed node, whose record of it shows clear harm, does not even download it.
     offered = {"model": ["bad", "h1"]}
-    assert resumed.wanted(2, offered)["model"] == ["h1"]
-    assert screened(world, "fedavg").wanted(2, offered)["model"] == ["bad", "h1"]
+    assert resumed.wanted(3, offered)["model"] == ["h1"]
+    assert screened(world, "fedavg").wanted(3, offered)["model"] == ["bad", "h1"]
 
 
 def test_a_clearly_harmful_peer_is_not_fetched_until_its_record_fades(world):
@@ -345,6 +345,21 @@ def test_a_clearly_harmful_peer_is_not_fetched_until_its_record_fades(world):
         assert outcome.diagnostics["screened_out"]["bad"] in ("val_loss", "record")
         assert outcome.weights.get("bad", 0.0) == 0.0
     assert fetched_rounds[0] == 1 and 2 <= len(fetched_rounds) <= 4, fetched_rounds
+
+
+def test_a_peer_passed_over_stays_out_however_often_the_round_asks(world):
+    """The node asks `wanted` again each time more offers arrive; the first ask's
+    pass-over fades the record below the bound, and a later ask must not fetch the peer
+    for that: which peers a round learns from must not hang on the order offers came."""
+    rule = screened(world, "fedavg")
+    aggregate(rule, world, {"h1": world.honest["h1"], "bad": world.attackers["noise"]}, round_no=1)
+    assert rule.wanted(2, {"model": ["bad"]})["model"] == []
+    assert rule.wanted(2, {"model": ["bad", "h1"]})["model"] == ["h1"]
+    assert rule.wanted(2, {"model": ["bad", "h1", "h2"]})["model"] == ["h1", "h2"]
+    fresh_models = {peer: fresh(world.honest[peer], 2) for peer in ("h1", "h2")}
+    outcome = aggregate(rule, world, fresh_models, round_no=2)
+    assert outcome.diagnostics["screened_out"] == {"bad": "record"}
+    assert rule.wanted(3, {"model": ["bad", "h1"]})["model"] == ["bad", "h1"], "faded: measured"
 
 
 def test_the_rule_is_told_whom_screening_keeps_out_before_it_aggregates(world):
