@@ -355,11 +355,6 @@ class Screened(PeerAlgorithm):
         """The wrapped rule's: one spare model per node; every user loads a state first."""
         return self.rule.scratch_model()
 
-    def __getattr__(self, name: str) -> Any:  # the rule's own state (groups, scores...)
-        if "rule" not in self.__dict__:  # half-built (a copy being made)
-            raise AttributeError(name)
-        return getattr(self.__dict__["rule"], name)
-
     def publish(self, round_no: int, state: State, data: Any) -> dict[str, State]:
         return self.rule.publish(round_no, state, data)
 

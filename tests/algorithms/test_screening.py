@@ -745,9 +745,10 @@ def test_pfedsv_behind_screening_settles_k_on_the_peers_it_admits(world):
         outcome = aggregate(rule, world, models, round_no=round_no)
         kept_out |= set(outcome.diagnostics["screened_out"])
     assert set(world.attackers) <= kept_out
-    assert set(world.attackers) <= rule.explored
-    assert all(rule.relevance[peer] <= 0 for peer in world.attackers)
-    relevant = [peer for peer, score in rule.relevance.items() if score > 0]
+    pfedsv = rule.rule  # the wrapped rule's own state
+    assert set(world.attackers) <= pfedsv.explored
+    assert all(pfedsv.relevance[peer] <= 0 for peer in world.attackers)
+    relevant = [peer for peer, score in pfedsv.relevance.items() if score > 0]
     assert 1 <= outcome.diagnostics["k_next"] == len(relevant) < 5
 
 
@@ -762,7 +763,7 @@ def test_pfedsv_behind_screening_by_default_downloads_one_peer_beyond_those_that
         outcome = aggregate(rule, world, models, round_no=round_no)
         assert len(wanted) == outcome.diagnostics["k"]
         assert not set(outcome.weights) & set(world.attackers)
-    relevant = [peer for peer, score in rule.relevance.items() if score > 0]
+    relevant = [peer for peer, score in rule.rule.relevance.items() if score > 0]
     assert not set(relevant) & set(world.attackers)
     assert outcome.diagnostics["k_next"] == len(relevant) + 1
 
