@@ -310,6 +310,63 @@ class ValScores(NamedTuple):
     errors: torch.Tensor
 
 
+class TrialVerdict(NamedTuple):
+    """Last round's trial model, trained as the own model was and judged against it by
+    the guard (step 7): `shares`, whose models a won path carries on from."""
+
+    won: bool
+    path_rounds: int
+    figures: dict[str, float]
+    shares: dict[str, float] | None
+
+
+class GuardVerdict(NamedTuple):
+    """Whether the round's aggregate was adopted (step 5), with the figures judged by;
+    `far_jump` None where the rule judged it itself (pFedSV's val guard)."""
+
+    adopted: bool
+    far_jump: bool | None = None
+    figures: dict[str, float] = {}
+
+
+class ScreeningReport(NamedTuple):
+    """What screening did in a round, each step's verdict (None: the step did not run),
+    as the node's metrics record it (`diagnostics["screening"]`, `as_diagnostics`)."""
+
+    judged: bool  # the node has a val split to judge by
+    trial: TrialVerdict | None
+    nearest_copy: float | None
+    on_trial: list[str] | None  # the peers let in on a trial path started this round
+    rule_seconds: float  # of `seconds`, the rule's own aggregation
+    guard: GuardVerdict | None
+    kept_round_start: bool | None  # step 6 undid the round
+    judged_against: str | None  # the pivot: "own", "trial" or "round_start"
+    seconds: float
+
+    def as_diagnostics(self) -> dict[str, Any]:
+        record: dict[str, Any] = {"judged": self.judged}
+        if self.trial is not None:
+            trial = self.trial
+            record["trial"] = {"won": trial.won, "path_rounds": trial.path_rounds}
+            record["trial"].update(trial.figures)
+            if trial.shares is not None and not self.kept_round_start:
+                record["trial"]["weights"] = trial.shares  # not where step 6 undid it
+        record["nearest_copy"] = self.nearest_copy
+        if self.on_trial is not None:
+            record["on_trial"] = self.on_trial
+        record["rule_seconds"] = self.rule_seconds
+        if self.guard is not None:
+            record["adopted"] = self.guard.adopted
+            if self.guard.far_jump is not None:
+                record["far_jump"] = self.guard.far_jump
+            record.update(self.guard.figures)
+        for key in ("kept_round_start", "judged_against"):
+            if getattr(self, key) is not None:
+                record[key] = getattr(self, key)
+        record["seconds"] = self.seconds
+        return record
+
+
 def val_scores(
     model: torch.nn.Module, state: State, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024
 ) -> ValScores:
@@ -408,13 +465,14 @@ class Screened(PeerAlgorithm):
     ) -> Aggregate:
         clock = time.perf_counter()
         models = received.get(MODEL, {})
-        report: dict[str, Any] = {"judged": len(data.y_val) > 0}
-        own_scored = (own.state, self._scores(own.state, data)) if report["judged"] else None
+        judged = len(data.y_val) > 0
+        own_scored = (own.state, self._scores(own.state, data)) if judged else None
         path = None  # the trial path carried on, where it lost but is still young
+        trial = None
         if own_scored is not None and self._trial is not None:
-            own, own_scored, path = self._judge_trial(round_no, own, own_scored, report, data)
+            own, own_scored, path, trial = self._judge_trial(round_no, own, own_scored, data)
         self._trial = None
-        start = self._scored_round_start(round_no, data) if report["judged"] else None
+        start = self._scored_round_start(round_no, data) if judged else None
         pivot = own_scored
         if (
             start is not None
@@ -422,33 +480,46 @@ class Screened(PeerAlgorithm):
             and _mean_loss(start) < _mean_loss(own_scored)
         ):
             pivot = start
-        copied, report["nearest_copy"] = self._copies(round_no, own, models)
+        copied, nearest_copy = self._copies(round_no, own, models)
         reasons = self._screen(round_no, own, models, copied, data, pivot)
         passed_round, passed_over = self._passed_over
         if passed_round == round_no:
             reasons.update({peer: "record" for peer in passed_over if peer not in models})
         worth_a_trial = path is not None or "val_loss" in reasons.values()
+        on_trial = None
         if self.trials and own_scored is not None and worth_a_trial:
-            self._next_trial_model(round_no, own, path, received, reasons, report, data)
+            on_trial = self._next_trial_model(round_no, own, path, received, reasons, data)
         rule_clock = time.perf_counter()
         outcome = self._rule_aggregate(round_no, own, received, reasons, data)
-        report["rule_seconds"] = time.perf_counter() - rule_clock  # of `seconds`: the rule's
-        outcome, scores = self._guard(outcome, own_scored, start, report, data)
+        rule_seconds = time.perf_counter() - rule_clock
+        outcome, scores, guard = self._guard(outcome, own_scored, start, data)
+        kept_round_start = None
         if start is not None:
-            outcome, scores = self._unless_a_spike((outcome, scores), start, report, data)
+            outcome, scores, kept_round_start = self._unless_a_spike(outcome, scores, start, data)
         if (sketch := self.sketch(outcome.state)) is not None:
             self.memory = self.memory.remember(round_no, {OWN: sketch})
         kept = {key: value.detach().clone() for key, value in outcome.state.items()}
         self.rule.adopted(outcome.state)
         self._adopted = {round_no: (kept, scores)}  # the next round's start: all it reads
+        judged_against = None
         if pivot is not None:
-            own_kind = "trial" if report.get("trial", {}).get("won") else "own"
-            report["judged_against"] = own_kind if pivot is own_scored else "round_start"
-        report["seconds"] = time.perf_counter() - clock
+            own_kind = "trial" if trial is not None and trial.won else "own"
+            judged_against = own_kind if pivot is own_scored else "round_start"
+        report = ScreeningReport(
+            judged,
+            trial,
+            nearest_copy,
+            on_trial,
+            rule_seconds,
+            guard,
+            kept_round_start,
+            judged_against,
+            seconds=time.perf_counter() - clock,
+        )
         outcome.diagnostics = {
             **outcome.diagnostics,
             "screened_out": dict(sorted(reasons.items())),
-            "screening": report,
+            "screening": report.as_diagnostics(),
             "evidence": {peer: round(self.records.score(peer), 3) for peer in sorted(models)},
         }
         return outcome
@@ -476,20 +547,20 @@ class Screened(PeerAlgorithm):
         path: Trial | None,
         received: ReceivedModels,
         reasons: dict[str, str],
-        report: dict[str, Any],
         data: Any,
-    ) -> None:
+    ) -> list[str] | None:
         """The next model of a trial path (step 7): the rule's aggregate of the path's
         last model (or, for a new path, the own one) with the peers the val check kept
         out let in where their models alone beat a constant guess, kept where the path
-        goes on or the rule gives one of them weight. The rule is rewound after it, so
-        the round's own aggregate is what it would have been."""
+        goes on or the rule gives one of them weight; returns those peers (None where no
+        path goes on). The rule is rewound after it, so the round's own aggregate is
+        what it would have been."""
         me = self.context.node
         models = received.get(MODEL, {})
         kept_out = sorted(peer for peer, why in reasons.items() if why == "val_loss")
         on_trial = [peer for peer in kept_out if self._models_the_task(models[peer], data)]
         if path is None and not on_trial:
-            return
+            return None
         for_cause = {peer: why for peer, why in reasons.items() if peer not in on_trial}
         base = own if path is None else PeerModel(path.state, own.n_samples)
         rewind = Rewind(self.rule)
@@ -498,11 +569,11 @@ class Screened(PeerAlgorithm):
         finally:
             rewind()
         if path is None and not any(trial.weights.get(peer, 0.0) > 0 for peer in on_trial):
-            return
+            return None
         began, shares = (round_no, {me: 1.0}) if path is None else (path.began, path.shares)
         shares = path_shares(shares, trial.weights, me)
         self._trial = Trial(round_no, began, trial.state, shares)
-        report["on_trial"] = on_trial
+        return on_trial
 
     def _models_the_task(self, model: PeerModel, data: Any) -> bool:
         """Whether a peer's model alone beats a constant guess on the val split: only
@@ -515,18 +586,17 @@ class Screened(PeerAlgorithm):
         round_no: int,
         own: PeerModel,
         own_scored: tuple[State, ValScores],
-        report: dict[str, Any],
         data: Any,
-    ) -> tuple[PeerModel, tuple[State, ValScores], Trial | None]:
+    ) -> tuple[PeerModel, tuple[State, ValScores], Trial | None, TrialVerdict | None]:
         """The own model of the round, or last round's trial trained as the own model
         was (the same recipe and seed), where that one passes the guard against it
-        (step 7); and the trained trial as the path to go on with, where it lost and its
-        path is younger than TRIAL_ROUNDS. A trial of an earlier round (the node missed
-        one) is dropped."""
+        (step 7); the trained trial as the path to go on with, where it lost and its
+        path is younger than TRIAL_ROUNDS; and the verdict. A trial of an earlier round
+        (the node missed one) is dropped unjudged."""
         trial = self._trial
         assert trial is not None, "judged only where one is pending"
         if trial.round_no != round_no - 1:
-            return own, own_scored, None
+            return own, own_scored, None, None
         model = self.scratch_model()
         model.load_state_dict(trial.state)
         assert self.context.train is not None, "the node provides its training recipe"
@@ -535,64 +605,61 @@ class Screened(PeerAlgorithm):
         trained = {key: value.detach().clone() for key, value in model.state_dict().items()}
         scores = self._scores(trained, data)
         won, figures = guard_verdict(own_scored[1], scores)
-        report["trial"] = {"won": won, "path_rounds": round_no - trial.began, **figures}
+        path_rounds = round_no - trial.began
         if not won:
-            young = round_no - trial.began < TRIAL_ROUNDS
+            young = path_rounds < TRIAL_ROUNDS
             path = trial._replace(round_no=round_no, state=trained) if young else None
-            return own, own_scored, path
+            return own, own_scored, path, TrialVerdict(False, path_rounds, figures, None)
         # Whose models the node now carries on from, for its metrics (attacker weight).
-        report["trial"]["weights"] = trial.shares
-        return PeerModel(trained, own.n_samples), (trained, scores), None
+        verdict = TrialVerdict(True, path_rounds, figures, trial.shares)
+        return PeerModel(trained, own.n_samples), (trained, scores), None, verdict
 
     def _guard(
         self,
         outcome: Aggregate,
         own_scored: tuple[State, ValScores] | None,
         start: tuple[State, ValScores] | None,
-        report: dict[str, Any],
         data: Any,
-    ) -> tuple[Aggregate, ValScores | None]:
+    ) -> tuple[Aggregate, ValScores | None, GuardVerdict | None]:
         """The rule's outcome, or the own model where the guard refuses the aggregate,
-        with its val scores where known; `start`, the round start where known."""
+        with its val scores where known and the verdict where one was given; `start`,
+        the round start where known."""
         me = self.context.node
         if own_scored is None:
-            return outcome, None
+            return outcome, None, None
         own_state, own_scores = own_scored
         if outcome.weights == {me: 1.0}:  # the own model (or a rule's variant of it)
-            return outcome, own_scores if outcome.state is own_state else None
+            return outcome, own_scores if outcome.state is own_state else None, None
         if self.rule.guards_aggregate:  # judged by the rule itself (pFedSV's val guard)
-            if "adopted" in outcome.diagnostics:  # its verdict, where it judged one
-                report["adopted"] = outcome.diagnostics["adopted"]
-            return outcome, None
+            if "adopted" not in outcome.diagnostics:  # its verdict, where it judged one
+                return outcome, None, None
+            return outcome, None, GuardVerdict(outcome.diagnostics["adopted"])
         scores = self._scores(outcome.state, data)
         far = start is not None and a_far_jump(outcome.state, own_state, start[0])
-        report["adopted"], figures = guard_verdict(own_scores, scores, far)
-        report["far_jump"] = far
-        report.update(figures)
-        if report["adopted"]:
-            return outcome, scores
-        return Aggregate(own_state, {me: 1.0}, outcome.diagnostics), own_scores
+        adopted, figures = guard_verdict(own_scores, scores, far)
+        verdict = GuardVerdict(adopted, far, figures)
+        if adopted:
+            return outcome, scores, verdict
+        return Aggregate(own_state, {me: 1.0}, outcome.diagnostics), own_scores, verdict
 
     def _unless_a_spike(
         self,
-        scored: tuple[Aggregate, ValScores | None],
+        outcome: Aggregate,
+        scores: ValScores | None,
         start: tuple[State, ValScores],
-        report: dict[str, Any],
         data: Any,
-    ) -> tuple[Aggregate, ValScores | None]:
+    ) -> tuple[Aggregate, ValScores, bool]:
         """The round's outcome, or the model the round started from where the outcome
         is worse than that one beyond noise, in val errors and loss together
-        (`errors_and_loss_beyond_noise`): a round whose local training went astray,
-        with no peer's help to mend it, is undone rather than kept. One deviation of
-        errors alone undid the mesh's average by noise (docs/defences.md, "Where
-        collaboration pays")."""
-        outcome, scores = scored
+        (`errors_and_loss_beyond_noise`), with its val scores and whether it was undone:
+        a round whose local training went astray, with no peer's help to mend it, is
+        undone rather than kept. One deviation of errors alone undid the mesh's average
+        by noise (docs/defences.md, "Where collaboration pays")."""
         scores = scores if scores is not None else self._scores(outcome.state, data)
-        report["kept_round_start"] = errors_and_loss_beyond_noise(start[1], scores)
-        if report["kept_round_start"]:
-            report.get("trial", {}).pop("weights", None)  # not carried on from after all
-            return Aggregate(start[0], {self.context.node: 1.0}, outcome.diagnostics), start[1]
-        return outcome, scores
+        if errors_and_loss_beyond_noise(start[1], scores):
+            undone = Aggregate(start[0], {self.context.node: 1.0}, outcome.diagnostics)
+            return undone, start[1], True
+        return outcome, scores, False
 
     def _scored_round_start(self, round_no: int, data: Any) -> tuple[State, ValScores] | None:
         """The model this round started from (the last round's outcome), with its val
