@@ -89,7 +89,7 @@ from .base import (
     state_part,
     weighted_average,
 )
-from .screening import batched_logits, guard_verdict, scores_of_logits
+from .verdicts import batched_logits, guard_verdict, scores_of_logits
 
 BODY, HEAD = "body", "head"
 EXACT_SHAPLEY_MAX_PLAYERS = 8  # 2^8 utilities cost less than sampling 3|S| permutations

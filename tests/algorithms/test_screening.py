@@ -20,9 +20,8 @@ from meshfl.algorithms.base import Aggregate, Context, weighted_average
 from meshfl.algorithms.copies import NEAR_COPY, Sketcher, copies, near_pairs
 from meshfl.algorithms.evidence import harm_z
 from meshfl.algorithms.pfedsv import _guard_verdict as pfedsv_guard
-from meshfl.algorithms.screening import (
-    TRIAL_ROUNDS,
-    Screened,
+from meshfl.algorithms.screening import TRIAL_ROUNDS, Screened
+from meshfl.algorithms.verdicts import (
     ValScores,
     a_far_jump,
     beats_a_constant_guess,
