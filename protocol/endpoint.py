@@ -26,13 +26,14 @@ from .admission import Admission
 from .decoder import Decoder
 from .errors import UserError
 from .exchange import BlobExchange, Counts, FetchRecord
-from .handshake import Handshake, curve_key_of
+from .handshake import Handshake
 from .identity import Identity
 from .inbox import DirectInbox
 from .liveness import Liveness
 from .membership import ALIVE, PeerEntry, PeerTable, liveness_stretch
 from .memory import MemoryNetwork, MemoryTransport
 from .offers import Offer
+from .outbox import Outbox
 from .overlay import BoundedView, FullMesh, Overlay
 from .parts import EndpointSettings, OtherMesh, RateLimit
 from .probe import StatusAnswers
@@ -45,16 +46,11 @@ from .wire import (
     Blob,
     Message,
     announce_body,
-    encode,
     new_instance,
 )
 from .worker import Worker
 
 log = logging.getLogger("meshfl.endpoint")
-
-# What a receiver does not count as a sign of life (WIRE.md 7.3): a message of any other
-# kind to a peer stands in for a heartbeat to it.
-NO_PROOF_OF_LIFE = frozenset({"refuse", "bye", "status", "status_reply"})
 
 # Refused at the encrypted handshake, before any message: a client key a closed mesh
 # does not list (WIRE.md 1.1). Counted beside the decoder's reasons.
@@ -111,7 +107,6 @@ class Endpoint:
         self.status_answers = StatusAnswers(self)
         self.lock = threading.RLock()
         self._changed = threading.Condition(self.lock)
-        self._send_lock = threading.Lock()
         self.blobs = BlobExchange(
             settings.name,
             identity.public_key,
@@ -124,8 +119,6 @@ class Endpoint:
             settings.max_inflight,
             settings.fetch_timeout,
         )
-        # Start from wall-clock nanoseconds so a restarted node's numbers keep rising.
-        self._seq = time.time_ns()
         self.liveness = Liveness(self)
         # Whom the node links with (overlay.py), and the hellos it links by (handshake.py).
         views = settings.views
@@ -147,8 +140,8 @@ class Endpoint:
             "hello": self.handshake.on_hello,
             "peers": self.handshake.on_peers,
             "refuse": self.handshake.on_refuse,
-            "heartbeat": self.on_heartbeat,
-            "bye": self.on_bye,
+            "heartbeat": self.liveness.on_heartbeat,
+            "bye": self.liveness.on_bye,
             "announce": self.blobs.on_announce,
             "fetch": self.blobs.on_fetch,
             "miss": self.blobs.on_miss,
@@ -173,6 +166,14 @@ class Endpoint:
             options,
             self.admission.encryption(),
             screen=self.admission.worth_holding,
+        )
+        self.outbox = Outbox(
+            identity,
+            mesh_id,
+            self.instance,
+            self.transport,
+            self.handshake.curve_keys,
+            lambda: self.round,
         )
 
     @property
@@ -432,28 +433,8 @@ class Endpoint:
         once: bool = False,
         key: bytes | None = None,
     ) -> None:
-        """`key`: the Ed25519 key of the node at `address`, when it is not the one learned
-        for that address (an answer to a status probe or a twin)."""
-        known = self.handshake.curve_keys
-        server_key = curve_key_of(key) if key is not None else known.get(address)
-        # Numbering and queueing under one lock: messages leave in sequence order.
-        with self._send_lock:
-            self._seq += 1
-            frames = encode(
-                self.identity,
-                self.mesh_id,
-                kind,
-                self._seq,
-                self.round,
-                body,
-                instance=self.instance,
-                blob=blob,
-            )
-            if once:
-                self.transport.send_once(address, frames, server_key, kind=kind)
-            else:
-                proves_life = kind not in NO_PROOF_OF_LIFE
-                self.transport.send(address, frames, server_key, kind=kind, proves_life=proves_life)
+        """Number, sign and queue one message (outbox.py)."""
+        self.outbox.send(address, kind, body, blob, once, key)
 
     def may_come(self, offer: Offer) -> bool:
         """Whether a live peer may still send the blob `offer` names: its origin or a
@@ -508,20 +489,6 @@ class Endpoint:
             # entered: noted now, not at the next tick.
             self.liveness.mark_if_reached(entry)
         return True
-
-    def on_heartbeat(self, message: Message) -> None:
-        if self.table.heard_from(message.sender, message.round) is not None:
-            return
-        name, address = message.body.get("name"), message.body.get("addr")
-        if not isinstance(address, str):  # the decoder checked any address it carries
-            return
-        self.overlay.on_stranger_heartbeat(message, name, address)
-
-    def on_bye(self, message: Message) -> None:
-        entry = self.table.mark_left(message.sender)
-        if entry is not None:
-            log.info("%s: %s left", self.settings.name, entry.name)
-            self.transport.forget(entry.address)
 
     def on_refused_direct(self, message: Message, reason: str) -> None:
         """A direct message of a peer whose frames the decoder refused (`reason`, counted

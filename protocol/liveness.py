@@ -14,6 +14,7 @@ import time
 from .handshake import curve_key_of
 from .membership import LEFT, PeerEntry
 from .parts import Host
+from .wire import Message
 
 log = logging.getLogger("meshfl.endpoint")
 
@@ -28,6 +29,23 @@ class Liveness:
         self.endpoint = endpoint
         self.last_beat: dict[str, float] = {}  # address -> when we last heartbeat it
         self._reached_seen = 0  # transport.reached_count when we last looked
+
+    def on_heartbeat(self, message: Message) -> None:
+        """A peer's heartbeat refreshes it; a stranger's is the overlay's to judge."""
+        endpoint = self.endpoint
+        if endpoint.table.heard_from(message.sender, message.round) is not None:
+            return
+        name, address = message.body.get("name"), message.body.get("addr")
+        if not isinstance(address, str):  # the decoder checked any address it carries
+            return
+        endpoint.overlay.on_stranger_heartbeat(message, name, address)
+
+    def on_bye(self, message: Message) -> None:
+        """A peer that says it leaves is marked so, and its connection let go."""
+        entry = self.endpoint.table.mark_left(message.sender)
+        if entry is not None:
+            log.info("%s: %s left", self.endpoint.settings.name, entry.name)
+            self.endpoint.transport.forget(entry.address)
 
     def tick(self) -> None:
         """Mark silent peers down, and heartbeat each peer we told nothing for a while.
