@@ -22,8 +22,9 @@ meshfl node has). Around the rule's `aggregate`, for the whole models received
    like an honest one a little longer (it may even help the round it arrives) and does
    its harm by growing round after round; its distance shows it the round it arrives,
    where three or more models came (of one or two, none stands out from the median; the
-   val check is then the only one). Its record takes the worst harm, so it is not even
-   fetched next round; it is never let in on trial (step 7), being no model of the task.
+   val check is then the only one). Its record takes the worst harm, so once it repeats
+   it is not even fetched the round after; it is never let in on trial (step 7), being
+   no model of the task.
 4. Validation: peer j's model is mixed into the pivot at the share an equal average of
    the round's models gives it (1/(m+1) for the m models no earlier step kept out: half
    and half for one);
@@ -92,8 +93,9 @@ meshfl node has). Around the rule's `aggregate`, for the whole models received
    model of the task (before it, one-round trials on the robustness table gave the
    attackers up to 5% of the weight and cost FedC²I up to 2.2 points under attack).
 
-A peer whose record shows clear harm is not fetched at all ("record"): the rule's
-`wanted` is offered the other peers only. The rule then sees only the admitted peers
+A peer whose record shows clear harm that repeats is not fetched at all ("record"):
+the rule's `wanted` is offered the other peers only, however often the node asks as
+offers arrive. The rule then sees only the admitted peers
 (and is told who was kept out, `kept_out`), so its `layouts`, `wanted` and diagnostics
 are its own; the screening adds `screened_out`
 ({peer: reason}), `screening` and `evidence` (each received peer's record) to the
@@ -192,18 +194,21 @@ class Screened(PeerAlgorithm):
 
     def wanted(self, round_no: int, offered: dict[str, list[str]]) -> dict[str, list[str]]:
         """The rule's choice among the offers, less the models of peers whose record
-        shows clear harm: those are not even fetched (evidence.py, `pass_over`)."""
-        kept_out = [
-            peer
-            for peer in offered.get(MODEL, [])
-            if self.records.not_worth_fetching(peer, round_no)
-        ]
-        self._passed_over = (round_no, kept_out)
-        for peer in kept_out:
+        shows clear harm that repeats: those are not even fetched (evidence.py,
+        `pass_over`). The node asks again each time more offers arrive; a peer passed
+        over stays so for the round (its pass-over faded its record), and the others
+        are judged as they stood at the round's start."""
+        passed_round, passed = self._passed_over
+        already = set(passed) if passed_round == round_no else set()
+        offers = offered.get(MODEL, [])
+        newly = [p for p in offers if p not in already and self.records.not_worth_fetching(p)]
+        for peer in newly:
             self.records = self.records.pass_over(peer, round_no)
+        kept_out = [peer for peer in offers if peer in already or peer in newly]
+        self._passed_over = (round_no, kept_out)
         if not kept_out:
             return self.rule.wanted(round_no, offered)
-        models = [peer for peer in offered[MODEL] if peer not in kept_out]
+        models = [peer for peer in offers if peer not in kept_out]
         return self.rule.wanted(round_no, {**offered, MODEL: models})
 
     def layouts(self, kind: str) -> tuple[Any, ...]:
@@ -215,12 +220,12 @@ class Screened(PeerAlgorithm):
         return {peer: -self.records.score(peer) for peer in peers}
 
     def shuns(self, peer: str) -> bool:
-        """A peer whose record shows clear harm (evidence.py, `not_worth_fetching`): in
+        """A peer whose record shows clear harm (evidence.py, `shows_clear_harm`): in
         a bounded mesh its record only changes while it is a neighbour, so it stays
         shunned here, and its place goes to peers not yet judged. Mere harm (one
         unlucky round on a small val split) only makes a neighbour the first dropped.
         And whom the rule itself shuns."""
-        return self.records.not_worth_fetching(peer) or self.rule.shuns(peer)
+        return self.records.shows_clear_harm(peer) or self.rule.shuns(peer)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -486,7 +491,7 @@ class Screened(PeerAlgorithm):
         not_yet_out = {peer: models[peer].state for peer in models if peer not in reasons}
         for peer in far_models(own.state, not_yet_out):
             reasons[peer] = "distance"
-            # Clear harm: not fetched next round.
+            # Clear harm: once it repeats, not fetched the round after.
             self.records = self.records.convict(peer, round_no)
         if pivot is None:
             return reasons

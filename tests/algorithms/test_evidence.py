@@ -119,14 +119,27 @@ def test_the_record_survives_its_state_dict():
     assert copy.score("stranger") == 0.0 and not copy.harmful("stranger")
 
 
+def test_one_round_of_clear_harm_is_measured_again_and_harm_that_repeats_is_not():
+    """In a mesh's first round every model trained apart hurts the node it is mixed
+    into; only harm that repeats saves the download."""
+    records = PeerRecords().observe("peer", 1, differences(25.0))
+    assert records.shows_clear_harm("peer") and not records.not_worth_fetching("peer")
+    records = records.observe("peer", 2, differences(-25.0))
+    assert not records.shows_clear_harm("peer"), "it helped the next round"
+    records = records.observe("attacker", 1, differences(25.0))
+    records = records.observe("attacker", 2, differences(25.0))
+    assert records.not_worth_fetching("attacker")
+
+
 def test_a_peer_passed_over_fades_back_below_the_bound_to_be_measured_again():
     records = PeerRecords()
-    records = records.observe("attacker", 1, differences(25.0))
-    rounds = 1
+    for round_no in (1, 2):
+        records = records.observe("attacker", round_no, differences(25.0))
+    rounds = 2
     while records.not_worth_fetching("attacker"):  # as screening's `wanted` asks
         rounds += 1
         records = records.pass_over("attacker", rounds)
-    assert rounds == 2, "passed over one round, then fetched and measured again"
+    assert rounds == 3, "passed over one round, then fetched and measured again"
     assert records.score("attacker") >= HARM_BOUND, "its faded record still at the bound"
     records = records.observe("attacker", rounds + 1, differences(25.0))
-    assert records.not_worth_fetching("attacker"), "and back out the round it is measured"
+    assert records.not_worth_fetching("attacker"), "and back out the round after"

@@ -315,14 +315,17 @@ def test_a_resumed_node_still_knows_the_models_of_its_last_rounds(world, tmp_pat
 
 def test_a_resumed_node_does_not_admit_a_peer_it_had_kept_out(world, tmp_path):
     before = screened(world, "fedavg")
-    first = aggregate(before, world, {"h1": world.honest["h1"], "bad": world.attackers["noise"]})
-    assert first.diagnostics["screened_out"] == {"bad": "val_loss"}
+    for round_no in (1, 2):  # harm that repeats
+        peers = {p: m for p, m in noisy_round(world, round_no).items() if p != "h2"}
+        outcome = aggregate(before, world, peers, round_no=round_no)
+        assert outcome.diagnostics["screened_out"] == {"bad": "val_loss"}
     path = tmp_path / "checkpoint.pt"
     save_checkpoint(path, {"algorithm": before.state_dict()})
     resumed = screened(world, "fedavg")
     resumed.load_state_dict(load_checkpoint(path)["algorithm"])
     # Next round "bad" is on offer again: a node without the record would fetch it; the
-    # resumed node, whose record of it shows clear harm, does not even download it.
+    # resumed node, whose record of it shows clear harm that repeats, does not even
+    # download it.
     offered = {"model": ["bad", "h1"]}
     assert resumed.wanted(3, offered)["model"] == ["h1"]
     assert screened(world, "fedavg").wanted(3, offered)["model"] == ["bad", "h1"]
@@ -346,19 +349,37 @@ def test_a_clearly_harmful_peer_is_not_fetched_until_its_record_fades(world):
     assert fetched_rounds[0] == 1 and 2 <= len(fetched_rounds) <= 4, fetched_rounds
 
 
+def noisy_round(world, round_no):
+    """The honest peers' models of `round_no` and an attacker's noise, each new."""
+    peers = {peer: fresh(world.honest[peer], round_no) for peer in ("h1", "h2")}
+    noise = noise_like(world.honest["h1"], torch.Generator().manual_seed(round_no))
+    return {**peers, "bad": noise}
+
+
 def test_a_peer_passed_over_stays_out_however_often_the_round_asks(world):
     """The node asks `wanted` again each time more offers arrive; the first ask's
     pass-over fades the record below the bound, and a later ask must not fetch the peer
     for that: which peers a round learns from must not hang on the order offers came."""
     rule = screened(world, "fedavg")
-    aggregate(rule, world, {"h1": world.honest["h1"], "bad": world.attackers["noise"]}, round_no=1)
-    assert rule.wanted(2, {"model": ["bad"]})["model"] == []
-    assert rule.wanted(2, {"model": ["bad", "h1"]})["model"] == ["h1"]
-    assert rule.wanted(2, {"model": ["bad", "h1", "h2"]})["model"] == ["h1", "h2"]
-    fresh_models = {peer: fresh(world.honest[peer], 2) for peer in ("h1", "h2")}
-    outcome = aggregate(rule, world, fresh_models, round_no=2)
+    for round_no in (1, 2):  # harm that repeats
+        aggregate(rule, world, noisy_round(world, round_no), round_no=round_no)
+    assert rule.wanted(3, {"model": ["bad"]})["model"] == []
+    assert rule.wanted(3, {"model": ["bad", "h1"]})["model"] == ["h1"]
+    assert rule.wanted(3, {"model": ["bad", "h1", "h2"]})["model"] == ["h1", "h2"]
+    honest = {peer: model for peer, model in noisy_round(world, 3).items() if peer != "bad"}
+    outcome = aggregate(rule, world, honest, round_no=3)
     assert outcome.diagnostics["screened_out"] == {"bad": "record"}
-    assert rule.wanted(3, {"model": ["bad", "h1"]})["model"] == ["bad", "h1"], "faded: measured"
+    assert rule.wanted(4, {"model": ["bad", "h1"]})["model"] == ["bad", "h1"], "faded: measured"
+
+
+def test_one_round_of_clear_harm_is_measured_again(world):
+    """A first round's models trained apart hurt the node they are mixed into, honest or
+    not: the peer is fetched and measured again, not passed over on one round."""
+    rule = screened(world, "fedavg")
+    outcome = aggregate(rule, world, noisy_round(world, 1), round_no=1)
+    assert outcome.diagnostics["screened_out"]["bad"] in ("val_loss", "distance")
+    assert rule.records.shows_clear_harm("bad")
+    assert rule.wanted(2, {"model": ["bad", "h1", "h2"]})["model"] == ["bad", "h1", "h2"]
 
 
 def test_the_rule_is_told_whom_screening_keeps_out_before_it_aggregates(world):
@@ -783,12 +804,16 @@ def test_a_model_three_times_the_rounds_median_distance_is_kept_out_once_three_c
     assert far_models(base, {}) == set()
 
 
-def test_a_peer_kept_out_for_distance_is_not_fetched_next_round(world):
+def test_a_peer_kept_out_for_distance_twice_is_not_fetched_next_round(world):
     rule = screened(world, "fedavg")
-    peers = {p: s for p, s in world.honest.items() if p != "h0"}
-    outcome = aggregate(rule, world, {**peers, "big": world.attackers["scale"]}, round_no=1)
-    assert outcome.diagnostics["screened_out"] == {"big": "distance"}
-    assert rule.wanted(2, {"model": ["big", "h1", "h2"]})["model"] == ["h1", "h2"]
+    honest = [p for p in world.honest if p != "h0"]
+    for round_no in (1, 2):  # new models each round, or the second would be a replay
+        peers = {p: fresh(world.honest[p], round_no) for p in honest}
+        big = fresh(world.attackers["scale"], round_no)
+        assert "big" in rule.wanted(round_no, {"model": ["big", *honest]})["model"]
+        outcome = aggregate(rule, world, {**peers, "big": big}, round_no=round_no)
+        assert outcome.diagnostics["screened_out"] == {"big": "distance"}
+    assert rule.wanted(3, {"model": ["big", *honest]})["model"] == honest
 
 
 def test_each_peer_is_judged_at_its_share_of_an_equal_average_of_the_models_judged(world):
