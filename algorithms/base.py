@@ -199,9 +199,13 @@ class Rewind:
         self.saved = [(part, dict(vars(part))) for part in _rules_within(rule)]
 
     def __call__(self) -> None:
+        # Bound back before anything added since goes: the endpoint's worker thread may
+        # read the rule (`shuns`) meanwhile, and must never find it without attributes.
         for part, bindings in self.saved:
-            vars(part).clear()
-            vars(part).update(bindings)
+            current = vars(part)
+            current.update(bindings)
+            for added in current.keys() - bindings.keys():
+                del current[added]
 
 
 def _rules_within(rule: PeerAlgorithm) -> Iterator[PeerAlgorithm]:

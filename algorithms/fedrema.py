@@ -143,8 +143,8 @@ def dependency_weights(
 def counted(
     dependency: Mapping[str, Mapping[str, int]], relevant: Mapping[str, Sequence[str]]
 ) -> dict[str, dict[str, int]]:
-    """G with one more count for each member of each client's relevant set, in new
-    rows (G as given is left as it was)."""
+    """A new G: the counts of `dependency` (left as they were) with one more for each
+    member of each client's relevant set."""
     rows = {name: dict(row) for name, row in dependency.items()}
     for name, members in relevant.items():
         row = rows.setdefault(name, {})

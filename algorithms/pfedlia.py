@@ -547,8 +547,11 @@ class PFedLIA(PeerAlgorithm):
         self.scores = {**self.scores, **new_scores}
         self._newly_scored = sorted(new_scores)
         if self.split is None and len(self.scores) >= 2:
-            beneficial, self.split = two_means_split(self.scores, self.context.seed)
+            beneficial, split = two_means_split(self.scores, self.context.seed)
+            # The group first: `shuns`, read from the worker thread, takes a split
+            # without its group for a node that shuns every peer it scored.
             self.group = beneficial | {self.node}
+            self.split = split
             known = dict(unscored)
             if self.lazy_model is not None:  # it may have scored itself in an earlier round
                 known[self.node] = self.lazy_model

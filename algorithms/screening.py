@@ -168,7 +168,9 @@ def _mean_loss(scored: tuple[State, ValScores]) -> float:
 
 
 class Screened(PeerAlgorithm):
-    """A peer rule behind validation screening; everything but `aggregate` is the rule's."""
+    """A peer rule behind validation screening: `aggregate`, `wanted`, `benefits`,
+    `shuns` and the checkpoint are screening's around the rule's; the rest is the rule's.
+    The rule's own state is read as such (`screened.rule`)."""
 
     def __init__(self, rule: PeerAlgorithm, trials: bool = False) -> None:
         super().__init__(rule.params, rule.context)
@@ -204,11 +206,11 @@ class Screened(PeerAlgorithm):
         newly = [p for p in offers if p not in already and self.records.not_worth_fetching(p)]
         for peer in newly:
             self.records = self.records.pass_over(peer, round_no)
-        kept_out = [peer for peer in offers if peer in already or peer in newly]
-        self._passed_over = (round_no, kept_out)
-        if not kept_out:
+        # Kept for the round even where an offer drops out of a later ask and comes back.
+        self._passed_over = (round_no, sorted(already | set(newly)))
+        models = [peer for peer in offers if peer not in already and peer not in newly]
+        if len(models) == len(offers):
             return self.rule.wanted(round_no, offered)
-        models = [peer for peer in offers if peer not in kept_out]
         return self.rule.wanted(round_no, {**offered, MODEL: models})
 
     def layouts(self, kind: str) -> tuple[Any, ...]:
@@ -220,11 +222,13 @@ class Screened(PeerAlgorithm):
         return {peer: -self.records.score(peer) for peer in peers}
 
     def shuns(self, peer: str) -> bool:
-        """A peer whose record shows clear harm (evidence.py, `shows_clear_harm`): in
-        a bounded mesh its record only changes while it is a neighbour, so it stays
-        shunned here, and its place goes to peers not yet judged. Mere harm (one
-        unlucky round on a small val split) only makes a neighbour the first dropped.
-        And whom the rule itself shuns."""
+        """A peer whose record shows clear harm (evidence.py, `shows_clear_harm`), in
+        one round already: in a bounded mesh its record only changes while it is a
+        neighbour, so it stays shunned here, and its place goes to peers not yet judged.
+        Stricter than a pass-over (harm that repeats): a neighbour's place is scarce,
+        and the bounded-view tables are measured so. Mere harm (one unlucky round on a
+        small val split) only makes a neighbour the first dropped. And whom the rule
+        itself shuns."""
         return self.records.shows_clear_harm(peer) or self.rule.shuns(peer)
 
     def state_dict(self) -> dict[str, Any]:
@@ -248,9 +252,10 @@ class Screened(PeerAlgorithm):
         judged = len(data.y_val) > 0
         own_scored = (own.state, self._scores(own.state, data)) if judged else None
         path = None  # the trial path carried on, where it lost but is still young
-        trial = None
+        trial_verdict = None
         if own_scored is not None and self._trial is not None:
-            own, own_scored, path, trial = self._judge_trial(round_no, own, own_scored, data)
+            judged_trial = self._judge_trial(round_no, own, own_scored, data)
+            own, own_scored, path, trial_verdict = judged_trial
         self._trial = None
         start = self._scored_round_start(round_no, data) if judged else None
         pivot = own_scored
@@ -283,17 +288,17 @@ class Screened(PeerAlgorithm):
         self._adopted = {round_no: (kept, scores)}  # the next round's start: all it reads
         judged_against = None
         if pivot is not None:
-            own_kind = "trial" if trial is not None and trial.won else "own"
+            own_kind = "trial" if trial_verdict is not None and trial_verdict.won else "own"
             judged_against = own_kind if pivot is own_scored else "round_start"
         report = ScreeningReport(
-            judged,
-            trial,
-            nearest_copy,
-            on_trial,
-            rule_seconds,
-            guard,
-            kept_round_start,
-            judged_against,
+            judged=judged,
+            trial=trial_verdict,
+            nearest_copy=nearest_copy,
+            on_trial=on_trial,
+            rule_seconds=rule_seconds,
+            guard=guard,
+            kept_round_start=kept_round_start,
+            judged_against=judged_against,
             seconds=time.perf_counter() - clock,
         )
         outcome.diagnostics = {
@@ -413,7 +418,7 @@ class Screened(PeerAlgorithm):
         if self.rule.guards_aggregate:  # judged by the rule itself (pFedSV's val guard)
             if "adopted" not in outcome.diagnostics:  # its verdict, where it judged one
                 return outcome, None, None
-            return outcome, None, GuardVerdict(outcome.diagnostics["adopted"])
+            return outcome, None, GuardVerdict(outcome.diagnostics["adopted"], None, {})
         scores = self._scores(outcome.state, data)
         far = start is not None and a_far_jump(outcome.state, own_state, start[0])
         adopted, figures = guard_verdict(own_scores, scores, far)

@@ -192,11 +192,12 @@ class TrialVerdict(NamedTuple):
 
 class GuardVerdict(NamedTuple):
     """Whether the round's aggregate was adopted (step 5), with the figures judged by;
-    `far_jump` None where the rule judged it itself (pFedSV's val guard)."""
+    `far_jump` None where the rule judged it itself (pFedSV's val guard, which records
+    its own figures)."""
 
     adopted: bool
-    far_jump: bool | None = None
-    figures: dict[str, float] = {}
+    far_jump: bool | None
+    figures: dict[str, float]
 
 
 class ScreeningReport(NamedTuple):
@@ -230,9 +231,10 @@ class ScreeningReport(NamedTuple):
             if self.guard.far_jump is not None:
                 record["far_jump"] = self.guard.far_jump
             record.update(self.guard.figures)
-        for key in ("kept_round_start", "judged_against"):
-            if getattr(self, key) is not None:
-                record[key] = getattr(self, key)
+        if self.kept_round_start is not None:
+            record["kept_round_start"] = self.kept_round_start
+        if self.judged_against is not None:
+            record["judged_against"] = self.judged_against
         record["seconds"] = self.seconds
         return record
 

@@ -172,7 +172,7 @@ class Endpoint:
             mesh_id,
             self.instance,
             self.transport,
-            self.handshake.curve_keys,
+            lambda address: self.handshake.curve_keys.get(address),
             lambda: self.round,
         )
 

@@ -1,12 +1,12 @@
-"""How a node's messages leave: numbered, signed and queued on the transport, in the
-order of their numbers (WIRE.md 3), each to the CURVE key its address was learned with
-(handshake.py) unless the sender names another."""
+"""How a node's messages leave: numbered (WIRE.md 6), signed and queued on the transport,
+which sends them over a connection in that order (WIRE.md 1), each to the CURVE key its
+address was learned with (handshake.py) unless the sender names another."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from .handshake import curve_key_of
@@ -29,14 +29,14 @@ class Outbox:
         mesh_id: bytes,
         instance: bytes,
         transport: Transport | MemoryTransport,
-        curve_keys: Mapping[str, bytes],
+        curve_key_at: Callable[[str], bytes | None],
         round_of: Callable[[], int],
     ) -> None:
         self.identity = identity
         self.mesh_id = mesh_id
         self.instance = instance
         self.transport = transport
-        self.curve_keys = curve_keys  # by address, as the handshake learned them
+        self.curve_key_at = curve_key_at  # as the handshake learned it for an address
         self.round_of = round_of
         # Start from wall-clock nanoseconds so a restarted node's numbers keep rising.
         self._seq = time.time_ns()
@@ -54,7 +54,7 @@ class Outbox:
         """`key`: the Ed25519 key of the node at `address`, when it is not the one learned
         for that address (an answer to a status probe or a twin). `once`: over a
         connection of its own, closed when sent (to a node that is not a peer)."""
-        server_key = curve_key_of(key) if key is not None else self.curve_keys.get(address)
+        server_key = curve_key_of(key) if key is not None else self.curve_key_at(address)
         # Numbering and queueing under one lock: messages leave in sequence order.
         with self._lock:
             self._seq += 1

@@ -27,6 +27,7 @@ from meshfl.algorithms import (
 )
 from meshfl.algorithms.base import Rewind
 from meshfl.algorithms.screening import with_screening
+from meshfl.node.attacks import noise_like
 from meshfl.node.models import body_keys, build_model, head_keys
 from meshfl.node.splits import load_node_data
 from meshfl.node.trainer import train_local
@@ -135,16 +136,25 @@ def one_torch_thread():
 
 
 PEER_RULES = [
+    ("local", {}),
     ("fedavg", {}),
     ("fedavg", {"trials": True}),
     ("fedc2i", {}),
+    ("fedc2i", {"screen": False}),
     ("pfedsv", {}),
     ("pfedsv", {"screen": False}),
+    ("pfedsv", {"dp_clip": 5.0, "dp_sigma": 0.01}),
+    ("pfedsv", {"shared_body": True}),
     ("pfedlia", {"warmup": 1}),
     ("pfedlia", {"warmup": 1, "screen": False}),
+    ("pfedlia", {"warmup": 1, "oracle": True}),
     ("median", {}),
+    ("trimmed_mean", {}),
     ("krum", {}),
+    ("multikrum", {}),
 ]
+WEIGHTS = (MODEL, "body", "head")  # the kinds that are (parts of) a model
+ATTACKER = f"node{NODES - 1}"  # publishes noise: screening keeps it out of the others
 
 
 @pytest.mark.parametrize(("name", "params"), PEER_RULES)
@@ -162,11 +172,12 @@ def test_every_step_of_a_peer_rule_replays_from_its_bindings(one_torch_thread, n
     }
     states = dict.fromkeys(datas, new_model().state_dict())
     for round_no in range(1, ROUNDS + 1):
-        published = {
-            node: rules[node].publish(
-                round_no, trained(states[node], datas[node], round_no), datas[node]
-            )
-            for node in rules
+        mine = {node: trained(states[node], datas[node], round_no) for node in rules}
+        published = {node: rules[node].publish(round_no, mine[node], datas[node]) for node in rules}
+        noise = torch.Generator().manual_seed(round_no)
+        published[ATTACKER] = {  # its models noise; pFedLIA's other kinds as they are
+            kind: noise_like(state, noise) if kind in WEIGHTS else state
+            for kind, state in published[ATTACKER].items()
         }
         for node, rule in rules.items():
             offered = {
@@ -178,16 +189,19 @@ def test_every_step_of_a_peer_rule_replays_from_its_bindings(one_torch_thread, n
                 kind: {peer: PeerModel(published[peer][kind], 100) for peer in peers}
                 for kind, peers in pulls.items()
             }
-            own = PeerModel(published[node][MODEL], 100)
+            own = PeerModel(mine[node], 100)
             outcome = replayed(rule, partial(rule.aggregate, round_no, own, received, datas[node]))
             rule.adopted(outcome.state)
             states[node] = outcome.state
 
 
+INFLUENCE = {"lr": 0.1, "local_steps": 2, "samples_per_step": 3, "cleanse_at": 3}
 COORDINATED_RULES = [
     ("fedavg_server", {}),
     ("fedrema", {}),
-    ("fedinfluence", {"lr": 0.1, "local_steps": 2, "samples_per_step": 3, "cleanse_at": 3}),
+    ("fedinfluence", INFLUENCE),
+    ("fedinfluence", {**INFLUENCE, "lwet": "client"}),
+    ("fedinfluence", {**INFLUENCE, "lwet": "off"}),
     ("pfedlia_central", {"warmup": 1, "lazy_epochs": 2, "lazy_batch": 50}),
 ]
 
