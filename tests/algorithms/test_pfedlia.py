@@ -353,15 +353,6 @@ def test_the_checkpointed_state_restores_anchor_scores_split_and_group():
     assert restored.wanted(3, offered) == rule.wanted(3, offered)
 
 
-@pytest.fixture
-def one_torch_thread():
-    """Tiny models: a second thread only adds contention on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def digits_mesh(partition: str, **params) -> tuple[Mesh, dict]:
     """Six pFedLIA nodes on real digits, `partition` of them, each trained by the mesh's
     recipe between rounds; and their data by name."""

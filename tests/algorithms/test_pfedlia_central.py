@@ -119,15 +119,6 @@ def test_a_client_without_a_group_is_alone_and_a_group_without_uploads_gets_noth
 # --------------------------------------------------------------------------- the schedule
 
 
-@pytest.fixture
-def one_torch_thread():
-    """Tiny models: a second thread only adds contention on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def digits_mesh(count: int, warmup: int):
     from meshfl.node.models import build_model
     from meshfl.node.splits import load_node_data

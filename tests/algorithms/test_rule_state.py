@@ -127,14 +127,6 @@ def trained(state: dict[str, torch.Tensor], data: Any, seed: int) -> dict[str, t
     return {key: value.detach().clone() for key, value in model.state_dict().items()}
 
 
-@pytest.fixture
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 PEER_RULES = [
     ("local", {}),
     ("fedavg", {}),
