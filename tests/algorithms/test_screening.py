@@ -372,6 +372,17 @@ def test_a_peer_passed_over_stays_out_however_often_the_round_asks(world):
     assert rule.wanted(4, {"model": ["bad", "h1"]})["model"] == ["bad", "h1"], "faded: measured"
 
 
+def test_a_pass_over_holds_when_an_ask_of_the_round_lacks_the_peers_offer(world):
+    """An offer can drop out of one ask (its origin marked down) and come back in the
+    next: the peer stays passed over for the round."""
+    rule = screened(world, "fedavg")
+    for round_no in (1, 2):  # harm that repeats
+        aggregate(rule, world, noisy_round(world, round_no), round_no=round_no)
+    assert rule.wanted(3, {"model": ["bad", "h1"]})["model"] == ["h1"]
+    assert rule.wanted(3, {"model": ["h1"]})["model"] == ["h1"]
+    assert rule.wanted(3, {"model": ["bad", "h1"]})["model"] == ["h1"]
+
+
 def test_one_round_of_clear_harm_is_measured_again(world):
     """A first round's models trained apart hurt the node they are mixed into, honest or
     not: the peer is fetched and measured again, not passed over on one round."""
