@@ -64,7 +64,9 @@ def running_launch(tmp_path):
         yield out
     finally:
         if launch.poll() is None:
-            os.killpg(launch.pid, signal.SIGINT)  # the launch stops its nodes on Ctrl-C
+            # The launch stops its nodes on SIGTERM as on Ctrl-C; SIGINT would be ignored
+            # where the tests run as a background job (it starts with SIGINT ignored).
+            os.killpg(launch.pid, signal.SIGTERM)
         try:
             launch.wait(timeout=30)
         except subprocess.TimeoutExpired:

@@ -49,8 +49,9 @@ def launch(rule: str, rounds: int, out: Path) -> str:
 
 
 def stop_launch(process: subprocess.Popen) -> None:
-    """Ctrl-C first, so that launch stops its nodes; then the launcher's whole group."""
-    process.send_signal(signal.SIGINT)
+    """SIGTERM first, which launch takes as Ctrl-C and stops its nodes (SIGINT is ignored
+    where the tests run as a background job); then the launcher's whole group."""
+    process.send_signal(signal.SIGTERM)
     try:
         process.communicate(timeout=30)
     except subprocess.TimeoutExpired:

@@ -424,7 +424,9 @@ def test_a_joiner_with_another_task_is_told_in_one_line_how_the_meshes_differ(tm
     naming both tasks and models, that the other runs another mesh; the joiner stops at
     once rather than waiting out its round timeout, and neither learns from the other."""
     config = tmp_path / "peers.yaml"
-    settings = write_config(config, 2, task=str(TASK), rounds=40)
+    # Rounds enough that the members outlive the joiner's start on a busy machine; they
+    # are stopped at the end.
+    settings = write_config(config, 2, task=str(TASK), rounds=1000)
     settings["round_timeout"] = 60.0
     for peer in settings["peers"]:
         peer["train_delay"] = 0.2
