@@ -20,7 +20,7 @@ from .base import (
     ReceivedModels,
     Upload,
 )
-from .base import parse_params as _parse_into
+from .params import validated
 from .screening import SCREEN_KEY, TRIALS_KEY, with_screening
 
 
@@ -57,7 +57,10 @@ def algorithm_class(name: str) -> type[PeerAlgorithm]:
 
 
 def parse_params(name: str, params: dict[str, Any], rounds: int | None = None) -> Any:
-    """Validated parameters of algorithm `name`; ValueError('algorithm.<key>: ...') if bad.
+    """Validated parameters of algorithm `name`, checked against its Params' declared
+    rules (algorithms/params.py): pydantic's ValidationError names a broken field, and
+    node/config turns it into the config's one line; the screening keys, and a setting
+    the run's rounds refuse, raise ValueError('algorithm.<key>: ...').
 
     Given the run's `rounds`, a rule whose Params define `for_rounds(rounds)` gets the
     parameters that count rounds fitted to the run: defaults that follow `rounds` are
@@ -69,7 +72,7 @@ def parse_params(name: str, params: dict[str, Any], rounds: int | None = None) -
     rule_params = {key: value for key, value in params.items() if key not in screening_keys}
     if any(key in params for key in screening_keys):
         screening_setting(name, params)  # checked here, kept out of the rule's Params
-    parsed = _parse_into(algorithm_class(name).Params, rule_params)
+    parsed = validated(algorithm_class(name).Params, rule_params)
     fit = getattr(parsed, "for_rounds", None)
     if rounds is None or fit is None:
         return parsed
@@ -100,7 +103,7 @@ def screening_setting(name: str, params: dict[str, Any]) -> dict[str, bool]:
         return {}
     for key, value in setting.items():
         if not isinstance(value, bool):
-            raise ValueError(f"algorithm.{key}: got {value!r}; expected bool")
+            raise ValueError(f"algorithm.{key}: got {value!r}; allowed: true or false")
     if setting[TRIALS_KEY] and not setting[SCREEN_KEY]:
         raise ValueError(
             f"algorithm.{TRIALS_KEY}: got True with {SCREEN_KEY}: false; trials are a step "

@@ -7,16 +7,15 @@ model plus the weights and diagnostics it wants in the metrics.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import math
-import types
-import typing
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from .params import PARAMS
 
 State = dict[str, torch.Tensor]
 
@@ -74,7 +73,7 @@ class Aggregate:
 
 @dataclass(frozen=True)
 class NoParams:
-    pass
+    __pydantic_config__ = PARAMS
 
 
 MODEL = "model"  # the kind of blob every node publishes unless its rule says otherwise
@@ -105,6 +104,7 @@ class PeerAlgorithm:
     """
 
     name = "base"
+    # Its parameters: a frozen dataclass declared as algorithms/params.py says.
     Params: type = NoParams
     ranks_offers = False
     # Whether validation screening (algorithms/screening.py) may wrap the rule, whether
@@ -329,41 +329,3 @@ def weighted_average(states: dict[str, State], weights: dict[str, float]) -> Sta
             total.add_(states[name][key], alpha=weights[name])
         result[key] = total
     return result
-
-
-def parse_params(cls: type, raw: dict[str, Any], prefix: str = "algorithm") -> Any:
-    """Build a Params dataclass from user values; errors name the field and what is allowed."""
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    for key in raw:
-        if key not in known:
-            allowed = ", ".join(known) or "none"
-            raise ValueError(
-                f"{prefix}.{key}: got {raw[key]!r} for an unknown parameter; allowed: {allowed}"
-            )
-    hints = typing.get_type_hints(cls)
-    values = {key: _coerce(f"{prefix}.{key}", value, hints[key]) for key, value in raw.items()}
-    try:
-        return cls(**values)
-    except ValueError as err:  # a Params __post_init__ check
-        raise ValueError(f"{prefix}.{err}") from None
-
-
-def _coerce(field_name: str, value: Any, hint: Any) -> Any:
-    """Accept a value for a typed field: ints for floats, a literal from its choices."""
-    if typing.get_origin(hint) is typing.Literal:
-        choices = typing.get_args(hint)
-        if value not in choices:
-            allowed = ", ".join(map(str, choices))
-            raise ValueError(f"{field_name}: got {value!r}; allowed: {allowed}")
-        return value
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        if value is None and type(None) in typing.get_args(hint):
-            return None
-        hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if hint in (int, float, bool, str) and (
-        not isinstance(value, hint) or (hint is int and isinstance(value, bool))
-    ):
-        raise ValueError(f"{field_name}: got {value!r}; expected {hint.__name__}")
-    return value

@@ -18,12 +18,12 @@ the paper's ablations FedC²I−λ, −Λ/l and −Λ/g are cells of that grid.
 from __future__ import annotations
 
 import hashlib
-import math
 import time
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Annotated, Any, Literal, cast
 
 import torch
+from pydantic import Field
 from torch import nn
 from torch.nn import functional
 
@@ -39,9 +39,11 @@ from .base import (
     state_part,
     weighted_average,
 )
+from .params import PARAMS, finite
 
 PartRule = Literal["influence", "fedavg", "local"]
 PART_RULES: tuple[str, ...] = ("influence", "fedavg", "local")
+_PART_RULES_ALLOWED = ", ".join(PART_RULES)
 
 
 # --------------------------------------------------------------------------- pure rules
@@ -260,18 +262,12 @@ class FedC2I(PeerAlgorithm):
 
     @dataclass(frozen=True)
     class Params:
-        gamma: float = 5.0  # sensitivity to influence; 0 gives uniform weights (paper: 5)
-        body: PartRule = "influence"
-        head: PartRule = "influence"
+        __pydantic_config__ = PARAMS
 
-        def __post_init__(self) -> None:
-            if not (math.isfinite(self.gamma) and self.gamma >= 0):
-                raise ValueError(f"gamma: got {self.gamma!r}; allowed: a finite number >= 0")
-            for part in ("body", "head"):
-                if getattr(self, part) not in PART_RULES:
-                    raise ValueError(
-                        f"{part}: got {getattr(self, part)!r}; allowed: {', '.join(PART_RULES)}"
-                    )
+        # Sensitivity to influence; 0 gives uniform weights (paper: 5).
+        gamma: Annotated[float, finite("a finite number >= 0", ge=0)] = 5.0
+        body: Annotated[PartRule, Field(description=_PART_RULES_ALLOWED)] = "influence"
+        head: Annotated[PartRule, Field(description=_PART_RULES_ALLOWED)] = "influence"
 
     def __init__(self, params: Any, context: Context) -> None:
         super().__init__(params, context)

@@ -45,10 +45,11 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Annotated, Any, Literal, cast
 
 import numpy as np
 import torch
+from pydantic import Field
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
@@ -62,6 +63,7 @@ from .base import (
     sample_weights,
     weighted_average,
 )
+from .params import PARAMS, Flag, at_least, finite, rule
 
 # Separate random streams, so that e.g. turning the estimator off never changes training.
 _PICK_STREAM, _BATCH_STREAM, _GRADIENT_STREAM, _CLEANSE_STREAM = 11, 12, 13, 14
@@ -256,38 +258,33 @@ class FedInfluence(CoordinatorAlgorithm):
 
     @dataclass(frozen=True)
     class Params:
-        lr: float = 0.01  # η of the clients' plain SGD, also used by the recursion
-        local_steps: int = 5  # m
-        samples_per_step: int = 50  # N_s, per-sample gradients recorded per step
-        clients_per_round: int = 10  # K = |C_t|; 0: every client
-        gradient_dtype: Literal["float32", "float16"] = "float32"  # of the uploaded gradients
-        lwet: Literal["tensor", "client", "off"] = "tensor"  # Alg. 2, Alg. 4, none
-        estimator: bool = True  # False: plain FedAvg on the same schedule
-        evaluate_every: int = 1  # FIL/FIA every this many rounds (and at cleanse_at)
-        cleanse_at: int = 0  # after this round's FIL, drop clients; 0: never
-        cleanse_fraction: float = 0.1
-        cleanse_mode: Literal["lowest", "highest", "random"] = "lowest"
-        leave_out: str = ""  # a client removed from every C_t (exact leave-one-out)
+        __pydantic_config__ = PARAMS
 
-        def __post_init__(self) -> None:
-            if not (math.isfinite(self.lr) and self.lr > 0):
-                raise ValueError(f"lr: got {self.lr!r}; allowed: a finite number > 0")
-            for name, least in (
-                ("local_steps", 1),
-                ("samples_per_step", 1),
-                ("clients_per_round", 0),
-                ("evaluate_every", 1),
-                ("cleanse_at", 0),
-            ):
-                if getattr(self, name) < least:
-                    raise ValueError(
-                        f"{name}: got {getattr(self, name)!r}; allowed: an integer >= {least}"
-                    )
-            if not 0 <= self.cleanse_fraction < 1:
-                raise ValueError(
-                    f"cleanse_fraction: got {self.cleanse_fraction!r}; allowed: "
-                    "a number >= 0 and < 1"
-                )
+        # η of the clients' plain SGD, also used by the recursion.
+        lr: Annotated[float, finite("a finite number > 0", gt=0)] = 0.01
+        local_steps: Annotated[int, at_least(1)] = 5  # m
+        # N_s, per-sample gradients recorded per step.
+        samples_per_step: Annotated[int, at_least(1)] = 50
+        clients_per_round: Annotated[int, at_least(0)] = 10  # K = |C_t|; 0: every client
+        # The dtype of the uploaded gradients.
+        gradient_dtype: Annotated[
+            Literal["float32", "float16"], Field(description="float32 or float16")
+        ] = "float32"
+        lwet: Annotated[  # Alg. 2, Alg. 4, none
+            Literal["tensor", "client", "off"], Field(description="tensor, client or off")
+        ] = "tensor"
+        estimator: Flag = True  # False: plain FedAvg on the same schedule
+        # FIL/FIA every this many rounds (and at cleanse_at).
+        evaluate_every: Annotated[int, at_least(1)] = 1
+        cleanse_at: Annotated[int, at_least(0)] = (
+            0  # after this round's FIL, drop clients; 0: never
+        )
+        cleanse_fraction: Annotated[float, finite("a number >= 0 and < 1", ge=0, lt=1)] = 0.1
+        cleanse_mode: Annotated[
+            Literal["lowest", "highest", "random"], Field(description="lowest, highest or random")
+        ] = "lowest"
+        # A client removed from every C_t (exact leave-one-out).
+        leave_out: Annotated[str, rule("a client name, or empty for none")] = ""
 
         def for_rounds(self, rounds: int) -> FedInfluence.Params:
             """These parameters, checked against a run of `rounds` rounds (see

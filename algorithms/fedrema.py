@@ -23,11 +23,10 @@ every head is aggregated from the round's snapshot of uploads into new tensors.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
-from typing import Any, cast
+from typing import Annotated, Any, cast
 
 import numpy as np
 import torch
@@ -43,6 +42,7 @@ from .base import (
     state_part,
     weighted_average,
 )
+from .params import PARAMS, finite
 
 # A client that shares its similarity row with only one peer has nothing to choose:
 # MDS ignores the gap between self and the best peer, and with K = 2 no other gap exists.
@@ -207,17 +207,14 @@ class FedReMa(CoordinatorAlgorithm):
 
     @dataclass(frozen=True)
     class Params:
-        delta: float = 0.5  # CCP threshold δ of Eq. 9 (paper: 0.5)
-        temperature: float = 0.5  # M of the soft logits, for every head alike (paper: 0.5)
-        probe_high: float = 0.5  # probe entries ~ U[0, probe_high) (ALGORITHMS.md: 0.5)
+        __pydantic_config__ = PARAMS
 
-        def __post_init__(self) -> None:
-            if not (math.isfinite(self.delta) and 0 <= self.delta <= 1):
-                raise ValueError(f"delta: got {self.delta!r}; allowed: a number in [0, 1]")
-            for name in ("temperature", "probe_high"):
-                value = getattr(self, name)
-                if not (math.isfinite(value) and value > 0):
-                    raise ValueError(f"{name}: got {value!r}; allowed: a finite number > 0")
+        # CCP threshold δ of Eq. 9 (paper: 0.5).
+        delta: Annotated[float, finite("a number in [0, 1]", ge=0, le=1)] = 0.5
+        # M of the soft logits, for every head alike (paper: 0.5).
+        temperature: Annotated[float, finite("a finite number > 0", gt=0)] = 0.5
+        # Probe entries ~ U[0, probe_high) (ALGORITHMS.md: 0.5).
+        probe_high: Annotated[float, finite("a finite number > 0", gt=0)] = 0.5
 
     def __init__(self, params: Any, context: Context) -> None:
         super().__init__(params, context)

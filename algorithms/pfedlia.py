@@ -66,10 +66,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import torch
+from pydantic import Field
 from torch.nn import functional
 
 from .base import (
@@ -87,6 +88,7 @@ from .base import (
 )
 from .baselines import FedAvg
 from .evidence import HARM_BOUND, NEGLIGIBLE_LOSS, harm_z, sign_z
+from .params import PARAMS, Flag, at_least, rule
 
 LAZY, ANCHOR, TRUTH = "lazy", "anchor", "truth"
 NOT_READY_KEY = "pfedlia.not_ready"  # the placeholder a node announces before it has θ_0
@@ -96,6 +98,10 @@ KMEANS_RESTARTS = 10
 
 
 PAPER_WARMUP = 20  # the paper's W
+
+
+# W of a pFedLIA rule; left out (None), fitted to the run's rounds.
+Warmup = Annotated[int, rule("an integer >= 0, or null (fitted to rounds)", ge=0)]
 
 
 def fitted_warmup(rounds: int, after_warmup: int) -> int:
@@ -147,27 +153,19 @@ def require_fitted_warmup(warmup: int | None) -> None:
 
 @dataclass(frozen=True)
 class PFedLIAParams:
+    __pydantic_config__ = PARAMS
+
     # W: FedAvg rounds over the whole mesh before the lazy phase (round W+1). Paper: 20.
     # Left out (None): rounds // 2, at most 20, at most rounds - 1 (`fitted_warmup`).
-    warmup: int | None = None
-    lazy_epochs: int = 5  # k: epochs over Z_j that turn θ_0 into θ̃_j
-    lazy_batch: int = 100  # |Z_j|
-    oracle: bool = False  # group by the true clusters instead of lazy influence
+    warmup: Warmup | None = None
+    lazy_epochs: Annotated[int, at_least(1)] = 5  # k: epochs over Z_j that turn θ_0 into θ̃_j
+    lazy_batch: Annotated[int, at_least(1)] = 100  # |Z_j|
+    oracle: Flag = False  # group by the true clusters instead of lazy influence
     # True: the run is the warm-up alone, on purpose (FedAvg; no lazy phase, no groups).
-    warmup_only: bool = False
+    warmup_only: Flag = False
     # "harm": the lower 2-means cluster's peers stay in the group unless their lazy models,
     # mixed into the group's, do harm; "2-means": the paper's split as it falls.
-    split: Literal["harm", "2-means"] = "harm"
-
-    def __post_init__(self) -> None:
-        if self.warmup is not None and self.warmup < 0:
-            raise ValueError(
-                f"warmup: got {self.warmup!r}; allowed: an integer >= 0 or null (fitted to rounds)"
-            )
-        if self.lazy_epochs < 1:
-            raise ValueError(f"lazy_epochs: got {self.lazy_epochs!r}; allowed: an integer >= 1")
-        if self.lazy_batch < 1:
-            raise ValueError(f"lazy_batch: got {self.lazy_batch!r}; allowed: an integer >= 1")
+    split: Annotated[Literal["harm", "2-means"], Field(description="harm or 2-means")] = "harm"
 
     def for_rounds(self, rounds: int) -> PFedLIAParams:
         """These parameters with W fitted to a run of `rounds` rounds (see parse_params)."""

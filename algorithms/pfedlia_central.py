@@ -49,7 +49,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 import torch
@@ -66,7 +66,9 @@ from .base import (
     weighted_average,
 )
 from .baselines import ServerFedAvg
+from .params import PARAMS, Flag, at_least
 from .pfedlia import (
+    Warmup,
     lazy_influence_scores,
     lazy_seed,
     require_fitted_warmup,
@@ -80,26 +82,18 @@ NOISE = -1  # OPTICS's label for a point in no cluster
 
 @dataclass(frozen=True)
 class PFedLIACentralParams:
+    __pydantic_config__ = PARAMS
+
     # W: FedAvg rounds on the coordinator before the lazy round (W+1); the clustering
     # comes in round W+2. Paper: 20. Left out (None): rounds // 2, at most 20, at most
     # rounds - 2 (pfedlia.fitted_warmup).
-    warmup: int | None = None
-    lazy_epochs: int = 5  # k: epochs over Z_j that turn θ_0 into θ̃_j
-    lazy_batch: int = 100  # |Z_j|
-    min_samples: int = 2  # OPTICS's neighbourhood size and smallest cluster
+    warmup: Warmup | None = None
+    lazy_epochs: Annotated[int, at_least(1)] = 5  # k: epochs over Z_j that turn θ_0 into θ̃_j
+    lazy_batch: Annotated[int, at_least(1)] = 100  # |Z_j|
+    # OPTICS's neighbourhood size and smallest cluster.
+    min_samples: Annotated[int, at_least(2)] = 2
     # True: the run is the warm-up alone, on purpose (FedAvg; no lazy round, no groups).
-    warmup_only: bool = False
-
-    def __post_init__(self) -> None:
-        for name, least in (
-            ("warmup", 0),
-            ("lazy_epochs", 1),
-            ("lazy_batch", 1),
-            ("min_samples", 2),
-        ):
-            value = getattr(self, name)
-            if value is not None and value < least:
-                raise ValueError(f"{name}: got {value!r}; allowed: an integer >= {least}")
+    warmup_only: Flag = False
 
     def for_rounds(self, rounds: int) -> PFedLIACentralParams:
         """These parameters with W fitted to a run of `rounds` rounds (see parse_params)."""

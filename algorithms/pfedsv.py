@@ -69,7 +69,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Annotated, Any, cast
 
 import numpy as np
 import torch
@@ -89,6 +89,7 @@ from .base import (
     state_part,
     weighted_average,
 )
+from .params import PARAMS, Flag, at_least, finite
 from .verdicts import batched_logits, guard_verdict, scores_of_logits
 
 BODY, HEAD = "body", "head"
@@ -105,27 +106,29 @@ Utility = Callable[[Coalition], float]
 
 @dataclass(frozen=True)
 class PFedSVParams:
-    alpha: float = 0.5  # EMA factor of the relevance vector (the paper leaves it open)
-    k: int = 5  # downloads in the first round (the paper: until the scores settle)
-    k_min: int = 1
-    k_max: int = 8  # the paper's is 5 (see the module's docstring, step 3)
+    __pydantic_config__ = PARAMS
+
+    # EMA factor of the relevance vector (the paper leaves it open).
+    alpha: Annotated[float, finite("a number >= 0 and < 1", ge=0, lt=1)] = 0.5
+    # Downloads in the first round (the paper: until the scores settle).
+    k: Annotated[int, at_least(1)] = 5
+    k_min: Annotated[int, at_least(1)] = 1
+    k_max: Annotated[int, at_least(1)] = 8  # the paper's is 5 (see the module's docstring, step 3)
     # Not in the paper: from the first round k is one more than the peers with a positive
     # score, so the best of the rest is downloaded and scored too (module docstring,
     # step 3). False: the paper's dynamic k.
-    explore: bool = True
-    distance: bool = True  # divide Shapley values by the model distance (Eq. 6)
+    explore: Flag = True
+    distance: Flag = True  # divide Shapley values by the model distance (Eq. 6)
     # Not in the paper: keep the own model where the Shapley-weighted one harms it on the
     # val split beyond noise (screening.py's guard; README, pFedSV results). False: the paper.
-    val_guard: bool = True
-    shared_body: bool = False
-    dp_clip: float | None = None  # C: norm bound of the published update; None: no DP
-    dp_sigma: float = 0.0  # σ: noise std is σ·C
+    val_guard: Flag = True
+    shared_body: Flag = False
+    # C: the norm bound of the published update; None: no DP.
+    dp_clip: Annotated[float, finite("a finite number > 0, or null (no DP)", gt=0)] | None = None
+    # σ: the noise's std is σ·C.
+    dp_sigma: Annotated[float, finite("a finite number >= 0", ge=0)] = 0.0
 
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.alpha < 1.0:
-            raise ValueError(f"alpha: got {self.alpha!r}; allowed: 0 <= alpha < 1")
-        if self.k_min < 1:
-            raise ValueError(f"k_min: got {self.k_min!r}; allowed: an integer >= 1")
+    def __post_init__(self) -> None:  # the checks across fields
         if self.k_max < self.k_min:
             raise ValueError(
                 f"k_max: got {self.k_max!r}; allowed: an integer >= k_min ({self.k_min})"
@@ -134,12 +137,6 @@ class PFedSVParams:
             raise ValueError(
                 f"k: got {self.k!r}; allowed: k_min <= k <= k_max ({self.k_min}..{self.k_max})"
             )
-        if self.dp_clip is not None and not (self.dp_clip > 0 and math.isfinite(self.dp_clip)):
-            raise ValueError(
-                f"dp_clip: got {self.dp_clip!r}; allowed: a finite number > 0 or null (no DP)"
-            )
-        if not (self.dp_sigma >= 0 and math.isfinite(self.dp_sigma)):
-            raise ValueError(f"dp_sigma: got {self.dp_sigma!r}; allowed: a finite number >= 0")
         if self.dp_sigma > 0 and self.dp_clip is None:
             raise ValueError(
                 f"dp_sigma: got {self.dp_sigma!r}; allowed: 0 unless dp_clip is "

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 
 from .base import MODEL, Aggregate, PeerAlgorithm, PeerModel, ReceivedModels, State
+from .params import PARAMS, at_least, finite
 
 
 def float_keys(state: State) -> list[str]:
@@ -119,11 +120,10 @@ class Median(_RobustRule):
 
 @dataclass(frozen=True)
 class TrimmedMeanParams:
-    beta: float = 0.2  # share of the values dropped at each end, per coordinate
+    __pydantic_config__ = PARAMS
 
-    def __post_init__(self) -> None:
-        if not 0 <= self.beta < 0.5:
-            raise ValueError(f"beta: got {self.beta!r}; allowed: a number >= 0 and < 0.5")
+    # The share of the values dropped at each end, per coordinate.
+    beta: Annotated[float, finite("a number >= 0 and < 0.5", ge=0, lt=0.5)] = 0.2
 
 
 class TrimmedMean(_RobustRule):
@@ -136,14 +136,10 @@ class TrimmedMean(_RobustRule):
 
 @dataclass(frozen=True)
 class KrumParams:
-    f: int = 2  # the attackers the rule is built to outvote
-    m: int = 0  # multikrum only: how many models to average (0: n − f)
+    __pydantic_config__ = PARAMS
 
-    def __post_init__(self) -> None:
-        if self.f < 0:
-            raise ValueError(f"f: got {self.f!r}; allowed: an integer >= 0")
-        if self.m < 0:
-            raise ValueError(f"m: got {self.m!r}; allowed: an integer >= 0")
+    f: Annotated[int, at_least(0)] = 2  # the attackers the rule is built to outvote
+    m: Annotated[int, at_least(0)] = 0  # multikrum only: how many models to average (0: n − f)
 
 
 class Krum(_RobustRule):

@@ -9,6 +9,8 @@ import dataclasses
 from dataclasses import replace
 from typing import Any
 
+from pydantic import ValidationError
+
 from meshfl.protocol.addresses import tcp_endpoint
 
 from .declarations import (
@@ -19,7 +21,7 @@ from .declarations import (
     PeerConfig,
     field_error,
 )
-from .loading import checked, plain
+from .loading import checked, first_problem, plain
 
 
 def validate(cfg: MeshConfig) -> None:
@@ -57,10 +59,12 @@ def _check_algorithm(algorithm: AlgorithmConfig) -> None:
 def _resolved_params(algorithm: AlgorithmConfig, rounds: int | None = None) -> Any:
     """The algorithm's parameters with its defaults filled in, or ConfigError; given
     `rounds`, those that count rounds are fitted to the run and checked against it."""
-    from meshfl.algorithms import parse_params
+    from meshfl.algorithms import algorithm_class, parse_params
 
     try:
         return parse_params(algorithm.name, algorithm.params, rounds)
+    except ValidationError as err:  # a broken rule of the Params, as any config field's
+        raise first_problem(err, algorithm_class(algorithm.name).Params, ("algorithm",)) from None
     except ValueError as err:
         # The algorithms report "algorithm.<key>: <problem>"; keep their field name.
         field_name, separator, problem = str(err).partition(": ")

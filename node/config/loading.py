@@ -92,26 +92,38 @@ def checked(value: dict[str, Any] | MeshConfig) -> MeshConfig:
     try:
         return adapter().validate_python(value)
     except ValidationError as err:
-        raise _first_problem(err) from None
+        raise first_problem(err) from None
 
 
-def _first_problem(err: ValidationError) -> ConfigError:
+def first_problem(
+    err: ValidationError, declared: Any = MeshConfig, at: tuple[str, ...] = ()
+) -> ConfigError:
+    """The first broken rule of `err`, raised by validating the dataclass `declared`
+    (the config, or a section of it found at the field path `at`, such as a rule's
+    parameters under `algorithm`), as one line that names the field."""
     problem = err.errors()[0]
     location = problem["loc"]
-    path = _path(location)
+    path = _path(at + location)
     if problem["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
-        names = ", ".join(f.name for f in fields(_bare(_hint_at(location[:-1]))))
-        return ConfigError(f"config field {path!r}: unknown key; allowed: {names}")
+        names = ", ".join(f.name for f in fields(_bare(_hint_at(location[:-1], declared))))
+        return ConfigError(f"config field {path!r}: unknown key; allowed: {names or 'none'}")
     if problem["type"] == "value_error":  # a check whose message says what is allowed
-        return _checker_error(path, problem["input"], problem["ctx"]["error"])
-    allowed = _describe(_hint_at(location))
+        section = _bare(_hint_at(location, declared))
+        return _checker_error(path, problem["input"], problem["ctx"]["error"], section)
+    allowed = _describe(_hint_at(location, declared))
     if problem["type"] in ("missing", "missing_argument"):
         return ConfigError(f"config field {path!r}: missing; allowed: {allowed}")
     return field_error(path, problem["input"], allowed)
 
 
-def _checker_error(path: str, value: Any, error: Exception) -> ConfigError:
+def _checker_error(path: str, value: Any, error: Exception, section: Any) -> ConfigError:
+    """A check's own message; one across the fields of a section starts with the field
+    it blames ("k: got 9; allowed: ..."), which joins the path."""
     problem = str(error)
+    blamed, separator, rest = problem.partition(": ")
+    if separator and dataclasses.is_dataclass(section):
+        if blamed in {f.name for f in fields(section)}:
+            return ConfigError(f"config field {'.'.join(filter(None, (path, blamed)))!r}: {rest}")
     if not problem.startswith("got ") and repr(value) not in problem and str(value) not in problem:
         problem = f"got {shown(value)}; {problem}"
     return ConfigError(f"config field {path!r}: {problem}")
@@ -126,11 +138,11 @@ def _path(location: tuple[int | str, ...]) -> str:
     return ".".join(parts)
 
 
-def _hint_at(location: tuple[int | str, ...]) -> Any:
-    """The annotation of the field at `location`, walked down from MeshConfig."""
+def _hint_at(location: tuple[int | str, ...], declared: Any = MeshConfig) -> Any:
+    """The annotation of the field at `location`, walked down from `declared`."""
     if location and location[-1] == "[key]":  # a mapping's key: (..., mapping, key, "[key]")
-        return typing.get_args(_bare(_hint_at(location[:-2])))[0]
-    hint: Any = MeshConfig
+        return typing.get_args(_bare(_hint_at(location[:-2], declared)))[0]
+    hint: Any = declared
     for part in location:
         inner = _bare(hint)
         if dataclasses.is_dataclass(inner) and isinstance(part, str):

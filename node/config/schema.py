@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .declarations import ConfigError
+from .declarations import AlgorithmConfig, ConfigError
 from .loading import adapter
 
 _SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
@@ -25,14 +25,9 @@ def config_schema() -> dict[str, Any]:
 
     schema = adapter().json_schema()
     top, sections = schema["properties"], schema["$defs"]
-    # The parameters sit flat beside the name; each rule checks its own.
     del sections["AlgorithmConfig"]
-    flat_algorithm = {
-        "type": "object",
-        "properties": {"name": {"type": "string", "enum": list(ALGORITHM_NAMES)}},
-        "additionalProperties": True,
-    }
-    top["algorithm"] = _named_or(top["algorithm"], ALGORITHM_NAMES, flat_algorithm)
+    by_rule = {"anyOf": [_algorithm_mapping(name) for name in ALGORITHM_NAMES]}
+    top["algorithm"] = _named_or(top["algorithm"], ALGORITHM_NAMES, by_rule)
     top["model"] = _named_or(top["model"], MODELS, {"$ref": "#/$defs/ModelConfig"})
     model = sections["ModelConfig"]["properties"]
     _narrow(model["name"], {"enum": list(MODELS)})
@@ -51,6 +46,23 @@ def config_schema() -> dict[str, Any]:
         "title": "meshfl peers.yaml",
         "description": "The settings and peers of a meshfl mesh (`meshfl config schema`).",
     }
+
+
+def _algorithm_mapping(name: str) -> dict[str, Any]:
+    """The algorithm section naming rule `name`: the parameters it declares sit flat
+    beside the name, with screening's where the rule takes them. The name may be left
+    out for the default rule."""
+    from meshfl.algorithms import ALGORITHMS, SCREEN_KEY, TRIALS_KEY
+    from meshfl.algorithms.params import adapter as params_adapter
+
+    rule = ALGORITHMS[name]
+    params = params_adapter(rule.Params).json_schema()
+    properties = {"name": {"const": name}, **params.get("properties", {})}
+    if rule.screenable:
+        flag = {"type": "boolean", "description": "true or false"}
+        properties.update({SCREEN_KEY: flag, TRIALS_KEY: flag})
+    mapping = {"type": "object", "properties": properties, "additionalProperties": False}
+    return mapping if name == AlgorithmConfig.name else {**mapping, "required": ["name"]}
 
 
 def _named_or(generated: dict[str, Any], names: Iterable[str], mapping: Any) -> dict[str, Any]:

@@ -710,7 +710,7 @@ def test_fedavg_runs_trials_only_when_asked_and_only_behind_screening(world):
     assert build_rule("fedavg", {"trials": True}, world.context("fedavg")).trials is True
     with pytest.raises(ValueError, match="algorithm.trials: got True with screen: false"):
         build_rule("fedavg", {"trials": True, "screen": False}, world.context("fedavg"))
-    with pytest.raises(ValueError, match="algorithm.trials: got 'yes'; expected bool"):
+    with pytest.raises(ValueError, match="algorithm.trials: got 'yes'; allowed: true or false"):
         build_rule("fedavg", {"trials": "yes"}, world.context("fedavg"))
     with pytest.raises(ValueError, match="algorithm.trials: .*local takes no peer models"):
         build_rule("local", {"trials": False}, world.context("local"))

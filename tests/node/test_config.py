@@ -390,6 +390,35 @@ def test_the_schema_accepts_the_configs_shipped_and_refuses_what_loading_refuses
         config_error(lambda document=document: config_from_text(yaml.safe_dump(document), "f"))
 
 
+def test_the_schema_checks_each_rules_parameters_as_the_config_does():
+    """Under `algorithm`, the schema holds each rule's declared parameters: it refuses
+    what the config's check refuses and accepts what it accepts."""
+    jsonschema = pytest.importorskip("jsonschema")
+    validator = jsonschema.Draft202012Validator(config_schema())
+
+    def document(algorithm: dict) -> dict:
+        return {"algorithm": algorithm, "coordinator": "tcp://127.0.0.1:7999"}
+
+    def loaded(algorithm: dict) -> MeshConfig:
+        return config_from_text(yaml.safe_dump(document(algorithm)), "f")
+
+    for algorithm in (
+        {"name": "pfedsv", "alpha": 2},  # out of its bounds
+        {"name": "fedc2i", "k": 3},  # another rule's parameter
+        {"name": "fedrema", "screen": True},  # a coordinated rule is not screened
+        {"gamma": 2.0},  # the default rule, FedAvg, has no parameters of its own
+    ):
+        assert not validator.is_valid(document(algorithm)), algorithm
+        assert "'algorithm." in config_error(lambda a=algorithm: validate(loaded(a)))
+    for algorithm in (
+        {"name": "pfedsv", "k": 3, "trials": False},
+        {"name": "fedc2i", "gamma": 2},
+        {"screen": False},
+    ):
+        assert validator.is_valid(document(algorithm)), algorithm
+        validate(loaded(algorithm))
+
+
 def test_meshfl_config_schema_prints_the_schema_as_json(tmp_path):
     command = [sys.executable, "-m", "meshfl.launch.cli", "config", "schema"]
     printed = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
