@@ -42,6 +42,9 @@ NODES, ROUNDS = 20, 20
 SUBNET = "10.78.0"  # private; apart from the LAN test's
 RUN_LIMIT_S = 600.0
 
+# One Ray cluster for the module: under pytest -n its tests share one worker.
+pytestmark = pytest.mark.xdist_group("ray")
+
 
 @pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRayCluster]:
