@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, cast
+from typing import Annotated, Any, Literal, cast, get_args
 
 import torch
 from pydantic import Field
@@ -42,8 +42,8 @@ from .base import (
 from .params import PARAMS, finite
 
 PartRule = Literal["influence", "fedavg", "local"]
-PART_RULES: tuple[str, ...] = ("influence", "fedavg", "local")
-_PART_RULES_ALLOWED = ", ".join(PART_RULES)
+# A part's rule as a parameter, its choices named in an error and in the JSON Schema.
+_PartSetting = Annotated[PartRule, Field(description=", ".join(get_args(PartRule)))]
 
 
 # --------------------------------------------------------------------------- pure rules
@@ -266,8 +266,8 @@ class FedC2I(PeerAlgorithm):
 
         # Sensitivity to influence; 0 gives uniform weights (paper: 5).
         gamma: Annotated[float, finite("a finite number >= 0", ge=0)] = 5.0
-        body: Annotated[PartRule, Field(description=_PART_RULES_ALLOWED)] = "influence"
-        head: Annotated[PartRule, Field(description=_PART_RULES_ALLOWED)] = "influence"
+        body: _PartSetting = "influence"
+        head: _PartSetting = "influence"
 
     def __init__(self, params: Any, context: Context) -> None:
         super().__init__(params, context)

@@ -276,9 +276,8 @@ class FedInfluence(CoordinatorAlgorithm):
         estimator: Flag = True  # False: plain FedAvg on the same schedule
         # FIL/FIA every this many rounds (and at cleanse_at).
         evaluate_every: Annotated[int, at_least(1)] = 1
-        cleanse_at: Annotated[int, at_least(0)] = (
-            0  # after this round's FIL, drop clients; 0: never
-        )
+        # After this round's FIL, drop clients; 0: never.
+        cleanse_at: Annotated[int, at_least(0)] = 0
         cleanse_fraction: Annotated[float, finite("a number >= 0 and < 1", ge=0, lt=1)] = 0.1
         cleanse_mode: Annotated[
             Literal["lowest", "highest", "random"], Field(description="lowest, highest or random")

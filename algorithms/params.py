@@ -36,8 +36,8 @@ def finite(allowed: str, **bounds: Any) -> Any:
 
 
 @functools.cache
-def adapter(declared: type) -> TypeAdapter[Any]:
-    """The validator of a declared dataclass, built once."""
+def adapter(declared: Any) -> TypeAdapter[Any]:
+    """The validator of a declared dataclass (or of one field's annotation), built once."""
     return TypeAdapter(declared)
 
 

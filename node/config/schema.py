@@ -53,13 +53,14 @@ def _algorithm_mapping(name: str) -> dict[str, Any]:
     beside the name, with screening's where the rule takes them. The name may be left
     out for the default rule."""
     from meshfl.algorithms import ALGORITHMS, SCREEN_KEY, TRIALS_KEY
+    from meshfl.algorithms.params import Flag
     from meshfl.algorithms.params import adapter as params_adapter
 
     rule = ALGORITHMS[name]
     params = params_adapter(rule.Params).json_schema()
     properties = {"name": {"const": name}, **params.get("properties", {})}
     if rule.screenable:
-        flag = {"type": "boolean", "description": "true or false"}
+        flag = params_adapter(Flag).json_schema()
         properties.update({SCREEN_KEY: flag, TRIALS_KEY: flag})
     mapping = {"type": "object", "properties": properties, "additionalProperties": False}
     return mapping if name == AlgorithmConfig.name else {**mapping, "required": ["name"]}

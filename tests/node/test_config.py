@@ -333,6 +333,19 @@ def test_shared_settings_hold_what_peers_must_agree_on(monkeypatch):
         assert shared_settings(apply_overrides(cfg, [changed])) != shared_settings(cfg)
 
 
+def test_a_rules_parameter_spelled_as_an_integer_or_left_out_joins_the_same_mesh():
+    """A float parameter given as an integer (`gamma: 5`) is the float its rule declares,
+    and equal to its default: nodes that spell it so share one mesh id."""
+    default = apply_overrides(MeshConfig(), ["algorithm=fedc2i"])
+    for spelled in ("algorithm.gamma=5", "algorithm.gamma=5.0"):
+        settings = shared_settings(apply_overrides(default, [spelled]))
+        assert settings == shared_settings(default)
+        # The id hashes the value's encoding, in which 5 and 5.0 differ.
+        assert type(settings["algorithm"]["params"]["gamma"]) is float
+    other = shared_settings(apply_overrides(default, ["algorithm.gamma=2"]))
+    assert other != shared_settings(default) and other["algorithm"]["params"]["gamma"] == 2.0
+
+
 def test_screening_is_shared_and_its_trials_are_each_nodes_own():
     cfg = MeshConfig()  # FedAvg, screened
     assert shared_settings(cfg)["algorithm"]["params"] == {"screen": True}
