@@ -36,6 +36,7 @@ from .wire import DIGEST_BYTES, wire_dtype
 CODECS = ("none", "fp16", "bf16", "int8")
 INT8_BLOCK = 128  # values per scale: 4 bytes of scale per 128 of data, 0.26 of float32
 MIN_BLOCK, MAX_BLOCK = 8, 1 << 16
+MAX_SCALE = float(np.finfo(np.float32).max) / 128  # int8's -128 times it is still finite
 SCALES = "#scales"  # suffix of an int8 tensor's scales; '#' is in no torch state-dict key
 HALF_MAX = float(np.finfo(np.float16).max)
 
@@ -176,6 +177,10 @@ def _decode_int8(arrays: Arrays, block: Any) -> dict[str, np.ndarray]:
 
 
 def _dequantize(name: str, q: np.ndarray, scales: np.ndarray, block: int) -> np.ndarray:
+    """`q` times its blocks' scales, as float32, or CodecError where a field is forged.
+    A scale may be at most the largest float32 over 128, so that every int8 value times
+    its scale is finite (a tensor near float32's largest value is the only one refused
+    that an encoder writes)."""
     where = repr(name[:64])
     if q.dtype != np.int8:
         raise CodecError(f"{where}: has scales but is {q.dtype}, not int8")
@@ -186,6 +191,8 @@ def _dequantize(name: str, q: np.ndarray, scales: np.ndarray, block: int) -> np.
         )
     if not (np.isfinite(scales).all() and (scales >= 0).all()):
         raise CodecError(f"{where}: a scale is negative or not finite")
+    if (scales.astype(np.float64) > MAX_SCALE).any():
+        raise CodecError(f"{where}: a scale above {MAX_SCALE:.4g}: its values overflow")
     flat, values = q.reshape(-1), np.empty(q.size, dtype="<f4")
     full = q.size - q.size % block
     np.multiply(

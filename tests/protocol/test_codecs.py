@@ -113,6 +113,8 @@ def forged(what: str):
             arrays[scales] = arrays[scales][:-1]
         elif what == "float64 scales":
             arrays[scales] = arrays[scales].astype(np.float64)
+        elif what == "a scale that overflows":
+            arrays[scales][0] = np.finfo(np.float32).max / 127  # 127 times it overflows
         elif what == "int16 values":
             arrays[FIRST] = arrays[FIRST].astype(np.int16)
         elif what == "tiny block":
@@ -132,6 +134,7 @@ FIRST = list(ARRAYS)[0]
         ("negative scale", "negative"),
         ("one scale short", r"scales are float32 \(\d+,\)"),
         ("float64 scales", "float64"),
+        ("a scale that overflows", "overflow"),
         ("int16 values", "not int8"),
         ("tiny block", "block is 3"),
         ("boolean block", "block is True"),
