@@ -49,7 +49,9 @@ meshfl node has). Around the rule's `aggregate`, for the whole models received
    (`errors_and_loss_beyond_noise`: the errors' evidence and the loss's added exceed
    HARM_BOUND), or, for an aggregate far from the own model
    (`a_far_jump`), it is worse on most val samples beyond HARM_BOUND (`sign_z`); else
-   the node keeps the own model. The burden is on harm, not help: an average of models that
+   the node keeps the own model. The loss's and the signs' tests stand alone only where
+   the aggregate makes no fewer val errors: one more often right is judged by its
+   errors and its loss added. The burden is on harm, not help: an average of models that
    trained apart fits each node's data less than its own model for the first rounds and
    pays later, from the common start it gives; a guard that asked each aggregate to
    prove on a small val split that it helps left nodes alone where FedAvg gained most

@@ -176,6 +176,21 @@ def test_the_guard_refuses_an_aggregate_lower_in_loss_but_wrong_on_more_samples(
     assert guard_adopts(scores([], []), scores([], [])), "no val split: nothing to judge by"
 
 
+def test_the_guard_adopts_an_aggregate_higher_in_loss_that_is_right_on_more_samples():
+    """The mirror of the Digit-5 case, as an average of peers on other skews gives it on
+    USPS Dirichlet(0.5): 0.46 nats up in val loss, 3.4 standard errors (beyond the
+    loss's own test), but right on 3 samples of 30 that the own model gets wrong. Its
+    errors speak for it, and its loss counts only added to them; with as many errors as
+    the own model, or a loss not finite, the loss alone refuses it as before."""
+    own = scores([0.4] * 23 + [1.2] * 7, [0] * 23 + [1] * 7)
+    higher = [1.6, 0.2] * 11 + [0.9] + [0.6] * 3 + [2.2] * 4
+    right_more = scores(higher, [0] * 26 + [1] * 4)
+    assert worse_beyond_noise(own.losses, right_more.losses), "the loss alone refuses it"
+    assert guard_adopts(own, right_more), "3 fewer errors (1.7 deviations) outweigh it"
+    assert not guard_adopts(own, scores(higher, own.errors.tolist())), "as many errors"
+    assert not guard_adopts(own, scores([float("nan")] * 30, right_more.errors.tolist()))
+
+
 def with_errors(size, wrong, loss):
     return scores([loss] * size, [1] * wrong + [0] * (size - wrong))
 
