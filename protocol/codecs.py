@@ -179,8 +179,8 @@ def _decode_int8(arrays: Arrays, block: Any) -> dict[str, np.ndarray]:
 def _dequantize(name: str, q: np.ndarray, scales: np.ndarray, block: int) -> np.ndarray:
     """`q` times its blocks' scales, as float32, or CodecError where a field is forged.
     A scale may be at most the largest float32 over 128, so that every int8 value times
-    its scale is finite (a tensor near float32's largest value is the only one refused
-    that an encoder writes)."""
+    its scale is finite (an encoder writes a larger one only for a tensor within 1% of
+    float32's largest value, or a top-k change above about 1.9e37)."""
     where = repr(name[:64])
     if q.dtype != np.int8:
         raise CodecError(f"{where}: has scales but is {q.dtype}, not int8")

@@ -188,7 +188,7 @@ def test_the_guard_adopts_an_aggregate_higher_in_loss_that_is_right_on_more_samp
     assert worse_beyond_noise(own.losses, right_more.losses), "the loss alone refuses it"
     assert guard_adopts(own, right_more), "3 fewer errors (1.7 deviations) outweigh it"
     assert not guard_adopts(own, scores(higher, own.errors.tolist())), "as many errors"
-    assert not guard_adopts(own, scores([float("nan")] * 30, right_more.errors.tolist()))
+    assert not guard_adopts(own, scores([float("nan")] * 30, [0] * 30)), "7 fewer, not finite"
 
 
 def with_errors(size, wrong, loss):
