@@ -52,9 +52,10 @@ def guard_verdict(
     """Whether the guard takes an aggregate over the own model, with the figures it
     judged by: no evidence of harm, in val loss or in val errors, beyond the noise of
     the split; for an aggregate `far` from the own model (`a_far_jump`), no harm on most
-    samples either. Where the aggregate makes fewer val errors (and its losses are
-    finite), neither the loss's test alone nor the signs' refuses it: its loss counts
-    only added to its errors (`errors_and_loss_beyond_noise`). An average of models
+    samples either. Where the aggregate makes fewer val errors, neither the loss's test
+    alone nor the signs' refuses it: its loss counts only added to its errors
+    (`errors_and_loss_beyond_noise`, which refuses a loss not finite whatever the
+    errors). An average of models
     that trained on other skews is often less sure and more often right, and refusing
     it on the loss alone kept FedC²I's default 1.4 points under its paper rule on USPS
     Dirichlet(0.5) (docs/defences.md). With no val split there is nothing to judge by,
@@ -67,10 +68,7 @@ def guard_verdict(
         "val_errors_own": int(own.errors.sum()),
         "val_errors_aggregate": int(aggregate.errors.sum()),
     }
-    # Not finite, the additive test below would cap the loss's evidence and let enough
-    # fewer errors outweigh it: such an aggregate is refused whatever its errors.
-    finite = bool(torch.isfinite(aggregate.losses).all())
-    more_often_right = finite and errors_z(own.errors, aggregate.errors) < 0
+    more_often_right = errors_z(own.errors, aggregate.errors) < 0
     harmed = not more_often_right and worse_beyond_noise(own.losses, aggregate.losses, by_signs=far)
     return not harmed and not errors_and_loss_beyond_noise(own, aggregate), figures
 
@@ -115,7 +113,10 @@ def errors_and_loss_beyond_noise(own: ValScores, other: ValScores) -> bool:
     one deviation of errors wherever the loss was higher at all and two elsewhere, let
     noise refuse aggregates of a mesh that trains together, and let in on small skewed
     shards an aggregate 0.5 nats higher in loss, just short of the loss's own test
-    (docs/defences.md, "Where collaboration pays")."""
+    (docs/defences.md, "Where collaboration pays"). A loss not finite is harm whatever
+    the errors: its evidence, capped, could be outweighed by errors fewer enough."""
+    if not torch.isfinite(other.losses).all():
+        return True
     if torch.isfinite(own.losses).all():
         loss_z = max(harm_z(other.losses - own.losses), 0.0)
     else:  # the own model is the broken one: its losses say nothing of the other's

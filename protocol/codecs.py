@@ -36,7 +36,9 @@ from .wire import DIGEST_BYTES, wire_dtype
 CODECS = ("none", "fp16", "bf16", "int8")
 INT8_BLOCK = 128  # values per scale: 4 bytes of scale per 128 of data, 0.26 of float32
 MIN_BLOCK, MAX_BLOCK = 8, 1 << 16
-MAX_SCALE = float(np.finfo(np.float32).max) / 128  # int8's -128 times it is still finite
+# The largest scale: int8's -128 times it is still finite (a float32 exactly, a power of
+# two below float32's largest, so comparing float32 scales with it rounds nothing).
+MAX_SCALE = np.float32(np.finfo(np.float32).max / 128)
 SCALES = "#scales"  # suffix of an int8 tensor's scales; '#' is in no torch state-dict key
 HALF_MAX = float(np.finfo(np.float16).max)
 
@@ -189,10 +191,11 @@ def _dequantize(name: str, q: np.ndarray, scales: np.ndarray, block: int) -> np.
         raise CodecError(
             f"{where}: scales are {scales.dtype} {scales.shape}, not float32 ({blocks},)"
         )
-    if not (np.isfinite(scales).all() and (scales >= 0).all()):
-        raise CodecError(f"{where}: a scale is negative or not finite")
-    if (scales.astype(np.float64) > MAX_SCALE).any():
-        raise CodecError(f"{where}: a scale above {MAX_SCALE:.4g}: its values overflow")
+    if not ((scales >= 0) & (scales <= MAX_SCALE)).all():  # NaN passes neither
+        raise CodecError(
+            f"{where}: a scale is negative, not finite or above {MAX_SCALE:.4g} "
+            "(its values would overflow)"
+        )
     flat, values = q.reshape(-1), np.empty(q.size, dtype="<f4")
     full = q.size - q.size % block
     np.multiply(
