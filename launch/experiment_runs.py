@@ -174,18 +174,25 @@ def _footer(spec: dict[str, Any], seeds: list[int], args: argparse.Namespace) ->
     """The table's seeds and caps, and the command that makes it again: `--seeds` and
     `--set` included, and the overridden settings named beside the caps, for a table
     made with them is not the experiment's own."""
-    overrides = list(getattr(args, "assignments", None) or [])
+    assignments = list(getattr(args, "assignments", None) or [])
     command = f"meshfl experiment {args.name}" + (" --data-root DIR" if args.data_root else "")
+    overrides = []
     if getattr(args, "seeds", None):
         command += f" --seeds {args.seeds}"
-    command += "".join(f" --set {each}" for each in overrides)
-    caps = spec["caps"] + (f" Overridden here: {', '.join(overrides)}." if overrides else "")
+        overrides.append(f"seeds {args.seeds} (the experiment's: {_listed(spec['seeds'])})")
+    command += "".join(f" --set {each}" for each in assignments)
+    overrides += assignments
+    caps = spec["caps"] + (f" Overridden here: {'; '.join(overrides)}." if overrides else "")
     return [
         "",
-        f"Seeds {', '.join(map(str, seeds))}; {spec['nodes']} nodes. Caps: {caps}",
+        f"Seeds {_listed(seeds)}; {spec['nodes']} nodes. Caps: {caps}",
         f"Regenerate: `{command}`",
         "",
     ]
+
+
+def _listed(seeds: list[int]) -> str:
+    return ", ".join(map(str, seeds))
 
 
 def _attackers_in_views(summaries: dict[str, list[dict[str, Any]]]) -> list[str]:

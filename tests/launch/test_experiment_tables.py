@@ -34,7 +34,7 @@ from meshfl.launch.run_folder import RunRecords, node_records
 from meshfl.node.config import AlgorithmConfig, explicit_params
 from meshfl.node.metrics import CoordinatorRecord, RoundRecord
 
-SPEC = {"title": "t", "caps": "c", "nodes": 2}
+SPEC = {"title": "t", "caps": "c", "nodes": 2, "seeds": [0, 1, 2]}
 
 
 def summary(accuracy, shares=None, cost=None):
@@ -68,14 +68,17 @@ def test_the_table_shows_the_share_per_ccp_round_and_its_lowest_value_over_seeds
 
 
 def test_a_table_made_with_overrides_names_them_beside_its_caps_and_in_its_command():
-    """A table made with `--set` is no table of the experiment's own settings: its caps
+    """A table made with `--seeds` or `--set` is no table of the experiment's own settings: its caps
     must not read as if it were, and its command must make it again."""
     runs = {"Local": [summary(0.8)], "FedReMa": [summary(0.9)]}
     args = argparse.Namespace(
         name="x", data_root="d", seeds="30", assignments=["data.samples_per_node=200"]
     )
     table = render_table(SPEC, runs, [30], args)
-    assert f"Caps: {SPEC['caps']} Overridden here: data.samples_per_node=200." in table
+    assert (
+        f"Caps: {SPEC['caps']} Overridden here: seeds 30 (the experiment's: 0, 1, 2);"
+        " data.samples_per_node=200." in table
+    ), "the caps name the experiment's own seeds beside the ones used"
     assert (
         "Regenerate: `meshfl experiment x --data-root DIR --seeds 30"
         " --set data.samples_per_node=200`" in table
