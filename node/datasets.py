@@ -96,7 +96,10 @@ def _require(dataset: str, root: str | None, relative: str) -> Path:
     was expected."""
     layout = f"--data-root DIR must hold the standard layout (DIR/{relative})"
     if root is None:
-        raise DataError(f"dataset {dataset!r} needs its files: {layout}")
+        raise DataError(
+            f"dataset {dataset!r} reads its files from a data root, and none was given:"
+            f" pass --data-root DIR (or set data.root) where DIR/{relative} is"
+        )
     path = Path(root) / relative
     if not path.exists():
         raise DataError(f"dataset {dataset!r}: {path} not found; {layout}")

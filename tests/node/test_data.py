@@ -458,3 +458,14 @@ def test_bad_mesh_arguments_are_data_errors() -> None:
         with pytest.raises(DataError) as error:
             load_node_data(**args)
         _assert_one_line_error(error)
+
+
+def test_a_dataset_with_files_and_no_data_root_says_how_to_give_one(tmp_path: Path) -> None:
+    with pytest.raises(DataError) as error:
+        load_pool("usps", None)
+    _assert_one_line_error(
+        error, "none was given", "--data-root DIR", "data.root", "DIR/usps/usps.bz2"
+    )
+    with pytest.raises(DataError) as error:
+        load_pool("usps", str(tmp_path))
+    _assert_one_line_error(error, str(tmp_path / "usps" / "usps.bz2"), "not found")
