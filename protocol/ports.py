@@ -1,18 +1,25 @@
 """Ports for nodes about to listen: picked where nothing else on the machine will take
 them first, and never handed out twice in quick succession, by one launcher or by two
-running at once on the machine."""
+of the user's running at once on the machine."""
 
 from __future__ import annotations
 
-import getpass
+import contextlib
 import os
 import random
 import socket
+import stat
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from .errors import UserError
+
+try:
+    import fcntl
+except ImportError:  # Windows: the claims stay in the launcher's memory
+    fcntl = None  # type: ignore[assignment]
 
 EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 # Listening ports are picked at or above this, and below the ephemeral range.
@@ -21,21 +28,16 @@ LOWEST_PICKED_PORT = 20000
 # meant for to bind it. Then it may be again, if free, so that a process that starts
 # mesh after mesh never runs out.
 HANDED_OUT_S = 600.0
-
-
-# Where a handed-out port is claimed, one empty file a port: every launcher of this
-# user on the machine sees the claims, so two started at once (two `meshfl launch`,
-# two test workers) cannot both be handed a port that neither node has bound yet. A
-# probe's bind alone cannot tell them: the port stays free until its node binds it.
-def _claims_dir() -> Path:
-    try:
-        user = getpass.getuser()
-    except (KeyError, OSError):  # no login name (some containers)
-        user = "anyone"
-    return Path(tempfile.gettempdir()) / f"meshfl-port-claims-{user}"
-
-
-CLAIMS_DIR = _claims_dir()
+# Where the user's launchers on this machine claim the ports they hand out (one empty
+# file a port, its time the claim's), under a lock: a port stays free to a probe until
+# its node binds it, so two launchers started at once (two `meshfl launch`, two test
+# workers) would otherwise both be handed it. Where the folder cannot be the user's
+# own, or there is no file lock, claims are kept in the launcher's memory only.
+CLAIMS_DIR = (
+    Path(tempfile.gettempdir())
+    / f"meshfl-port-claims-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
+)
+_claimed_here: dict[int, float] = {}  # port -> when this process handed it out
 # A generator of its own: a run that seeds `random` must not make two launchers on one
 # machine pick the same ports.
 _port_picker = random.Random()
@@ -55,54 +57,79 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 
     They are picked below the OS's ephemeral range, so that no outgoing connection (the
     mesh's first nodes dial out while later ones still start) can take one before its
-    node binds it, and each is claimed for HANDED_OUT_S (`claim`), so that no launcher
-    on the machine, this one included, is handed it again while its node starts."""
+    node binds it, and none claimed in the last HANDED_OUT_S, by this launcher or
+    another of the user's on the machine (CLAIMS_DIR); the ports handed out are claimed
+    in turn. Nothing is claimed where not enough ports are free."""
     below_ephemeral = ephemeral_ports_start()
     if below_ephemeral - LOWEST_PICKED_PORT < 1000:  # an OS that lends almost every port
         below_ephemeral = 65536
     candidates = list(range(LOWEST_PICKED_PORT, below_ephemeral))
     _port_picker.shuffle(candidates)
-    picked: list[int] = []
-    for port in candidates:
-        if len(picked) == count:
-            break
-        if port_is_free(host, port) and claim(host, port):
-            picked.append(port)
-    if len(picked) < count:
-        raise UserError(f"only {len(picked)} of {count} listening ports are free on {host}")
+    with _claims_locked() as claims:
+        now = time.time()
+        picked: list[int] = []
+        for port in candidates:
+            if len(picked) == count:
+                break
+            if not _claimed(claims, port, now) and port_is_free(host, port):
+                picked.append(port)
+        if len(picked) < count:
+            raise UserError(f"only {len(picked)} of {count} listening ports are free on {host}")
+        for port in picked:
+            _claim(claims, port, now)
     return picked
 
 
-def claim(host: str, port: int) -> bool:
-    """Whether this process now holds the claim on `port` of `host`: made where there was
-    none, taken over where the last one is older than HANDED_OUT_S. Atomic between
-    processes: a claim is made by creating its file exclusively, and an old one is taken
-    over by renaming it away first, which only one process can do. Where no claim can be
-    written at all (a read-only temporary directory), the port is handed out unclaimed,
-    as the probe's bind allows."""
-    path = CLAIMS_DIR / f"{host}-{port}"
+@contextlib.contextmanager
+def _claims_locked() -> Iterator[Path | None]:
+    """The user's claims folder, held under its lock for the block; None where there is
+    none to be had (claims then live in this process's memory only)."""
+    claims = _own_claims_dir()
+    if claims is None or fcntl is None:
+        yield None
+        return
     try:
-        CLAIMS_DIR.mkdir(exist_ok=True)
-        if _create(path):
-            return True
-        if time.time() - path.stat().st_mtime < HANDED_OUT_S:
-            return False
-        taken = path.with_name(f"{path.name}.{os.getpid()}.{time.monotonic_ns()}")
-        path.rename(taken)  # raises where another process took it over first
-        taken.unlink()
-        return _create(path)
-    except FileNotFoundError:  # a claim removed or taken over meanwhile: let it be
-        return False
+        lock = open(claims / "lock", "a")  # closed, and unlocked, by the `with` below
     except OSError:
-        return True
+        yield None
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield claims
 
 
-def _create(path: Path) -> bool:
+def _own_claims_dir() -> Path | None:
+    """CLAIMS_DIR, made where missing, if it is this user's own folder that no one else
+    may write to (another user could otherwise fill it with claims, or read none)."""
     try:
-        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-    except FileExistsError:
+        CLAIMS_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
+        status = CLAIMS_DIR.lstat()
+    except OSError:
+        return None
+    own = not hasattr(os, "getuid") or status.st_uid == os.getuid()
+    private = stat.S_ISDIR(status.st_mode) and not status.st_mode & 0o022
+    return CLAIMS_DIR if own and private else None
+
+
+def _claimed(claims: Path | None, port: int, now: float) -> bool:
+    """Whether `port` was handed out in the last HANDED_OUT_S, here or (claims) by any of
+    the user's launchers."""
+    if now - _claimed_here.get(port, -HANDED_OUT_S) < HANDED_OUT_S:
+        return True
+    if claims is None:
         return False
-    return True
+    try:
+        return now - (claims / str(port)).stat().st_mtime < HANDED_OUT_S
+    except OSError:  # never claimed (or the claim is unreadable: as good as none)
+        return False
+
+
+def _claim(claims: Path | None, port: int, now: float) -> None:
+    _claimed_here[port] = now
+    if claims is not None:
+        with contextlib.suppress(OSError):  # an unwritten claim still holds in memory
+            (claims / str(port)).touch()
+            os.utime(claims / str(port), (now, now))
 
 
 def port_is_free(host: str, port: int) -> bool:

@@ -31,26 +31,36 @@ def test_picked_ports_differ_lie_below_the_ephemeral_range_and_are_free():
 
 
 def test_two_launchers_at_once_are_never_handed_one_port(tmp_path, monkeypatch):
-    # A port stays free to a probe until its node binds it, so only the claims keep a
-    # second launcher (another process: its own memory knows nothing of the first's)
-    # off the ports of a mesh still starting. Without them, 300 and 3,000 ports drawn
-    # from 12,768 share about 70.
+    # A port stays free to a probe until its node binds it, so only the claims keep two
+    # launchers started together (processes: neither's memory knows the other's) off
+    # each other's ports. Without them, two draws of 3,000 from 12,768 share about 700.
+    asks = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "from pathlib import Path; from meshfl.protocol import ports;"
+                f" ports.CLAIMS_DIR = Path({str(tmp_path)!r}); print(*ports.free_ports(3000))",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    first, second = ({int(port) for port in ask.communicate(timeout=60)[0].split()} for ask in asks)
+    assert len(first) == len(second) == 3000
+    assert not first & second
+
+
+def test_a_launcher_that_cannot_have_enough_ports_claims_none(tmp_path, monkeypatch):
+    lowest = ports.LOWEST_PICKED_PORT + 7000
     monkeypatch.setattr(ports, "CLAIMS_DIR", tmp_path)
-    other = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "from meshfl.protocol import ports; from pathlib import Path; "
-            f"ports.CLAIMS_DIR = Path({str(tmp_path)!r}); print(*ports.free_ports(300))",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    )
-    theirs = {int(port) for port in other.stdout.split()}
-    assert len(theirs) == 300
-    assert not theirs & set(free_ports(3000))
+    monkeypatch.setattr(ports, "_claimed_here", {})
+    monkeypatch.setattr(ports, "LOWEST_PICKED_PORT", lowest)
+    monkeypatch.setattr(ports, "ephemeral_ports_start", lambda: lowest + 1000)
+    with pytest.raises(UserError, match="listening ports are free"):
+        free_ports(2000)
+    assert len(free_ports(900)) == 900, "the failed ask left its ports to others"
 
 
 def test_a_port_is_handed_out_again_only_once_its_node_had_time_to_bind_it(tmp_path, monkeypatch):
@@ -58,6 +68,7 @@ def test_a_port_is_handed_out_again_only_once_its_node_had_time_to_bind_it(tmp_p
     # second mesh of 900 does not fit, until the first mesh's ports are old enough.
     lowest = ports.LOWEST_PICKED_PORT + 5000
     monkeypatch.setattr(ports, "CLAIMS_DIR", tmp_path)
+    monkeypatch.setattr(ports, "_claimed_here", {})
     monkeypatch.setattr(ports, "LOWEST_PICKED_PORT", lowest)
     monkeypatch.setattr(ports, "ephemeral_ports_start", lambda: lowest + 1000)
     first = free_ports(900)
