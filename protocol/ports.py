@@ -128,8 +128,7 @@ def _claim(claims: Path | None, port: int, now: float) -> None:
     _claimed_here[port] = now
     if claims is not None:
         with contextlib.suppress(OSError):  # an unwritten claim still holds in memory
-            (claims / str(port)).touch()
-            os.utime(claims / str(port), (now, now))
+            (claims / str(port)).touch()  # its time now: the claim's
 
 
 def port_is_free(host: str, port: int) -> bool:

@@ -52,12 +52,17 @@ def test_two_launchers_at_once_are_never_handed_one_port(tmp_path, monkeypatch):
     assert not first & second
 
 
-def test_a_launcher_that_cannot_have_enough_ports_claims_none(tmp_path, monkeypatch):
-    lowest = ports.LOWEST_PICKED_PORT + 7000
-    monkeypatch.setattr(ports, "CLAIMS_DIR", tmp_path)
+def only_1000_ports(monkeypatch, claims):
+    """Ports picked from 1,000 only, no claim made yet, here or in `claims`."""
+    lowest = ports.LOWEST_PICKED_PORT + 5000
+    monkeypatch.setattr(ports, "CLAIMS_DIR", claims)
     monkeypatch.setattr(ports, "_claimed_here", {})
     monkeypatch.setattr(ports, "LOWEST_PICKED_PORT", lowest)
     monkeypatch.setattr(ports, "ephemeral_ports_start", lambda: lowest + 1000)
+
+
+def test_a_launcher_that_cannot_have_enough_ports_claims_none(tmp_path, monkeypatch):
+    only_1000_ports(monkeypatch, tmp_path)
     with pytest.raises(UserError, match="listening ports are free"):
         free_ports(2000)
     assert len(free_ports(900)) == 900, "the failed ask left its ports to others"
@@ -66,11 +71,7 @@ def test_a_launcher_that_cannot_have_enough_ports_claims_none(tmp_path, monkeypa
 def test_a_port_is_handed_out_again_only_once_its_node_had_time_to_bind_it(tmp_path, monkeypatch):
     # 1,000 ports to pick from, each handed out at most once within HANDED_OUT_S: a
     # second mesh of 900 does not fit, until the first mesh's ports are old enough.
-    lowest = ports.LOWEST_PICKED_PORT + 5000
-    monkeypatch.setattr(ports, "CLAIMS_DIR", tmp_path)
-    monkeypatch.setattr(ports, "_claimed_here", {})
-    monkeypatch.setattr(ports, "LOWEST_PICKED_PORT", lowest)
-    monkeypatch.setattr(ports, "ephemeral_ports_start", lambda: lowest + 1000)
+    only_1000_ports(monkeypatch, tmp_path)
     first = free_ports(900)
     with pytest.raises(UserError, match="listening ports are free"):
         free_ports(900)
