@@ -252,6 +252,7 @@ def test_a_late_member_listed_in_peers_yaml_joins_as_its_entry(tmp_path, monkeyp
     peer's address, key and shard, not a free port and shard N of N+1."""
     started = []
     monkeypatch.setattr(entry, "_run", lambda options: started.append(options) or 0)
+    monkeypatch.chdir(tmp_path)  # the joiner's key is made where it is named, from here
     config = tmp_path / "peers.yaml"
     write_peers(config, tmp_path)  # alpha's listed key lets the joiner dial it encrypted
     assert (
