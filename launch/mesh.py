@@ -70,8 +70,10 @@ def launch(options: LaunchOptions) -> int:
 def run_launch(options: LaunchOptions) -> tuple[dict[str, Any], Path]:
     """Run the mesh `options` describe to its end: its summary (summary.json's content)
     and its run folder. UserError for a mistake in the flags or the config."""
-    options = _resumed(options)
+    options, saved = _resumed(options)
     cfg = resolve_config(options.config, check=False)  # the runner checks it with its addresses
+    if saved is not None:
+        _check_resumable(saved, cfg, options.out)
     _check_flags(options, cfg)
     # Imported once the flags and the config are known to be good: the runners load torch.
     from .local_mesh import run_mesh, with_local_peers
@@ -79,6 +81,7 @@ def run_launch(options: LaunchOptions) -> tuple[dict[str, Any], Path]:
     if options.nodes is not None or options.config.path is None:
         cfg = with_local_peers(cfg, options.nodes if options.nodes is not None else len(cfg.peers))
     out = options.out or Path(_default_run_dir(cfg))
+    _make_run_folder(out)
     run = run_mesh
     if options.ray is not None:
         from .ray_hosts import run_mesh_on_ray  # the only module that imports Ray
@@ -92,24 +95,76 @@ def run_launch(options: LaunchOptions) -> tuple[dict[str, Any], Path]:
     return summary, out
 
 
-def _resumed(options: LaunchOptions) -> LaunchOptions:
+def _resumed(options: LaunchOptions) -> tuple[LaunchOptions, cfgmod.MeshConfig | None]:
     """A launch into a run folder that holds its config, without --config, resumes that
     run: its config.yaml is the base and the flags given change it (--rounds 40 extends
     it); its peers stay, so --nodes may only repeat their number. An explicit --config
-    is the user's choice and is taken as given."""
+    is the user's choice and is taken as given. Returns the options to run with, and the
+    run's saved config where it resumes one."""
     if options.out is None or options.config.path is not None:
-        return options
+        return options, None
     run_config = options.out / RUN_CONFIG
     if not run_config.is_file():
-        return options
-    peers = len(cfgmod.load_config(run_config).peers)
+        return options, None
+    saved = cfgmod.load_config(run_config)
+    peers = len(saved.peers)
     if options.nodes is not None and options.nodes != peers:
         raise UserError(
             f"--nodes: got {options.nodes}; the run in {options.out} has {peers} nodes, "
             "which it resumes with: leave --nodes out, or start afresh with another --out"
         )
     print(f"meshfl: resuming {options.out} with its {RUN_CONFIG}", flush=True)
-    return replace(options, config=replace(options.config, path=str(run_config)), nodes=None)
+    resumed = replace(options, config=replace(options.config, path=str(run_config)), nodes=None)
+    return resumed, saved
+
+
+# What a run's checkpoints hold the outcome of: its nodes' models, rules and shards. A
+# resumed run that changed one of them would load what its nodes saved into another
+# model or rule (a crash in every node) or train it on other shards (a silent mix).
+# Where the data are read from (`data.root`) and whether screening runs trials may change.
+CHECKPOINTED = ("mesh", "algorithm", "model", "task", "data", "seed", "local_batchnorm")
+MAY_CHANGE = {"data.root", "algorithm.trials"}
+
+
+def _check_resumable(saved: cfgmod.MeshConfig, cfg: cfgmod.MeshConfig, out: Path | None) -> None:
+    """UserError, before anything is written, for a flag that changes what the resumed
+    run's checkpoints hold (`CHECKPOINTED`)."""
+    before, after = cfgmod.to_dict(saved), cfgmod.to_dict(cfg)
+    for key in CHECKPOINTED:
+        changed = _first_change(key, before.get(key), after.get(key))
+        if changed is not None:
+            field, was, now = changed
+            raise UserError(
+                f"{field}: got {now!r}; the run in {out} has {was!r}, and its nodes' "
+                "checkpoints hold what they learned so: leave it as it was to resume, or "
+                "start afresh with another --out"
+            )
+
+
+def _first_change(field: str, was: Any, now: Any) -> tuple[str, Any, Any] | None:
+    """The first setting under `field` that differs, as (its dotted name, was, now)."""
+    if field in MAY_CHANGE or was == now:
+        return None
+    if isinstance(was, dict) and isinstance(now, dict):
+        for key in sorted(set(was) | set(now)):
+            changed = _first_change(f"{field}.{key}", was.get(key), now.get(key))
+            if changed is not None:
+                return changed
+        return None
+    return field, was, now
+
+
+def _make_run_folder(out: Path) -> None:
+    """The run folder, made before any node starts; UserError where it cannot be."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out: {out} is a file; name a folder for the run (made if missing)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(
+            f"--out: cannot make the run folder {out} ({err.strerror}); name a folder "
+            "this user may write in"
+        ) from None
 
 
 def _check_flags(options: LaunchOptions, cfg: cfgmod.MeshConfig) -> None:

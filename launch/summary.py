@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import statistics
 from collections.abc import Collection
@@ -150,11 +151,23 @@ def _write_summary_file(path: Path, summary: dict[str, Any]) -> None:
     table still shows what it holds)."""
     temporary = path.with_name(path.name + ".tmp")
     try:
-        temporary.write_text(json.dumps(summary, indent=2) + "\n")
+        temporary.write_text(json.dumps(_as_json(summary), indent=2, allow_nan=False) + "\n")
         os.replace(temporary, path)
     except OSError as error:
         temporary.unlink(missing_ok=True)
         log.warning("cannot write %s: %s", path, (error.strerror or str(error)).lower())
+
+
+def _as_json(value: Any) -> Any:
+    """`value` with every float that is not finite (the val loss of a model that
+    diverged) as null: JSON has no NaN, and other readers of the file refuse one."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _as_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_as_json(item) for item in value]
+    return value
 
 
 def print_table(summary: dict[str, Any]) -> None:

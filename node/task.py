@@ -66,6 +66,14 @@ READ_BATCH = 512
 SPLITS = ("train", "val", "test")
 
 
+# Said where a model cannot take inputs that are whole numbers: raw images (uint8 pixels)
+# become int64, as token ids do, not floats.
+WHOLE_NUMBER_INPUTS = (
+    " (the inputs are whole numbers, so the node keeps them as int64, as token ids; "
+    "give images as floats, e.g. x.float() / 255)"
+)
+
+
 class TaskError(UserError, ValueError):
     """A task the user wrote cannot be used: one line naming the file and the problem."""
 
@@ -256,6 +264,11 @@ class UserTask:
             log.info("task %s: streaming %s", self.source, streamed_splits(tensors))
         if len(tensors[0][1]) == 0:
             self.fail("data(): the train split is empty")
+        if len(tensors[1][1]) == 0:  # else screening would judge nothing and let all in
+            self.fail(
+                "data(): the validation split is empty; the node judges its own model and "
+                "its peers' on it: give it some of the node's samples (a fifth is usual)"
+            )
         sample_shape = tuple(tensors[0][0].shape[1:])
         tensors = [  # an empty Dataset says nothing of its inputs' shape: the train split's
             (x.reshape(0, *sample_shape) if isinstance(x, torch.Tensor) and not len(y) else x, y)
@@ -325,7 +338,8 @@ class UserTask:
                     logits = model(inputs)
             except Exception as err:
                 shape = tuple(x_train.shape[1:])
-                self.fail(f"model() cannot take this node's inputs of shape {shape}: {err}")
+                whole = "" if inputs.is_floating_point() else WHOLE_NUMBER_INPUTS
+                self.fail(f"model() cannot take this node's inputs of shape {shape}: {err}{whole}")
             if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
                 got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits)
                 self.fail(f"model() must map a batch to logits (batch, classes); it gave {got}")

@@ -59,12 +59,14 @@ def _check_algorithm(algorithm: AlgorithmConfig) -> None:
 def _resolved_params(algorithm: AlgorithmConfig, rounds: int | None = None) -> Any:
     """The algorithm's parameters with its defaults filled in, or ConfigError; given
     `rounds`, those that count rounds are fitted to the run and checked against it."""
-    from meshfl.algorithms import algorithm_class, parse_params
+    from meshfl.algorithms import SCREEN_KEY, TRIALS_KEY, algorithm_class, parse_params
 
     try:
         return parse_params(algorithm.name, algorithm.params, rounds)
     except ValidationError as err:  # a broken rule of the Params, as any config field's
-        raise first_problem(err, algorithm_class(algorithm.name).Params, ("algorithm",)) from None
+        rule = algorithm_class(algorithm.name)
+        screening = (SCREEN_KEY, TRIALS_KEY) if rule.screenable else ()
+        raise first_problem(err, rule.Params, ("algorithm",), screening) from None
     except ValueError as err:
         # The algorithms report "algorithm.<key>: <problem>"; keep their field name.
         field_name, separator, problem = str(err).partition(": ")

@@ -96,16 +96,21 @@ def checked(value: dict[str, Any] | MeshConfig) -> MeshConfig:
 
 
 def first_problem(
-    err: ValidationError, declared: Any = MeshConfig, at: tuple[str, ...] = ()
+    err: ValidationError,
+    declared: Any = MeshConfig,
+    at: tuple[str, ...] = (),
+    also: tuple[str, ...] = (),
 ) -> ConfigError:
     """The first broken rule of `err`, raised by validating the dataclass `declared`
     (the config, or a section of it found at the field path `at`, such as a rule's
-    parameters under `algorithm`), as one line that names the field."""
+    parameters under `algorithm`, beside which the keys `also` are allowed), as one
+    line that names the field."""
     problem = err.errors()[0]
     location = problem["loc"]
     path = _path(at + location)
     if problem["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
-        names = ", ".join(f.name for f in fields(_bare(_hint_at(location[:-1], declared))))
+        section = fields(_bare(_hint_at(location[:-1], declared)))
+        names = ", ".join([*(f.name for f in section), *also])
         return ConfigError(f"config field {path!r}: unknown key; allowed: {names or 'none'}")
     if problem["type"] == "value_error":  # a check whose message says what is allowed
         section = _bare(_hint_at(location, declared))

@@ -52,6 +52,14 @@ def test_launch_mistakes(tmp_path, flags, fragments):
     assert_one_line_error(result, *fragments)
 
 
+def test_a_run_folder_that_cannot_be_made(tmp_path):
+    a_file = tmp_path / "afile"
+    a_file.touch()
+    assert_one_line_error(run_meshfl("launch", "--out", str(a_file)), "--out", "is a file")
+    beneath = a_file / "run"  # a folder cannot be made inside a file
+    assert_one_line_error(run_meshfl("launch", "--out", str(beneath)), "--out", str(beneath))
+
+
 def test_port_in_use(tmp_path):
     config = tmp_path / "peers.yaml"
     cfg = write_config(config, 2)

@@ -217,6 +217,7 @@ def launch_quietly(*flags: str) -> subprocess.CompletedProcess:
 
 
 def test_launch_with_only_the_run_folder_resumes_the_run_with_its_own_config(tmp_path):
+    """And refuses a flag that changes what the run's checkpoints hold."""
     run = tmp_path / "run"
     first = launch_quietly(
         *("--nodes", "2", "--rounds", "2", "--samples-per-node", "150", "--seed", "3"),
@@ -237,6 +238,19 @@ def test_launch_with_only_the_run_folder_resumes_the_run_with_its_own_config(tmp
     other_count = launch_quietly("--out", str(run), "--nodes", "3")
     assert other_count.returncode == 2
     assert "--nodes: got 3; the run in" in other_count.stderr
+
+    # Another rule, or other data, would meet checkpoints made by this one: refused in
+    # one line, before the run's config or summary is touched.
+    kept = {name: (run / name).read_bytes() for name in ("config.yaml", "summary.json")}
+    for flags, line in [
+        (("--algorithm", "pfedsv"), "algorithm.name: got 'pfedsv'; the run in"),
+        (("--dataset", "mnist"), "data.dataset: got 'mnist'; the run in"),
+        (("--set", "seed=4"), "seed: got 4; the run in"),
+    ]:
+        changed = launch_quietly("--out", str(run), *flags)
+        assert changed.returncode == 2, flags
+        assert line in changed.stderr
+    assert {name: (run / name).read_bytes() for name in kept} == kept
 
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])

@@ -198,6 +198,16 @@ def test_a_bad_algorithm_parameter_names_it():
     assert "'algorithm.no_such_param'" in message
 
 
+@pytest.mark.parametrize(
+    "rule, allowed",
+    [("fedc2i", "gamma, body, head, screen, trials"), ("fedavg", "screen, trials")],
+)
+def test_a_misspelled_algorithm_key_lists_screenings_keys_too(rule, allowed):
+    cfg = apply_overrides(MeshConfig(), [f"algorithm={rule}"])
+    message = config_error(lambda: validate(apply_overrides(cfg, ["algorithm.gama=2"])))
+    assert message.endswith(f"unknown key; allowed: {allowed}")
+
+
 def test_an_override_without_equals_sign_is_refused():
     assert "'lr'" in config_error(lambda: apply_overrides(MeshConfig(), ["lr"]))
 

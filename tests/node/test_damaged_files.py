@@ -114,3 +114,15 @@ def test_a_summary_lists_every_node_and_means_over_the_finished(tmp_path):
     assert summary["mean_over"] == "3 finished nodes of 4"
     again = write_summary(cfg, tmp_path)  # made again later: the outcomes are kept
     assert [node["status"] for node in again["nodes"]] == [FINISHED, FAILED, FINISHED, FINISHED]
+
+
+def test_a_summary_writes_a_loss_that_diverged_as_null_so_it_stays_json(tmp_path):
+    cfg = MeshConfig(rounds=1)
+    for peer in cfg.peers:
+        (tmp_path / peer.name).mkdir()
+        record = {"round": 1, "test_acc": 0.5, "val_acc": float("nan"), "n_train": 10}
+        (tmp_path / peer.name / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    write_summary(cfg, tmp_path, {peer.name: {"status": FINISHED} for peer in cfg.peers})
+    text = (tmp_path / "summary.json").read_text()
+    written = json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in JSON"))
+    assert [node["val_acc"] for node in written["nodes"]] == [None] * len(cfg.peers)

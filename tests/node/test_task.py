@@ -229,6 +229,18 @@ MISTAKES = {
         GOOD_DATA + "\ndef model():\n    return nn.Linear(5, 3)\n",
         ["algorithm fedc2i reads the classifier head"],
     ),
+    "an empty validation split": (
+        "import torch\nfrom torch import nn\n\ndef model():\n    return nn.Linear(5, 3)\n\n"
+        "def data(node):\n    x, y = torch.rand(30, 5), torch.arange(30) % 3\n"
+        "    return (x, y), (x[:0], y[:0]), (x, y)\n",
+        ["the validation split is empty", "give it some of the node's samples"],
+    ),
+    "raw pixels as whole numbers": (
+        "import torch\nfrom torch import nn\n\ndef model():\n    return nn.Linear(5, 3)\n\n"
+        "def data(node):\n    x = torch.randint(0, 256, (30, 5), dtype=torch.uint8)\n"
+        "    y = torch.arange(30) % 3\n    return (x, y), (x, y), (x, y)\n",
+        ["cannot take this node's inputs of shape (5,)", "x.float() / 255"],
+    ),
     "data raises": (
         "from torch import nn\n\ndef model():\n    return nn.Linear(5, 3)\n\n"
         "def data(node):\n    return open('/nonexistent/meshfl-part.npz')\n",
