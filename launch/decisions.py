@@ -13,9 +13,9 @@ guard refused) taught the node nothing, and a node that kept its own model says 
 
 Where screening ran (algorithms/screening.py), the phrase ends with what it did over
 the whole run, counted from every round's `screened_out` and guard verdict (pFedSV's own
-val guard's included: screening's report carries it): how many of the peers whose
-models arrived it let into the rule at least once, the peer-rounds it kept out by reason
-(`record`: not even fetched), and the aggregates the guard refused. A run where
+val guard's included: screening's report carries it): how many of the peers' models it
+let into the rule, those it kept out by reason (`record`: not even fetched), how many
+peers it let in at least once, and the aggregates the guard refused. A run where
 screening kept every peer out says so, rather than leaving the rule's phrase to read as
 if the rule had learned from them.
 """
@@ -114,11 +114,14 @@ def fedinfluence(
 
 def screening(records: Iterable[RoundRecord]) -> str | None:
     """What screening did to a node's peers over the run, or None where it never ran:
-    `let in A/P peers` (P: peers whose models arrived, A: of those, the ones let into
-    the rule in at least one round), the peer-rounds kept out by reason, and how many of
-    the aggregates the guard judged it refused (keeping the own model)."""
+    `let in L of M peer-models` (M: a model of a peer each round one arrived or was passed
+    over by its record; L: of those, the ones let into the rule), the others by reason,
+    how many of the peers whose models arrived were let in at least once, and how many of
+    the aggregates the guard judged it refused (keeping the own model). A round where
+    every peer was kept out has no aggregate to judge."""
     arrived: set[str] = set()
     admitted: set[str] = set()
+    models_let_in = 0
     kept_out: dict[str, int] = {}
     judged = refused = 0
     screened = False
@@ -131,6 +134,7 @@ def screening(records: Iterable[RoundRecord]) -> str | None:
         received = set(record.received or ())
         arrived |= received
         admitted |= received - set(reasons)
+        models_let_in += len(received - set(reasons))
         for reason in reasons.values():
             kept_out[reason] = kept_out.get(reason, 0) + 1
         verdict = diagnostics["screening"].get("adopted")  # whichever guard judged
@@ -139,10 +143,13 @@ def screening(records: Iterable[RoundRecord]) -> str | None:
             refused += not verdict
     if not screened:
         return None
-    reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(kept_out.items()))
-    phrase = f"screening let in {len(admitted)}/{len(arrived)} peers"
-    phrase += f" (peer-rounds kept out: {reasons})" if reasons else ""
-    return (phrase + f", refused {refused}/{judged} aggregates") if judged else phrase
+    models = models_let_in + sum(kept_out.values())
+    phrase = f"screening let in {models_let_in} of {models} peer-models"
+    if kept_out:
+        why = ", ".join(f"{reason} {count}" for reason, count in sorted(kept_out.items()))
+        peers = f"{len(admitted)} of {len(arrived)} peers let in at least once"
+        phrase += f" (kept out: {why}; {peers})"
+    return phrase + (f", refused {refused} of {judged} aggregates judged" if judged else "")
 
 
 def decided_by(

@@ -214,13 +214,13 @@ def test_a_screened_run_says_what_screening_did_to_each_nodes_peers():
         ]
     }
     assert node_decisions("fedavg", history, []) == {
-        "a": "screening let in 2/3 peers (peer-rounds kept out: copy 1, n_claim 1, "
-        "record 1, val_loss 3), refused 1/2 aggregates"
+        "a": "screening let in 3 of 9 peer-models (kept out: copy 1, n_claim 1, record 1, "
+        "val_loss 3; 2 of 3 peers let in at least once), refused 1 of 2 aggregates judged"
     }
     history["a"][2].weights = {"a": 1.0}
     history["a"][2].diagnostics["influence_vector"] = {"a": 0.1, "b": 0.9}
     assert node_decisions("fedc2i", history, [])["a"].startswith(
-        "own model only; screening let in 2/3 peers"
+        "own model only; screening let in 3 of 9 peer-models"
     )
 
 
