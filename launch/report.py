@@ -408,7 +408,8 @@ def _headline(run: RunRecords) -> str:
     data = run.config.get("data") or {}
     dataset, partition = data.get("dataset", "?"), data.get("partition", "?")
     task = run.config.get("task")
-    return f"{run.algorithm} on {f'task {task}' if task else dataset} ({partition}), {nodes}"
+    learns = f"task {task}" if task else f"{dataset} ({partition})"
+    return f"{run.algorithm} on {learns}, {nodes}"
 
 
 # --------------------------------------------------------------------------- the summary

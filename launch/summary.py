@@ -88,8 +88,9 @@ def write_summary(
     summary = {
         "algorithm": cfg.algorithm.name,
         "task": cfg.task,  # None: the built-in model and dataset
-        "dataset": cfg.data.dataset,
-        "partition": cfg.data.partition,
+        # A task's data are its own: the config's dataset and partition go unread then.
+        "dataset": None if cfg.task else cfg.data.dataset,
+        "partition": None if cfg.task else cfg.data.partition,
         "rounds": cfg.rounds,
         "seed": cfg.seed,
         "nodes": nodes,

@@ -175,3 +175,16 @@ def test_the_summary_table_says_what_the_rule_decided_for_each_node(tmp_path):
     assert table[4].endswith("| n_train | decision |")
     assert table[6].startswith("| node0 | 1-2 |") and table[6].endswith("| group node0,node1 |")
     assert table[7].endswith("| warm-up only, no group |")
+
+
+@pytest.mark.parametrize(
+    "config, headline",
+    [
+        ("data: {dataset: mnist, partition: 'dirichlet:0.5'}\n", "fedavg on mnist (dirichlet:0.5)"),
+        ("task: my_task.py\n", "fedavg on task my_task.py, 1 node"),  # its data are its own
+    ],
+)
+def test_the_summary_names_what_the_run_learned(tmp_path, config, headline):
+    (tmp_path / "config.yaml").write_text("algorithm: {name: fedavg}\nrounds: 1\n" + config)
+    write_node(tmp_path, "node0", [{"round": 1, "test_acc": 0.5}])
+    assert headline in report.summary_markdown(report.read_run(tmp_path), [])
