@@ -37,7 +37,13 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="peers.yaml with the mesh settings and peers (default: built-in demo settings)",
     )
-    parser.add_argument("--algorithm", help="aggregation rule, e.g. fedavg, local")
+    parser.add_argument(
+        "--algorithm",
+        help="who learns from whom: local, fedavg (the default), fedc2i, pfedsv, pfedlia, "
+        "the robust rules, and with a coordinator fedinfluence and fedrema; an unknown "
+        "name is answered with them all. Every rule that takes peers' models runs behind "
+        "validation screening (--set algorithm.screen=false for the paper's rule)",
+    )
     parser.add_argument(
         "--task",
         metavar="FILE|MODULE",
@@ -78,8 +84,9 @@ def _add_launcher_fd(parser: argparse.ArgumentParser) -> None:
         "--launcher-fd",
         type=int,
         metavar="FD",
-        help="set by `meshfl launch`: stop (as on Ctrl-C) when this pipe "
-        "descriptor reads end-of-file, i.e. when the launcher is gone",
+        # Set by `meshfl launch`: stop (as on Ctrl-C) when this pipe descriptor reads
+        # end-of-file, i.e. when the launcher is gone. Not a user's flag.
+        help=argparse.SUPPRESS,
     )
 
 
@@ -219,10 +226,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         metavar="N",
-        help="set by `meshfl launch`: once its peers are built, wait until N hosts "
-        "sharing this --out (this one included) have built theirs, so that no peer "
-        "greets one still being built; each notes it in <out>/.joining, and the wait "
-        "ends 60 s after the last one did (default 0: no wait)",
+        # Set by `meshfl launch`: once its peers are built, wait until N hosts sharing
+        # this --out (this one included) have built theirs, so that no peer greets one
+        # still being built; each notes it in <out>/.joining, and the wait ends 60 s
+        # after the last one did (default 0: no wait). Not a user's flag.
+        help=argparse.SUPPRESS,
     )
     _add_local_nodes(host)
     _add_launcher_fd(host)
@@ -270,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write a new Ed25519 private key as PEM (mode 0600) and print the node id "
         "and public key; never overwrites an existing file.",
     )
-    keygen.add_argument("path", metavar="PATH")
+    keygen.add_argument("path", metavar="PATH", help="the PEM file to write (e.g. keys/me.pem)")
 
     new = commands.add_parser(
         "new",
@@ -342,7 +350,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     status.add_argument("--json", action="store_true", help="print the answer as JSON")
 
-    config = commands.add_parser("config", help="write the JSON Schema of peers.yaml for editors")
+    config = commands.add_parser(
+        "config",
+        help="write the JSON Schema of peers.yaml for editors",
+        description="Write the JSON Schema of peers.yaml, so that an editor checks and "
+        "completes a config as it is typed.",
+    )
     config.add_argument("what", choices=["schema"], help="schema: the JSON Schema of peers.yaml")
     config.add_argument("--out", metavar="FILE", help="write it to FILE (default: stdout)")
 

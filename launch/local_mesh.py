@@ -99,9 +99,9 @@ def run_mesh(
         list_processes()
         if not quiet:
             print(
-                f"meshfl: {len(cfg.peers)} nodes in {len(groups)} processes, "
-                f"{cfg.algorithm.name} on {cfgmod.learning(cfg)}, "
-                f"{cfg.rounds} rounds -> {out}"
+                f"meshfl: {cfgmod.counted(len(cfg.peers), 'node')} in "
+                f"{cfgmod.counted(len(groups), 'process', 'processes')}, "
+                f"{cfgmod.what_runs(cfg)} -> {out}"
             )
             print(f"meshfl: join this mesh with: meshfl join {joinable} --config {config_path}")
         supervise(
@@ -125,5 +125,5 @@ def _check_data(cfg: cfgmod.MeshConfig) -> None:
     set_torch_threads(os.cpu_count() or 1)  # one thread: all cores among that many
     task = task_of(cfg)
     first = cfg.peers[0].name
-    model = task.model_maker(task.node_data(node_info(cfg, first, 0, len(cfg.peers))))()
-    task.check_rule(cfg.algorithm, model)
+    data = task.node_data(node_info(cfg, first, 0, len(cfg.peers)))
+    task.check_rule(cfg.algorithm, task.model_maker(data)(), data)

@@ -248,9 +248,10 @@ def _run_on_cluster(
         _write_processes(out, address, machines)
         if not quiet:
             print(
-                f"meshfl: {len(cfg.peers)} nodes in {sum(len(m.hosts) for m in machines)} "
-                f"hosts on {len(machines)} Ray nodes at {address}, {cfg.algorithm.name} on "
-                f"{cfgmod.learning(cfg)}, {cfg.rounds} rounds -> {out}",
+                f"meshfl: {cfgmod.counted(len(cfg.peers), 'node')} in "
+                f"{cfgmod.counted(sum(len(m.hosts) for m in machines), 'host')} on "
+                f"{cfgmod.counted(len(machines), 'Ray node')} at {address}, "
+                f"{cfgmod.what_runs(cfg)} -> {out}",
                 flush=True,
             )
         _supervise(ray, machines, config_text, out, address, cfg.rounds, restarts, quiet)

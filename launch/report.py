@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from meshfl.node import config as cfgmod
 from meshfl.node.metrics import RoundRecord
 
 from . import run_folder
@@ -402,7 +403,7 @@ def _cluster_lines(axes: Any, run: RunRecords, names: list[str]) -> None:
 
 
 def _headline(run: RunRecords) -> str:
-    nodes = f"{len(run.history)} node{'s' if len(run.history) > 1 else ''}"
+    nodes = cfgmod.counted(len(run.history), "node")
     if not run.config:  # `meshfl node` writes no config.yaml
         return f"{nodes} (no config.yaml in the run folder)"
     data = run.config.get("data") or {}
@@ -422,7 +423,7 @@ def summary_markdown(run: RunRecords, figures: list[tuple[str, str]]) -> str:
         "",
         _headline(run)
         + (
-            f", {run.config['rounds']} rounds, seed {run.config.get('seed')}"
+            f", {cfgmod.counted(run.config['rounds'], 'round')}, seed {run.config.get('seed')}"
             if "rounds" in run.config
             else ""
         )

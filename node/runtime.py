@@ -535,7 +535,7 @@ def build_node(options: NodeOptions, role: type[Node] = Node) -> Node:
     data = task.node_data(node_info(cfg, options.name, options.node_index, options.num_nodes))
     new_model = task.model_maker(data)
     model = new_model()
-    task.check_rule(cfg.algorithm, model)
+    task.check_rule(cfg.algorithm, model, data)
     train = training_recipe(cfg, task.training, device)
     algorithm = build_rule(
         cfg.algorithm.name,

@@ -105,7 +105,9 @@ class Task(Protocol):
 
     def split_keys(self, model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]: ...
 
-    def check_rule(self, algorithm: cfgmod.AlgorithmConfig, model: nn.Module) -> None: ...
+    def check_rule(
+        self, algorithm: cfgmod.AlgorithmConfig, model: nn.Module, data: NodeData
+    ) -> None: ...
 
 
 # --------------------------------------------------------------------------- built in
@@ -153,8 +155,11 @@ class BuiltinTask:
     def split_keys(self, model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
         return tuple(body_keys(model)), tuple(head_keys(model))
 
-    def check_rule(self, algorithm: cfgmod.AlgorithmConfig, model: nn.Module) -> None:
-        """Nothing to check: the config's own check matched model.head to the rule."""
+    def check_rule(
+        self, algorithm: cfgmod.AlgorithmConfig, model: nn.Module, data: NodeData
+    ) -> None:
+        """Nothing to check: the config's own check matched model.head to the rule, and
+        every split of a built-in dataset holds samples."""
 
 
 # --------------------------------------------------------------------------- a user's
@@ -264,11 +269,6 @@ class UserTask:
             log.info("task %s: streaming %s", self.source, streamed_splits(tensors))
         if len(tensors[0][1]) == 0:
             self.fail("data(): the train split is empty")
-        if len(tensors[1][1]) == 0:  # else screening would judge nothing and let all in
-            self.fail(
-                "data(): the validation split is empty; the node judges its own model and "
-                "its peers' on it: give it some of the node's samples (a fifth is usual)"
-            )
         sample_shape = tuple(tensors[0][0].shape[1:])
         tensors = [  # an empty Dataset says nothing of its inputs' shape: the train split's
             (x.reshape(0, *sample_shape) if isinstance(x, torch.Tensor) and not len(y) else x, y)
@@ -412,13 +412,22 @@ class UserTask:
             model.train()
         return model
 
-    def check_rule(self, algorithm: cfgmod.AlgorithmConfig, model: nn.Module) -> None:
-        """That the config's rule finds in the model what it reads: a head where it
-        reads one (FedC²I, FedReMa, pFedSV with shared_body), one linear layer for
-        FedC²I."""
-        from meshfl.algorithms import algorithm_class, parse_params
+    def check_rule(
+        self, algorithm: cfgmod.AlgorithmConfig, model: nn.Module, data: NodeData
+    ) -> None:
+        """That the config's rule finds in the model and the data what it reads: a head
+        where it reads one (FedC²I, FedReMa, pFedSV with shared_body), one linear layer
+        for FedC²I; a validation split where screening judges peers on it (on an empty
+        one it would judge nothing, and let every peer in)."""
+        from meshfl.algorithms import SCREEN_KEY, algorithm_class, parse_params, screening_setting
 
         name = algorithm.name
+        if not len(data.y_val) and screening_setting(name, algorithm.params).get(SCREEN_KEY):
+            self.fail(
+                "data(): the validation split is empty, and screening judges this node's "
+                "peers on it: give it some of the node's samples (a fifth is usual), or "
+                "set algorithm.screen=false"
+            )
         rule = algorithm_class(name)
         if not rule.reads_head(parse_params(name, algorithm.params)):
             return

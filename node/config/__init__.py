@@ -29,7 +29,15 @@ from .declarations import (
     local_peers,
 )
 from .loading import apply_overrides, config_from_text, load_config, save_config, to_dict
-from .lookups import data_for, learning, learns_from, listed_peer, peer_by_name
+from .lookups import (
+    counted,
+    data_for,
+    learning,
+    learns_from,
+    listed_peer,
+    peer_by_name,
+    what_runs,
+)
 from .schema import config_schema, write_schema
 
 __all__ = [
@@ -49,12 +57,14 @@ __all__ = [
     "config_schema",
     "data_for",
     "explicit_params",
+    "counted",
     "learning",
     "learns_from",
     "listed_peer",
     "load_config",
     "local_peers",
     "peer_by_name",
+    "what_runs",
     "save_config",
     "to_dict",
     "validate",

@@ -33,6 +33,16 @@ def learning(cfg: MeshConfig) -> str:
     return f"{cfg.data.dataset} ({cfg.data.partition})"
 
 
+def counted(number: int, noun: str, plural: str | None = None) -> str:
+    """`1 round`, `2 rounds`; `plural` where an s will not do (`process`)."""
+    return f"{number} {noun if number == 1 else plural or noun + 's'}"
+
+
+def what_runs(cfg: MeshConfig) -> str:
+    """The rule, what it learns on and for how long, for a launcher's first line."""
+    return f"{cfg.algorithm.name} on {learning(cfg)}, {counted(cfg.rounds, 'round')}"
+
+
 def listed_peer(cfg: MeshConfig, name: str) -> PeerConfig | None:
     """The entry of node `name` in the peer list; None for a node not listed there (a
     joiner from outside the list, the coordinator)."""

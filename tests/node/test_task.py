@@ -152,6 +152,7 @@ def test_the_built_in_models_and_datasets_are_a_task_too():
 
 def write_task(tmp_path: Path, body: str) -> Path:
     path = tmp_path / "task.py"
+    path.parent.mkdir(exist_ok=True)
     path.write_text(body)
     return path
 
@@ -229,12 +230,6 @@ MISTAKES = {
         GOOD_DATA + "\ndef model():\n    return nn.Linear(5, 3)\n",
         ["algorithm fedc2i reads the classifier head"],
     ),
-    "an empty validation split": (
-        "import torch\nfrom torch import nn\n\ndef model():\n    return nn.Linear(5, 3)\n\n"
-        "def data(node):\n    x, y = torch.rand(30, 5), torch.arange(30) % 3\n"
-        "    return (x, y), (x[:0], y[:0]), (x, y)\n",
-        ["the validation split is empty", "give it some of the node's samples"],
-    ),
     "raw pixels as whole numbers": (
         "import torch\nfrom torch import nn\n\ndef model():\n    return nn.Linear(5, 3)\n\n"
         "def data(node):\n    x = torch.randint(0, 256, (30, 5), dtype=torch.uint8)\n"
@@ -269,19 +264,41 @@ def test_fedc2i_needs_a_head_of_one_linear_layer(tmp_path):
     )
     source = str(task_file)
     module = load_task_module(source)
+    plain = write_task(
+        tmp_path / "plain", GOOD_DATA + "\ndef model():\n    return nn.Linear(5, 3)\n"
+    )
+    data = UserTask(str(plain), load_task_module(str(plain)), 0).node_data(node())
     module.model = lambda: torch.nn.ModuleDict(
         {"classifier": torch.nn.Sequential(torch.nn.Linear(5, 3))}
     )
     task = UserTask(source, module, 0)
     model = task.model_maker(None)()
     with pytest.raises(TaskError, match="one nn.Linear head; head 'classifier' is a Sequential"):
-        task.check_rule(AlgorithmConfig("fedc2i"), model)
-    task.check_rule(AlgorithmConfig("fedavg"), model)  # reads no head
+        task.check_rule(AlgorithmConfig("fedc2i"), model, data)
+    task.check_rule(AlgorithmConfig("fedavg"), model, data)  # reads no head
     module.head = None
     headless = task.model_maker(None)()
-    task.check_rule(AlgorithmConfig("pfedsv"), headless)  # a whole model: no head read
+    task.check_rule(AlgorithmConfig("pfedsv"), headless, data)  # a whole model: no head read
     with pytest.raises(TaskError, match="algorithm pfedsv reads the classifier head"):
-        task.check_rule(AlgorithmConfig("pfedsv", {"shared_body": True}), headless)
+        task.check_rule(AlgorithmConfig("pfedsv", {"shared_body": True}), headless, data)
+
+
+def test_screening_needs_a_validation_split_to_judge_peers_on(tmp_path):
+    """On an empty one it would judge nothing and let every peer in; a rule without
+    screening (Flower's job as a task: train and test only) runs as it is."""
+    task_file = write_task(
+        tmp_path,
+        "import torch\nfrom torch import nn\n\ndef model():\n    return nn.Linear(5, 3)\n\n"
+        "def data(node):\n    x, y = torch.rand(30, 5), torch.arange(30) % 3\n"
+        "    return (x, y), (x[:0], y[:0]), (x, y)\n",
+    )
+    task = UserTask(str(task_file), load_task_module(str(task_file)), 0)
+    data = task.node_data(node())
+    model = task.model_maker(data)()
+    with pytest.raises(TaskError, match="the validation split is empty, and screening judges"):
+        task.check_rule(AlgorithmConfig("fedavg"), model, data)
+    task.check_rule(AlgorithmConfig("fedavg", {"screen": False}), model, data)
+    task.check_rule(AlgorithmConfig("local"), model, data)
 
 
 def test_token_ids_stay_integers_and_an_empty_dataset_split_takes_the_train_shape(tmp_path):
@@ -406,7 +423,9 @@ def test_nodes_of_a_task_on_their_own_and_a_joiner_learn_it_together(tmp_path):
     """`meshfl node` per peer of a peers.yaml naming the task, and `meshfl join` through
     one member's address: the joiner runs the same task and takes part."""
     config = tmp_path / "peers.yaml"
-    settings = write_config(config, 3, task=str(TASK), rounds=30)
+    # A member busy training beside another test's mesh may take seconds to answer the
+    # joiner's hello, which waits a round timeout for it.
+    settings = write_config(config, 3, task=str(TASK), rounds=30, round_timeout=30.0)
     for peer in settings["peers"]:  # rounds long enough for the joiner to start and join
         peer["train_delay"] = 0.3
     config.write_text(yaml.safe_dump(settings))
