@@ -20,6 +20,7 @@ from .declarations import (
     ModelConfig,
     PeerConfig,
     field_error,
+    nearest,
 )
 from .loading import checked, first_problem, plain
 
@@ -47,7 +48,7 @@ def _require(path: str, value: Any, ok: bool, allowed: str) -> None:
 def _check_algorithm(algorithm: AlgorithmConfig) -> None:
     from meshfl.algorithms import ALGORITHM_NAMES
 
-    allowed = ", ".join(ALGORITHM_NAMES)
+    allowed = ", ".join(ALGORITHM_NAMES) + nearest(algorithm.name, ALGORITHM_NAMES)
     _require("algorithm.name", algorithm.name, algorithm.name in ALGORITHM_NAMES, allowed)
     name_param = algorithm.params.get("name")  # it would collide with the name in the YAML
     _require(

@@ -9,8 +9,10 @@ The dataclasses are plain (stdlib) ones, so building one in code checks nothing:
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -52,6 +54,13 @@ def shown(value: Any) -> str:
 
 def field_error(path: str, value: Any, allowed: str) -> ConfigError:
     return ConfigError(f"config field {path!r}: got {shown(value)}; allowed: {allowed}")
+
+
+def nearest(word: Any, names: Iterable[str]) -> str:
+    """`; did you mean NAME?` for the one of `names` that `word` most likely misspells,
+    else nothing."""
+    close = difflib.get_close_matches(str(word), list(names), n=1)
+    return f"; did you mean {close[0]}?" if close else ""
 
 
 # --------------------------------------------------------------------------- field rules

@@ -22,6 +22,7 @@ from .declarations import (
     DataOverride,
     MeshConfig,
     field_error,
+    nearest,
     shown,
 )
 
@@ -110,8 +111,10 @@ def first_problem(
     path = _path(at + location)
     if problem["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
         section = fields(_bare(_hint_at(location[:-1], declared)))
-        names = ", ".join([*(f.name for f in section), *also])
-        return ConfigError(f"config field {path!r}: unknown key; allowed: {names or 'none'}")
+        names = [*(f.name for f in section), *also]
+        allowed = ", ".join(names) or "none"
+        hint = nearest(location[-1], names)
+        return ConfigError(f"config field {path!r}: unknown key; allowed: {allowed}{hint}")
     if problem["type"] == "value_error":  # a check whose message says what is allowed
         section = _bare(_hint_at(location, declared))
         return _checker_error(path, problem["input"], problem["ctx"]["error"], section)

@@ -200,7 +200,10 @@ def test_a_bad_algorithm_parameter_names_it():
 
 @pytest.mark.parametrize(
     "rule, allowed",
-    [("fedc2i", "gamma, body, head, screen, trials"), ("fedavg", "screen, trials")],
+    [
+        ("fedc2i", "gamma, body, head, screen, trials; did you mean gamma?"),
+        ("fedavg", "screen, trials"),
+    ],
 )
 def test_a_misspelled_algorithm_key_lists_screenings_keys_too(rule, allowed):
     cfg = apply_overrides(MeshConfig(), [f"algorithm={rule}"])
@@ -215,6 +218,13 @@ def test_an_override_without_equals_sign_is_refused():
 def test_an_unknown_top_level_key_in_the_file_lists_the_allowed_ones(tmp_path):
     message = config_error(lambda: load_config(write(tmp_path, "colsed: true\n")))
     assert "'colsed'" in message and "closed" in message and "peer_timeout" in message
+    assert message.endswith("; did you mean closed?")
+
+
+def test_a_misspelled_rule_name_is_answered_with_the_nearest():
+    message = config_error(lambda: overridden("algorithm=fedavgg"))
+    assert "'algorithm.name'" in message and message.endswith("; did you mean fedavg?")
+    assert "did you mean" not in config_error(lambda: overridden("algorithm=zzz"))
 
 
 def test_an_unknown_peer_key_is_named_with_its_peer(tmp_path):
