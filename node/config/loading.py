@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import types
 import typing
 from collections.abc import Hashable
@@ -79,7 +80,31 @@ def config_from_text(text: str, origin: str) -> MeshConfig:
         return MeshConfig()
     if not isinstance(raw, dict):
         raise ConfigError(f"{origin}: expected a mapping of settings, got {type(raw).__name__}")
-    return checked(raw)
+    try:
+        return checked(raw)
+    except ConfigError as err:  # a field of this file: say where it is
+        named = FIELD_NAMED.match(str(err))
+        line = _line_of(text, named.group(1).split(".")) if named else None
+        raise ConfigError(f"{origin}{f', line {line}' if line else ''}: {err}") from None
+
+
+FIELD_NAMED = re.compile(r"config field '([^']+)'")  # how every field's error begins
+
+
+def _line_of(text: str, path: list[str]) -> int | None:
+    """The line of `text` (YAML that parsed) where the setting at `path` (keys and list
+    indices) is written; None where it is not written there."""
+    node = yaml.compose(text, Loader=yaml.SafeLoader)
+    for part in path:
+        if isinstance(node, yaml.MappingNode):
+            node = next((value for key, value in node.value if key.value == part), None)
+        elif isinstance(node, yaml.SequenceNode) and part.isdigit() and int(part) < len(node.value):
+            node = node.value[int(part)]
+        else:
+            return None
+        if node is None:
+            return None
+    return node.start_mark.line + 1
 
 
 @functools.cache

@@ -221,6 +221,12 @@ def test_an_unknown_top_level_key_in_the_file_lists_the_allowed_ones(tmp_path):
     assert message.endswith("; did you mean closed?")
 
 
+def test_a_mistake_in_a_file_names_the_file_and_its_line(tmp_path):
+    path = write(tmp_path, "lr: 0.1\npeers:\n  - name: a\n    listen: nowhere\n")
+    message = config_error(lambda: load_config(path))
+    assert message.startswith(f"config file '{path}', line 4: config field 'peers.0.listen'")
+
+
 def test_a_misspelled_rule_name_is_answered_with_the_nearest():
     message = config_error(lambda: overridden("algorithm=fedavgg"))
     assert "'algorithm.name'" in message and message.endswith("; did you mean fedavg?")
