@@ -70,9 +70,10 @@ def launch(options: LaunchOptions) -> int:
 def run_launch(options: LaunchOptions) -> tuple[dict[str, Any], Path]:
     """Run the mesh `options` describe to its end: its summary (summary.json's content)
     and its run folder. UserError for a mistake in the flags or the config."""
-    options, saved = _resumed(options)
+    saved = _saved_config(options.out)
+    options = _resumed(options, saved)
     cfg = resolve_config(options.config, check=False)  # the runner checks it with its addresses
-    if saved is not None:
+    if saved is not None:  # its nodes resume from their checkpoints, with this config or not
         _check_resumable(saved, cfg, options.out)
     _check_flags(options, cfg)
     # Imported once the flags and the config are known to be good: the runners load torch.
@@ -95,18 +96,22 @@ def run_launch(options: LaunchOptions) -> tuple[dict[str, Any], Path]:
     return summary, out
 
 
-def _resumed(options: LaunchOptions) -> tuple[LaunchOptions, cfgmod.MeshConfig | None]:
-    """A launch into a run folder that holds its config, without --config, resumes that
-    run: its config.yaml is the base and the flags given change it (--rounds 40 extends
-    it); its peers stay, so --nodes may only repeat their number. An explicit --config
-    is the user's choice and is taken as given. Returns the options to run with, and the
-    run's saved config where it resumes one."""
-    if options.out is None or options.config.path is not None:
-        return options, None
+def _saved_config(out: Path | None) -> cfgmod.MeshConfig | None:
+    """The config a run folder holds, where it holds one: the run's nodes resume there."""
+    if out is None or not (out / RUN_CONFIG).is_file():
+        return None
+    return cfgmod.load_config(out / RUN_CONFIG)
+
+
+def _resumed(options: LaunchOptions, saved: cfgmod.MeshConfig | None) -> LaunchOptions:
+    """A launch into a run folder that holds its config (`saved`), without --config,
+    resumes that run: its config.yaml is the base and the flags given change it
+    (--rounds 40 extends it); its peers stay, so --nodes may only repeat their number.
+    An explicit --config is the user's choice and is taken as given (what the run's
+    checkpoints hold must still match it: `_check_resumable`)."""
+    if saved is None or options.out is None or options.config.path is not None:
+        return options
     run_config = options.out / RUN_CONFIG
-    if not run_config.is_file():
-        return options, None
-    saved = cfgmod.load_config(run_config)
     peers = len(saved.peers)
     if options.nodes is not None and options.nodes != peers:
         raise UserError(
@@ -114,8 +119,7 @@ def _resumed(options: LaunchOptions) -> tuple[LaunchOptions, cfgmod.MeshConfig |
             "which it resumes with: leave --nodes out, or start afresh with another --out"
         )
     print(f"meshfl: resuming {options.out} with its {RUN_CONFIG}", flush=True)
-    resumed = replace(options, config=replace(options.config, path=str(run_config)), nodes=None)
-    return resumed, saved
+    return replace(options, config=replace(options.config, path=str(run_config)), nodes=None)
 
 
 # What a run's checkpoints hold the outcome of: its nodes' models, rules and shards. A

@@ -250,6 +250,13 @@ def test_launch_with_only_the_run_folder_resumes_the_run_with_its_own_config(tmp
         changed = launch_quietly("--out", str(run), *flags)
         assert changed.returncode == 2, flags
         assert line in changed.stderr
+    # A config of its own for the folder is the user's choice, but its nodes still
+    # resume from what they saved.
+    edited = tmp_path / "edited.yaml"
+    edited.write_text((run / "config.yaml").read_text().replace("name: mlp", "name: cnn"))
+    another_model = launch_quietly("--config", str(edited), "--out", str(run))
+    assert another_model.returncode == 2
+    assert "model.name: got 'cnn'; the run in" in another_model.stderr
     assert {name: (run / name).read_bytes() for name in kept} == kept
 
 
