@@ -132,9 +132,10 @@ def screening(records: Iterable[RoundRecord]) -> str | None:
         screened = True
         reasons = diagnostics.get("screened_out") or {}
         received = set(record.received or ())
+        let_in = received - set(reasons)
         arrived |= received
-        admitted |= received - set(reasons)
-        models_let_in += len(received - set(reasons))
+        admitted |= let_in
+        models_let_in += len(let_in)
         for reason in reasons.values():
             kept_out[reason] = kept_out.get(reason, 0) + 1
         verdict = diagnostics["screening"].get("adopted")  # whichever guard judged

@@ -74,7 +74,7 @@ def run_launch(options: LaunchOptions) -> tuple[dict[str, Any], Path]:
     options = _resumed(options, saved)
     cfg = resolve_config(options.config, check=False)  # the runner checks it with its addresses
     if saved is not None:  # its nodes resume from their checkpoints, with this config or not
-        _check_resumable(saved, cfg, options.out)
+        check_resumable(saved, cfg, options.out)
     _check_flags(options, cfg)
     # Imported once the flags and the config are known to be good: the runners load torch.
     from .local_mesh import run_mesh, with_local_peers
@@ -108,7 +108,7 @@ def _resumed(options: LaunchOptions, saved: cfgmod.MeshConfig | None) -> LaunchO
     resumes that run: its config.yaml is the base and the flags given change it
     (--rounds 40 extends it); its peers stay, so --nodes may only repeat their number.
     An explicit --config is the user's choice and is taken as given (what the run's
-    checkpoints hold must still match it: `_check_resumable`)."""
+    checkpoints hold must still match it: `check_resumable`)."""
     if saved is None or options.out is None or options.config.path is not None:
         return options
     run_config = options.out / RUN_CONFIG
@@ -130,10 +130,12 @@ CHECKPOINTED = ("mesh", "algorithm", "model", "task", "data", "seed", "local_bat
 MAY_CHANGE = {"data.root", "algorithm.trials"}
 
 
-def _check_resumable(saved: cfgmod.MeshConfig, cfg: cfgmod.MeshConfig, out: Path | None) -> None:
+def check_resumable(saved: cfgmod.MeshConfig, cfg: cfgmod.MeshConfig, out: Path | None) -> None:
     """UserError, before anything is written, for a flag that changes what the resumed
-    run's checkpoints hold (`CHECKPOINTED`)."""
-    before, after = cfgmod.to_dict(saved), cfgmod.to_dict(cfg)
+    run's checkpoints hold (`CHECKPOINTED`). Both configs with the rule's parameters
+    written out, as the saved one is: a peers.yaml that leaves a default out asks for
+    what the run has."""
+    before, after = (cfgmod.to_dict(cfgmod.with_explicit_params(c)) for c in (saved, cfg))
     for key in CHECKPOINTED:
         changed = _first_change(key, before.get(key), after.get(key))
         if changed is not None:
@@ -150,7 +152,8 @@ def _first_change(field: str, was: Any, now: Any) -> tuple[str, Any, Any] | None
     if field in MAY_CHANGE or was == now:
         return None
     if isinstance(was, dict) and isinstance(now, dict):
-        for key in sorted(set(was) | set(now)):
+        # A section's name first: another rule's parameters differ because its name does.
+        for key in sorted(set(was) | set(now), key=lambda key: (key != "name", key)):
             changed = _first_change(f"{field}.{key}", was.get(key), now.get(key))
             if changed is not None:
                 return changed

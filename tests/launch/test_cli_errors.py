@@ -5,9 +5,13 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from meshfl.launch.errors import UserError
+from meshfl.launch.mesh import check_resumable
+from meshfl.node.config import MeshConfig, apply_overrides, with_explicit_params
 from tests.nodes import write_config
 
 
@@ -50,6 +54,20 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) 
 def test_launch_mistakes(tmp_path, flags, fragments):
     result = run_meshfl("launch", "--out", str(tmp_path / "run"), *flags)
     assert_one_line_error(result, *fragments)
+
+
+def test_a_run_folders_checkpoints_take_its_own_config_with_defaults_left_out():
+    """What a resumed run may not change is judged with the rule's parameters written
+    out, as the runner saves them: a peers.yaml that leaves a default out asks for the
+    run's own settings, and only a real change is refused."""
+    plain = apply_overrides(MeshConfig(), ["algorithm=pfedlia", "rounds=4"])
+    saved = with_explicit_params(plain)  # the run folder's config.yaml
+    check_resumable(saved, plain, Path("run"))
+    check_resumable(saved, apply_overrides(plain, ["data.root=/elsewhere", "lr=0.5"]), None)
+    changes = [("algorithm.warmup=1", "algorithm.warmup"), ("algorithm=fedc2i", "algorithm.name")]
+    for change, field in [*changes, ("seed=3", "seed")]:
+        with pytest.raises(UserError, match=f"^{field}: got .*; the run in run has"):
+            check_resumable(saved, apply_overrides(plain, [change]), Path("run"))
 
 
 def test_a_run_folder_that_cannot_be_made(tmp_path):
