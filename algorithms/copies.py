@@ -48,6 +48,8 @@ SKETCH_SIZE = 256
 # identities on few machines") at 0.19 to 0.50 of the spread. A relay adding noise of a
 # thousandth of the weights' scale lies at about a hundredth.
 NEAR_COPY = 0.05
+# Why screening keeps a copy out: one of this round's models, or a remembered one.
+COPY, REPLAY = "copy", "replay"
 OWN = ""  # the origin of the node's own outcomes in its memory
 Remembered = list[tuple[str, torch.Tensor]]  # (whose, sketch) of earlier rounds
 
@@ -111,12 +113,12 @@ def near_pairs(
         for origin, old in remembered:
             distance = float(torch.dist(sketches[peer], old))
             if origin != peer or distance == 0:
-                note(peer, "replay", distance)
+                note(peer, REPLAY, distance)
     for i, peer in enumerate(peers):
         for other in peers[i + 1 :]:
             distance = float(torch.dist(sketches[peer], sketches[other]))
-            note(peer, "copy", distance)
-            note(other, "copy", distance)
+            note(peer, COPY, distance)
+            note(other, COPY, distance)
     return nearest
 
 

@@ -8,10 +8,14 @@ the rule's own weights); a neighbour whose model the rule did not take in, and w
 record shows no help, did nothing this round. One with a record of help is kept though
 the rule passed it over this round (pFedSV downloads only its top k): on a label skew
 without clusters most neighbours help a little, and each drop hands a round to a
-newcomer not yet measured. The node drops every neighbour it shuns (a record of clear
+newcomer not yet measured. A neighbour whose model screening kept out as a copy of
+another's did nothing this round, whatever its record: an identity that relays others'
+models earns credit where a node cannot see the source, and would keep it while caught
+copying. The node drops every neighbour it shuns (a record of clear
 harm, or a rule's own verdict), and when its view is full and it shuns none: two that
-did nothing (those with the worst record first: an attacker whose first measurement
-fell short of clear harm goes before an honest peer that was late), else, in one round
+did nothing (those caught copying and then those with the worst record first: an
+attacker whose first measurement fell short of clear harm goes before an honest peer
+that was late), else, in one round
 of EXPLORE_EVERY (drawn at random), the one that did least. The endpoint then greets
 as many candidates from its passive view, so exploring never stops: a node recovers
 from a bad start, and newcomers get tried (PENS, Onoszko et al. 2021). With `random`
@@ -28,6 +32,7 @@ from typing import Any
 
 from meshfl.algorithms import PeerAlgorithm
 from meshfl.algorithms.base import draw_seed
+from meshfl.algorithms.copies import COPY, REPLAY
 from meshfl.protocol.endpoint import Endpoint
 
 from .config import MeshConfig
@@ -57,21 +62,34 @@ def neighbours_to_drop(
     select: str,
     rng: random.Random,
     explore: bool = True,
+    copied: Collection[str] = (),
 ) -> list[str]:
     """The neighbours to drop: every one `shunned`, else (when `explore`: the view is
     full) by `select` among the rated ones, given each one's `benefit` (higher is
-    better) and whose model the rule `taken_in`: up to MOST_DROPPED of the others with
-    no record of help, else now and then the least useful."""
+    better) and whose model the rule `taken_in`: up to MOST_DROPPED of the others that
+    were `copied` or have no record of help, else now and then the least useful."""
     if shunned or not explore or not benefit:
         return sorted(shunned)
     if select == "random":
         return [rng.choice(sorted(benefit))]
     # Ties (a round that told neighbours apart by nothing) are broken at random.
-    ranked = sorted(benefit, key=lambda peer: (peer in taken_in, benefit[peer], rng.random()))
-    idle = [peer for peer in ranked if peer not in taken_in and benefit[peer] <= 0]
+    ranked = sorted(
+        benefit,
+        key=lambda peer: (peer in taken_in, peer not in copied, benefit[peer], rng.random()),
+    )
+    idle = [
+        peer for peer in ranked if peer not in taken_in and (peer in copied or benefit[peer] <= 0)
+    ]
     if idle:
         return idle[:MOST_DROPPED]
     return ranked[:1] if rng.random() < 1 / EXPLORE_EVERY else []
+
+
+def caught_copying(diagnostics: Mapping[str, Any]) -> set[str]:
+    """The peers whose models a round's screening kept out as copies (or replays) of
+    another's, from the aggregate's `diagnostics`; none where nothing was screened."""
+    screened_out = diagnostics.get("screened_out") or {}
+    return {peer for peer, why in screened_out.items() if why in (COPY, REPLAY)}
 
 
 def keeper_for(
@@ -122,6 +140,7 @@ class MeshKeeper:
         began_with: Collection[str],
         current: Mapping[str, bytes],
         weights: Mapping[str, float],
+        copied: Collection[str] = (),
     ) -> list[str]:
         return []
 
@@ -192,11 +211,13 @@ class ViewKeeper(MeshKeeper):
         began_with: Collection[str],
         current: Mapping[str, bytes],
         weights: Mapping[str, float],
+        copied: Collection[str] = (),
     ) -> list[str]:
         """Drop the neighbours (of `current`, name -> key) the node shuns, and when its
-        view is full the neighbour it began the round with that did least for it
-        (`topology.select`); none after the last round. Without a candidate to try
-        instead, only shunned ones are dropped."""
+        view is full the neighbours it began the round with that did least for it
+        (`topology.select`; those `copied`, kept out as copies, did nothing); none after
+        the last round. Without a candidate to try instead, only shunned ones are
+        dropped."""
         views = self.endpoint.views
         assert views is not None, "a bounded mesh's keeper"
         if round_no >= self.cfg.rounds:
@@ -208,7 +229,7 @@ class ViewKeeper(MeshKeeper):
         explore = len(current) >= views.neighbours and self.endpoint.greetable_candidates() > 0
         rng = random.Random(draw_seed(self.cfg.seed, self.name, round_no, "neighbours"))
         select = self.cfg.topology.select
-        dropped = neighbours_to_drop(benefit, weights, shunned, select, rng, explore)
+        dropped = neighbours_to_drop(benefit, weights, shunned, select, rng, explore, copied)
         self.endpoint.unlink([current[name] for name in dropped])
         proven = [
             name

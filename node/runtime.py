@@ -44,7 +44,7 @@ from .mesh_identity import mesh_id, model_digest
 from .metrics import RoundRecord
 from .model_exchange import ModelExchange, PeerIntake
 from .models import batchnorm_keys
-from .neighbours import MeshKeeper, keeper_for
+from .neighbours import MeshKeeper, caught_copying, keeper_for
 from .splits import NodeData
 from .task import Task, node_info, task_of
 from .trainer import (
@@ -403,7 +403,11 @@ class Node:
             # Read once: what the round's record shows is what the drops chose among.
             ended_with = self.view_keeper.neighbours_now()
             dropped = self.view_keeper.drop(
-                round_no, neighbours.values(), ended_with, outcome.weights
+                round_no,
+                neighbours.values(),
+                ended_with,
+                outcome.weights,
+                caught_copying(outcome.diagnostics),
             )
 
         after = self.endpoint.stats()

@@ -204,7 +204,7 @@ class Endpoint:
         """Start serving and say hello to every bootstrap contact (any one is enough):
         KEY@tcp://HOST:PORT, or a bare address where the mesh does not encrypt; a
         bounded view greets its `anchors` (contacts alike) first, and keeps out the
-        `dropped_machines` a checkpoint kept (machine -> the round of its drop)."""
+        `dropped_machines` a checkpoint kept (machine -> the round its keep-out counts from)."""
         self.overlay.keep_out(dropped_machines or {})
         if self.settings.encrypt:
             log.info(
@@ -265,7 +265,7 @@ class Endpoint:
 
     def dropped_machines(self, in_round: int) -> dict[str, int]:
         """The machines of dropped neighbours the view still keeps out in round
-        `in_round`, each with the round of its drop (for the checkpoint)."""
+        `in_round`, each with the round its keep-out counts from (for the checkpoint)."""
         with self.lock:
             return self.overlay.dropped_machines(in_round)
 

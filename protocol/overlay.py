@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,15 +36,20 @@ VIEW_FULL, NOT_LINKED = "view_full", "not_linked"
 GROUP_FULL = "group_full"
 # A greeting from the machine of a neighbour the node dropped a few rounds ago.
 MACHINE_DROPPED = "machine_dropped"
+# A greeting from a grouped address while greeters hold all the places they may.
+GREETERS_FULL = "greeters_full"
 
 # A node keeps out the machine of a neighbour it dropped for the rest of the round of the
-# drop and this many rounds after it: the machine's greeters are turned away and its
-# candidates not greeted. Identities cost nothing, so without it a machine's dropped
-# identity would give its place to the next one at once (docs/defences.md, "Many
-# identities on few machines"); an honest machine is mostly one node, out of one node's
-# reach for a few rounds. Ungrouped addresses (a mesh on one machine, a LAN under
-# `auto`) are never kept out.
+# drop and this many rounds after it, twice as many after a second drop of one of its
+# identities, four times after a third, and so on: the machine's greeters are turned away
+# and its candidates not greeted. Identities cost nothing, so without it a machine's
+# dropped identity would give its place to the next one at once, and the machines of
+# many identities would take turns (docs/defences.md, "Many identities on few
+# machines"); an honest machine is mostly one node, out of one node's reach for a few
+# rounds. Ungrouped addresses (a mesh on one machine, a LAN under `auto`) are never
+# kept out.
 DROPPED_MACHINE_ROUNDS = 3
+MOST_DOUBLINGS = 8  # past this many, a machine's keep-out grows no longer
 
 
 class Overlay:
@@ -80,7 +86,8 @@ class Overlay:
 
     def dropped_machines(self, in_round: int) -> dict[str, int]:
         """The machines still kept out in round `in_round` (DROPPED_MACHINE_ROUNDS), each
-        with the round of its drop: what a checkpoint keeps (a full mesh keeps none out)."""
+        with the round its keep-out counts from: what a checkpoint keeps (a full mesh
+        keeps none out)."""
         return {}
 
     def keep_out(self, machines: Mapping[str, int]) -> None:
@@ -209,8 +216,13 @@ class BoundedView(Overlay):
         self._unheard_seen = 0  # transport.unheard_count when we last looked
         self._round = 0
         # The machines of neighbours dropped in this round or the DROPPED_MACHINE_ROUNDS
-        # before it, each with the round of its drop; `pace` forgets older ones.
+        # before it, each with the round its keep-out counts from (`_keep_out_dropped`);
+        # `pace` forgets older ones.
         self._dropped_machines: dict[str, int] = {}
+        self._machine_drops: Counter[str] = Counter()  # drops of each machine's identities
+        # Neighbours on grouped addresses that greeted us (we did not choose them): at
+        # most `views.greeter_places` of them (`greeters_full`).
+        self._greeters: set[bytes] = set()
 
     # --- joining and keeping the view full -------------------------------------------
 
@@ -249,12 +261,20 @@ class BoundedView(Overlay):
         is grouped), and other candidates are greeted in their places."""
         for entry in entries:
             if self.passive.limits.group(entry.address) is not None:
-                self._dropped_machines[machine_of(entry.address)] = self._round
+                self._keep_out_dropped(machine_of(entry.address))
         for entry in entries:
             self.endpoint.send(entry.address, "unlink", {})
             self.forget_neighbour(entry, drain=True)
             self.passive.discard(entry.public_key)  # not a candidate greeted in its place
         self.fill()  # now, not at the next tick: the next round may wait for it
+
+    def _keep_out_dropped(self, machine: str) -> None:
+        """Keep out `machine`, one of whose identities the node dropped now, for
+        DROPPED_MACHINE_ROUNDS, doubled for each of its drops before: noted as the round
+        the keep-out counts from, which a checkpoint keeps as it is."""
+        self._machine_drops[machine] += 1
+        longer = 2 ** min(self._machine_drops[machine] - 1, MOST_DOUBLINGS) - 1
+        self._dropped_machines[machine] = self._round + longer * DROPPED_MACHINE_ROUNDS
 
     def dropped_machines(self, in_round: int) -> dict[str, int]:
         since = in_round - DROPPED_MACHINE_ROUNDS
@@ -364,6 +384,7 @@ class BoundedView(Overlay):
     def forget_neighbour(self, entry: PeerEntry, drain: bool = False) -> None:
         """A neighbour no longer: forgotten, its card not passed on."""
         self.shuffles.forget(entry.public_key)
+        self._greeters.discard(entry.public_key)
         self.endpoint.forget(entry, drain)
 
     def pace(self, old_round: int, new_round: int) -> None:
@@ -410,16 +431,30 @@ class BoundedView(Overlay):
         return GROUP_FULL if self.group_is_full(address) else None
 
     def turns_away(self, name: str, address: str) -> str | None:
-        """As `refusal`, and a greeter on a machine the node keeps out (a node it greeted
+        """As `refusal`, and a greeter on a grouped address while greeters hold all
+        the places they may, or on a machine the node keeps out (a node it greeted
         itself, an anchor say, is not refused so)."""
         if self.is_full(address) or self.endpoint.shuns(name):
             return VIEW_FULL
         if self.group_is_full(address):
             return GROUP_FULL
+        if self.greeters_full(address):
+            return GREETERS_FULL
         return MACHINE_DROPPED if self.keeps_out(address) else None
+
+    def greeters_full(self, address: str) -> bool:
+        """Whether greeters on grouped addresses hold all the places they may: the rest
+        of the view is the node's own choice, which identities that greet everyone
+        cannot take (WIRE.md 7.7)."""
+        if self.passive.limits.group(address) is None:
+            return False
+        held = self.endpoint.table.entries
+        return sum(key in held for key in self._greeters) >= self.views.greeter_places
 
     def took_greeter(self, message: Message, address: str) -> None:
         self.shuffles.keep(message.sender, message.body.get("card"), address)
+        if self.passive.limits.group(address) is not None:
+            self._greeters.add(message.sender)
 
     def card_fields(self, linked: bool | None = None) -> dict[str, Any]:
         fields: dict[str, Any] = {"card": self.shuffles.card.packed()}

@@ -128,6 +128,12 @@ class ViewSettings:
             return period
         return min(period, max(self.shuffle_interval, round_length / SHUFFLES_PER_ROUND))
 
+    @property
+    def greeter_places(self) -> int:
+        """The places of a view that nodes greeting it may hold where addresses are
+        grouped: half of the most it takes."""
+        return self.most // 2
+
     def connections(self) -> int:
         """The most peers a node holds connections to at once: its fullest view, plus
         a greeting and an unlink on their way."""

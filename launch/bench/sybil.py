@@ -13,8 +13,9 @@ does (it greets, shuffles and answers). The loopback's 127.x.y.z addresses bind 
 do on Linux.
 
 Per round of the run with Sybils it prints, over the honest nodes' neighbours at the
-round's end: the Sybils' share of all their places, the honest node with the fewest
-honest neighbours, and the Sybils' share of the honest nodes' aggregation weight. Then,
+round's end: the Sybils' share of all their places, the honest node with the smallest
+share of honest neighbours, and the Sybils' share of the honest nodes' aggregation
+weight. Then,
 from `--from-round` on: the worst node and round, the largest share, and the honest
 nodes' mean test accuracy with and without the Sybils.
 
@@ -186,8 +187,8 @@ def comebacks(run: RunRecords, killed: dict[str, int], neighbours: int) -> list[
 @dataclass(frozen=True)
 class RoundTake:
     """Over the honest nodes' views at one round's end: the Sybils' share of their
-    places, the node with the fewest honest neighbours (and how many of how many), and
-    the Sybils' mean share of their aggregation weight."""
+    places, the node with the smallest share of honest neighbours (how many of how
+    many), and the Sybils' mean share of their aggregation weight."""
 
     round: int
     sybil_places: float
@@ -210,7 +211,7 @@ def _take(number: int, rows: list[tuple[str, RoundRecord]], sybils: frozenset[st
     views = {name: _view_at_end(record) for name, record in rows}
     places = sum(len(view) for view in views.values())
     taken = sum(peer in sybils for view in views.values() for peer in view)
-    worst = min(views, key=lambda name: sum(peer not in sybils for peer in views[name]))
+    worst = min(views, key=lambda name: _honest_share(views[name], sybils))
     weights = [sum(w for peer, w in record.weights.items() if peer in sybils) for _, record in rows]
     return RoundTake(
         number,
@@ -220,6 +221,13 @@ def _take(number: int, rows: list[tuple[str, RoundRecord]], sybils: frozenset[st
         len(views[worst]),
         statistics.fmean(weights),
     )
+
+
+def _honest_share(view: list[str], sybils: frozenset[str]) -> tuple[float, int]:
+    """A view's share of honest neighbours (an empty view counts as none), then their
+    number: what the worst node is chosen by."""
+    honest = sum(peer not in sybils for peer in view)
+    return (honest / len(view) if view else 0.0, honest)
 
 
 def _view_at_end(record: RoundRecord) -> list[str]:
@@ -244,7 +252,7 @@ def describe(takes: list[RoundTake], from_round: int) -> str:
     later = [take for take in takes if take.round >= from_round] or takes
     if not later:
         return "no honest node recorded a round"
-    worst = min(later, key=lambda take: (take.worst_honest, take.round))
+    worst = min(later, key=lambda take: (take.worst_honest / max(1, take.worst_of), take.round))
     return (
         f"from round {from_round}: worst node {worst.worst_node} with "
         f"{worst.worst_honest} of {worst.worst_of} neighbours honest (round {worst.round}); "

@@ -29,18 +29,21 @@ def test_a_rounds_take_counts_sybil_places_the_worst_node_and_sybil_weight():
     def record(node, view, weights):
         return RoundRecord(round=2, node=node, neighbours_at_end=view, weights=weights)
 
+    sybils = [f"s{index}" for index in range(1, 7)]
     run = RunRecords(
         history={
             "a": [record("a", ["b", "s1", "s2", "c"], {"a": 0.5, "s1": 0.5})],
             "b": [record("b", ["a", "c", "d", "e"], {"b": 1.0})],
+            # More honest neighbours than a, a smaller share of them: the worst node.
+            "c": [record("c", ["a", "b", "d", *sybils[:6]], {"c": 1.0})],
             "s1": [record("s1", ["a"], {})],
         },
-        attackers=frozenset({"s1", "s2"}),
+        attackers=frozenset(sybils),
     )
     (take,) = round_takes(run)
-    assert take.sybil_places == 2 / 8
-    assert (take.worst_node, take.worst_honest, take.worst_of) == ("a", 2, 4)
-    assert take.sybil_weight == 0.25
+    assert take.sybil_places == 8 / 17
+    assert (take.worst_node, take.worst_honest, take.worst_of) == ("c", 3, 9)
+    assert take.sybil_weight == 0.5 / 3
 
 
 def test_a_restarted_nodes_comeback_counts_its_anchors_and_rounds_to_a_full_honest_view():

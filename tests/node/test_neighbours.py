@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from meshfl.node.neighbours import EXPLORE_EVERY, neighbours_to_drop
+from meshfl.node.neighbours import EXPLORE_EVERY, caught_copying, neighbours_to_drop
 from meshfl.node.runtime import Node
 from tests.nodes import node_from
 
@@ -38,6 +38,23 @@ def test_a_neighbour_with_a_record_of_help_is_kept_when_the_rule_passed_it_over(
     for seed in range(20):
         dropped = neighbours_to_drop(benefit, {"a", "b"}, set(), "benefit", random.Random(seed))
         assert dropped == ["d"]
+
+
+def test_a_neighbour_caught_copying_did_nothing_whatever_its_record():
+    # The relay earned credit where its source was out of sight; caught copying now, it
+    # goes before the idle peer with the worse record, and the helper stays.
+    benefit = {"helper": 0.5, "relay": 1.5, "idle": -0.3, "other": 0.8}
+    for seed in range(20):
+        dropped = neighbours_to_drop(
+            benefit, {"helper", "other"}, set(), "benefit", random.Random(seed), copied={"relay"}
+        )
+        assert dropped == ["relay", "idle"]
+
+
+def test_the_copies_a_round_caught_are_read_from_its_screening():
+    diagnostics = {"screened_out": {"a": "copy", "b": "replay", "c": "val_loss"}}
+    assert caught_copying(diagnostics) == {"a", "b"}
+    assert caught_copying({}) == set()  # a rule without screening
 
 
 def test_of_those_that_did_nothing_the_worst_record_goes_first():

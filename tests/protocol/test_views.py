@@ -758,6 +758,28 @@ def test_a_dropped_neighbours_machine_is_kept_out_for_a_few_rounds(context):
         node.close()
 
 
+def test_a_machine_dropped_again_is_kept_out_twice_as_long(context):
+    # A machine of many identities must not take turns with others: each drop of one of
+    # its identities doubles the rounds it is kept out after the drop (3, then 6).
+    node = _endpoint("node", host=OTHER_ADDRESS, views=replace(LIMITED, neighbours=1, most=2))
+    try:
+        node.start()
+        node.set_round(1)
+        node.unlink([linked_raw_peer(context, node, name="first").public_key])
+        again = 2 + DROPPED_MACHINE_ROUNDS  # the first keep-out is over
+        node.set_round(again)
+        node.unlink([linked_raw_peer(context, node, name="second").public_key])
+        newcomer = RawPeer(context, node.contact, name="newcomer")
+        last_out = again + 2 * DROPPED_MACHINE_ROUNDS
+        for round_no, linked in [(last_out, False), (last_out + 1, True)]:
+            node.set_round(round_no)
+            newcomer.send(newcomer.hello())
+            assert (newcomer.expect("peers", 5).body["linked"] is not False) is linked
+        assert node.flow_rejections["machine_dropped"] == 1
+    finally:
+        node.close()
+
+
 def test_a_restarted_node_keeps_out_the_machines_its_checkpoint_kept_out(context):
     views = replace(LIMITED, neighbours=1, most=2)
     node = _endpoint("node", host=OTHER_ADDRESS, views=views)
@@ -793,13 +815,37 @@ def test_a_mesh_on_one_machine_keeps_no_dropped_machine_out(context):
         node.close()
 
 
+def test_greeters_hold_only_half_the_places_where_addresses_are_grouped(context):
+    # Half of a view (of the most it takes) is the node's own choice: identities that
+    # greet every node cannot fill it. Four greeters, each on a machine of its own.
+    views = replace(LIMITED, neighbours=4, most=4)
+    node = _endpoint("node", host=OTHER_ADDRESS, views=views)
+    try:
+        node.start()
+        greeters = [
+            RawPeer(context, node.contact, name=f"g{index}", host=f"127.0.0.{10 + index}")
+            for index in range(4)
+        ]
+        for greeter in greeters:
+            greeter.send(greeter.hello())
+        assert poll_until(lambda: node.flow_rejections["greeters_full"] == 2, 5)
+        assert len(node.table.entries) == views.greeter_places == 2
+        chosen = RawPeer(context, node.contact, name="chosen", host="127.0.0.20")
+        with node.lock:  # a candidate the node greets itself still takes a place
+            node.passive.add(Candidate(chosen.public_key, chosen.address))
+            node.overlay.fill()
+        chosen.expect("hello", 5)
+    finally:
+        node.close()
+
+
 def test_a_nodes_own_group_is_not_limited(context):
     node = _endpoint("node", views=LIMITED)  # at 127.0.0.1, as its greeters are
     try:
         node.start()
         for index in range(4):
             linked_raw_peer(context, node, name=f"g{index}")
-        assert node.flow_rejections["group_full"] == 0
+        assert node.flow_rejections["group_full"] == node.flow_rejections["greeters_full"] == 0
     finally:
         node.close()
 
