@@ -40,6 +40,9 @@ class PeerEntry:
     # Whether a handshake with the node at `address` has completed: until then it is a
     # stranger's word, and is forgotten if no node answers there (WIRE.md 7.3).
     reached: bool = False
+    # Whether it greeted this node from a grouped address: a neighbour the node did not
+    # choose (a bounded view holds few of them, WIRE.md 7.7).
+    greeted: bool = False
     since: float = field(default_factory=time.monotonic)  # when it took its current state
     entered: float = field(default_factory=time.monotonic)  # when it came at this address
 

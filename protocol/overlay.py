@@ -220,9 +220,6 @@ class BoundedView(Overlay):
         # `pace` forgets older ones.
         self._dropped_machines: dict[str, int] = {}
         self._machine_drops: Counter[str] = Counter()  # drops of each machine's identities
-        # Neighbours on grouped addresses that greeted us (we did not choose them): at
-        # most `views.greeter_places` of them (`greeters_full`).
-        self._greeters: set[bytes] = set()
 
     # --- joining and keeping the view full -------------------------------------------
 
@@ -384,7 +381,6 @@ class BoundedView(Overlay):
     def forget_neighbour(self, entry: PeerEntry, drain: bool = False) -> None:
         """A neighbour no longer: forgotten, its card not passed on."""
         self.shuffles.forget(entry.public_key)
-        self._greeters.discard(entry.public_key)
         self.endpoint.forget(entry, drain)
 
     def pace(self, old_round: int, new_round: int) -> None:
@@ -448,13 +444,15 @@ class BoundedView(Overlay):
         cannot take (WIRE.md 7.7)."""
         if self.passive.limits.group(address) is None:
             return False
-        held = self.endpoint.table.entries
-        return sum(key in held for key in self._greeters) >= self.views.greeter_places
+        entries = self.endpoint.table.entries.values()
+        greeters = sum(entry.greeted and entry.state != LEFT for entry in entries)
+        return greeters >= self.views.greeter_places
 
     def took_greeter(self, message: Message, address: str) -> None:
         self.shuffles.keep(message.sender, message.body.get("card"), address)
-        if self.passive.limits.group(address) is not None:
-            self._greeters.add(message.sender)
+        entry = self.endpoint.table.get(message.sender)
+        if entry is not None and self.passive.limits.group(address) is not None:
+            entry.greeted = True
 
     def card_fields(self, linked: bool | None = None) -> dict[str, Any]:
         fields: dict[str, Any] = {"card": self.shuffles.card.packed()}

@@ -211,23 +211,23 @@ def _take(number: int, rows: list[tuple[str, RoundRecord]], sybils: frozenset[st
     views = {name: _view_at_end(record) for name, record in rows}
     places = sum(len(view) for view in views.values())
     taken = sum(peer in sybils for view in views.values() for peer in view)
-    worst = min(views, key=lambda name: _honest_share(views[name], sybils))
+    honest = {name: sum(peer not in sybils for peer in view) for name, view in views.items()}
+    worst = min(views, key=lambda name: (_share(honest[name], len(views[name])), honest[name]))
     weights = [sum(w for peer, w in record.weights.items() if peer in sybils) for _, record in rows]
     return RoundTake(
         number,
         taken / places if places else 0.0,
         worst,
-        sum(peer not in sybils for peer in views[worst]),
+        honest[worst],
         len(views[worst]),
         statistics.fmean(weights),
     )
 
 
-def _honest_share(view: list[str], sybils: frozenset[str]) -> tuple[float, int]:
-    """A view's share of honest neighbours (an empty view counts as none), then their
-    number: what the worst node is chosen by."""
-    honest = sum(peer not in sybils for peer in view)
-    return (honest / len(view) if view else 0.0, honest)
+def _share(honest: int, of: int) -> float:
+    """The share of honest neighbours in a view of `of` (an empty view has none): what
+    the worst node is chosen by."""
+    return honest / of if of else 0.0
 
 
 def _view_at_end(record: RoundRecord) -> list[str]:
@@ -252,7 +252,7 @@ def describe(takes: list[RoundTake], from_round: int) -> str:
     later = [take for take in takes if take.round >= from_round] or takes
     if not later:
         return "no honest node recorded a round"
-    worst = min(later, key=lambda take: (take.worst_honest / max(1, take.worst_of), take.round))
+    worst = min(later, key=lambda take: (_share(take.worst_honest, take.worst_of), take.round))
     return (
         f"from round {from_round}: worst node {worst.worst_node} with "
         f"{worst.worst_honest} of {worst.worst_of} neighbours honest (round {worst.round}); "

@@ -835,6 +835,26 @@ def test_greeters_hold_only_half_the_places_where_addresses_are_grouped(context)
             node.passive.add(Candidate(chosen.public_key, chosen.address))
             node.overlay.fill()
         chosen.expect("hello", 5)
+        itself = {"name": chosen.name, "addr": chosen.address, "key": chosen.public_key}
+        chosen.send(chosen.frames("peers", {"peers": [itself]}))
+        assert poll_until(lambda: chosen.public_key in node.table.entries, 5)
+        linked = greeters[0] if greeters[0].public_key in node.table.entries else greeters[1]
+        node.unlink([linked.public_key])  # a greeter gone frees a greeter's place
+        late = RawPeer(context, node.contact, name="late", host="127.0.0.21")
+        late.send(late.hello())
+        assert late.expect("peers", 5).body["linked"] is not False
+    finally:
+        node.close()
+
+
+def test_greeters_on_one_machine_are_not_limited(context):
+    # A mesh on one machine: its addresses are grouped by port, each a group of its own.
+    node = _endpoint("node", host=OTHER_ADDRESS, views=replace(SMALL_VIEWS, neighbours=4, most=4))
+    try:
+        node.start()
+        for index in range(4):
+            linked_raw_peer(context, node, name=f"g{index}")
+        assert node.flow_rejections["greeters_full"] == 0
     finally:
         node.close()
 
