@@ -376,6 +376,8 @@ class Node:
             for blob in self.exchange.blobs_of(round_no, kind, state_to_arrays(state), claimed):
                 self.endpoint.publish(blob)
                 published_bytes += blob.size
+        kinds = set(publications)
+        del publications  # signed into blobs: a copy of the model less while the round waits
         # Places freed after the last round are being filled. Published first, so no
         # neighbour waits on this; a newcomer hears of our blob when it links.
         seconds.update(self.view_keeper.refill(self.wait_for_neighbours))
@@ -383,7 +385,7 @@ class Node:
         neighbours = {peer.public_key: peer.name for peer in self.endpoint.alive_peers()}
         alive = set(neighbours)
         blobs = self.exchange.collect(
-            round_no, set(publications), alive, deadline, quorum=self.cfg.round_quorum
+            round_no, kinds, alive, deadline, quorum=self.cfg.round_quorum
         )
         seconds["communicate"] = time.perf_counter() - clock
 

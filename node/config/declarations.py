@@ -378,12 +378,12 @@ class MeshConfig:
     ] = "fp32"
     # How this node's blobs travel (protocol/codecs.py; topk: node/deltas.py). A node's
     # own affair: each blob names its codec in its signed record and a receiver decodes
-    # whatever it is sent. none (float32) by default: int8 costs no accuracy measured,
-    # but time at a thousand nodes on one machine (docs/measurements.md).
+    # whatever it is sent. int8 by default: a quarter of float32's bytes and of the
+    # memory a waiting round holds, at no accuracy measured (docs/measurements.md).
     compression: Annotated[
         Literal["none", "fp16", "bf16", "int8", "topk"],
         Field(description="none, fp16, bf16, int8 or topk"),
-    ] = "none"
+    ] = "int8"
     # How long a round waits for the models it wants; a node host of more than 10 nodes
     # stretches it as it does liveness (node/runtime.py, `Node.model_wait`).
     round_timeout: _Seconds = 30.0

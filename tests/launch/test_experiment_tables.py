@@ -16,6 +16,8 @@ from meshfl.launch.experiment_runs import (
     _differences,
     _planned_config,
     _what_decides_results,
+    available,
+    load_experiment,
     only,
     render_robustness,
     render_table,
@@ -31,10 +33,22 @@ from meshfl.launch.measures import (
     top_k_precision,
 )
 from meshfl.launch.run_folder import RunRecords, node_records
-from meshfl.node.config import AlgorithmConfig, explicit_params
+from meshfl.node.config import AlgorithmConfig, MeshConfig, explicit_params
 from meshfl.node.metrics import CoordinatorRecord, RoundRecord
 
 SPEC = {"title": "t", "caps": "c", "nodes": 2, "seeds": [0, 1, 2]}
+
+
+def test_every_table_but_the_codecs_own_runs_its_blobs_as_float32():
+    # The docs' figures are the rules' own: the default codec (int8) must not move them.
+    assert MeshConfig().compression == "int8"
+    for name in available():
+        spec = load_experiment(name)
+        if name.startswith("compression-"):
+            codecs = {variant[0] for variant in spec["variants"].values()}
+            assert "compression=none" in codecs, name
+        else:
+            assert spec["config"]["compression"] == "none", name
 
 
 def summary(accuracy, shares=None, cost=None):

@@ -33,6 +33,8 @@ def final_models(tmp_path: Path, *flags: str) -> list[dict[str, torch.Tensor]]:
         out,
         *("--task", str(TASK), "--nodes", "3", "--rounds", "2", "--quiet"),
         *("--algorithm", "fedavg", "--set", "algorithm.screen=false", *flags),
+        # float32 blobs: a full mesh's plain FedAvg then leaves one model, bit for bit
+        *("--set", "compression=none"),
     )
     return [load_checkpoint(out / f"node{i}" / "checkpoint.pt")["model"] for i in range(3)]
 
