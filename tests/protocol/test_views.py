@@ -525,6 +525,20 @@ def linked_raw_peer(context: zmq.Context, endpoint: Endpoint, name: str = "raw")
     return peer
 
 
+def linked_on_hello(peer: RawPeer) -> bool:
+    """Whether the node `peer` greets takes it as a neighbour, by the peers list it answers."""
+    peer.send(peer.hello())
+    return peer.expect("peers", 5).body["linked"] is not False
+
+
+def greeted_by(endpoint: Endpoint, peer: RawPeer) -> None:
+    """`peer` made a candidate of `endpoint`'s, which greets it to fill a free place."""
+    with endpoint.lock:
+        endpoint.passive.add(Candidate(peer.public_key, peer.address))
+        endpoint.overlay.fill()
+    peer.expect("hello", 5)
+
+
 @pytest.fixture
 def context():
     ctx = zmq.Context()
@@ -741,19 +755,14 @@ def test_a_dropped_neighbours_machine_is_kept_out_for_a_few_rounds(context):
         assert same_machine.collect("hello", 0.5) == []
         assert node.greetable_candidates() == 0 and len(node.passive) == 1  # none to explore
         elsewhere = RawPeer(context, node.contact, name="elsewhere", host="127.0.0.3")
-        with node.lock:
-            node.passive.add(Candidate(elsewhere.public_key, elsewhere.address))
-            node.overlay.fill()
-        elsewhere.expect("hello", 5)  # the place goes to a candidate of another machine
+        greeted_by(node, elsewhere)  # the place goes to a candidate of another machine
         newcomer = RawPeer(context, node.contact, name="newcomer")
         for round_no, rejected in [(1, 1), (1 + DROPPED_MACHINE_ROUNDS, 2)]:
             node.set_round(round_no)
-            newcomer.send(newcomer.hello())
-            assert newcomer.expect("peers", 5).body["linked"] is False
+            assert not linked_on_hello(newcomer)
             assert node.flow_rejections["machine_dropped"] == rejected
         node.set_round(2 + DROPPED_MACHINE_ROUNDS)
-        newcomer.send(newcomer.hello())
-        assert newcomer.expect("peers", 5).body["linked"] is not False
+        assert linked_on_hello(newcomer)
     finally:
         node.close()
 
@@ -773,8 +782,7 @@ def test_a_machine_dropped_again_is_kept_out_twice_as_long(context):
         last_out = again + 2 * DROPPED_MACHINE_ROUNDS
         for round_no, linked in [(last_out, False), (last_out + 1, True)]:
             node.set_round(round_no)
-            newcomer.send(newcomer.hello())
-            assert (newcomer.expect("peers", 5).body["linked"] is not False) is linked
+            assert linked_on_hello(newcomer) is linked
         assert node.flow_rejections["machine_dropped"] == 1
     finally:
         node.close()
@@ -796,8 +804,7 @@ def test_a_restarted_node_keeps_out_the_machines_its_checkpoint_kept_out(context
     try:
         again.start(dropped_machines=kept)
         greeter = RawPeer(context, again.contact, name="greeter")
-        greeter.send(greeter.hello())
-        assert greeter.expect("peers", 5).body["linked"] is False
+        assert not linked_on_hello(greeter)
         assert again.flow_rejections["machine_dropped"] == 1
     finally:
         again.close()
@@ -831,18 +838,14 @@ def test_greeters_hold_only_half_the_places_where_addresses_are_grouped(context)
         assert poll_until(lambda: node.flow_rejections["greeters_full"] == 2, 5)
         assert len(node.table.entries) == views.greeter_places == 2
         chosen = RawPeer(context, node.contact, name="chosen", host="127.0.0.20")
-        with node.lock:  # a candidate the node greets itself still takes a place
-            node.passive.add(Candidate(chosen.public_key, chosen.address))
-            node.overlay.fill()
-        chosen.expect("hello", 5)
+        greeted_by(node, chosen)  # a candidate the node greets itself still takes a place
         itself = {"name": chosen.name, "addr": chosen.address, "key": chosen.public_key}
         chosen.send(chosen.frames("peers", {"peers": [itself]}))
         assert poll_until(lambda: chosen.public_key in node.table.entries, 5)
         linked = greeters[0] if greeters[0].public_key in node.table.entries else greeters[1]
         node.unlink([linked.public_key])  # a greeter gone frees a greeter's place
         late = RawPeer(context, node.contact, name="late", host="127.0.0.21")
-        late.send(late.hello())
-        assert late.expect("peers", 5).body["linked"] is not False
+        assert linked_on_hello(late)
     finally:
         node.close()
 
