@@ -395,6 +395,7 @@ class Node:
             del blobs  # decoded and forgotten by the endpoint: their bytes go now
             self.attack.observe(intake.received)
             outcome = self._aggregate(round_no, intake)
+            self.algorithm.release_scratch()  # until the next round's rule uses it
             self.model.load_state_dict(outcome.state)
             received = intake.received
             seconds["aggregate"] = time.perf_counter() - clock

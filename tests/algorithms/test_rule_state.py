@@ -25,7 +25,7 @@ from meshfl.algorithms import (
     parse_params,
     screening_setting,
 )
-from meshfl.algorithms.base import Rewind
+from meshfl.algorithms.base import Rewind, rules_within
 from meshfl.algorithms.screening import with_screening
 from meshfl.node.attacks import noise_like
 from meshfl.node.models import body_keys, build_model, head_keys
@@ -75,15 +75,26 @@ def without_timings(diagnostics: Any) -> Any:
 def replayed(rule: Any, step: Callable[[], Any]) -> Any:
     """`step`'s outcome, run twice on `rule`: first under a rewind, which must find
     every value the rule held as it was, then again from there for real, which must give
-    the same outcome."""
+    the same outcome. In between, the spare models' memory goes, as a node gives it
+    back between rounds: what a spare held must never decide anything."""
     held = fingerprint(rule)
     rewind = Rewind(rule)
     first = fingerprint(without_timings(outcome_of(step())))
     rewind()
     assert fingerprint(rule) == held, "the step changed a value the rule held"
+    rule.release_scratch()
+    assert all(weights_held(part) == 0 for part in rules_within(rule)), "a spare kept its memory"
     second = step()
     assert fingerprint(without_timings(outcome_of(second))) == first, "the replay differed"
     return second
+
+
+def weights_held(rule: Any) -> int:
+    """The bytes the weights of `rule`'s own spare model hold (none built: 0)."""
+    spare = rule._scratch
+    if spare is None:
+        return 0
+    return sum(tensor.untyped_storage().nbytes() for tensor in spare.state_dict().values())
 
 
 def outcome_of(result: Any) -> Any:
