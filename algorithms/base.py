@@ -125,6 +125,7 @@ class PeerAlgorithm:
         self.params = params
         self.context = context
         self._scratch: torch.nn.Module | None = None
+        self._scratch_released = False  # its weights' memory given back (release_scratch)
 
     def scratch_model(self) -> torch.nn.Module:
         """A spare instance of the node's architecture, built on first use and kept: rules
@@ -136,8 +137,9 @@ class PeerAlgorithm:
                     f"{self.name} scores models on local data: the node must pass Context.new_model"
                 )
             self._scratch = self.context.new_model()
-        else:
+        elif self._scratch_released:  # a flag, for a model's tensors take time to walk
             regrow_weights(self._scratch)
+            self._scratch_released = False
         return self._scratch
 
     def release_scratch(self) -> None:
@@ -149,6 +151,7 @@ class PeerAlgorithm:
         for rule in rules_within(self):
             if rule._scratch is not None:
                 release_weights(rule._scratch)
+                rule._scratch_released = True
 
     def publish(self, round_no: int, state: State, data: Any) -> dict[str, State]:
         """The blobs to announce this round, by kind; `state` is the freshly trained model."""
