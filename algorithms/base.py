@@ -34,6 +34,13 @@ class PeerModel:
     n_samples: int
 
 
+def kept(state: State) -> Callable[[], State]:
+    """A copy of `state` held in memory, and the function that gives it back: what
+    `Context.set_aside` does where the node has no file for it."""
+    copy = {key: value.detach().clone() for key, value in state.items()}
+    return lambda: copy
+
+
 @dataclass(frozen=True)
 class Context:
     """What an algorithm may know about, and do in, the node it runs in.
@@ -43,6 +50,9 @@ class Context:
     recipe (the mesh's optimizer, lr and batch size; epochs None: the mesh's
     local_epochs) and returns the mean loss. Algorithms that score or train models
     (influence, Shapley values, lazy models) use them without reaching into the node.
+    `set_aside(state)` keeps a copy of a state the rule reads again in a later round
+    (screening's round start) and returns the function that gives it back; the node's
+    holds it in a file, so a waiting node holds a model less (node/set_aside.py).
     """
 
     node: str
@@ -55,6 +65,7 @@ class Context:
     train: Callable[..., float] | None = None
     data: Any = None  # the node's own data (the coordinator's: a held-out evaluation shard)
     layout: Layout = ()  # the node's whole model as it travels, in state-dict order
+    set_aside: Callable[[State], Callable[[], State]] = kept
 
     def model_part(self, keys: tuple[str, ...]) -> Layout:
         """The layout of the model's entries among `keys` (a body, a head), in model order."""

@@ -114,7 +114,7 @@ aggregate twice.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -182,8 +182,9 @@ class Screened(PeerAlgorithm):
         self.ranks_offers = rule.ranks_offers
         self.sketch = Sketcher(draw_seed(rule.context.seed, rule.context.node, 0, "sketch"))
         self.memory = Memory()  # the sketches of models received or adopted lately
-        # The outcomes of this round and the last, with their val scores where known.
-        self._adopted: dict[int, tuple[State, ValScores | None]] = {}
+        # The last round's outcome, set aside (`Context.set_aside`), with its val scores
+        # where known.
+        self._adopted: dict[int, tuple[Callable[[], State], ValScores | None]] = {}
         self.records = PeerRecords()  # what each peer's models did to this node, so far
         # The peers a round's `wanted` kept out by their record, and that round.
         self._passed_over: tuple[int, list[str]] = (0, [])
@@ -285,7 +286,7 @@ class Screened(PeerAlgorithm):
             outcome, scores, kept_round_start = self._unless_a_spike(outcome, scores, start, data)
         if (sketch := self.sketch(outcome.state)) is not None:
             self.memory = self.memory.remember(round_no, {OWN: sketch})
-        kept = {key: value.detach().clone() for key, value in outcome.state.items()}
+        kept = self.context.set_aside(outcome.state)
         self.rule.adopted(outcome.state)
         self._adopted = {round_no: (kept, scores)}  # the next round's start: all it reads
         judged_against = None
@@ -453,7 +454,8 @@ class Screened(PeerAlgorithm):
         scores; None in a node's first round here."""
         if round_no - 1 not in self._adopted:
             return None
-        state, scores = self._adopted[round_no - 1]
+        kept, scores = self._adopted[round_no - 1]
+        state = kept()
         return state, scores if scores is not None else self._scores(state, data)
 
     def _copies(

@@ -45,6 +45,7 @@ from .metrics import RoundRecord
 from .model_exchange import ModelExchange, PeerIntake
 from .models import batchnorm_keys
 from .neighbours import MeshKeeper, caught_copying, keeper_for
+from .set_aside import SetAside, remove_set_aside
 from .splits import NodeData
 from .task import Task, node_info, task_of
 from .trainer import (
@@ -257,6 +258,7 @@ class Node:
             self._run_rounds(first_round)
         finally:
             self.endpoint.close()
+            remove_set_aside(self.options.out_dir)
 
     def _run_rounds(self, first_round: int) -> None:
         """The peer role: gossip rounds until the last, then serve the last blob a while."""
@@ -608,6 +610,7 @@ def rule_context(
         train=train,
         data=data,
         layout=layout_of(state_to_arrays(model)),
+        set_aside=SetAside(options.out_dir),
     )
 
 

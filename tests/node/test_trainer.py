@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 
@@ -203,6 +204,23 @@ def test_training_leaves_torchs_compiler_unloaded():
     )
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert run.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(("users", "expected"), [(None, "1"), ("0", "0")])
+def test_mkl_caches_no_buffers_per_node_thread_unless_the_user_says(users, expected):
+    """MKL reads its setting when torch loads it: the CLI must set it before that."""
+    env = {k: v for k, v in os.environ.items() if k != "MKL_DISABLE_FAST_MM"}
+    if users is not None:
+        env["MKL_DISABLE_FAST_MM"] = users
+    script = (
+        "import os, sys\n"
+        "import meshfl.launch.cli\n"
+        "print('torch' in sys.modules, os.environ['MKL_DISABLE_FAST_MM'])\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+    )
+    assert run.stdout.split() == ["False", expected]
 
 
 def test_set_torch_threads_divides_the_cores():
