@@ -895,3 +895,35 @@ def test_a_sketch_keeps_distances_and_is_a_nodes_own_draw():
     assert torch.equal(sketch(base), Sketcher(seed=1)(base))
     assert not torch.equal(sketch(base), Sketcher(seed=2)(base))
     assert sketch({"steps": torch.tensor(3)}) is None, "a model without floats has none"
+
+
+def test_each_outcome_is_set_aside_and_read_back_once_as_the_next_rounds_start(world):
+    """The node holds the round start in a file (node/set_aside.py): screening must not
+    keep a copy of its own, and must read the one it set aside."""
+    calls = []
+
+    def set_aside(state):
+        copy = {key: value.detach().clone() for key, value in state.items()}
+        calls.append("set aside")
+
+        def read():
+            calls.append("read")
+            return copy
+
+        return read
+
+    context = dataclasses.replace(world.context("fedavg"), set_aside=set_aside)
+    rule = Screened(algorithm_class("fedavg")(parse_params("fedavg", {}, None), context))
+
+    def round_of(round_no):
+        received = {
+            "model": {p: PeerModel(s, world.n) for p, s in noisy_round(world, round_no).items()}
+        }
+        return rule.aggregate(
+            round_no, PeerModel(world.honest["h0"], world.n), received, world.data
+        )
+
+    round_of(2)
+    assert calls == ["set aside"]
+    round_of(3)
+    assert calls == ["set aside", "read", "set aside"]
