@@ -34,10 +34,16 @@ class PeerModel:
     n_samples: int
 
 
+def cloned(state: Mapping[str, torch.Tensor]) -> State:
+    """A copy of `state` that shares no memory with it: a model's `state_dict()` holds
+    its live tensors, which its next training step or load changes."""
+    return {key: value.detach().clone() for key, value in state.items()}
+
+
 def kept(state: State) -> Callable[[], State]:
     """A copy of `state` held in memory, and the function that gives it back: what
     `Context.set_aside` does where the node has no file for it."""
-    copy = {key: value.detach().clone() for key, value in state.items()}
+    copy = cloned(state)
     return lambda: copy
 
 

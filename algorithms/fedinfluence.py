@@ -59,6 +59,7 @@ from .base import (
     Layout,
     State,
     Upload,
+    cloned,
     draw_seed,
     sample_weights,
     weighted_average,
@@ -327,7 +328,7 @@ class FedInfluence(CoordinatorAlgorithm):
 
     def model_for(self, round_no: int, client: str, initial: State) -> State:
         if self.initial is None:
-            self.initial = {key: value.detach().clone() for key, value in initial.items()}
+            self.initial = cloned(initial)
         return self.global_state if self.global_state is not None else initial
 
     def weights_for(self, client: str) -> dict[str, float]:

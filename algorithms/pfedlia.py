@@ -83,6 +83,7 @@ from .base import (
     PeerModel,
     ReceivedModels,
     State,
+    cloned,
     draw_seed,
     weighted_average,
 )
@@ -294,7 +295,7 @@ def train_lazy_model(
     chosen = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))[:batch]
     model.load_state_dict(anchor)
     train(model, x[chosen], y[chosen], epochs, seed=seed)
-    return {key: value.detach().clone() for key, value in model.state_dict().items()}
+    return cloned(model.state_dict())
 
 
 # --------------------------------------------------------------------------- 2-means
@@ -625,10 +626,7 @@ class PFedLIA(PeerAlgorithm):
         """θ_0 without a warm-up: the architecture's own seeded initialisation, from a new
         instance (the kept scratch model holds whatever was loaded last)."""
         assert self.context.new_model is not None, "the node provides its architecture"
-        return {
-            key: value.detach().clone()
-            for key, value in self.context.new_model().state_dict().items()
-        }
+        return cloned(self.context.new_model().state_dict())
 
     def _diagnostics(self, phase: str) -> dict[str, Any]:
         diagnostics: dict[str, Any] = {"phase": phase}

@@ -61,6 +61,7 @@ from .base import (
     NoParams,
     State,
     Upload,
+    cloned,
     prefixed_layout,
     sample_weights,
     weighted_average,
@@ -317,7 +318,7 @@ class PFedLIACentral(CoordinatorAlgorithm):
         extras: dict[str, torch.Tensor] = {}
         if round_no == self._lazy_round():
             # The model this round starts from is θ_0: keep it before training moves it.
-            anchor = {key: value.detach().clone() for key, value in model.state_dict().items()}
+            anchor = cloned(model.state_dict())
             extras.update(prefixed(LAZY, self._train_lazy_model(anchor, data)))
         if self._to_score is not None:
             extras.update(self._score_row(data))

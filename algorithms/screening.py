@@ -127,6 +127,7 @@ from .base import (
     ReceivedModels,
     Rewind,
     State,
+    cloned,
     draw_seed,
     weighted_average,
 )
@@ -390,7 +391,7 @@ class Screened(PeerAlgorithm):
         assert self.context.train is not None, "the node provides its training recipe"
         seed = draw_seed(self.context.seed, self.context.node, round_no, "train")
         self.context.train(model, data.x_train, data.y_train, None, seed=seed)
-        trained = {key: value.detach().clone() for key, value in model.state_dict().items()}
+        trained = cloned(model.state_dict())
         scores = self._scores(trained, data)
         won, figures = guard_verdict(own_scored[1], scores)
         path_rounds = round_no - trial.began

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from meshfl.algorithms.base import MODEL, PeerModel, State, draw_seed
+from meshfl.algorithms.base import MODEL, PeerModel, State, cloned, draw_seed
 
 from .blobs import MAX_SAMPLE_COUNT  # a larger claim is refused before any rule sees it
 
@@ -163,7 +163,7 @@ class Attack:
     def start_round(self, model: torch.nn.Module) -> None:
         """Remember the model the round starts from: updates are measured from it."""
         if self.active:
-            self._start = {key: value.detach().clone() for key, value in model.state_dict().items()}
+            self._start = cloned(model.state_dict())
 
     def observe(self, received: dict[str, dict[str, PeerModel]]) -> None:
         """The round's received models, for a replay next round."""

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from meshfl.algorithms import Aggregate, Context, PeerAlgorithm, PeerModel, build_rule
-from meshfl.algorithms.base import MODEL, draw_seed, weighted_average
+from meshfl.algorithms.base import MODEL, cloned, draw_seed, weighted_average
 from meshfl.protocol.codecs import TOPK
 from meshfl.protocol.endpoint import Endpoint, EndpointSettings
 from meshfl.protocol.errors import UserError
@@ -469,7 +469,7 @@ class Node:
         time.sleep(listed.train_delay if listed else 0.0)
 
     def _state_copy(self) -> dict[str, torch.Tensor]:
-        return {key: value.detach().clone() for key, value in self.model.state_dict().items()}
+        return cloned(self.model.state_dict())
 
     def _aggregate(self, round_no: int, intake: PeerIntake) -> Aggregate:
         """The rule's aggregate of the admitted peers' models, contained: a peer whose
