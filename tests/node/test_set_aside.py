@@ -7,7 +7,11 @@ import gc
 
 import torch
 
+from meshfl.node.config import MeshConfig
+from meshfl.node.runtime import NodeOptions, rule_context
 from meshfl.node.set_aside import SetAside, remove_set_aside
+from meshfl.node.task import node_info, task_of
+from meshfl.node.trainer import training_recipe
 
 
 def a_state(seed: int) -> dict[str, torch.Tensor]:
@@ -71,3 +75,27 @@ def test_a_node_at_its_end_leaves_nothing_set_aside(tmp_path):
     assert not (tmp_path / "set-aside").exists()
     del read  # its file is gone already
     gc.collect()
+
+
+def test_a_node_hands_its_rule_a_file_in_its_own_folder(tmp_path):
+    """What build_node gives the rule: set_aside writes into the node's folder, so a
+    waiting node holds the state on disk, not in memory."""
+    config = MeshConfig()
+    options = NodeOptions(
+        config,
+        "node0",
+        listen="tcp://127.0.0.1:0",
+        out_dir=tmp_path,
+        key_path=tmp_path / "key",
+        node_index=0,
+        num_nodes=4,
+    )
+    task = task_of(config)
+    data = task.node_data(node_info(config, "node0", 0, 4))
+    new_model = task.model_maker(data)
+    model = new_model()
+    train = training_recipe(config, task.training, torch.device("cpu"))
+    context = rule_context(options, data, model, new_model, train, task)
+    read = context.set_aside(model.state_dict())
+    assert len(list((tmp_path / "set-aside").iterdir())) == 1
+    assert same(read(), model.state_dict())
