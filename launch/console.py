@@ -51,5 +51,5 @@ def _restart_without_thread_caches() -> None:
 def _runs_on_glibc() -> bool:
     try:
         return (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
-    except (ValueError, OSError):  # a name this system's confstr does not know
+    except (AttributeError, ValueError, OSError):  # no confstr, or one without the name
         return False
