@@ -1,11 +1,11 @@
 """Where the `meshfl` command starts: glibc's per-thread caches off, then the command.
 
 glibc gives every thread a cache of the small blocks it freed (its tcache), which no
-other thread takes from and which glibc never gives back to the system. A node host
-runs five threads a node (the node, its endpoint's worker, its transport, ZeroMQ's I/O
-thread and reaper), so a host of 200 nodes holds about 1,000 such caches, about 50 MB
-(docs/measurements.md, "Memory with a real model"). glibc reads its settings only when
-a process starts, and `meshfl launch` forks its node hosts, so the command starts
+other thread takes from and which glibc gives back only when the thread ends. A node
+host runs five threads a node (the node, its endpoint's worker, its transport, ZeroMQ's
+I/O thread and reaper), so a host of 200 nodes holds about 1,000 such caches (what they
+cost: docs/measurements.md, "Memory with a real model"). glibc reads its settings only
+when a process starts, and `meshfl launch` forks its node hosts, so the command starts
 itself once more with the caches off, before it has imported anything. A setting the
 user made stands: `GLIBC_TUNABLES=glibc.malloc.tcache_count=7` (glibc's own default)
 keeps them. `python -m meshfl.launch.cli` and `meshfl.launch(...)` from Python run
