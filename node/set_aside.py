@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import shutil
 import weakref
 from collections.abc import Callable
@@ -60,7 +61,10 @@ class Placed:
     shape: tuple[int, ...]
     device: torch.device
     offset: int
-    size: int
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 class SetAside:
@@ -96,9 +100,7 @@ def write_state(path: Path, state: State) -> tuple[Placed, ...]:
             file.write(bytes(padding))
             offset += padding
             file.write(raw.data)
-            placed.append(
-                Placed(key, value.dtype, tuple(value.shape), value.device, offset, raw.nbytes)
-            )
+            placed.append(Placed(key, value.dtype, tuple(value.shape), value.device, offset))
             offset += raw.nbytes
     return tuple(placed)
 

@@ -16,7 +16,7 @@ from meshfl.algorithms import (
     parse_params,
     screening_setting,
 )
-from meshfl.algorithms.base import Aggregate, Context, weighted_average
+from meshfl.algorithms.base import Aggregate, Context, cloned, weighted_average
 from meshfl.algorithms.copies import NEAR_COPY, Sketcher, copies, near_pairs
 from meshfl.algorithms.evidence import harm_z
 from meshfl.algorithms.pfedsv import _guard_verdict as pfedsv_guard
@@ -903,7 +903,7 @@ def test_each_outcome_is_set_aside_and_read_back_once_as_the_next_rounds_start(w
     calls = []
 
     def set_aside(state):
-        copy = {key: value.detach().clone() for key, value in state.items()}
+        copy = cloned(state)
         calls.append("set aside")
 
         def read():
