@@ -4,12 +4,14 @@ full disk. Each test bounds its waits and kills whatever processes it started.""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -284,6 +286,36 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
+class DiskHog:
+    """Keeps a disk full, as another program writing to it would, once every node of the
+    run in `out` has a checkpoint: it leaves `slack` bytes free, room for a node's error
+    line and the launcher's summary but not for a checkpoint. Without it, the space the
+    first nodes to fail give back lets the last one run on for a hundred rounds."""
+
+    def __init__(self, disk: Path, out: Path, nodes: int, slack: int = 48_000) -> None:
+        self.filler, self.out, self.nodes, self.slack = disk / "filler", out, nodes, slack
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._fill, daemon=True)
+
+    def __enter__(self) -> DiskHog:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=10)
+
+    def _fill(self) -> None:
+        while not self.stopping.wait(0.05):
+            if len(list(self.out.glob("*/checkpoint.pt"))) < self.nodes:
+                continue
+            disk = os.statvfs(self.filler.parent)
+            spare = disk.f_bavail * disk.f_frsize - self.slack
+            if spare > 0:
+                with contextlib.suppress(OSError), self.filler.open("ab") as filler:
+                    filler.write(bytes(spare))
+
+
 @pytest.mark.parametrize(
     ("hosts", "ended"), [("3", "exit code 2"), ("1", "exit code 3")], ids=["alone", "in a host"]
 )
@@ -292,7 +324,8 @@ def test_a_full_disk_is_one_clear_line_and_the_previous_checkpoint_stays_whole(
 ):
     run = Launch(small_disk / "run", "--rounds", "5000", "--hosts", hosts)
     try:
-        assert run.wait(240) == EXIT_NODE_FAILED, run.output()
+        with DiskHog(small_disk, run.out, nodes=3):
+            assert run.wait(240) == EXIT_NODE_FAILED, run.output()
     finally:
         run.close()
     host_logs = [log.read_text() for log in run.out.glob("*.log")]  # none for nodes alone
