@@ -19,7 +19,7 @@ from pathlib import Path
 from meshfl.node.logs import configure as configure_logging
 
 from .bench import BENCHMARKS, run_benchmark
-from .errors import UserError, command_status
+from .errors import UserError, command_status, end_process
 from .options import (
     ProcessOptions,
     add_assignments,
@@ -371,10 +371,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+NODE_COMMANDS = ("node", "host", "join", "coordinator")
+
+
+def main(argv: list[str] | None = None, own_process: bool = False) -> int:
+    """Run the `meshfl` command `argv` (the process's own arguments by default) and
+    return its exit status. `own_process`: this process is the command's alone (the
+    console script, `python -m`), so a node command ends it at once (`end_process`)."""
     args = build_parser().parse_args(argv)
     _trace_crashes()
-    quiet_command = args.command not in ("node", "host", "join", "coordinator")
+    quiet_command = args.command not in NODE_COMMANDS
     configure_logging(logging.WARNING if quiet_command and not args.verbose else logging.INFO)
     handlers: dict[str, Callable[[argparse.Namespace], int]] = {
         "launch": _launch,
@@ -390,7 +396,10 @@ def main(argv: list[str] | None = None) -> int:
         "status": _status,
         "config": _config,
     }
-    return command_status(partial(handlers[args.command], args))
+    status = command_status(partial(handlers[args.command], args))
+    if own_process and args.command in NODE_COMMANDS:
+        end_process(status)
+    return status
 
 
 def _trace_crashes() -> None:
@@ -523,4 +532,4 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(own_process=True))

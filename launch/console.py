@@ -24,7 +24,7 @@ def main() -> int:
     _restart_without_thread_caches()
     from .cli import main as run_command
 
-    return run_command()
+    return run_command(own_process=True)
 
 
 def without_thread_caches(tunables: str) -> str | None:

@@ -7,11 +7,13 @@ they live apart from cli.py so that no module has to import the command back.
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NoReturn
 
 from meshfl.protocol.errors import UserError
 
@@ -59,3 +61,14 @@ def command_status(command: Callable[[], int]) -> int:
     except UserError as err:
         print(f"meshfl: error: {err}", file=sys.stderr)
         return EXIT_USAGE
+
+
+def end_process(status: int) -> NoReturn:
+    """End a node's process with `status` once its command has returned: output flushed,
+    then gone, without the interpreter's teardown. By then its files are closed and its
+    sockets' last words sent; the teardown would only collect torch's and scipy's
+    objects one by one, 0.5 to 0.7 s of every node's exit here."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

@@ -24,7 +24,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from .errors import STOP_SIGNALS
+from .errors import STOP_SIGNALS, end_process
 
 POLL_S = 0.05
 
@@ -115,6 +115,4 @@ def _run_and_exit(run: Callable[[], int]) -> None:
     except BaseException:  # noqa: BLE001 - a child must never return into the launcher
         traceback.print_exc()
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        end_process(code)
