@@ -372,6 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 NODE_COMMANDS = ("node", "host", "join", "coordinator")
+# Commands whose process ends at once when it is the command's own (`end_process`): they
+# hold torch, and they close their files and sockets and stop their Ray session themselves.
+ENDS_AT_ONCE = (*NODE_COMMANDS, "launch")
 
 
 def main(argv: list[str] | None = None, own_process: bool = False) -> int:
@@ -397,7 +400,7 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
         "config": _config,
     }
     status = command_status(partial(handlers[args.command], args))
-    if own_process and args.command in NODE_COMMANDS:
+    if own_process and args.command in ENDS_AT_ONCE:
         end_process(status)
     return status
 

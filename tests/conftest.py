@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,20 +22,33 @@ def _shared_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def data_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A --data-root holding every dataset of shared/data in its standard layout."""
+    """A --data-root holding every dataset of shared/data in its standard layout, written
+    once for the session: under pytest -n, the first worker to need it writes it into
+    the folder the workers' own temporary folders share, and the others wait for it."""
     script = _shared_dir() / "data" / "materialize.py"
     if not script.is_file():
         pytest.skip(
             f"real datasets unavailable: {script} not found (set MESHFL_SHARED to the "
             "folder holding data/materialize.py)"
         )
-    root = tmp_path_factory.mktemp("data_root")
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    root, written = shared / "data_root", shared / "data_root.written"
+    with open(shared / "data_root.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not written.exists():
+            shutil.rmtree(root, ignore_errors=True)  # what a worker that failed left
+            _materialize(script, root)
+            written.touch()
+    return root
+
+
+def _materialize(script: Path, root: Path) -> None:
     done = subprocess.run(
         [sys.executable, str(script), str(root)], capture_output=True, text=True, timeout=300
     )
     if done.returncode != 0:
         pytest.fail(f"{script} failed: {done.stderr.strip() or done.stdout.strip()}")
-    return root
 
 
 @pytest.fixture
