@@ -9,7 +9,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import yaml
 from meshfl.node.config import MeshConfig
 from meshfl.node.runtime import Node, NodeOptions
 from meshfl.protocol.ports import free_ports
+from tests.spawn import Spawned, spawn
 
 
 def node_from(
@@ -46,27 +46,31 @@ def node_from(
 
 def first_node_refuses(config: Path, cfg: dict[str, Any], out: Path) -> str:
     """Run `meshfl node` as the first peer of `config` (written as `cfg`) with node1's
-    place held by a socket that must never be dialled; the one line it exits 2 with."""
+    place held by a socket that must never be dialled; the one line it writes, exiting 2."""
     host, port = cfg["peers"][1]["listen"].removeprefix("tcp://").split(":")
+    log = out.with_name(out.name + ".log")
     with socket.socket() as peer:
         peer.bind((host, int(port)))
         peer.listen()
         peer.setblocking(False)
-        result = subprocess.run(
-            [sys.executable, "-m", "meshfl.launch.cli", "node", "--config", str(config)]
-            + ["--name", cfg["peers"][0]["name"], "--out", str(out)],
-            capture_output=True,
-            text=True,
-            timeout=120,
+        node = meshfl(
+            *("node", "--config", str(config), "--name", cfg["peers"][0]["name"]),
+            *("--out", str(out)),
+            log=log,
         )
+        try:
+            code = node.wait(timeout=120)
+        finally:
+            stop([node])
         try:
             peer.accept()
         except BlockingIOError:
             pass  # nobody dialled
         else:
             raise AssertionError("the node contacted a peer before refusing")
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    said = log.read_text()
+    lines = said.strip().splitlines()
+    assert code == 2 and len(lines) == 1, said
     return lines[0]
 
 
@@ -89,15 +93,10 @@ def write_config(path: Path, count: int, **settings: Any) -> dict[str, Any]:
     return config
 
 
-def meshfl(*args: str, log: Path | None = None) -> subprocess.Popen:
-    """Start `meshfl ARGS` in its own process group (so a kill takes all of it)."""
-    output = open(log, "ab") if log else subprocess.DEVNULL
-    return subprocess.Popen(
-        [sys.executable, "-m", "meshfl.launch.cli", *args],
-        stdout=output,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+def meshfl(*args: str, log: Path | None = None) -> subprocess.Popen | Spawned:
+    """Start `meshfl ARGS` in its own process group (so a kill takes all of it), forked
+    from a process that imported torch already (tests/spawn.py)."""
+    return spawn(list(args), log)
 
 
 def launch_to_end(log: Path, out: Path, *args: str, timeout: float = 300) -> dict[str, Any]:

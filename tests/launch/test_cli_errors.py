@@ -13,16 +13,11 @@ from meshfl.launch.errors import UserError
 from meshfl.launch.mesh import check_resumable
 from meshfl.node.config import MeshConfig, apply_overrides, with_explicit_params
 from tests.nodes import write_config
+from tests.spawn import run_to_end
 
 
 def run_meshfl(*args: str, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "meshfl.launch.cli", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_to_end(list(args), timeout=120, cwd=cwd)
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:

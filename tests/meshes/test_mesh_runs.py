@@ -22,6 +22,7 @@ from tests.nodes import (
     wait_until,
     write_config,
 )
+from tests.spawn import run_to_end
 
 pytestmark = pytest.mark.slow  # real processes over real sockets
 
@@ -211,12 +212,7 @@ def test_meshfl_launch_with_the_same_seed_gives_the_same_accuracies(tmp_path):
 
 
 def launch_quietly(*flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "meshfl.launch.cli", "launch", "--quiet", *flags],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    return run_to_end(["launch", "--quiet", *flags], timeout=180)
 
 
 def test_launch_with_only_the_run_folder_resumes_the_run_with_its_own_config(tmp_path):

@@ -41,6 +41,7 @@ from tests.nodes import (
     wait_round,
     write_config,
 )
+from tests.spawn import run_to_end
 
 TASK = Path(__file__).parents[1] / "tasks" / "digits_task.py"
 
@@ -360,11 +361,9 @@ def test_a_mesh_of_processes_learns_a_users_task(tmp_path):
     """`meshfl launch --task FILE`: real node processes train the task's model on its
     data and exchange its state, BatchNorm statistics and integer buffer included."""
     out = tmp_path / "run"
-    result = subprocess.run(
-        [sys.executable, "-m", "meshfl.launch.cli", "launch", "--task", str(TASK)]
-        + ["--nodes", "3", "--rounds", "3", "--out", str(out), "--quiet"],
-        capture_output=True,
-        text=True,
+    result = run_to_end(
+        ["launch", "--task", str(TASK), "--nodes", "3", "--rounds", "3"]
+        + ["--out", str(out), "--quiet"],
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-2000:]
@@ -386,11 +385,9 @@ def test_every_rule_learns_a_users_task(tmp_path, rule):
     """Each rule, the coordinator's included, on a task with batch normalization,
     dropout, a frozen layer, an integer buffer and its own loss and optimizer."""
     out = tmp_path / "run"
-    result = subprocess.run(
-        [sys.executable, "-m", "meshfl.launch.cli", "launch", "--task", str(TASK)]
-        + ["--algorithm", rule, "--nodes", "3", "--rounds", "2", "--out", str(out), "--quiet"],
-        capture_output=True,
-        text=True,
+    result = run_to_end(
+        ["launch", "--task", str(TASK), "--algorithm", rule, "--nodes", "3", "--rounds", "2"]
+        + ["--out", str(out), "--quiet"],
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-2000:]

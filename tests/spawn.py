@@ -1,0 +1,227 @@
+"""`meshfl` processes for tests, forked from one that has imported torch already.
+
+Importing torch costs a fresh interpreter 2 to 3.5 s of CPU, and the multi-process tests
+start a few hundred `meshfl node`, `join`, `coordinator` and `launch` processes. So a
+pytest worker keeps one spawner, a process that imports meshfl and torch once, and each
+command is a fork of it, as `meshfl launch` forks its hosts (launch/forked.py): a
+process of its own, in a session of its own, running the command's code over real
+sockets. Commands that need a fresh interpreter (a hash seed, a variable read when torch
+loads) start one with subprocess instead.
+
+The command's process is the test's own child, as a `subprocess.Popen` one would be, so
+that the test can wait for it and read its exit status: the spawner forks it through an
+intermediate that exits at once, while the test's process is, for that moment only, a
+child subreaper (Linux), which takes the orphan in.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+from pathlib import Path
+from typing import Any
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def spawn(
+    args: list[str], log: Path | None, errors: Path | None = None, cwd: Path | None = None
+) -> subprocess.Popen | Spawned:
+    """Start `meshfl ARGS` in `cwd` (else this process's), in a session of its own, its
+    output appended to `log` (else dropped), its errors to `errors` (else with the
+    output): forked from this worker's spawner where the system allows."""
+    if not sys.platform.startswith("linux"):
+        output = open(log, "ab") if log else subprocess.DEVNULL
+        return subprocess.Popen(
+            [sys.executable, "-m", "meshfl.launch.cli", *args],
+            stdout=output,
+            stderr=open(errors, "ab") if errors else subprocess.STDOUT,
+            cwd=cwd,
+            start_new_session=True,
+        )
+    return _spawner().start(args, log, errors, cwd)
+
+
+def run_to_end(
+    args: list[str], timeout: float, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
+    """Run `meshfl ARGS` to its end, as `subprocess.run(..., capture_output=True,
+    text=True)` would: its exit status, output and errors (killed past `timeout`)."""
+    with tempfile.TemporaryDirectory() as folder:
+        log, errors = Path(folder) / "out", Path(folder) / "err"
+        log.touch()
+        errors.touch()
+        process = spawn(args, log, errors, cwd)
+        try:
+            code = process.wait(timeout=timeout)
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        return subprocess.CompletedProcess(args, code, log.read_text(), errors.read_text())
+
+
+def _spawner() -> _Spawner:
+    global _running
+    with _starting:
+        if _running is None or _running.process.poll() is not None:
+            _running = _Spawner()
+        return _running
+
+
+_running: _Spawner | None = None
+_starting = threading.Lock()
+
+
+class Spawned:
+    """A command forked by the spawner and taken in by this process: the part of
+    `subprocess.Popen` that the tests use."""
+
+    def __init__(self, pid: int, args: list[str]) -> None:
+        from meshfl.launch.forked import ForkedProcess
+
+        self.child = ForkedProcess(pid, args)
+        self.pid, self.args = pid, args
+
+    @property
+    def returncode(self) -> int | None:
+        return self.child.returncode
+
+    def poll(self) -> int | None:
+        return self.child.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.child.wait(timeout)
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+class _Spawner:
+    def __init__(self) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+        self.lock = threading.Lock()
+
+    def start(
+        self, args: list[str], log: Path | None, errors: Path | None, cwd: Path | None
+    ) -> Spawned:
+        request = {"args": args, "cwd": str(cwd or os.getcwd()), "env": dict(os.environ)}
+        request |= {"log": str(log) if log else None, "errors": str(errors) if errors else None}
+        assert self.process.stdin is not None and self.process.stdout is not None
+        with self.lock, _taking_in_orphans():
+            self.process.stdin.write(json.dumps(request).encode() + b"\n")
+            self.process.stdin.flush()
+            reply = self.process.stdout.readline()
+        if not reply:
+            raise RuntimeError(f"the spawner exited ({self.process.poll()}) before {args}")
+        return Spawned(json.loads(reply)["pid"], args)
+
+
+class _taking_in_orphans:
+    """While the block runs, this process is a child subreaper: a descendant whose
+    parent exits becomes its child (prctl(2))."""
+
+    def __enter__(self) -> None:
+        _set_subreaper(1)
+
+    def __exit__(self, *exc: object) -> None:
+        _set_subreaper(0)
+
+
+def _set_subreaper(on: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, on, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
+# --- the spawner's side -------------------------------------------------------------
+
+
+def serve() -> None:
+    """Import what a command needs, then fork one command per request line on stdin,
+    answering each with its pid."""
+    import meshfl.launch.cli  # noqa: F401 - the imports every command's fork shares
+    import meshfl.launch.entry  # noqa: F401
+    import meshfl.launch.mesh  # noqa: F401
+    import meshfl.node.host  # noqa: F401
+
+    for line in sys.stdin.buffer:
+        pid = _fork_command(json.loads(line))
+        os.write(sys.stdout.fileno(), json.dumps({"pid": pid}).encode() + b"\n")
+
+
+def _fork_command(request: dict[str, Any]) -> int:
+    gc.freeze()  # as launch/forked.py does: no child copies pages to collect them
+    read_end, write_end = os.pipe()
+    intermediate = os.fork()
+    if intermediate == 0:
+        try:
+            os.close(read_end)
+            command = os.fork()
+            if command == 0:
+                os.close(write_end)
+                _run_command(request)
+            os.write(write_end, str(command).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pid:
+        command_pid = int(pid.read())
+    os.waitpid(intermediate, 0)  # the command is an orphan now, taken in by the test
+    return command_pid
+
+
+def _run_command(request: dict[str, Any]) -> None:
+    status = 1
+    try:
+        os.setsid()
+        _move(os.open(os.devnull, os.O_RDONLY), 0)  # off the spawner's own pipes
+        _move(_appending(request["log"] or os.devnull), 1)
+        if request["errors"] is None:
+            os.dup2(1, 2)
+        else:
+            _move(_appending(request["errors"]), 2)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        from meshfl.launch.cli import main
+
+        status = main(request["args"], own_process=True)
+    except SystemExit as exit_:
+        status = exit_.code if isinstance(exit_.code, int) else 0 if exit_.code is None else 2
+    except BaseException:  # noqa: BLE001 - a fork must never return into the spawner
+        traceback.print_exc()
+    finally:
+        from meshfl.launch.errors import end_process
+
+        end_process(status)
+
+
+def _move(fd: int, to: int) -> None:
+    os.dup2(fd, to)
+    os.close(fd)
+
+
+def _appending(path: str) -> int:
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+
+if __name__ == "__main__":
+    serve()
