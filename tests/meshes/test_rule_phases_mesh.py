@@ -6,10 +6,6 @@ decided for every node."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +13,7 @@ import pytest
 
 from tests.algorithms.test_rule_schedule import fewest_rounds
 from tests.nodes import records
+from tests.spawn import run_to_end
 
 LAUNCH_TIMEOUT = 300  # seconds; a default digits mesh of 4 nodes takes well under a minute
 NODES = [f"node{index}" for index in range(4)]  # `meshfl launch`'s default mesh
@@ -24,39 +21,10 @@ NODES = [f"node{index}" for index in range(4)]  # `meshfl launch`'s default mesh
 
 def launch(rule: str, rounds: int, out: Path) -> str:
     """Run `meshfl launch` to the end within LAUNCH_TIMEOUT; return its stdout."""
-    command = [
-        sys.executable,
-        "-m",
-        "meshfl.launch.cli",
-        "launch",
-        "--algorithm",
-        rule,
-        "--rounds",
-        str(rounds),
-        "--out",
-        str(out),
-    ]
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        stdout, stderr = process.communicate(timeout=LAUNCH_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        stop_launch(process)
-        raise
-    assert process.returncode == 0, stderr
-    return stdout
-
-
-def stop_launch(process: subprocess.Popen) -> None:
-    """SIGTERM first, which launch takes as Ctrl-C and stops its nodes (SIGINT is ignored
-    where the tests run as a background job); then the launcher's whole group."""
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
+    args = ["launch", "--algorithm", rule, "--rounds", str(rounds), "--out", str(out)]
+    result = run_to_end(args, timeout=LAUNCH_TIMEOUT)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
 
 
 def last_diagnostics(out: Path, name: str) -> dict[str, Any]:
