@@ -123,6 +123,8 @@ class _Spawner:
         self, args: list[str], log: Path | None, errors: Path | None, cwd: Path | None
     ) -> Spawned:
         request = {"args": args, "cwd": str(cwd or os.getcwd()), "env": dict(os.environ)}
+        # What a fresh process would inherit from this one: a background job's ignore.
+        request["ignore_sigint"] = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
         request |= {"log": str(log) if log else None, "errors": str(errors) if errors else None}
         assert self.process.stdin is not None and self.process.stdout is not None
         with self.lock, _taking_in_orphans():
@@ -198,6 +200,10 @@ def _run_command(request: dict[str, Any]) -> None:
             os.dup2(1, 2)
         else:
             _move(_appending(request["errors"]), 2)
+        ignore_sigint = request["ignore_sigint"]
+        signal.signal(
+            signal.SIGINT, signal.SIG_IGN if ignore_sigint else signal.default_int_handler
+        )
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
