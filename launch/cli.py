@@ -380,7 +380,7 @@ ENDS_AT_ONCE = (*NODE_COMMANDS, "launch")
 def main(argv: list[str] | None = None, own_process: bool = False) -> int:
     """Run the `meshfl` command `argv` (the process's own arguments by default) and
     return its exit status. `own_process`: this process is the command's alone (the
-    console script, `python -m`), so a node command ends it at once (`end_process`)."""
+    console script, `python -m`), so a command of ENDS_AT_ONCE ends it (`end_process`)."""
     args = build_parser().parse_args(argv)
     _trace_crashes()
     quiet_command = args.command not in NODE_COMMANDS

@@ -64,12 +64,12 @@ def command_status(command: Callable[[], int]) -> int:
 
 
 def end_process(status: int) -> NoReturn:
-    """End a node's process with `status` once its command has returned: output flushed,
-    then gone, without the interpreter's teardown. By then its files are closed and its
-    sockets' last words sent; the teardown would only collect torch's and scipy's
-    objects one by one, 0.5 to 0.7 s of every node's exit here. What runs at the
-    interpreter's exit does not run: a profiler such as `python -m cProfile` must call
-    cli.main() itself to get its figures written."""
+    """End a node's or a launcher's process with `status` once its command has returned:
+    output flushed, then gone, without the interpreter's teardown. By then its files
+    are closed and its sockets' last words sent; the teardown would only collect
+    torch's and scipy's objects one by one, 0.5 to 0.7 s of every node's exit here.
+    What runs at the interpreter's exit does not run: a profiler such as `python -m
+    cProfile` must call cli.main() itself to get its figures written."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -23,6 +23,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from .errors import STOP_SIGNALS, end_process
 
@@ -84,7 +85,7 @@ def fork_call(
             try:
                 _become_child(log_file.fileno(), close_fds)
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
-                _run_and_exit(run)
+                run_and_exit(run)
             finally:
                 os._exit(1)  # reached only if becoming the child itself failed
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
@@ -106,7 +107,9 @@ def _become_child(log_fd: int, close_fds: list[int]) -> None:
         signal.signal(signum, signal.SIG_DFL)
 
 
-def _run_and_exit(run: Callable[[], int]) -> None:
+def run_and_exit(run: Callable[[], int]) -> NoReturn:
+    """In a forked child: call `run`, then end the process with its status (a bug's
+    traceback and 1 where it raised), never returning into the process forked from."""
     code = 1
     try:
         code = run()

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
-import signal
 import socket
 import subprocess
 import time
@@ -18,7 +16,7 @@ import yaml
 from meshfl.node.config import MeshConfig
 from meshfl.node.runtime import Node, NodeOptions
 from meshfl.protocol.ports import free_ports
-from tests.spawn import Spawned, spawn
+from tests.spawn import Spawned, run_to_end, spawn, stop
 
 
 def node_from(
@@ -46,31 +44,25 @@ def node_from(
 
 def first_node_refuses(config: Path, cfg: dict[str, Any], out: Path) -> str:
     """Run `meshfl node` as the first peer of `config` (written as `cfg`) with node1's
-    place held by a socket that must never be dialled; the one line it writes, exiting 2."""
+    place held by a socket that must never be dialled; the one line it exits 2 with."""
     host, port = cfg["peers"][1]["listen"].removeprefix("tcp://").split(":")
-    log = out.with_name(out.name + ".log")
     with socket.socket() as peer:
         peer.bind((host, int(port)))
         peer.listen()
         peer.setblocking(False)
-        node = meshfl(
-            *("node", "--config", str(config), "--name", cfg["peers"][0]["name"]),
-            *("--out", str(out)),
-            log=log,
+        result = run_to_end(
+            ["node", "--config", str(config), "--name", cfg["peers"][0]["name"]]
+            + ["--out", str(out)],
+            timeout=120,
         )
-        try:
-            code = node.wait(timeout=120)
-        finally:
-            stop([node])
         try:
             peer.accept()
         except BlockingIOError:
             pass  # nobody dialled
         else:
             raise AssertionError("the node contacted a peer before refusing")
-    said = log.read_text()
-    lines = said.strip().splitlines()
-    assert code == 2 and len(lines) == 1, said
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
     return lines[0]
 
 
@@ -148,13 +140,6 @@ def wait_round(out: Path, name: str, round_no: int, timeout: float) -> None:
         timeout,
         f"{name} to finish round {round_no}",
     )
-
-
-def stop(processes: list[subprocess.Popen]) -> None:
-    for process in processes:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=10)
 
 
 def run_nodes(config: Path, out: Path, count: int, timeout: float) -> None:

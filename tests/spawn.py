@@ -25,9 +25,11 @@ import subprocess
 import sys
 import tempfile
 import threading
-import traceback
 from pathlib import Path
 from typing import Any
+
+from meshfl.launch.cli import main
+from meshfl.launch.forked import ForkedProcess, run_and_exit
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -63,9 +65,7 @@ def run_to_end(
         try:
             code = process.wait(timeout=timeout)
         finally:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+            stop([process])
         return subprocess.CompletedProcess(args, code, log.read_text(), errors.read_text())
 
 
@@ -81,25 +81,9 @@ _running: _Spawner | None = None
 _starting = threading.Lock()
 
 
-class Spawned:
-    """A command forked by the spawner and taken in by this process: the part of
+class Spawned(ForkedProcess):
+    """A command forked by the spawner and taken in by this process, with the part of
     `subprocess.Popen` that the tests use."""
-
-    def __init__(self, pid: int, args: list[str]) -> None:
-        from meshfl.launch.forked import ForkedProcess
-
-        self.child = ForkedProcess(pid, args)
-        self.pid, self.args = pid, args
-
-    @property
-    def returncode(self) -> int | None:
-        return self.child.returncode
-
-    def poll(self) -> int | None:
-        return self.child.poll()
-
-    def wait(self, timeout: float | None = None) -> int:
-        return self.child.wait(timeout)
 
     def send_signal(self, signum: int) -> None:
         if self.poll() is None:
@@ -110,6 +94,14 @@ class Spawned:
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
+
+
+def stop(processes: list[subprocess.Popen] | list[Spawned]) -> None:
+    """Kill what is left of each process's group and wait for it."""
+    for process in processes:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
 
 
 class _Spawner:
@@ -159,8 +151,7 @@ def _set_subreaper(on: int) -> None:
 def serve() -> None:
     """Import what a command needs, then fork one command per request line on stdin,
     answering each with its pid."""
-    import meshfl.launch.cli  # noqa: F401 - the imports every command's fork shares
-    import meshfl.launch.entry  # noqa: F401
+    import meshfl.launch.entry  # noqa: F401 - the imports every command's fork shares
     import meshfl.launch.mesh  # noqa: F401
     import meshfl.node.host  # noqa: F401
 
@@ -179,7 +170,7 @@ def _fork_command(request: dict[str, Any]) -> int:
             command = os.fork()
             if command == 0:
                 os.close(write_end)
-                _run_command(request)
+                run_and_exit(lambda: _run_command(request))
             os.write(write_end, str(command).encode())
         finally:
             os._exit(0)
@@ -190,34 +181,21 @@ def _fork_command(request: dict[str, Any]) -> int:
     return command_pid
 
 
-def _run_command(request: dict[str, Any]) -> None:
-    status = 1
-    try:
-        os.setsid()
-        _move(os.open(os.devnull, os.O_RDONLY), 0)  # off the spawner's own pipes
-        _move(_appending(request["log"] or os.devnull), 1)
-        if request["errors"] is None:
-            os.dup2(1, 2)
-        else:
-            _move(_appending(request["errors"]), 2)
-        ignore_sigint = request["ignore_sigint"]
-        signal.signal(
-            signal.SIGINT, signal.SIG_IGN if ignore_sigint else signal.default_int_handler
-        )
-        os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
-        from meshfl.launch.cli import main
-
-        status = main(request["args"], own_process=True)
-    except SystemExit as exit_:
-        status = exit_.code if isinstance(exit_.code, int) else 0 if exit_.code is None else 2
-    except BaseException:  # noqa: BLE001 - a fork must never return into the spawner
-        traceback.print_exc()
-    finally:
-        from meshfl.launch.errors import end_process
-
-        end_process(status)
+def _run_command(request: dict[str, Any]) -> int:
+    """In the forked command: become the process the test asked for, then run it."""
+    os.setsid()
+    _move(os.open(os.devnull, os.O_RDONLY), 0)  # off the spawner's own pipes
+    _move(_appending(request["log"] or os.devnull), 1)
+    if request["errors"] is None:
+        os.dup2(1, 2)
+    else:
+        _move(_appending(request["errors"]), 2)
+    ignore_sigint = request["ignore_sigint"]
+    signal.signal(signal.SIGINT, signal.SIG_IGN if ignore_sigint else signal.default_int_handler)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    return main(request["args"])
 
 
 def _move(fd: int, to: int) -> None:

@@ -3,6 +3,7 @@ partitions, splits, errors."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -12,7 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from meshfl.node.datasets import DATASETS, DataError, Pool, check_dataset_name, load_pool
+from meshfl.node.datasets import (
+    DATASETS,
+    DataError,
+    Pool,
+    _digits_pool,
+    check_dataset_name,
+    load_pool,
+)
 from meshfl.node.partitions import assign_shards, check_partition
 from meshfl.node.splits import NodeData, load_node_data, stratified_split
 
@@ -100,6 +108,21 @@ def test_digits_is_embedded_and_ignores_root() -> None:
     data = load_node_data("digits", "/nonexistent", "iid", 1, 0, seed=0)
     assert data.info["n_train"] + data.info["n_val"] + data.info["n_test"] == 1797
     assert 0.0 <= float(data.x_train.min()) and float(data.x_train.max()) <= 1.0
+
+
+def test_digits_are_scikit_learns_sample_for_sample(monkeypatch) -> None:
+    """Read from scikit-learn's file without importing it, and through `load_digits`
+    where the file cannot be found: the same pixels and labels either way."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    expected = (digits.images / 16.0).astype(np.float32)[:, None]
+    every = np.arange(len(digits.target))
+    for find_spec in (importlib.util.find_spec, lambda name: None):
+        monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+        pool = _digits_pool(None)  # not the process's cached pool
+        assert np.array_equal(pool.features(every), expected)
+        assert np.array_equal(pool.labels, digits.target) and pool.labels.dtype == np.int64
 
 
 def test_digit5_gives_node_i_domain_i_mod_5_balanced_per_class(data_root: Path) -> None:
