@@ -151,7 +151,13 @@ def _set_subreaper(on: int) -> None:
 def serve() -> None:
     """Import what a command needs, then fork one command per request line on stdin,
     answering each with its pid."""
-    import meshfl.launch.entry  # noqa: F401 - the imports every command's fork shares
+    # The imports every command's fork shares, and what the tests' tasks bring in:
+    # scikit-learn's datasets, and torch._dynamo, which a torch.optim optimizer imports
+    # the first time one is made (2 to 3 s a process).
+    import sklearn.datasets  # noqa: F401
+    import torch._dynamo  # noqa: F401
+
+    import meshfl.launch.entry  # noqa: F401
     import meshfl.launch.mesh  # noqa: F401
     import meshfl.node.host  # noqa: F401
 

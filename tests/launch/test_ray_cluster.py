@@ -4,7 +4,7 @@ address where the machine allows (tests/netns.py), so that the mesh's traffic re
 crosses hosts; else both on loopback. The cluster is stopped at the end whatever the
 outcome, and every wait is bounded.
 
-One run of 20 nodes shows what a user relies on: nodes on different Ray nodes exchange
+One run of 10 nodes shows what a user relies on: nodes on different Ray nodes exchange
 blobs over meshfl's own wire, the run folder is gathered on the launching machine, a
 host killed on one Ray node is forked again there by its machine's actor, and when the
 actor of the other Ray node is killed Ray brings it back there; either way the
@@ -38,7 +38,7 @@ from tests.nodes import records
 
 # Rounds enough that the other machine's nodes are still running when its actor is
 # killed: the launcher sees their rounds through copies that lag a few seconds.
-NODES, ROUNDS = 20, 20
+NODES, ROUNDS = 10, 16
 SUBNET = "10.78.0"  # private; apart from the LAN test's
 RUN_LIMIT_S = 600.0
 

@@ -10,7 +10,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 
 from meshfl.node.checkpoint import load_checkpoint
 from tests.nodes import meshfl, records, wait_round, wait_until, write_config
+from tests.spawn import run_to_end
 
 pytestmark = pytest.mark.slow
 
@@ -140,12 +140,12 @@ def test_a_killed_node_is_listed_failed_and_the_others_finish(launch):
 
 
 def test_a_killed_node_restarted_once_finishes_with_the_mesh(launch):
-    run = launch("--rounds", "120", "--restarts", "1")
+    run = launch("--rounds", "40", "--restarts", "1")
     kill_node_at_round(run, "node1", 3)
     assert run.wait(180) == 0, run.output()
     nodes = run.summary()
     assert nodes["node1"]["status"] == "finished" and nodes["node1"]["restarts"] == 1
-    assert all(node["round"] == 120 for node in nodes.values())
+    assert all(node["round"] == 40 for node in nodes.values())
     assert "resumed from the checkpoint" in (run.out / "node1" / "node.log").read_text()
 
 
@@ -163,7 +163,7 @@ def test_a_killed_host_stops_only_its_nodes(launch):
 
 
 def test_a_killed_host_restarted_resumes_its_nodes_while_the_others_go_on(launch):
-    run = launch("--rounds", "120", "--hosts", "2", "--restarts", "1")
+    run = launch("--rounds", "40", "--hosts", "2", "--restarts", "1")
     wait_round(run.out, "node2", 1, START)
     before = node_pids(run.out)
     kill_node_at_round(run, "node0", 3)
@@ -176,7 +176,7 @@ def test_a_killed_host_restarted_resumes_its_nodes_while_the_others_go_on(launch
     assert run.wait(180) == 0, run.output()
     nodes = run.summary()
     assert [nodes[name]["restarts"] for name in ("node0", "node1", "node2")] == [1, 1, 0]
-    assert all(node["status"] == "finished" and node["round"] == 120 for node in nodes.values())
+    assert all(node["status"] == "finished" and node["round"] == 40 for node in nodes.values())
     for name in ("node0", "node1"):
         assert "resumed from the checkpoint" in (run.out / name / "node.log").read_text()
 
@@ -237,18 +237,15 @@ def test_a_frozen_peer_holds_no_round_longer_than_its_peer_timeout(launch):
 def test_a_torn_metrics_tail_resumes_and_a_truncated_checkpoint_is_one_clear_line(tmp_path):
     config = tmp_path / "peers.yaml"
     write_config(config, 1, rounds=2)
-    node = ["node", "--config", str(config), "--name", "node0", "--out", str(tmp_path)]
-    run_node = [sys.executable, "-m", "meshfl.launch.cli", *node]
-    first = subprocess.run(run_node, capture_output=True, text=True, timeout=120)
+    run_node = ["node", "--config", str(config), "--name", "node0", "--out", str(tmp_path)]
+    first = run_to_end(run_node, timeout=120)
     assert first.returncode == 0, first.stderr
     folder = tmp_path / "node0"
     with open(folder / "metrics.jsonl", "a") as metrics:
         metrics.write('{"round": 3, "node": "no')  # killed mid-append
     shutil.copy(folder / "checkpoint.pt", folder / "checkpoint.pt.tmp")  # killed mid-save
 
-    resumed = subprocess.run(
-        [*run_node, "--rounds", "4"], capture_output=True, text=True, timeout=120
-    )
+    resumed = run_to_end([*run_node, "--rounds", "4"], timeout=120)
     assert resumed.returncode == 0, resumed.stderr
     assert (
         "dropped 1 line(s)" in resumed.stderr
@@ -259,9 +256,7 @@ def test_a_torn_metrics_tail_resumes_and_a_truncated_checkpoint_is_one_clear_lin
 
     whole = (folder / "checkpoint.pt").read_bytes()
     (folder / "checkpoint.pt").write_bytes(whole[: len(whole) // 2])
-    broken = subprocess.run(
-        [*run_node, "--rounds", "5"], capture_output=True, text=True, timeout=120
-    )
+    broken = run_to_end([*run_node, "--rounds", "5"], timeout=120)
     assert broken.returncode == 2
     errors = [line for line in broken.stderr.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and "Traceback" not in broken.stderr, broken.stderr

@@ -102,7 +102,8 @@ def test_rerunning_a_finished_node_changes_nothing_and_exits_at_once(tmp_path):
 
 def test_a_killed_node_resumes_from_its_checkpoint_while_the_others_finish(tmp_path):
     config = tmp_path / "peers.yaml"
-    write_config(config, 3, rounds=12, local_epochs=15)
+    # The resumed node waits a round timeout for peers that have finished, then trains alone.
+    write_config(config, 3, rounds=12, local_epochs=15, round_timeout=3.0)
     processes = [start_node(config, f"node{i}", tmp_path) for i in range(3)]
     try:
         wait_round(tmp_path, "node2", 3, timeout=90)
