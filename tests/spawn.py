@@ -5,8 +5,9 @@ start a few hundred `meshfl node`, `join`, `coordinator` and `launch` processes.
 pytest worker keeps one spawner, a process that imports meshfl and torch once, and each
 command is a fork of it, as `meshfl launch` forks its hosts (launch/forked.py): a
 process of its own, in a session of its own, running the command's code over real
-sockets. Commands that need a fresh interpreter (a hash seed, a variable read when torch
-loads) start one with subprocess instead.
+sockets. A command run under a string-hashing seed of its own (PYTHONHASHSEED) is forked
+from a spawner started with that seed. Commands that need a fresh interpreter (a
+variable read when torch loads, the console script) start one with subprocess instead.
 
 The command's process is the test's own child, as a `subprocess.Popen` one would be, so
 that the test can wait for it and read its exit status: the spawner forks it through an
@@ -35,25 +36,33 @@ PR_SET_CHILD_SUBREAPER = 36
 
 
 def spawn(
-    args: list[str], log: Path | None, errors: Path | None = None, cwd: Path | None = None
+    args: list[str],
+    log: Path | None,
+    errors: Path | None = None,
+    cwd: Path | None = None,
+    hash_seed: str | None = None,
 ) -> subprocess.Popen | Spawned:
     """Start `meshfl ARGS` in `cwd` (else this process's), in a session of its own, its
     output appended to `log` (else dropped), its errors to `errors` (else with the
-    output): forked from this worker's spawner where the system allows."""
+    output): forked from this worker's spawner where the system allows. With
+    `hash_seed`, its interpreter's string hashing is seeded so (PYTHONHASHSEED), as a
+    fresh one's would be: it is forked from a spawner started with that seed."""
     if not sys.platform.startswith("linux"):
         output = open(log, "ab") if log else subprocess.DEVNULL
+        seeded = {} if hash_seed is None else {"PYTHONHASHSEED": hash_seed}
         return subprocess.Popen(
             [sys.executable, "-m", "meshfl.launch.cli", *args],
             stdout=output,
             stderr=open(errors, "ab") if errors else subprocess.STDOUT,
             cwd=cwd,
             start_new_session=True,
+            env={**os.environ, **seeded},
         )
-    return _spawner().start(args, log, errors, cwd)
+    return _spawner(hash_seed).start(args, log, errors, cwd)
 
 
 def run_to_end(
-    args: list[str], timeout: float, cwd: Path | None = None
+    args: list[str], timeout: float, cwd: Path | None = None, hash_seed: str | None = None
 ) -> subprocess.CompletedProcess:
     """Run `meshfl ARGS` to its end, as `subprocess.run(..., capture_output=True,
     text=True)` would: its exit status, output and errors (killed past `timeout`)."""
@@ -61,7 +70,7 @@ def run_to_end(
         log, errors = Path(folder) / "out", Path(folder) / "err"
         log.touch()
         errors.touch()
-        process = spawn(args, log, errors, cwd)
+        process = spawn(args, log, errors, cwd, hash_seed)
         try:
             code = process.wait(timeout=timeout)
         finally:
@@ -69,15 +78,15 @@ def run_to_end(
         return subprocess.CompletedProcess(args, code, log.read_text(), errors.read_text())
 
 
-def _spawner() -> _Spawner:
-    global _running
+def _spawner(hash_seed: str | None) -> _Spawner:
     with _starting:
-        if _running is None or _running.process.poll() is not None:
-            _running = _Spawner()
-        return _running
+        running = _running.get(hash_seed)
+        if running is None or running.process.poll() is not None:
+            running = _running[hash_seed] = _Spawner(hash_seed)
+        return running
 
 
-_running: _Spawner | None = None
+_running: dict[str | None, _Spawner] = {}  # by hash seed
 _starting = threading.Lock()
 
 
@@ -105,9 +114,13 @@ def stop(processes: list[subprocess.Popen] | list[Spawned]) -> None:
 
 
 class _Spawner:
-    def __init__(self) -> None:
+    def __init__(self, hash_seed: str | None) -> None:
+        seeded = {} if hash_seed is None else {"PYTHONHASHSEED": hash_seed}
         self.process = subprocess.Popen(
-            [sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+            [sys.executable, __file__],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env={**os.environ, **seeded},
         )
         self.lock = threading.Lock()
 

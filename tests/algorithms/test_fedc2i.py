@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -22,6 +20,7 @@ from meshfl.algorithms.fedc2i import (
     leave_one_out_means,
 )
 from tests.algorithms.config_lines import params_error
+from tests.spawn import run_to_end
 
 PEERS = ("a", "b", "c", "d")
 ME = "b"
@@ -338,26 +337,12 @@ def test_a_head_of_several_layers_is_refused_with_a_reason():
 
 def test_a_real_mesh_records_influence_diagnostics_every_round(tmp_path):
     out = tmp_path / "run"
-    done = subprocess.run(
+    done = run_to_end(
         [
-            sys.executable,
-            "-m",
-            "meshfl.launch.cli",
-            "launch",
-            "--algorithm",
-            "fedc2i",
-            "--nodes",
-            "3",
-            "--rounds",
-            "3",
-            "--out",
-            str(out),
-            "--quiet",
-            "--set",
-            "algorithm.screen=false",
-        ],  # the paper's rule: every peer weighed
-        capture_output=True,
-        text=True,
+            *("launch", "--algorithm", "fedc2i", "--nodes", "3", "--rounds", "3"),
+            *("--out", str(out), "--quiet"),
+            *("--set", "algorithm.screen=false"),  # the paper's rule: every peer weighed
+        ],
         timeout=120,
     )
     assert done.returncode == 0, done.stderr

@@ -5,8 +5,6 @@ with the same settings."""
 
 import argparse
 import json
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
@@ -35,6 +33,7 @@ from meshfl.launch.measures import (
 from meshfl.launch.run_folder import RunRecords, node_records
 from meshfl.node.config import AlgorithmConfig, MeshConfig, explicit_params
 from meshfl.node.metrics import CoordinatorRecord, RoundRecord
+from tests.spawn import run_to_end
 
 SPEC = {"title": "t", "caps": "c", "nodes": 2, "seeds": [0, 1, 2]}
 
@@ -289,9 +288,8 @@ def test_only_cuts_an_experiment_to_the_columns_named_in_its_own_order():
 
 
 def test_an_unknown_column_stops_an_experiment_before_it_runs_anything(tmp_path):
-    command = [sys.executable, "-m", "meshfl.launch.cli", "experiment", "smoke-digits"]
     options = ["--only", "Local", "--only", "nope", "--out", str(tmp_path / "out")]
-    done = subprocess.run([*command, *options], capture_output=True, text=True, timeout=60)
+    done = run_to_end(["experiment", "smoke-digits", *options], timeout=60)
     assert done.returncode != 0
     assert "--only 'nope' is no column of this experiment; allowed: Local, FedAvg" in done.stderr
     assert not (tmp_path / "out" / "local").exists()
@@ -301,20 +299,10 @@ def test_an_experiment_runs_each_variant_once_and_a_rerun_keeps_and_rescores_the
     out = tmp_path / "smoke"
 
     def experiment(rounds=2, check=True):
-        command = [
-            sys.executable,
-            "-m",
-            "meshfl.launch.cli",
-            "experiment",
-            "smoke-digits",
-            "--seeds",
-            "0",
-            "--set",
-            f"rounds={rounds}",
-            "--out",
-            str(out),
-        ]
-        done = subprocess.run(command, check=check, capture_output=True, text=True, timeout=240)
+        command = ["experiment", "smoke-digits", "--seeds", "0", "--set", f"rounds={rounds}"]
+        done = run_to_end([*command, "--out", str(out)], timeout=240)
+        if check:
+            assert done.returncode == 0, done.stderr
         return done.stdout if check else done
 
     first = experiment()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 
 from meshfl.launch import report
 from meshfl.launch.cli import main
+from tests.spawn import run_to_end
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -21,26 +21,11 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small real run: three digits nodes, FedAvg, two rounds."""
     out = tmp_path_factory.mktemp("run")
-    done = subprocess.run(
+    done = run_to_end(
         [
-            sys.executable,
-            "-m",
-            "meshfl.launch.cli",
-            "launch",
-            "--nodes",
-            "3",
-            "--rounds",
-            "2",
-            "--samples-per-node",
-            "150",
-            "--set",
-            "local_epochs=1",
-            "--quiet",
-            "--out",
-            str(out),
+            *("launch", "--nodes", "3", "--rounds", "2", "--samples-per-node", "150"),
+            *("--set", "local_epochs=1", "--quiet", "--out", str(out)),
         ],
-        capture_output=True,
-        text=True,
         timeout=120,
     )
     assert done.returncode == 0, done.stderr

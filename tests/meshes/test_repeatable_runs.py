@@ -5,9 +5,7 @@ models, for FedAvg and each personalized peer rule."""
 from __future__ import annotations
 
 import hashlib
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +15,7 @@ import yaml
 from meshfl.algorithms import is_coordinated
 from meshfl.protocol.ports import free_ports
 from tests.nodes import records, stop, write_config
+from tests.spawn import Spawned, spawn
 
 pytestmark = pytest.mark.slow  # real processes over real sockets
 
@@ -49,7 +48,7 @@ def arrival_orders(out: Path) -> list[list[str]]:
 
 def start_run(
     out: Path, algorithm: dict, delays: list[float], hash_seed: str
-) -> list[subprocess.Popen]:
+) -> list[subprocess.Popen | Spawned]:
     """One host of NODES nodes, each delayed by its share of `delays`, and the mesh's
     coordinator where the rule needs one; the interpreters' string hashing seeded by
     `hash_seed`, so that set orders differ between the runs too."""
@@ -79,15 +78,8 @@ def start_run(
     ]
 
 
-def start(out: Path, args: list[str], hash_seed: str) -> subprocess.Popen:
-    with open(out / f"{args[0]}.log", "ab") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "meshfl.launch.cli", *args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, "PYTHONHASHSEED": hash_seed},
-        )
+def start(out: Path, args: list[str], hash_seed: str) -> subprocess.Popen | Spawned:
+    return spawn(args, out / f"{args[0]}.log", hash_seed=hash_seed)
 
 
 @pytest.mark.parametrize(

@@ -5,8 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,6 +30,7 @@ from meshfl.node.config import (
     validate,
 )
 from meshfl.node.mesh_identity import shared_settings
+from tests.spawn import run_to_end
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "peers.yaml"
 EXPERIMENTS = sorted((EXAMPLE.parent / "launch" / "experiments").glob("*.yaml"))
@@ -459,11 +458,12 @@ def test_the_schema_checks_each_rules_parameters_as_the_config_does():
 
 
 def test_meshfl_config_schema_prints_the_schema_as_json(tmp_path):
-    command = [sys.executable, "-m", "meshfl.launch.cli", "config", "schema"]
-    printed = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
+    printed = run_to_end(["config", "schema"], timeout=120)
+    assert printed.returncode == 0, printed.stderr
     assert json.loads(printed.stdout) == config_schema()
     out = tmp_path / "peers.schema.json"
-    subprocess.run([*command, "--out", str(out)], capture_output=True, timeout=120, check=True)
+    written = run_to_end(["config", "schema", "--out", str(out)], timeout=120)
+    assert written.returncode == 0, written.stderr
     assert json.loads(out.read_text()) == config_schema()
 
 

@@ -5,8 +5,6 @@ any peer is contacted."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 from dataclasses import replace
 from pathlib import Path
@@ -547,19 +545,9 @@ def test_a_file_whose_labels_skip_a_class_is_refused_unless_the_classes_are_set(
 def test_meshfl_new_writes_a_task_and_a_peers_yaml_that_run_as_they_are(tmp_path):
     """From any folder: the task file a peers.yaml names lies beside the peers.yaml."""
     folder = tmp_path / "mine"
-    made = subprocess.run(
-        [sys.executable, "-m", "meshfl.launch.cli", "new", str(folder)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    made = run_to_end(["new", str(folder)], timeout=60)
     assert made.returncode == 0, made.stderr
-    again = subprocess.run(
-        [sys.executable, "-m", "meshfl.launch.cli", "new", str(folder)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    again = run_to_end(["new", str(folder)], timeout=60)
     assert again.returncode == 2 and "refusing to overwrite" in again.stderr
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -568,13 +556,11 @@ def test_meshfl_new_writes_a_task_and_a_peers_yaml_that_run_as_they_are(tmp_path
     for index, peer in enumerate(config["peers"]):
         peers_yaml = peers_yaml.replace(f"tcp://127.0.0.1:{7700 + index}", peer["listen"])
     (folder / "peers.yaml").write_text(peers_yaml)
-    result = subprocess.run(
-        [sys.executable, "-m", "meshfl.launch.cli", "launch", "--config", "../mine/peers.yaml"]
+    result = run_to_end(
+        ["launch", "--config", "../mine/peers.yaml"]
         + ["--rounds", "2", "--quiet", "--out", str(tmp_path / "run")],
-        cwd=elsewhere,
-        capture_output=True,
-        text=True,
         timeout=300,
+        cwd=elsewhere,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
