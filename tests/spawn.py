@@ -49,16 +49,20 @@ def spawn(
     fresh one's would be: it is forked from a spawner started with that seed."""
     if not sys.platform.startswith("linux"):
         output = open(log, "ab") if log else subprocess.DEVNULL
-        seeded = {} if hash_seed is None else {"PYTHONHASHSEED": hash_seed}
         return subprocess.Popen(
             [sys.executable, "-m", "meshfl.launch.cli", *args],
             stdout=output,
             stderr=open(errors, "ab") if errors else subprocess.STDOUT,
             cwd=cwd,
             start_new_session=True,
-            env={**os.environ, **seeded},
+            env=_environment(hash_seed),
         )
     return _spawner(hash_seed).start(args, log, errors, cwd)
+
+
+def _environment(hash_seed: str | None) -> dict[str, str]:
+    """This process's environment, with string hashing seeded by `hash_seed` if given."""
+    return {**os.environ, **({} if hash_seed is None else {"PYTHONHASHSEED": hash_seed})}
 
 
 def run_to_end(
@@ -115,12 +119,11 @@ def stop(processes: list[subprocess.Popen] | list[Spawned]) -> None:
 
 class _Spawner:
     def __init__(self, hash_seed: str | None) -> None:
-        seeded = {} if hash_seed is None else {"PYTHONHASHSEED": hash_seed}
         self.process = subprocess.Popen(
             [sys.executable, __file__],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            env={**os.environ, **seeded},
+            env=_environment(hash_seed),
         )
         self.lock = threading.Lock()
 

@@ -79,7 +79,12 @@ def start_run(
 
 
 def start(out: Path, args: list[str], hash_seed: str) -> subprocess.Popen | Spawned:
-    return spawn(args, out / f"{args[0]}.log", hash_seed=hash_seed)
+    process = spawn(args, out / f"{args[0]}.log", hash_seed=hash_seed)
+    # Its interpreter began under that seed: the environment it was started with, which a
+    # fork keeps, says so (else both runs could hash alike and the test prove less).
+    started_with = Path(f"/proc/{process.pid}/environ").read_bytes().split(b"\0")
+    assert f"PYTHONHASHSEED={hash_seed}".encode() in started_with
+    return process
 
 
 @pytest.mark.parametrize(
