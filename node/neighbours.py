@@ -63,11 +63,13 @@ def neighbours_to_drop(
     rng: random.Random,
     explore: bool = True,
     copied: Collection[str] = (),
+    late: Collection[str] = (),
 ) -> list[str]:
     """The neighbours to drop: every one `shunned`, else (when `explore`: the view is
     full) by `select` among the rated ones, given each one's `benefit` (higher is
     better) and whose model the rule `taken_in`: up to MOST_DROPPED of the others that
-    were `copied` or have no record of help, else now and then the least useful."""
+    were `copied` or have no record of help, but those on trial whose models came `late`
+    (not judged yet), else now and then the least useful."""
     if shunned or not explore or not benefit:
         return sorted(shunned)
     if select == "random":
@@ -78,7 +80,9 @@ def neighbours_to_drop(
         key=lambda peer: (peer in taken_in, peer not in copied, benefit[peer], rng.random()),
     )
     idle = [
-        peer for peer in ranked if peer not in taken_in and (peer in copied or benefit[peer] <= 0)
+        peer
+        for peer in ranked
+        if peer not in taken_in and (peer in copied or (benefit[peer] <= 0 and peer not in late))
     ]
     if idle:
         return idle[:MOST_DROPPED]
@@ -141,6 +145,7 @@ class MeshKeeper:
         current: Mapping[str, bytes],
         weights: Mapping[str, float],
         copied: Collection[str] = (),
+        arrived: Collection[str] | None = None,
     ) -> list[str]:
         return []
 
@@ -212,12 +217,14 @@ class ViewKeeper(MeshKeeper):
         current: Mapping[str, bytes],
         weights: Mapping[str, float],
         copied: Collection[str] = (),
+        arrived: Collection[str] | None = None,
     ) -> list[str]:
         """Drop the neighbours (of `current`, name -> key) the node shuns, and when its
         view is full the neighbours it began the round with that did least for it
-        (`topology.select`; those `copied`, kept out as copies, did nothing); none after
-        the last round. Without a candidate to try instead, only shunned ones are
-        dropped."""
+        (`topology.select`; those `copied`, kept out as copies, did nothing; a candidate
+        on trial whose model had not `arrived` for the rule, which linked late or which
+        the rule did not fetch, is judged next round); none after the last round.
+        Without a candidate to try instead, only shunned ones are dropped."""
         views = self.endpoint.views
         assert views is not None, "a bounded mesh's keeper"
         if round_no >= self.cfg.rounds:
@@ -229,15 +236,17 @@ class ViewKeeper(MeshKeeper):
         explore = len(current) >= views.neighbours and self.endpoint.greetable_candidates() > 0
         rng = random.Random(draw_seed(self.cfg.seed, self.name, round_no, "neighbours"))
         select = self.cfg.topology.select
-        dropped = neighbours_to_drop(benefit, weights, shunned, select, rng, explore, copied)
-        self.endpoint.unlink([current[name] for name in dropped])
-        proven = [
+        on_trial = set(still) - self._last_neighbours
+        late = on_trial - set(arrived) if arrived is not None else set()
+        dropped = neighbours_to_drop(benefit, weights, shunned, select, rng, explore, copied, late)
+        helpful = [
             name
             for name in benefit
-            if benefit[name] > 0
-            and name not in dropped
-            and name not in shunned
-            and self._stayed.get(name, 0) >= ANCHOR_ROUNDS
+            if benefit[name] > 0 and name not in dropped and name not in shunned
         ]
+        self.endpoint.unlink(
+            [current[name] for name in dropped], vouched=[current[name] for name in helpful]
+        )
+        proven = [name for name in helpful if self._stayed.get(name, 0) >= ANCHOR_ROUNDS]
         self._anchors = sorted(proven, key=lambda name: -self._stayed[name])[:ANCHORS]
         return dropped

@@ -413,6 +413,7 @@ class Node:
                 ended_with,
                 outcome.weights,
                 caught_copying(outcome.diagnostics),
+                arrived=received.get(MODEL, {}).keys(),
             )
 
         after = self.endpoint.stats()

@@ -170,8 +170,8 @@ def _check_cards(message: Message) -> None:
     cards = body.get("cards", []) if message.kind in ("shuffle", "shuffle_reply") else []
     if message.kind in ("hello", "peers") and "card" in body:
         cards = [body["card"]]
-    if message.kind == "shuffle" and not _is_count(body.get("neighbours", 0)):
-        raise Rejected("bad_header", "shuffle.body.neighbours is not an integer >= 0")
+    if message.kind in ("shuffle", "shuffle_reply") and not _is_count(body.get("neighbours", 0)):
+        raise Rejected("bad_header", f"{message.kind}.body.neighbours is not an integer >= 0")
     if len(cards) > MAX_CARDS:
         raise Rejected(TOO_MANY_CARDS, f"{len(cards)} cards, at most {MAX_CARDS}")
     for card in cards:

@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -256,10 +256,12 @@ class Endpoint:
         others = max(mesh_size - 1, 0)
         return self.overlay.expected_peers(others)
 
-    def unlink(self, public_keys: Iterable[bytes]) -> None:
+    def unlink(self, public_keys: Iterable[bytes], vouched: Collection[bytes] = ()) -> None:
         """Drop neighbours of a bounded mesh: each is told (`unlink`), and other
-        candidates are greeted in their places."""
+        candidates are greeted in their places, first those the `vouched` neighbours
+        (the ones that helped this node) named as their own."""
         with self.lock:
+            self.overlay.vouch(vouched)
             entries = [self.table.get(key) for key in public_keys]
             self.overlay.unlink([entry for entry in entries if entry is not None])
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from .addresses import machine_of
@@ -148,6 +148,9 @@ class Overlay:
     def pace(self, old_round: int, new_round: int) -> None:
         """The node moved from round `old_round` to `new_round`."""
 
+    def vouch(self, public_keys: Collection[bytes]) -> None:
+        """The neighbours that helped the node: whom they named is greeted first."""
+
 
 class FullMesh(Overlay):
     """Every node a peer of every other: a node greets all it is told of (WIRE.md 7.1)."""
@@ -220,6 +223,7 @@ class BoundedView(Overlay):
         # `pace` forgets older ones.
         self._dropped_machines: dict[str, int] = {}
         self._machine_drops: Counter[str] = Counter()  # drops of each machine's identities
+        self._vouched: set[bytes] = set()  # neighbours that helped the node (`vouch`)
 
     # --- joining and keeping the view full -------------------------------------------
 
@@ -314,12 +318,23 @@ class BoundedView(Overlay):
         table = endpoint.table
         exclude = set(table.entries) | {endpoint.identity.public_key}
         exclude |= self._kept_out_candidates()
-        friends = table.entries.keys() if self.views.friends_first else ()
+        friends = self._friends() if self.views.friends_first else ()
         greeted = [address for address in endpoint.handshake.out if not table.at(address)]
         chosen = self.passive.take(short, exclude, friends, self.linked_addresses() + greeted)
         for candidate in chosen:
             endpoint.handshake.learn(candidate.addr, candidate.key, from_its_owner=False)
         return [(candidate.addr, False) for candidate in chosen]
+
+    def vouch(self, public_keys: Collection[bytes]) -> None:
+        if self.views.friends_first:  # else candidates and partners are drawn at random
+            self._vouched = set(public_keys)
+
+    def _friends(self) -> Collection[bytes]:
+        """The neighbours whose own neighbours are greeted first: those that helped the
+        node (whom a helpful neighbour chose is likelier to help it too than whom any
+        neighbour chose), or all of them before it vouched for any."""
+        neighbours = self.endpoint.table.entries.keys()
+        return (self._vouched & neighbours) or neighbours
 
     def greeting(self, besides: str | None = None) -> int:
         """How many nodes our hellos await that are not peers yet (but the one at
@@ -376,7 +391,7 @@ class BoundedView(Overlay):
         again = again or self._rejoin()
         table = self.endpoint.table
         partners = [entry for entry in table.alive() if entry.reached]
-        return again, self.shuffles.due(now, partners, table.stretch())
+        return again, self.shuffles.due(now, partners, table.stretch(), self._vouched)
 
     def forget_neighbour(self, entry: PeerEntry, drain: bool = False) -> None:
         """A neighbour no longer: forgotten, its card not passed on."""

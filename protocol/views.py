@@ -324,15 +324,23 @@ class PassiveView:
 
 
 def cards_to_send(
-    own: Card, members: Iterable[Card], passive: PassiveView, length: int, rng: random.Random
+    own: Card | None,
+    members: Iterable[Card],
+    passive: PassiveView,
+    length: int,
+    rng: random.Random,
+    exclude: Collection[bytes] = (),
 ) -> tuple[list[Card], int]:
-    """A shuffle's cards: the sender's own, then neighbours' and candidates' at random;
-    and how many neighbours' follow the sender's own."""
-    members = list(members)
-    from_members = rng.sample(members, min(len(members), (length - 1) // 2))
-    rest = length - 1 - len(from_members)
-    others = passive.cards(rest, exclude={c.key for c in from_members})
-    return [own, *from_members, *others], len(from_members)
+    """A shuffle's cards (or its answer's, `own` None): the sender's own, then up to half
+    the rest of its neighbours' and candidates' at random, none of `exclude`; and how many
+    neighbours' follow the sender's own."""
+    head = [own] if own is not None else []
+    room = length - len(head)
+    members = [card for card in members if card.key not in exclude]
+    from_members = rng.sample(members, min(len(members), room // 2))
+    taken = {card.key for card in from_members}
+    others = passive.cards(room - len(from_members), exclude=taken | set(exclude))
+    return [*head, *from_members, *others], len(from_members)
 
 
 class Shuffles:
@@ -364,6 +372,7 @@ class Shuffles:
         # Shuffles of ours awaiting an answer: partner -> the keys of the cards we sent.
         self._awaited: OrderedDict[bytes, tuple[bytes, ...]] = OrderedDict()
         self._next_due = 0.0  # when the next shuffle of ours is due (monotonic)
+        self._to_helper = False  # whether the last one went to a neighbour vouched for
         # When the current round began, and how long the last one took.
         self._round_began: float | None = None
         self._round_length: float | None = None
@@ -401,16 +410,24 @@ class Shuffles:
         self._neighbours.pop(key, None)
 
     def due(
-        self, now: float, partners: Sequence[PeerEntry], stretch: float
+        self,
+        now: float,
+        partners: Sequence[PeerEntry],
+        stretch: float,
+        vouched: Collection[bytes] = (),
     ) -> tuple[str, str, dict[str, Any]] | None:
         """The shuffle to send (address, kind, body), when one is due: to a random one of
-        the reached neighbours `partners`, with our card and some of our neighbours' and
+        the reached neighbours `partners` (every other time, where there are any, one of
+        those `vouched` for: the neighbours that helped the node, whose answer names
+        their own neighbours), with our card and some of our neighbours' and
         candidates'. `stretch`: how much the node stretches its liveness waits
         (`PeerTable.stretch`), and its shuffles with them."""
         if now < self._next_due or not partners:
             return None
         self._next_due = now + self.settings.shuffle_period(stretch, self._round_length)
-        partner = self._rng.choice(list(partners))
+        helpers = [entry for entry in partners if entry.public_key in vouched]
+        self._to_helper = bool(helpers) and not self._to_helper
+        partner = self._rng.choice(helpers if self._to_helper else list(partners))
         members = [card for key, card in self._neighbours.items() if key != partner.public_key]
         cards, linked = cards_to_send(
             self.card, members, self.passive, self.settings.shuffle_length, self._rng
@@ -424,17 +441,19 @@ class Shuffles:
 
     def take_shuffle(self, sender: bytes, body: dict[str, Any]) -> dict[str, Any] | None:
         """A neighbour's shuffle: the cards it carried kept as candidates (those of its
-        own neighbours as named by it), and the body of our answer, as many of our
-        candidates' cards; None when a card is forged."""
+        own neighbours as named by it), and the body of our answer, as many cards of our
+        neighbours and candidates; None when a card is forged."""
         cards = self._checked(body)
         if cards is None:
             return None
         exclude = {card.key for card in cards} | {sender}
-        answer = self.passive.cards(len(cards), exclude)
+        answer, named = cards_to_send(
+            None, self._neighbours.values(), self.passive, len(cards), self._rng, exclude
+        )
         linked = min(body.get("neighbours", 0), len(cards) - 1)
         vouched = {card.key for card in cards[1 : 1 + linked]}
         self._take(cards, [card.key for card in answer], sender, vouched)
-        return {"cards": [card.packed() for card in answer]}
+        return {"cards": [card.packed() for card in answer], "neighbours": named}
 
     def take_reply(self, sender: bytes, body: dict[str, Any]) -> None:
         """The answer to a shuffle of ours: its cards kept as candidates, in the place of
@@ -445,7 +464,8 @@ class Shuffles:
             return
         cards = self._checked(body)
         if cards is not None:
-            self._take(cards, sent, sender)
+            linked = min(body.get("neighbours", 0), len(cards))
+            self._take(cards, sent, sender, {card.key for card in cards[:linked]})
 
     def _checked(self, body: dict[str, Any]) -> list[Card] | None:
         """The cards of a message's `body` if every one is signed by its owner; else None

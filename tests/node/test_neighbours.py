@@ -6,8 +6,15 @@ import random
 
 import torch
 
-from meshfl.node.neighbours import EXPLORE_EVERY, caught_copying, neighbours_to_drop
+from meshfl.node.config import MeshConfig, apply_overrides
+from meshfl.node.neighbours import (
+    EXPLORE_EVERY,
+    ViewKeeper,
+    caught_copying,
+    neighbours_to_drop,
+)
 from meshfl.node.runtime import Node
+from meshfl.protocol.views import ViewSettings
 from tests.nodes import node_from
 
 
@@ -49,6 +56,75 @@ def test_a_neighbour_caught_copying_did_nothing_whatever_its_record():
             benefit, {"helper", "other"}, set(), "benefit", random.Random(seed), copied={"relay"}
         )
         assert dropped == ["relay", "idle"]
+
+
+def test_a_neighbour_on_trial_whose_model_came_late_is_judged_next_round():
+    # The round did not wait for the newcomer: unjudged, it is not idle; a copy still is.
+    benefit = {"a": 0.5, "new": 0.0, "idle": 0.0, "relay": 0.0}
+    for seed in range(20):
+        dropped = neighbours_to_drop(
+            benefit,
+            {"a"},
+            set(),
+            "benefit",
+            random.Random(seed),
+            late={"new", "relay"},
+            copied={"relay"},
+        )
+        assert dropped == ["relay", "idle"]
+
+
+class _Endpoint:
+    """What a keeper asks of its endpoint, and the last drop it was told of."""
+
+    views = ViewSettings.keeping(2)
+
+    def __init__(self) -> None:
+        self.dropped: list[bytes] = []
+        self.vouched: list[bytes] = []
+
+    def shuns(self, name: str) -> bool:
+        return name == "bad"
+
+    def greetable_candidates(self) -> int:
+        return 4
+
+    def unlink(self, keys, vouched=()):
+        self.dropped, self.vouched = list(keys), list(vouched)
+
+
+class _Rule:
+    def benefits(self, peers, weights):
+        return {peer: weights.get(peer, 0.0) for peer in peers}
+
+
+def _keeper() -> ViewKeeper:
+    cfg = apply_overrides(MeshConfig(), ["rounds=100", "topology.neighbours=2"])
+    return ViewKeeper(_Endpoint(), _Rule(), cfg, "me")
+
+
+def test_a_node_tells_its_endpoint_whom_it_found_helpful():
+    keeper = _keeper()
+    current = {"good": b"G", "zero": b"Z", "bad": b"B"}
+    keeper.drop(1, list(current), current, {"good": 0.7, "zero": 0.0, "bad": 0.9})
+    assert keeper.endpoint.vouched == [b"G"]  # not the idle one, nor the one it shuns
+
+
+def test_a_newcomer_whose_model_the_rule_did_not_get_is_kept_for_its_next_round():
+    # Its model came and did nothing: dropped every round. It did not come: dropped only
+    # when the round explores (the least useful, now and then), as anyone would be.
+    current = {"good": b"G", "new": b"N"}
+
+    def drops(arrived: list[str]) -> int:
+        dropped = 0
+        for round_no in range(1, 31):
+            keeper = _keeper()
+            keeper.drop(round_no, list(current), current, {"good": 0.7}, arrived=arrived)
+            dropped += keeper.endpoint.dropped == [b"N"]
+        return dropped
+
+    assert drops(["good", "new"]) == 30
+    assert drops(["good"]) <= 30 * (1 / EXPLORE_EVERY + 0.2)
 
 
 def test_the_copies_a_round_caught_are_read_from_its_screening():

@@ -12,7 +12,7 @@ import random
 import socket
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -24,6 +24,7 @@ import zmq
 from meshfl.node.config import MeshConfig
 from meshfl.protocol.endpoint import Endpoint, EndpointSettings
 from meshfl.protocol.identity import Identity
+from meshfl.protocol.membership import PeerEntry
 from meshfl.protocol.memory import MemoryNetwork
 from meshfl.protocol.overlay import DROPPED_MACHINE_ROUNDS
 from meshfl.protocol.ports import free_ports
@@ -33,6 +34,7 @@ from meshfl.protocol.views import (
     Candidate,
     Limits,
     PassiveView,
+    Shuffles,
     ViewSettings,
     checked_card,
     make_card,
@@ -615,6 +617,82 @@ def test_a_dropped_neighbours_place_is_greeted_for_at_once(context):
         assert time.monotonic() - clock < 1.0
     finally:
         node.close()
+
+
+def test_the_candidates_a_helpful_neighbour_named_are_greeted_first(context):
+    # Of five candidates, one was named by the neighbour the node found helpful, four by
+    # another neighbour: the place a drop frees goes to the helpful one's.
+    node = _endpoint("node", heartbeat_interval=5.0, peer_timeout=25.0)
+    node.start()
+    try:
+        helper, other, dropped = (linked_raw_peer(context, node, name) for name in "hod")
+        vouched = RawPeer(context, node.contact, name="vouched")
+        others = [RawPeer(context, node.contact, name=f"x{i}") for i in range(4)]
+        with node.lock:
+            node.passive.add(Candidate(vouched.public_key, vouched.address, via=helper.public_key))
+            for peer in others:
+                node.passive.add(Candidate(peer.public_key, peer.address, via=other.public_key))
+        node.unlink([dropped.public_key], vouched=[helper.public_key])
+        vouched.expect("hello", 3)
+        assert not any(peer.collect("hello", 0.3) for peer in others)
+    finally:
+        node.close()
+
+
+def test_a_shuffles_answer_names_the_answering_nodes_neighbours(context, node):
+    # The answer carries the node's neighbours' cards and says how many: the asker
+    # greets those first when it vouches for the node.
+    neighbour = linked_raw_peer(context, node, "neighbour")
+    asker = linked_raw_peer(context, node, "asker")
+    for peer in (neighbour, asker):
+        node.overlay.shuffles.keep(
+            peer.public_key,
+            make_card(peer.identity, MESH, peer.name, peer.address).packed(),
+            peer.address,
+        )
+    candidates = [
+        make_card(Identity.generate(), MESH, f"c{i}", f"tcp://127.0.0.1:{300 + i}").packed()
+        for i in range(3)
+    ]
+    own = make_card(asker.identity, MESH, asker.name, asker.address).packed()
+    shuffle_from(asker, [own, *candidates])
+    answer = asker.expect("shuffle_reply", 5).body
+    assert answer["neighbours"] == 1
+    assert answer["cards"][0]["key"] == neighbour.public_key  # not the asker's own
+
+
+def test_every_other_shuffle_goes_to_a_neighbour_vouched_for():
+    passive = PassiveView(8, random.Random(0))
+    own = make_card(Identity.generate(), MESH, "me", "tcp://127.0.0.1:1")
+    shuffles = Shuffles(
+        own,
+        MESH,
+        SMALL_VIEWS,
+        passive,
+        rng=random.Random(0),
+        is_peer=lambda key: False,
+        rejections=Counter(),
+    )
+    partners = [
+        PeerEntry(Identity.generate().public_key, f"p{i}", f"tcp://127.0.0.1:{10 + i}", b"i")
+        for i in range(6)
+    ]
+    helper = partners[3]
+    sent = [
+        shuffles.due(100.0 * turn, partners, 1.0, vouched={helper.public_key})
+        for turn in range(1, 41)
+    ]
+    to_helper = sum(shuffle is not None and shuffle[0] == helper.address for shuffle in sent)
+    assert 20 <= to_helper <= 26  # every other one, and a sixth of the rest
+    alone = shuffles.due(10_000.0, partners, 1.0)
+    assert alone is not None  # vouching for none, any neighbour
+
+
+def test_a_malformed_neighbour_count_in_a_shuffle_answer_is_refused(context, node):
+    peer = linked_raw_peer(context, node)
+    card = make_card(Identity.generate(), MESH, "c", "tcp://127.0.0.1:400").packed()
+    peer.send(peer.frames("shuffle_reply", {"cards": [card], "neighbours": -1}))
+    assert poll_until(lambda: node.rejections().get("bad_header") == 1, 5)
 
 
 def test_an_oversized_shuffle_is_refused_at_decoding(context, node):
