@@ -450,9 +450,7 @@ class Shuffles:
         answer, named = cards_to_send(
             None, self._neighbours.values(), self.passive, len(cards), self._rng, exclude
         )
-        linked = min(body.get("neighbours", 0), len(cards) - 1)
-        vouched = {card.key for card in cards[1 : 1 + linked]}
-        self._take(cards, [card.key for card in answer], sender, vouched)
+        self._take(cards, [card.key for card in answer], sender, _named(cards[1:], body))
         return {"cards": [card.packed() for card in answer], "neighbours": named}
 
     def take_reply(self, sender: bytes, body: dict[str, Any]) -> None:
@@ -464,8 +462,7 @@ class Shuffles:
             return
         cards = self._checked(body)
         if cards is not None:
-            linked = min(body.get("neighbours", 0), len(cards))
-            self._take(cards, sent, sender, {card.key for card in cards[:linked]})
+            self._take(cards, sent, sender, _named(cards, body))
 
     def _checked(self, body: dict[str, Any]) -> list[Card] | None:
         """The cards of a message's `body` if every one is signed by its owner; else None
@@ -490,3 +487,9 @@ class Shuffles:
                 via = sender if card.key in vouched else b""
                 candidate = Candidate(card.key, card.addr, card, card.name, via, source=sender)
                 self.passive.add(candidate, sent_away)
+
+
+def _named(cards: Sequence[Card], body: dict[str, Any]) -> set[bytes]:
+    """The keys of the `cards` (those after a shuffle's own) that the `body`'s
+    `neighbours` count says are the sender's neighbours: the first ones."""
+    return {card.key for card in cards[: body.get("neighbours", 0)]}
