@@ -79,7 +79,7 @@ class Liveness:
                 if entry.state != LEFT
                 and (
                     now - last_sent.get(entry.address, -period) >= quiet
-                    or now - self.last_beat.get(entry.address, -period) >= anyway
+                    or now - self._beat_clock(entry.address, now) >= anyway
                 )
             ]
             endpoint.note_change()
@@ -88,6 +88,14 @@ class Liveness:
             endpoint.handshake.say_hello(address, wants_peers)
         if shuffle is not None:
             endpoint.send(*shuffle)
+
+    def _beat_clock(self, address: str, now: float) -> float:
+        """When we last heartbeat `address`, or first looked at it: a peer is met by a
+        hello or its answer, which makes us known as a heartbeat would, so its first
+        beat anyway is due a whole BEAT_ANYWAY_PERIODS on. (Beating every new
+        neighbour at once cost a mesh whose views change often a message each way per
+        link, a third of its heartbeats.)"""
+        return self.last_beat.setdefault(address, now)
 
     def heartbeat(self, addresses: list[str], now: float) -> None:
         body = self.endpoint.handshake.hello_body()

@@ -143,13 +143,9 @@ def test_a_node_starting_in_a_big_mesh_takes_its_size_from_its_bootstrap_list(ma
     assert endpoint.table.known() == 30
 
 
-def test_heartbeats_give_way_to_other_messages_but_never_stop(context, make_endpoint):
-    interval = 0.1
-    endpoint = make_endpoint("beater", heartbeat_interval=interval, peer_timeout=60.0)
-    endpoint.start()
-    raw = RawPeer(context, endpoint.contact)
-    raw.join()
-    idle = raw.collect("heartbeat", 20 * interval)
+@contextlib.contextmanager
+def announcing(endpoint, interval: float):
+    """`endpoint` announcing a new blob twice a heartbeat `interval`, while it lasts."""
     stop = threading.Event()
 
     def announce_every_tick() -> None:
@@ -162,9 +158,35 @@ def test_heartbeats_give_way_to_other_messages_but_never_stop(context, make_endp
     announcer = threading.Thread(target=announce_every_tick)
     announcer.start()
     try:
-        busy = raw.collect("heartbeat", 20 * interval)
+        yield
     finally:
         stop.set()
         announcer.join()
+
+
+def test_heartbeats_give_way_to_other_messages_but_never_stop(context, make_endpoint):
+    interval = 0.1
+    endpoint = make_endpoint("beater", heartbeat_interval=interval, peer_timeout=60.0)
+    endpoint.start()
+    raw = RawPeer(context, endpoint.contact)
+    raw.join()
+    idle = raw.collect("heartbeat", 20 * interval)
+    with announcing(endpoint, interval):
+        busy = raw.collect("heartbeat", 20 * interval)
     assert len(idle) >= 12, "about one a tick while nothing else is sent"
     assert 1 <= len(busy) <= 20 // BEAT_ANYWAY_PERIODS + 2, "one every few ticks when busy"
+
+
+def test_a_peer_just_met_gets_no_heartbeat_while_other_messages_go_to_it(context, make_endpoint):
+    """The hello that met it made us known as a heartbeat would: where views change
+    often, a heartbeat at once each way was a third of a mesh's heartbeats."""
+    interval = 0.1
+    endpoint = make_endpoint("beater", heartbeat_interval=interval, peer_timeout=60.0)
+    endpoint.start()
+    with announcing(endpoint, interval):
+        raw = RawPeer(context, endpoint.contact)
+        raw.join()
+        early = raw.collect("heartbeat", (BEAT_ANYWAY_PERIODS - 2) * interval)
+        later = raw.collect("heartbeat", 4 * interval)
+    assert early == [], "none in the first periods after the hello"
+    assert later, "then one anyway"
