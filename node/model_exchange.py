@@ -237,8 +237,9 @@ class ModelExchange:
         )
         return blobs
 
-    def fetches_since(self, start: int) -> list[dict[str, Any]]:
-        """What the endpoint pulled since its `start`-th fetch: origin by peer name."""
+    def fetches_since(self, start: int, waiting_since: float) -> list[dict[str, Any]]:
+        """What the endpoint pulled since its `start`-th fetch: origin by peer name, and
+        when each came in seconds after the round began `waiting_since` (monotonic)."""
         names = {node_id(peer.public_key): peer.name for peer in self.endpoint.peers()}
         return [
             {
@@ -247,6 +248,7 @@ class ModelExchange:
                 "kind": record.kind,
                 "bytes": record.size,
                 "from": record.holder,
+                "seconds": round(record.arrived - waiting_since, 3),
             }
             for record in self.endpoint.fetches_since(start)
         ]

@@ -383,7 +383,8 @@ class Node:
         # Places freed after the last round are being filled. Published first, so no
         # neighbour waits on this; a newcomer hears of our blob when it links.
         seconds.update(self.view_keeper.refill(self.wait_for_neighbours))
-        deadline = time.monotonic() + self.model_wait
+        waiting_since = time.monotonic()
+        deadline = waiting_since + self.model_wait
         neighbours = {peer.public_key: peer.name for peer in self.endpoint.alive_peers()}
         alive = set(neighbours)
         blobs = self.exchange.collect(
@@ -433,7 +434,9 @@ class Node:
                 fetched={kind: sorted(models) for kind, models in received.items()},
                 refused=intake.refused,
                 refusals=dict(sorted(intake.reasons.items())),
-                transport_fetches=self.exchange.fetches_since(stats_before["fetched"]),
+                transport_fetches=self.exchange.fetches_since(
+                    stats_before["fetched"], waiting_since
+                ),
                 bytes_in=after["bytes_in"] - stats_before["bytes_in"],
                 bytes_out=after["bytes_out"] - stats_before["bytes_out"],
                 bytes_sent_by_kind=after["bytes_sent_by_kind"],  # since the node started

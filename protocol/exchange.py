@@ -52,6 +52,8 @@ class FetchRecord:
     kind: str
     size: int
     holder: str
+    # When it came (monotonic, taken as it is kept): how long a round waited for it.
+    arrived: float = field(default_factory=time.monotonic, compare=False)
 
 
 @dataclass

@@ -61,9 +61,23 @@ def phase_medians(rows: list[RoundRecord]) -> dict[str, float]:
     return {phase: statistics.median(values) for phase, values in seconds.items() if values}
 
 
+def trial_wait(record: RoundRecord) -> float:
+    """How long the round's wait for models went on for its candidates on trial (the
+    neighbours new to it, `tried`) after the last of its other neighbours' blobs came:
+    what trying candidates added to the round (`seconds` of transport_fetches)."""
+    tried = set(record.tried or ())
+    came = [
+        (fetch["origin"] in tried, fetch["seconds"]) for fetch in record.transport_fetches or ()
+    ]
+    trials = [seconds for on_trial, seconds in came if on_trial]
+    others = [seconds for on_trial, seconds in came if not on_trial]
+    return max(0.0, max(trials, default=0.0) - max(others, default=0.0))
+
+
 def intake(rows: list[RoundRecord]) -> dict[str, float]:
     """Per node-round after the first (where every neighbour is new), means: the
-    neighbours new to the node (`tried`), the models it fetched, and the MB it took in."""
+    neighbours new to the node (`tried`), the models it fetched, the MB it took in, and
+    the seconds its candidates on trial added to its wait (`trial_wait`)."""
     later = [record for record in rows if record.round > 1]
     if not later:
         return {}
@@ -73,6 +87,7 @@ def intake(rows: list[RoundRecord]) -> dict[str, float]:
             len((record.fetched or {}).get("model", ())) for record in later
         ),
         "mb_in": statistics.mean(record.bytes_in or 0 for record in later) / 1e6,
+        "trial_wait": statistics.mean(trial_wait(record) for record in later),
     }
 
 

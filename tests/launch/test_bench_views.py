@@ -1,0 +1,28 @@
+"""`meshfl bench views` reads how long a round waited for its candidates on trial: the
+time their blobs came after the last of the other neighbours' (each round's
+transport_fetches). (The benchmark's 100-node runs take minutes; this checks how it
+reads a round.)"""
+
+from __future__ import annotations
+
+from meshfl.launch.bench.views import trial_wait
+from meshfl.node.metrics import RoundRecord
+
+
+def fetched(*came: tuple[str, float]) -> list[dict]:
+    return [{"origin": origin, "kind": "model", "seconds": seconds} for origin, seconds in came]
+
+
+def test_a_round_waited_for_its_candidates_only_past_its_other_neighbours():
+    held = RoundRecord(
+        round=2, tried=["new"], transport_fetches=fetched(("old", 1.0), ("new", 2.5))
+    )
+    assert trial_wait(held) == 1.5
+    early = RoundRecord(
+        round=2, tried=["new"], transport_fetches=fetched(("old", 3.0), ("new", 0.5))
+    )
+    assert trial_wait(early) == 0.0, "a candidate whose model came first held nothing"
+    alone = RoundRecord(round=2, tried=["new"], transport_fetches=fetched(("new", 0.8)))
+    assert trial_wait(alone) == 0.8, "with no other neighbour, the whole wait was the candidate's"
+    settled = RoundRecord(round=2, tried=[], transport_fetches=fetched(("old", 4.0)))
+    assert trial_wait(settled) == 0.0
