@@ -150,10 +150,6 @@ class PeerRecords:
     def harmful(self, peer: str) -> bool:
         return self.score(peer) > HARM_BOUND
 
-    def shows_clear_harm(self, peer: str) -> bool:
-        """Whether the record is above PASS_OVER_BOUND: clear harm, if only one round's."""
-        return self.score(peer) > PASS_OVER_BOUND
-
     def not_worth_fetching(self, peer: str) -> bool:
         """Whether the record shows clear harm that repeats, so that the peer's next
         model is not even fetched (see `pass_over`): above PASS_OVER_BOUND, and above

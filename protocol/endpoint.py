@@ -129,7 +129,7 @@ class Endpoint:
         # serve them its last blob, and takes in and looks for no others.
         self.finished = False
         # Whether the node wants no link with the peer of this name (its record shows
-        # clear harm): called on the worker thread, so it must only read.
+        # clear harm that repeats): called on the worker thread, so it must only read.
         self.shuns: Callable[[str], bool] = lambda name: False
         # Nodes of other meshes that said hello, by key, and what the node is told of each
         # as it is met (on the worker thread: it must be quick).

@@ -9,6 +9,7 @@ from meshfl.algorithms.evidence import (
     BENEFIT_CLIP,
     HARM_BOUND,
     HARM_CLIP,
+    PASS_OVER_BOUND,
     PeerRecords,
     harm_z,
     sign_z,
@@ -123,9 +124,9 @@ def test_one_round_of_clear_harm_is_measured_again_and_harm_that_repeats_is_not(
     """In a mesh's first round every model trained apart hurts the node it is mixed
     into; only harm that repeats saves the download."""
     records = PeerRecords().observe("peer", 1, differences(25.0))
-    assert records.shows_clear_harm("peer") and not records.not_worth_fetching("peer")
+    assert records.score("peer") > PASS_OVER_BOUND and not records.not_worth_fetching("peer")
     records = records.observe("peer", 2, differences(-25.0))
-    assert not records.shows_clear_harm("peer"), "it helped the next round"
+    assert records.score("peer") < PASS_OVER_BOUND, "it helped the next round"
     records = records.observe("attacker", 1, differences(25.0))
     records = records.observe("attacker", 2, differences(25.0))
     assert records.not_worth_fetching("attacker")

@@ -18,7 +18,7 @@ from meshfl.algorithms import (
 )
 from meshfl.algorithms.base import Aggregate, Context, cloned, weighted_average
 from meshfl.algorithms.copies import NEAR_COPY, Sketcher, copies, near_pairs
-from meshfl.algorithms.evidence import harm_z
+from meshfl.algorithms.evidence import PASS_OVER_BOUND, harm_z
 from meshfl.algorithms.pfedsv import _guard_verdict as pfedsv_guard
 from meshfl.algorithms.screening import TRIAL_ROUNDS, Screened
 from meshfl.algorithms.verdicts import (
@@ -404,8 +404,21 @@ def test_one_round_of_clear_harm_is_measured_again(world):
     rule = screened(world, "fedavg")
     outcome = aggregate(rule, world, noisy_round(world, 1), round_no=1)
     assert outcome.diagnostics["screened_out"]["bad"] in ("val_loss", "distance")
-    assert rule.records.shows_clear_harm("bad")
+    assert rule.records.score("bad") > PASS_OVER_BOUND, "clear harm"
     assert rule.wanted(2, {"model": ["bad", "h1", "h2"]})["model"] == ["bad", "h1", "h2"]
+
+
+def test_a_bounded_view_shuns_a_peer_for_harm_that_repeats_not_for_one_round(world):
+    """Shunned, a peer never gets its place back: one round's conviction (a node
+    catching up with its cluster is far from its cluster-mates for a round) would lose
+    a node's cluster-mates for good. It is dropped first, and shunned once the harm
+    repeats."""
+    rule = screened(world, "fedavg")
+    aggregate(rule, world, noisy_round(world, 1), round_no=1)
+    assert not rule.shuns("bad")
+    assert rule.benefits(["bad", "h1"], {})["bad"] < rule.benefits(["bad", "h1"], {})["h1"]
+    aggregate(rule, world, noisy_round(world, 2), round_no=2)
+    assert rule.shuns("bad") and not rule.shuns("h1")
 
 
 def test_the_rule_is_told_whom_screening_keeps_out_before_it_aggregates(world):
