@@ -60,7 +60,18 @@ def test_a_neighbour_caught_copying_did_nothing_whatever_its_record():
         dropped = neighbours_to_drop(
             benefit, {"helper", "other"}, set(), "benefit", random.Random(seed), copied={"relay"}
         )
-        assert dropped == ["relay", "idle"][:MOST_DROPPED]
+        assert dropped == ["relay", "idle"]
+
+
+def test_every_neighbour_caught_copying_goes_with_one_that_did_nothing():
+    # Identities relaying others' models hold places until dropped: all go at once.
+    benefit = {"helper": 0.5, "r1": 1.0, "r2": 0.2, "r3": -0.1, "idle": -0.3, "other": 0.0}
+    for seed in range(20):
+        dropped = neighbours_to_drop(
+            benefit, {"helper"}, set(), "benefit", random.Random(seed), copied={"r1", "r2", "r3"}
+        )
+        assert sorted(dropped[:3]) == ["r1", "r2", "r3"]
+        assert dropped[3:] == ["idle"] and MOST_DROPPED == 1
 
 
 def test_a_neighbour_on_trial_whose_model_came_late_is_judged_next_round():
@@ -76,7 +87,7 @@ def test_a_neighbour_on_trial_whose_model_came_late_is_judged_next_round():
             late={"new", "relay"},
             copied={"relay"},
         )
-        assert dropped == ["relay", "idle"][:MOST_DROPPED]
+        assert dropped == ["relay", "idle"]
         no_copy = {"a": 0.5, "new": 0.0, "idle": 0.0}
         rng = random.Random(seed)
         assert neighbours_to_drop(no_copy, {"a"}, set(), "benefit", rng, late={"new"}) == ["idle"]
