@@ -11,11 +11,10 @@ without clusters most neighbours help a little, and each drop hands a round to a
 newcomer not yet measured. A neighbour whose model screening kept out as a copy of
 another's did nothing this round, whatever its record: an identity that relays others'
 models earns credit where a node cannot see the source, and would keep it while caught
-copying. The node drops every neighbour it shuns (a record of clear
-harm that repeats, or a rule's own verdict), and when its view is full and it shuns
-none: every one caught copying and one that did nothing (the one with the worst
-record: an attacker that did clear harm once goes before an honest peer that was
-late), else, in one round
+copying. The node drops every neighbour it shuns (a record of clear harm that repeats,
+or a rule's own verdict), and when its view is full and it shuns none: every one
+caught copying and one that did nothing (the one with the worst record: an attacker
+that did clear harm once goes before an honest peer that was late), else, in one round
 of EXPLORE_EVERY (drawn at random), the one that did least. The endpoint then greets
 as many candidates from its passive view, so exploring never stops: a node recovers
 from a bad start, and newcomers get tried (PENS, Onoszko et al. 2021). With `random`

@@ -60,6 +60,10 @@ SKIPPED: dict[str, str] = {
     "data.root=DIR --set data.partition=clusters:5 --set data.samples_per_node=300": (
         NEEDS_DATA_ROOT + "; six 60-node runs, minutes"
     ),
+    "meshfl bench views --nodes 100 --rounds 8 --repeats 3 --set data.dataset=mnist --set "
+    "data.root=DIR --set data.partition=dirichlet:0.1 --set data.samples_per_node=300 --set "
+    "algorithm=fedc2i --set local_epochs=2 --set lr=0.05 --set momentum=0.9 --set "
+    "round_timeout=120 --set compression=none": NEEDS_DATA_ROOT + "; six 100-node runs, minutes",
     "meshfl bench against --nodes N --rounds 5 --repeats 3 --set "
     "task=examples/flower_digits_task.py --set algorithm.name=fedavg --set "
     "algorithm.screen=false --set local_epochs=1 -- python flower_fedavg_digits.py "
