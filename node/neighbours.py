@@ -13,8 +13,9 @@ another's did nothing this round, whatever its record: an identity that relays o
 models earns credit where a node cannot see the source, and would keep it while caught
 copying. The node drops every neighbour it shuns (a record of clear harm that repeats,
 or a rule's own verdict), and when its view is full and it shuns none: every one
-caught copying and one that did nothing (the one with the worst record: an attacker
-that did clear harm once goes before an honest peer that was late), else, in one round
+caught copying and one that did nothing, or two while fewer than half of its view has
+helped it (the worst records first: an attacker that did clear harm once goes before an
+honest peer that was late), else, in one round
 of EXPLORE_EVERY (drawn at random), the one that did least. The endpoint then greets
 as many candidates from its passive view, so exploring never stops: a node recovers
 from a bad start, and newcomers get tried (PENS, Onoszko et al. 2021). With `random`
@@ -36,13 +37,17 @@ from meshfl.protocol.endpoint import Endpoint
 
 from .config import MeshConfig
 
-# Neighbours that did nothing dropped after a round: one, as a random view drops one. Two
-# (with one round's harm shunned) made a node of the 100-node Dirichlet(0.1) table meet
-# 4.6 new neighbours a round against 1.9 at random, for 1.2x random's time and 0.1 point
-# (docs/big-meshes.md). Those shunned, and those caught copying, go at once, however
-# many: with the copies among the one a round, Sybils relaying honest models held 0.32
-# of the honest places from ten networks, against 0.22 (docs/defences.md).
+# Neighbours that did nothing dropped after a round: one, as a random view drops one, once
+# at least half of the view has a record of help; two while fewer have (a view still
+# searching). Two always (with one round's harm shunned) made a node of the 100-node
+# Dirichlet(0.1) table meet 4.6 new neighbours a round against 1.9 at random, for 1.2x
+# random's time; one always cost that table's FedC2I 0.5 points against random views,
+# all of it on nodes with little data, for 1.04x; the rule 1.13x (docs/big-meshes.md).
+# Those shunned, and those caught copying, go at once, however many: with the copies
+# among the one a round, Sybils relaying honest models held 0.32 of the honest places
+# from ten networks, against 0.22 (docs/defences.md).
 MOST_DROPPED = 1
+MOST_DROPPED_SEARCHING = 2
 # How long a round of a bounded mesh waits for the candidates it greeted for free places,
 # in heartbeat periods. In a crowded mesh half the answers to a hello turn the greeter
 # away (their views full) with others to greet, so a place takes two or three round
@@ -73,7 +78,7 @@ def neighbours_to_drop(
     """The neighbours to drop: every one `shunned`, else (when `explore`: the view is
     full) by `select` among the rated ones, given each one's `benefit` (higher is
     better) and whose model the rule `taken_in`: of the others, every one `copied` and
-    up to MOST_DROPPED with no record of help, but those on trial whose models came
+    up to `most_dropped` with no record of help, but those on trial whose models came
     `late` (not judged yet), else now and then the least useful."""
     if shunned or not explore or not benefit:
         return sorted(shunned)
@@ -91,8 +96,16 @@ def neighbours_to_drop(
         if peer not in taken_in and peer not in copied and benefit[peer] <= 0 and peer not in late
     ]
     if caught or idle:
-        return caught + idle[:MOST_DROPPED]
+        return caught + idle[: most_dropped(benefit, copied)]
     return ranked[:1] if rng.random() < 1 / EXPLORE_EVERY else []
+
+
+def most_dropped(benefit: Mapping[str, float], copied: Collection[str] = ()) -> int:
+    """How many neighbours that did nothing a round drops: MOST_DROPPED_SEARCHING while
+    fewer than half of those rated have a record of help (copies' records aside), else
+    MOST_DROPPED."""
+    helped = sum(1 for peer, credit in benefit.items() if credit > 0 and peer not in copied)
+    return MOST_DROPPED_SEARCHING if 2 * helped < len(benefit) else MOST_DROPPED
 
 
 def caught_copying(diagnostics: Mapping[str, Any]) -> set[str]:

@@ -10,6 +10,7 @@ from meshfl.node.config import MeshConfig, apply_overrides
 from meshfl.node.neighbours import (
     EXPLORE_EVERY,
     MOST_DROPPED,
+    MOST_DROPPED_SEARCHING,
     ViewKeeper,
     caught_copying,
     neighbours_to_drop,
@@ -35,13 +36,29 @@ def test_every_shunned_neighbour_is_dropped_and_none_besides():
 
 
 def test_neighbours_that_did_nothing_go_first_a_few_at_a_time():
-    benefit = {"a": 0.5, "b": -0.9, "c": 0.0, "d": 0.0}
+    benefit = {"a": 0.5, "b": 0.2, "c": 0.0, "d": 0.0}  # half of the view has helped
     drops = [
         neighbours_to_drop(benefit, {"a", "b"}, set(), "benefit", random.Random(seed))
         for seed in range(20)
     ]
     assert all(len(dropped) == MOST_DROPPED and {*dropped} <= {"c", "d"} for dropped in drops)
     assert {peer for dropped in drops for peer in dropped} == {"c", "d"}, "ties drawn"
+
+
+def test_a_view_where_fewer_than_half_have_helped_drops_more_that_did_nothing():
+    # On a skew where most peers help a little, a view still searching tries more
+    # candidates; a neighbour taken in this round is not idle, whatever its record.
+    searching = {"a": 0.5, "b": -0.9, "c": 0.0, "d": -0.1, "e": -0.4}
+    for seed in range(20):
+        dropped = neighbours_to_drop(searching, {"a", "b"}, set(), "benefit", random.Random(seed))
+        assert dropped == ["e", "d", "c"][:MOST_DROPPED_SEARCHING]
+    assert MOST_DROPPED_SEARCHING > MOST_DROPPED
+    # A relay's record is not help: caught copying, it leaves the view searching.
+    relayed = {"a": 0.5, "relay": 1.5, "c": 0.0, "d": -0.1}
+    dropped = neighbours_to_drop(
+        relayed, {"a"}, set(), "benefit", random.Random(0), copied={"relay"}
+    )
+    assert dropped == ["relay", "d", "c"][: 1 + MOST_DROPPED_SEARCHING]
 
 
 def test_a_neighbour_with_a_record_of_help_is_kept_when_the_rule_passed_it_over():
@@ -63,15 +80,16 @@ def test_a_neighbour_caught_copying_did_nothing_whatever_its_record():
         assert dropped == ["relay", "idle"]
 
 
-def test_every_neighbour_caught_copying_goes_with_one_that_did_nothing():
-    # Identities relaying others' models hold places until dropped: all go at once.
+def test_every_neighbour_caught_copying_goes_with_those_that_did_nothing():
+    # Identities relaying others' models hold places until dropped: all go at once, and
+    # their records of help do not count, so the view searches.
     benefit = {"helper": 0.5, "r1": 1.0, "r2": 0.2, "r3": -0.1, "idle": -0.3, "other": 0.0}
     for seed in range(20):
         dropped = neighbours_to_drop(
             benefit, {"helper"}, set(), "benefit", random.Random(seed), copied={"r1", "r2", "r3"}
         )
         assert sorted(dropped[:3]) == ["r1", "r2", "r3"]
-        assert dropped[3:] == ["idle"] and MOST_DROPPED == 1
+        assert dropped[3:] == ["idle", "other"][:MOST_DROPPED_SEARCHING]
 
 
 def test_a_neighbour_on_trial_whose_model_came_late_is_judged_next_round():
@@ -157,7 +175,7 @@ def test_of_those_that_did_nothing_the_worst_record_goes_first():
     benefit = {"honest": -0.3, "late": 0.0, "attacker": -2.9, "other": 0.8}
     for seed in range(20):
         dropped = neighbours_to_drop(benefit, (), set(), "benefit", random.Random(seed))
-        assert dropped == ["attacker", "honest"][:MOST_DROPPED]
+        assert dropped == ["attacker", "honest", "late"][:MOST_DROPPED_SEARCHING]
 
 
 def test_a_view_not_full_drops_only_shunned_neighbours():
