@@ -9,7 +9,7 @@ import json
 import threading
 from pathlib import Path
 
-from meshfl.launch.supervise import SupervisedProcess, supervise
+from meshfl.launch.supervise import Progress, SupervisedProcess, supervise
 from meshfl.node.host import record_restarts, restarts_so_far
 
 ROUNDS = 5
@@ -111,3 +111,23 @@ def test_a_restart_by_launch_is_counted_where_the_host_counts_on_from(tmp_path):
     host = SupervisedProcess("host0", ["b"], Stopped(-9))
     supervise([host], lambda names: Stopped(0), restarts=2, out=tmp_path, rounds=ROUNDS, quiet=True)
     assert restarts_so_far(tmp_path / "b") == 1
+
+
+def test_progress_says_the_round_every_running_node_has_finished_as_records_come(tmp_path, capsys):
+    ran_rounds(tmp_path, "a", 2)
+    ran_rounds(tmp_path, "b", 1)
+    progress = Progress(tmp_path, ROUNDS, quiet=False)
+    progress.show(["a", "b", "not-started"])
+    assert capsys.readouterr().out == ""  # a node that wrote nothing yet holds it at 0
+    progress.show(["a", "b"])
+    progress.show(["a", "b"])
+    assert capsys.readouterr().out == f"  round 1/{ROUNDS} done by every running node\n"
+    ran_rounds(tmp_path, "b", 3)  # the file grew: read again
+    progress.show(["a", "b"])
+    assert capsys.readouterr().out == f"  round 2/{ROUNDS} done by every running node\n"
+
+
+def test_a_quiet_launch_shows_no_progress(tmp_path, capsys):
+    ran_rounds(tmp_path, "a", 2)
+    Progress(tmp_path, ROUNDS, quiet=True).show(["a"])
+    assert capsys.readouterr().out == ""
