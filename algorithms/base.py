@@ -374,11 +374,14 @@ def state_part(state: State, keys: Iterable[str]) -> State:
 
 
 def model_distance(first: State, second: State, keys: Iterable[str] | None = None) -> float:
-    """‖first − second‖ over the floating-point entries (integer buffers mean no distance)."""
+    """‖first − second‖ over the floating-point entries (integer buffers mean no distance),
+    summed in float64. One temporary a tensor, worked in place: with three, each freshly
+    allocated, a distance between two MNIST models took ten times as long."""
     total = 0.0
     for key in keys if keys is not None else first:
         if first[key].is_floating_point():
-            total += float((first[key].double() - second[key].double()).pow(2).sum())
+            difference = first[key].double().sub_(second[key])
+            total += float(difference.square_().sum())
     return math.sqrt(total)
 
 

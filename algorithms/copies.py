@@ -31,9 +31,11 @@ where the sketch does not look (a seed of its own keeps a node's draws to itself
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from collections.abc import Collection, Mapping
+from typing import NamedTuple
 
 import torch
 
@@ -66,24 +68,47 @@ class Sketcher:
         for every model of one layout."""
         floats = [(key, state[key].detach()) for key in sorted(state)]
         floats = [(key, tensor) for key, tensor in floats if tensor.is_floating_point()]
-        total = sum(tensor.numel() for _, tensor in floats)
-        if total == 0:
+        if not floats:
             return None
+        layout = tuple((key, tensor.numel()) for key, tensor in floats)
         sums = torch.zeros(SKETCH_SIZE, dtype=torch.float64)
-        for key, tensor in floats:
-            size = tensor.numel()
-            reads = min(size, max(MIN_SAMPLED, round(SAMPLED * size / total)))
-            generator = torch.Generator().manual_seed(draw_seed(self.seed, key, size, "sketch"))
-            positions = (
-                torch.arange(size)
-                if reads == size
-                else torch.randint(size, (reads,), generator=generator)
-            )
-            buckets = torch.randint(SKETCH_SIZE, (reads,), generator=generator)
-            signs = torch.randint(2, (reads,), generator=generator).double() * 2 - 1
-            values = tensor.reshape(-1)[positions].double() * math.sqrt(size / reads)
-            sums.index_add_(0, buckets, values * signs)
+        for (_, tensor), reads in zip(floats, _reads(self.seed, layout), strict=True):
+            values = tensor.reshape(-1)[reads.positions].double()
+            sums.index_add_(0, reads.buckets, values * reads.signs)
         return sums
+
+
+class _Reads(NamedTuple):
+    """One tensor's reads in a sketch: positions, the sum each goes to, sign and weight."""
+
+    positions: torch.Tensor
+    buckets: torch.Tensor
+    signs: torch.Tensor
+
+
+# Kept per node and layout, outside the rule (a rule holds no state but its own): the
+# same for every model, and drawn for each one they were most of a sketch's time. About
+# 66 kB each, for a few hundred nodes to a process.
+@functools.lru_cache(maxsize=1024)
+def _reads(seed: int, layout: tuple[tuple[str, int], ...]) -> tuple[_Reads, ...]:
+    """Where each tensor of `layout` is read, into which sum, with which sign and weight:
+    about SAMPLED reads in all, at least MIN_SAMPLED of each tensor."""
+    total = sum(size for _, size in layout)
+    draws = []
+    for key, size in layout:
+        reads = min(size, max(MIN_SAMPLED, round(SAMPLED * size / total)))
+        generator = torch.Generator().manual_seed(draw_seed(seed, key, size, "sketch"))
+        positions = (
+            torch.arange(size)
+            if reads == size
+            else torch.randint(size, (reads,), generator=generator)
+        )
+        buckets = torch.randint(SKETCH_SIZE, (reads,), generator=generator)
+        signs = torch.randint(2, (reads,), generator=generator).double() * 2 - 1
+        # Each read stands for size / reads floats: its weight, carried by its sign.
+        weighted = signs * math.sqrt(size / reads)
+        draws.append(_Reads(positions.int(), buckets.int(), weighted))
+    return tuple(draws)
 
 
 def spread(reference: torch.Tensor, sketches: Mapping[str, torch.Tensor]) -> float:

@@ -70,7 +70,7 @@ def leave_one_out_means(stacked: torch.Tensor) -> torch.Tensor:
     count = stacked.shape[0]
     if count < 2:
         raise ValueError(f"leave-one-out means need at least 2 entries, got {count}")
-    return (stacked.sum(dim=0, keepdim=True) - stacked) / (count - 1)
+    return (stacked.sum(dim=0, keepdim=True) - stacked).div_(count - 1)
 
 
 def leave_one_out_bodies(bodies: list[State]) -> list[State]:
