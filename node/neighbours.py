@@ -93,7 +93,10 @@ def neighbours_to_drop(
     idle = [
         peer
         for peer in ranked
-        if peer not in taken_in and peer not in copied and benefit[peer] <= 0 and peer not in late
+        if peer not in taken_in
+        and peer not in copied
+        and not helped(benefit, peer)
+        and peer not in late
     ]
     if caught or idle:
         return caught + idle[: most_dropped(benefit, copied)]
@@ -104,8 +107,14 @@ def most_dropped(benefit: Mapping[str, float], copied: Collection[str] = ()) -> 
     """How many neighbours that did nothing a round drops: MOST_DROPPED_SEARCHING while
     fewer than half of those rated have a record of help (copies' records aside), else
     MOST_DROPPED."""
-    helped = sum(1 for peer, credit in benefit.items() if credit > 0 and peer not in copied)
-    return MOST_DROPPED_SEARCHING if 2 * helped < len(benefit) else MOST_DROPPED
+    helpers = sum(1 for peer in benefit if helped(benefit, peer) and peer not in copied)
+    return MOST_DROPPED_SEARCHING if 2 * helpers < len(benefit) else MOST_DROPPED
+
+
+def helped(benefit: Mapping[str, float], peer: str) -> bool:
+    """Whether `peer` has a record of help: its `benefit` (credit less harm) is above
+    nothing. A neighbour with none did nothing for the node, however long it stayed."""
+    return benefit[peer] > 0
 
 
 def caught_copying(diagnostics: Mapping[str, Any]) -> set[str]:
@@ -261,7 +270,7 @@ class ViewKeeper(MeshKeeper):
         helpful = [
             name
             for name in benefit
-            if benefit[name] > 0 and name not in dropped and name not in shunned
+            if helped(benefit, name) and name not in dropped and name not in shunned
         ]
         self.endpoint.unlink(
             [current[name] for name in dropped], vouched=[current[name] for name in helpful]
