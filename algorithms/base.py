@@ -380,7 +380,8 @@ def model_distance(first: State, second: State, keys: Iterable[str] | None = Non
     total = 0.0
     for key in keys if keys is not None else first:
         if first[key].is_floating_point():
-            difference = first[key].double().sub_(second[key])
+            # A copy even of a float64 tensor (.double() would hand back the same one).
+            difference = first[key].to(torch.float64, copy=True).sub_(second[key])
             total += float(difference.square_().sum())
     return math.sqrt(total)
 

@@ -1,8 +1,10 @@
-"""The shared averaging of the aggregation rules."""
+"""The shared averaging and distance of the aggregation rules."""
+
+import math
 
 import torch
 
-from meshfl.algorithms.base import weighted_average
+from meshfl.algorithms.base import model_distance, weighted_average
 from meshfl.node.models import build_model
 
 
@@ -30,3 +32,12 @@ def test_weighted_average_is_the_weighted_mean_and_keeps_integer_buffers():
     averaged["body.bn1.num_batches_tracked"].add_(1)
     assert int(states[0]["body.bn1.num_batches_tracked"]) == 3
     assert not torch.equal(averaged["head.bias"], states[0]["head.bias"])
+
+
+def test_model_distance_is_the_euclidean_distance_over_floats_and_leaves_both_models_alone():
+    for dtype in (torch.float32, torch.float64):
+        first = {"w": torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=dtype), "n": torch.tensor(7)}
+        second = {"w": torch.tensor([[1.0, 0.0], [3.0, 1.0]], dtype=dtype), "n": torch.tensor(1)}
+        before = {key: value.clone() for key, value in first.items()}
+        assert model_distance(first, second) == math.sqrt(2.0**2 + 3.0**2)
+        assert all(torch.equal(first[key], before[key]) for key in first)
