@@ -74,16 +74,17 @@ class Sketcher:
         sums = torch.zeros(SKETCH_SIZE, dtype=torch.float64)
         for (_, tensor), reads in zip(floats, _reads(self.seed, layout), strict=True):
             values = tensor.reshape(-1)[reads.positions].double()
-            sums.index_add_(0, reads.buckets, values * reads.signs)
+            sums.index_add_(0, reads.buckets, values * reads.weighted_signs)
         return sums
 
 
 class _Reads(NamedTuple):
-    """One tensor's reads in a sketch: positions, the sum each goes to, sign and weight."""
+    """One tensor's reads in a sketch: where each is read, the sum it goes to, and its
+    sign times its weight (the floats each read stands for, size / reads, square-rooted)."""
 
     positions: torch.Tensor
     buckets: torch.Tensor
-    signs: torch.Tensor
+    weighted_signs: torch.Tensor
 
 
 # Kept per node and layout, outside the rule (a rule holds no state but its own): the
@@ -105,9 +106,7 @@ def _reads(seed: int, layout: tuple[tuple[str, int], ...]) -> tuple[_Reads, ...]
         )
         buckets = torch.randint(SKETCH_SIZE, (reads,), generator=generator)
         signs = torch.randint(2, (reads,), generator=generator).double() * 2 - 1
-        # Each read stands for size / reads floats: its weight, carried by its sign.
-        weighted = signs * math.sqrt(size / reads)
-        draws.append(_Reads(positions.int(), buckets.int(), weighted))
+        draws.append(_Reads(positions.int(), buckets.int(), signs * math.sqrt(size / reads)))
     return tuple(draws)
 
 

@@ -9,6 +9,8 @@ import json
 import threading
 from pathlib import Path
 
+from meshfl.launch import supervise as supervise_module
+from meshfl.launch.run_folder import last_record
 from meshfl.launch.supervise import Progress, SupervisedProcess, supervise
 from meshfl.node.host import record_restarts, restarts_so_far
 
@@ -113,21 +115,38 @@ def test_a_restart_by_launch_is_counted_where_the_host_counts_on_from(tmp_path):
     assert restarts_so_far(tmp_path / "b") == 1
 
 
-def test_progress_says_the_round_every_running_node_has_finished_as_records_come(tmp_path, capsys):
+def reads_counted(monkeypatch) -> list[str]:
+    """The node folders whose last record the progress line parses, in order."""
+    reads: list[str] = []
+
+    def counted(folder: Path):
+        reads.append(folder.name)
+        return last_record(folder)
+
+    monkeypatch.setattr(supervise_module, "last_record", counted)
+    return reads
+
+
+def test_progress_says_the_round_every_node_finished_reading_only_files_that_grew(
+    tmp_path, capsys, monkeypatch
+):
+    reads = reads_counted(monkeypatch)
     ran_rounds(tmp_path, "a", 2)
     ran_rounds(tmp_path, "b", 1)
     progress = Progress(tmp_path, ROUNDS, quiet=False)
     progress.show(["a", "b", "not-started"])
     assert capsys.readouterr().out == ""  # a node that wrote nothing yet holds it at 0
     progress.show(["a", "b"])
-    progress.show(["a", "b"])
     assert capsys.readouterr().out == f"  round 1/{ROUNDS} done by every running node\n"
-    ran_rounds(tmp_path, "b", 3)  # the file grew: read again
+    assert reads == ["a", "b"]  # each parsed once: neither file grew since
+    ran_rounds(tmp_path, "b", 3)
     progress.show(["a", "b"])
     assert capsys.readouterr().out == f"  round 2/{ROUNDS} done by every running node\n"
+    assert reads == ["a", "b", "b"]
 
 
-def test_a_quiet_launch_shows_no_progress(tmp_path, capsys):
+def test_a_quiet_launch_reads_no_record_for_progress(tmp_path, capsys, monkeypatch):
+    reads = reads_counted(monkeypatch)
     ran_rounds(tmp_path, "a", 2)
     Progress(tmp_path, ROUNDS, quiet=True).show(["a"])
-    assert capsys.readouterr().out == ""
+    assert capsys.readouterr().out == "" and reads == []
