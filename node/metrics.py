@@ -100,6 +100,9 @@ class RoundRecord(_Round):
     dropped: list[str] | None = None
     anchors: list[str] | None = None
     connections: int | None = None  # the node dialled, open when the round ended
+    # CPU seconds the round took on the node's own thread (`node`: training, screening,
+    # aggregation) and on its endpoint's (`endpoint`; Linux only), node/thread_cpu.py.
+    cpu_seconds: dict[str, float] | None = None
 
 
 @dataclass

@@ -407,6 +407,12 @@ class Endpoint:
                 "connections": self.transport.connections(),
             }
 
+    def thread_ids(self) -> list[int]:
+        """The native ids of the threads that work for this endpoint alone: its worker's
+        and its transport's (node/thread_cpu.py reads what they spend)."""
+        worker = self.worker.thread.native_id
+        return ([] if worker is None else [worker]) + self.transport.thread_ids()
+
     def fetches_since(self, start: int) -> list[FetchRecord]:
         """The blobs this endpoint pulled, from the `start`-th on (`stats()["fetched"]`
         counts them): the transport's own record, not what the caller asked for."""

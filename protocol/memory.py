@@ -169,6 +169,9 @@ class MemoryTransport:
     def sent_by_kind(self) -> dict[str, int]:
         return dict(self.bytes_out_by_kind)
 
+    def thread_ids(self) -> list[int]:
+        return []  # the network's carrier thread is every endpoint's, no one's own
+
     def wake_reader(self) -> None:
         try:
             self.inbox.put_nowait(None)

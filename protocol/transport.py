@@ -336,6 +336,11 @@ class Transport:
         with self._counting:
             return dict(self.bytes_out_by_kind)
 
+    def thread_ids(self) -> list[int]:
+        """The native id of the thread that moves this transport's messages."""
+        native_id = self._thread.native_id
+        return [] if native_id is None else [native_id]
+
     def _queue(self, item: _Outgoing) -> None:
         if self._closing.is_set():
             return

@@ -7,9 +7,12 @@ reads what the nodes wrote: the wall time of the run, its mean test accuracy, an
 median over node-rounds of where a round's time went (metrics.jsonl `seconds`):
 training, the wait for the view to fill its free places (`view_wait`), the wait for
 the models (`communicate` less the view wait), aggregation and evaluation; beside them
-the CPU seconds the whole run took (every process of it), the neighbours new to a node
-in a round (`tried`: candidates on trial), and the models and bytes a node took in a
-round. On one machine that holds the whole mesh, wall time follows the CPU the mesh
+the CPU seconds the whole run took (every process of it), and of them the nodes' own
+threads' (training, screening, aggregation) and their endpoints' (signatures,
+decoding, heartbeats), each round's `cpu_seconds` summed (Linux); the rest is ZeroMQ's
+I/O threads (encryption, TCP) and starting the processes. Then the neighbours new to a
+node in a round (`tried`: candidates on trial), and the models and bytes a node took in
+a round. On one machine that holds the whole mesh, wall time follows the CPU the mesh
 spends, and a node that took in more of its peers' models spent more of it. It prints
 each run, then the medians and benefit's ratios to random:
 
@@ -24,6 +27,7 @@ import resource
 import statistics
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 from meshfl.node.metrics import RoundRecord
@@ -91,6 +95,14 @@ def intake(rows: list[RoundRecord]) -> dict[str, float]:
     }
 
 
+def thread_cpu(rows: list[RoundRecord]) -> dict[str, float]:
+    """The CPU seconds the run's node-rounds spent, by thread (`cpu_seconds`), summed."""
+    spent: Counter[str] = Counter()
+    for record in rows:
+        spent.update(record.cpu_seconds or {})
+    return dict(spent)
+
+
 def children_cpu_s() -> float:
     """CPU seconds of every process this one has waited for (a launch's, its forks')."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -101,9 +113,10 @@ def describe(selection: str, wall: float, cpu: float, accuracy: float, out: Path
     rows = run_records(out)
     phases = " ".join(f"{phase}={seconds:.2f}" for phase, seconds in phase_medians(rows).items())
     taken = " ".join(f"{what}={value:.2f}" for what, value in intake(rows).items())
+    threads = " ".join(f"{thread}={seconds:.1f}" for thread, seconds in thread_cpu(rows).items())
     return (
-        f"{selection}: wall_s={wall:.1f} cpu_s={cpu:.1f} mean_test_acc={accuracy:.4f} "
-        f"median s/round: {phases}; per node-round: {taken}"
+        f"{selection}: wall_s={wall:.1f} cpu_s={cpu:.1f} ({threads}) "
+        f"mean_test_acc={accuracy:.4f} median s/round: {phases}; per node-round: {taken}"
     )
 
 

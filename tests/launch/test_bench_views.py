@@ -5,7 +5,7 @@ reads a round.)"""
 
 from __future__ import annotations
 
-from meshfl.launch.bench.views import trial_wait
+from meshfl.launch.bench.views import thread_cpu, trial_wait
 from meshfl.node.metrics import RoundRecord
 
 
@@ -26,3 +26,13 @@ def test_a_round_waited_for_its_candidates_only_past_its_other_neighbours():
     assert trial_wait(alone) == 0.8, "with no other neighbour, the whole wait was the candidate's"
     settled = RoundRecord(round=2, tried=[], transport_fetches=fetched(("old", 4.0)))
     assert trial_wait(settled) == 0.0
+
+
+def test_a_runs_cpu_is_summed_by_thread_over_its_node_rounds():
+    rows = [
+        RoundRecord(round=1, cpu_seconds={"node": 1.5, "endpoint": 0.25}),
+        RoundRecord(round=2, cpu_seconds={"node": 0.5, "endpoint": 0.25}),
+        RoundRecord(round=2, cpu_seconds={"node": 1.0}),  # a system without thread counters
+        RoundRecord(round=3),  # a record from before the counters
+    ]
+    assert thread_cpu(rows) == {"node": 3.0, "endpoint": 0.5}

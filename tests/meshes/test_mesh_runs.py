@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,10 @@ def test_fedavg_round_over_full_mesh_leaves_every_node_with_the_same_model(tmp_p
         assert record["round"] == 2
         assert len(record["received"]) == 2, "every node aggregated the whole mesh"
         assert sum(record["weights"].values()) == pytest.approx(1.0)
+        # What the round cost, by thread: the node's own work, its endpoint's beside it.
+        assert record["cpu_seconds"]["node"] > 0
+        if sys.platform.startswith("linux"):
+            assert record["cpu_seconds"]["endpoint"] >= 0
     models = [final_model(tmp_path, f"node{i}") for i in range(3)]
     float_bytes = sum(tensor.numel() * 4 for tensor in models[0].values())
     share = 1.0 if compression == "none" else 0.27  # int8: a byte a value, a scale per 128

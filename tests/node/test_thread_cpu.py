@@ -1,0 +1,83 @@
+"""A round's CPU, told apart by thread: the node's own work from its endpoint's, in a
+process that runs many nodes (node/thread_cpu.py)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import pytest
+
+from meshfl.node.thread_cpu import RoundCpu, threads_cpu_seconds
+
+linux_only = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="per-thread counters are Linux's"
+)
+
+
+def burn(seconds: float) -> None:
+    """Spend about `seconds` of CPU on the calling thread."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+class Busy:
+    """A thread that burns CPU when told to, and otherwise waits."""
+
+    def __init__(self) -> None:
+        self.go, self.done = threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        while self.thread.native_id is None:
+            time.sleep(0.001)
+
+    def _run(self) -> None:
+        self.go.wait()
+        burn(0.3)
+        self.done.set()
+        time.sleep(5)  # alive while the test reads its counters
+
+    def work(self) -> None:
+        self.go.set()
+        assert self.done.wait(10)
+
+
+@linux_only
+def test_a_threads_cpu_grows_with_its_work_and_not_with_anothers():
+    busy = Busy()
+    native_id = busy.thread.native_id
+    assert native_id is not None
+    before = threads_cpu_seconds([native_id])
+    mine_before = threads_cpu_seconds([threading.get_native_id()])
+    assert before is not None and mine_before is not None
+    busy.work()
+    after = threads_cpu_seconds([native_id])
+    mine_after = threads_cpu_seconds([threading.get_native_id()])
+    assert after is not None and mine_after is not None
+    assert after - before >= 0.2, "the busy thread's 0.3 s, to a clock tick"
+    assert mine_after - mine_before < 0.2, "the waiting thread spent next to nothing"
+
+
+def test_a_thread_the_system_cannot_find_gives_no_figure():
+    assert threads_cpu_seconds([2**31 - 7]) is None  # no thread of this process
+    assert threads_cpu_seconds([]) == 0.0
+
+
+@linux_only
+def test_a_round_counts_the_nodes_own_work_apart_from_its_endpoints():
+    endpoint = Busy()
+    clock = RoundCpu(lambda: [endpoint.thread.native_id])
+    start = clock.read()
+    burn(0.1)  # the node's own work, on this thread
+    endpoint.work()  # 0.3 s on the endpoint's
+    spent = clock.since(start)
+    assert 0.1 <= spent["node"] < 0.2, spent
+    assert spent["endpoint"] >= 0.2, spent
+
+
+def test_a_clock_the_system_does_not_give_is_left_out():
+    clock = RoundCpu(lambda: [2**31 - 7])
+    spent = clock.since(clock.read())
+    assert set(spent) == {"node"} and spent["node"] >= 0
