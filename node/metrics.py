@@ -101,7 +101,8 @@ class RoundRecord(_Round):
     anchors: list[str] | None = None
     connections: int | None = None  # the node dialled, open when the round ended
     # CPU seconds the round took on the node's own thread (`node`: training, screening,
-    # aggregation) and on its endpoint's (`endpoint`; Linux only), node/thread_cpu.py.
+    # aggregation, evaluation) and on its endpoint's threads (`endpoint`; Linux only):
+    # node/thread_cpu.py, which says what neither counts (ZeroMQ's and torch's threads).
     cpu_seconds: dict[str, float] | None = None
 
 

@@ -43,8 +43,8 @@ from .config import MeshConfig
 # Dirichlet(0.1) table meet 4.6 new neighbours a round against 1.9 at random, for 1.2x
 # random's time; one always cost that table's FedC2I 0.5 points against random views,
 # all of it on nodes with little data, and so did searching only in a view's first
-# rounds, or every other round. The second drop costs no time measurable on two cores
-# against one always (docs/big-meshes.md).
+# rounds, or every other round. Against one always, alternated, the second drop showed
+# no cost in time that two cores can measure (docs/big-meshes.md).
 # Those shunned, and those caught copying, go at once, however many: with the copies
 # among the one a round, Sybils relaying honest models held 0.32 of the honest places
 # from ten networks, against 0.22 (docs/defences.md).

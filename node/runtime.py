@@ -48,7 +48,7 @@ from .neighbours import MeshKeeper, caught_copying, keeper_for
 from .set_aside import SetAside, remove_set_aside
 from .splits import NodeData
 from .task import Task, node_info, task_of
-from .thread_cpu import RoundCpu
+from .thread_cpu import cpu_spent, read_cpu
 from .trainer import (
     Evaluation,
     TrainRecipe,
@@ -138,7 +138,6 @@ class Node:
         # Held for CPU work (training, aggregation, evaluation): a node host shares one
         # among its nodes (node/host.py); a node alone in its process needs none.
         self.cpu: AbstractContextManager[Any] = contextlib.nullcontext()
-        self.round_cpu = RoundCpu(endpoint.thread_ids)  # what a round spent, by thread
         self._suspects: set[str] = set()  # peers whose input made the rule raise last round
         self._anchors: list[str] = []  # contacts to greet first: a resumed node's anchors
         self._dropped_machines: dict[str, int] = {}  # a resumed node's, to keep out
@@ -351,7 +350,7 @@ class Node:
         fail_if_planted(self.options.name, round_no)
         seconds: dict[str, float] = {}
         stats_before = self.endpoint.stats()
-        cpu_before = self.round_cpu.read()
+        cpu_at_start = read_cpu(self.endpoint.thread_ids())
         self.endpoint.set_round(round_no)
         if self.deltas is not None:
             self.deltas.start(round_no, state_to_arrays(self.model))
@@ -443,7 +442,7 @@ class Node:
                 bytes_in=after["bytes_in"] - stats_before["bytes_in"],
                 bytes_out=after["bytes_out"] - stats_before["bytes_out"],
                 bytes_sent_by_kind=after["bytes_sent_by_kind"],  # since the node started
-                cpu_seconds=self.round_cpu.since(cpu_before),
+                cpu_seconds=cpu_spent(cpu_at_start),
                 compression=self.cfg.compression,
                 published_bytes=published_bytes,
                 rejections=after["rejections"],

@@ -7,14 +7,16 @@ reads what the nodes wrote: the wall time of the run, its mean test accuracy, an
 median over node-rounds of where a round's time went (metrics.jsonl `seconds`):
 training, the wait for the view to fill its free places (`view_wait`), the wait for
 the models (`communicate` less the view wait), aggregation and evaluation; beside them
-the CPU seconds the whole run took (every process of it), and of them the nodes' own
-threads' (training, screening, aggregation) and their endpoints' (signatures,
-decoding, heartbeats), each round's `cpu_seconds` summed (Linux); the rest is ZeroMQ's
-I/O threads (encryption, TCP) and starting the processes. Then the neighbours new to a
-node in a round (`tried`: candidates on trial), and the models and bytes a node took in
-a round. On one machine that holds the whole mesh, wall time follows the CPU the mesh
-spends, and a node that took in more of its peers' models spent more of it. It prints
-each run, then the medians and benefit's ratios to random:
+the CPU seconds the whole run took (every process of it, the launcher's included), and
+of them what the nodes' rounds spent on their own threads (`node`: training,
+screening, aggregation) and on their endpoints' worker and transport threads
+(`endpoint`: signatures, decoding, heartbeats), each round's `cpu_seconds` summed
+(Linux). Not in either: ZeroMQ's threads (encryption, TCP), start-up, checkpoints and
+the launcher. Then the neighbours new to a node in a round (`tried`: candidates on
+trial), and the models and bytes a node took in a round. On one machine that holds the
+whole mesh, wall time follows the CPU the mesh spends, and a node that took in more of
+its peers' models spent more of it. It prints each run, then the medians and benefit's
+ratios to random:
 
     meshfl bench views --nodes 60 --rounds 12 --repeats 3 \\
         --set data.dataset=mnist --set data.root=DIR --set data.partition=clusters:5
@@ -95,7 +97,7 @@ def intake(rows: list[RoundRecord]) -> dict[str, float]:
     }
 
 
-def thread_cpu(rows: list[RoundRecord]) -> dict[str, float]:
+def cpu_by_thread(rows: list[RoundRecord]) -> dict[str, float]:
     """The CPU seconds the run's node-rounds spent, by thread (`cpu_seconds`), summed."""
     spent: Counter[str] = Counter()
     for record in rows:
@@ -113,9 +115,10 @@ def describe(selection: str, wall: float, cpu: float, accuracy: float, out: Path
     rows = run_records(out)
     phases = " ".join(f"{phase}={seconds:.2f}" for phase, seconds in phase_medians(rows).items())
     taken = " ".join(f"{what}={value:.2f}" for what, value in intake(rows).items())
-    threads = " ".join(f"{thread}={seconds:.1f}" for thread, seconds in thread_cpu(rows).items())
+    threads = " ".join(f"{thread}={seconds:.1f}" for thread, seconds in cpu_by_thread(rows).items())
+    of_which = f" ({threads})" if threads else ""
     return (
-        f"{selection}: wall_s={wall:.1f} cpu_s={cpu:.1f} ({threads}) "
+        f"{selection}: wall_s={wall:.1f} cpu_s={cpu:.1f}{of_which} "
         f"mean_test_acc={accuracy:.4f} median s/round: {phases}; per node-round: {taken}"
     )
 

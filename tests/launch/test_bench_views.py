@@ -5,7 +5,7 @@ reads a round.)"""
 
 from __future__ import annotations
 
-from meshfl.launch.bench.views import thread_cpu, trial_wait
+from meshfl.launch.bench.views import cpu_by_thread, trial_wait
 from meshfl.node.metrics import RoundRecord
 
 
@@ -35,4 +35,4 @@ def test_a_runs_cpu_is_summed_by_thread_over_its_node_rounds():
         RoundRecord(round=2, cpu_seconds={"node": 1.0}),  # a system without thread counters
         RoundRecord(round=3),  # a record from before the counters
     ]
-    assert thread_cpu(rows) == {"node": 3.0, "endpoint": 0.5}
+    assert cpu_by_thread(rows) == {"node": 3.0, "endpoint": 0.5}

@@ -50,10 +50,11 @@ def test_fedavg_round_over_full_mesh_leaves_every_node_with_the_same_model(tmp_p
         assert record["round"] == 2
         assert len(record["received"]) == 2, "every node aggregated the whole mesh"
         assert sum(record["weights"].values()) == pytest.approx(1.0)
-        # What the round cost, by thread: the node's own work, its endpoint's beside it.
+        # What the round cost, by thread: the node's own work, its endpoint's beside it
+        # (that one counted, test_thread_cpu.py; here, that the round records it).
         assert record["cpu_seconds"]["node"] > 0
         if sys.platform.startswith("linux"):
-            assert record["cpu_seconds"]["endpoint"] >= 0
+            assert "endpoint" in record["cpu_seconds"]
     models = [final_model(tmp_path, f"node{i}") for i in range(3)]
     float_bytes = sum(tensor.numel() * 4 for tensor in models[0].values())
     share = 1.0 if compression == "none" else 0.27  # int8: a byte a value, a scale per 128
