@@ -45,22 +45,6 @@ class Busy:
         assert self.done.wait(10)
 
 
-@linux_only
-def test_a_threads_cpu_grows_with_its_work_and_not_with_anothers():
-    busy = Busy()
-    native_id = busy.thread.native_id
-    assert native_id is not None
-    before = threads_cpu_seconds([native_id])
-    mine_before = threads_cpu_seconds([threading.get_native_id()])
-    assert before is not None and mine_before is not None
-    busy.work()
-    after = threads_cpu_seconds([native_id])
-    mine_after = threads_cpu_seconds([threading.get_native_id()])
-    assert after is not None and mine_after is not None
-    assert after - before >= 0.2, "the busy thread's 0.3 s, to a clock tick"
-    assert mine_after - mine_before < 0.2, "the waiting thread spent next to nothing"
-
-
 def test_a_thread_the_system_cannot_find_gives_no_figure():
     assert threads_cpu_seconds([2**31 - 7]) is None  # no thread of this process
     assert threads_cpu_seconds([]) == 0.0
@@ -74,8 +58,8 @@ def test_a_round_counts_the_nodes_own_work_apart_from_its_endpoints():
     burn(0.1)  # the node's own work, on this thread
     endpoint.work()  # 0.3 s on the endpoint's
     spent = cpu_spent(start)
-    assert 0.1 <= spent["node"] < 0.2, spent
-    assert spent["endpoint"] >= 0.2, spent
+    assert 0.1 <= spent["node"] < 0.2, "this thread's own 0.1 s, not the endpoint's"
+    assert spent["endpoint"] >= 0.2, "the endpoint thread's 0.3 s, to a clock tick"
 
 
 def test_a_clock_the_system_does_not_give_is_left_out():
