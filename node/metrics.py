@@ -92,11 +92,13 @@ class RoundRecord(_Round):
     compression: str | None = None  # the codec of the blobs the node published
     # A bounded mesh's only (WIRE.md 7.7): the neighbours when the round began and when
     # it ended (before any was dropped: places freed after a round are filled while the
-    # next one runs), the ones new since the last round began, and the ones the node
-    # dropped after it, and its anchors then (node/neighbours.py).
+    # next one runs), the ones new since the last round began, those whose models it
+    # passed over (a view past its places), and the ones the node dropped after it, and
+    # its anchors then (node/neighbours.py).
     neighbours: list[str] | None = None
     neighbours_at_end: list[str] | None = None
     tried: list[str] | None = None
+    past_places: list[str] | None = None
     dropped: list[str] | None = None
     anchors: list[str] | None = None
     connections: int | None = None  # the node dialled, open when the round ended

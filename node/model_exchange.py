@@ -123,8 +123,11 @@ class ModelExchange:
         deadline: float,
         everything: bool = False,
         quorum: float = 1.0,
+        origins_only: bool = False,
     ) -> dict[str, dict[str, Blob]]:
-        """The blobs of round `round_no` this node wants, by kind and peer name.
+        """The blobs of round `round_no` this node wants, by kind and peer name: of the
+        peers among `origins` where `origins_only`, else of any (one linked while the
+        round waits, too).
 
         Wanted blobs are fetched as their offers come in, so a live peer that never
         announces costs the wait, not the others' blobs. The wait ends once a `quorum`
@@ -139,7 +142,7 @@ class ModelExchange:
         )
         while True:
             seen = self.endpoint.changes()
-            offered, complete = self._offered(round_no, kinds, origins, quorum)
+            offered, complete = self._offered(round_no, kinds, origins, quorum, origins_only)
             if pull.should_ask(complete):
                 pull.chosen = self._choose(round_no, offered, everything)
                 self.endpoint.fetch(list(pull.chosen.values()))
@@ -157,12 +160,21 @@ class ModelExchange:
         return blobs
 
     def _offered(
-        self, round_no: int, kinds: set[str], origins: set[bytes], quorum: float = 1.0
+        self,
+        round_no: int,
+        kinds: set[str],
+        origins: set[bytes],
+        quorum: float = 1.0,
+        origins_only: bool = False,
     ) -> tuple[dict[str, dict[str, Offer]], bool]:
-        """The round's offers of `kinds` by kind and peer name, and whether a `quorum`
-        share (1.0: every one) of the live peers among `origins` announced every kind
-        (Endpoint.round_offers)."""
-        names = {peer.public_key: peer.name for peer in self.endpoint.peers()}
+        """The round's offers of `kinds` by kind and peer name (`origins_only`: of the
+        peers among `origins`), and whether a `quorum` share (1.0: every one) of the
+        live peers among `origins` announced every kind (Endpoint.round_offers)."""
+        names = {
+            peer.public_key: peer.name
+            for peer in self.endpoint.peers()
+            if not origins_only or peer.public_key in origins
+        }
         offers, complete = self.endpoint.round_offers(round_no, kinds, origins, quorum)
         offered: dict[str, dict[str, Offer]] = {}
         for offer in offers:

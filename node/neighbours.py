@@ -20,7 +20,9 @@ of EXPLORE_EVERY (drawn at random), the one that did least. The endpoint then gr
 as many candidates from its passive view, so exploring never stops: a node recovers
 from a bad start, and newcomers get tried (PENS, Onoszko et al. 2021). With `random`
 a random neighbour is dropped instead: gossip learning, the baseline to beat: nothing
-is shunned, and candidates are drawn at random.
+is shunned, and candidates are drawn at random. A view chosen by benefit that holds
+more neighbours than its places (greeters past them) learns from its places' worth of
+them, the best records first (`learning_from`).
 """
 
 from __future__ import annotations
@@ -164,6 +166,11 @@ class MeshKeeper:
         """The neighbours a round ends with, by name."""
         return {}
 
+    def learning_from(self, neighbours: Mapping[bytes, str], round_no: int) -> set[bytes]:
+        """Of the `neighbours` a round began with (key -> name), those whose models it
+        takes in: every one in a full mesh."""
+        return set(neighbours)
+
     def anchors(self) -> list[str]:
         """The names of the node's anchors (see ANCHORS); none in a full mesh."""
         return []
@@ -183,7 +190,8 @@ class MeshKeeper:
         self, began_with: Mapping[bytes, str], ended_with: Collection[str], dropped: list[str]
     ) -> dict[str, Any]:
         """The round record's fields about the view."""
-        return dict.fromkeys(("neighbours", "neighbours_at_end", "tried", "dropped", "anchors"))
+        fields = ("neighbours", "neighbours_at_end", "tried", "past_places", "dropped", "anchors")
+        return dict.fromkeys(fields)
 
 
 class ViewKeeper(MeshKeeper):
@@ -198,6 +206,11 @@ class ViewKeeper(MeshKeeper):
         self._last_neighbours: set[str] = set()  # when the last round began
         self._stayed: dict[str, int] = {}  # neighbour -> rounds in a row it was one
         self._anchors: list[str] = []
+        # Of the neighbours now: those whose models the node has taken in, and the rule
+        # weight each got the last time; those the round began with and passed over.
+        self._taken_in: set[str] = set()
+        self._weights: dict[str, float] = {}
+        self._past_places: set[str] = set()
 
     @property
     def patience(self) -> float:
@@ -219,6 +232,41 @@ class ViewKeeper(MeshKeeper):
     def neighbours_now(self) -> dict[str, bytes]:
         return {peer.name: peer.public_key for peer in self.endpoint.alive_peers()}
 
+    def learning_from(self, neighbours: Mapping[bytes, str], round_no: int) -> set[bytes]:
+        """Every neighbour, but where a view chosen by benefit begins a round with more
+        than its places (greeters past them), as many as its places: the best by
+        benefit, and of those level (a newcomer has no record yet) the ones not yet
+        taken in; ties drawn at random. A contested place goes to the proven before the
+        newly arrived: many identities can greet, few can prove help. The rest did
+        nothing this round: one without a record of help goes as an idle neighbour
+        does, and the view, back at its places, goes on searching (kept, they stalled
+        the search and cost the small nodes accuracy: docs/big-meshes.md). Each model
+        taken in costs CPU at both ends, and a benefit view took in 8.7 a round against
+        a random view's 7.7: it fetches a candidate where a random view keeps a
+        neighbour whose record shows harm and skips its model."""
+        views = self.endpoint.views
+        assert views is not None, "a bounded mesh's keeper"
+        self._past_places = set()
+        if (
+            self.cfg.topology.select != "benefit"
+            or len(neighbours) <= views.neighbours
+            or self.algorithm.ranks_offers  # a top k of its own (pFedSV) sees every offer
+        ):
+            return set(neighbours)
+        benefit = self.algorithm.benefits(neighbours.values(), self._weights)
+        rng = random.Random(draw_seed(self.cfg.seed, self.name, round_no, "learning_from"))
+        by_name = sorted(neighbours, key=neighbours.__getitem__)
+        ranked = sorted(
+            by_name,
+            key=lambda key: (
+                -benefit[neighbours[key]],
+                neighbours[key] in self._taken_in,
+                rng.random(),
+            ),
+        )
+        self._past_places = {neighbours[key] for key in ranked[views.neighbours :]}
+        return set(ranked[: views.neighbours])
+
     def record(
         self, began_with: Mapping[bytes, str], ended_with: Collection[str], dropped: list[str]
     ) -> dict[str, Any]:
@@ -226,6 +274,7 @@ class ViewKeeper(MeshKeeper):
             "neighbours": sorted(began_with.values()),
             "neighbours_at_end": sorted(ended_with),
             "tried": self.tried(began_with.values()),
+            "past_places": sorted(self._past_places),
             "dropped": dropped,
             "anchors": self.anchors(),
         }
@@ -262,6 +311,7 @@ class ViewKeeper(MeshKeeper):
         shunned = {name for name in current if self.endpoint.shuns(name)}
         still = [name for name in began_with if name in current]
         self._stayed = {name: self._stayed.get(name, 0) + 1 for name in still}
+        self._note_taken_in(current, weights, arrived)
         benefit = self.algorithm.benefits(still, weights)
         explore = len(current) >= views.neighbours and self.endpoint.greetable_candidates() > 0
         rng = random.Random(draw_seed(self.cfg.seed, self.name, round_no, "neighbours"))
@@ -280,3 +330,19 @@ class ViewKeeper(MeshKeeper):
         proven = [name for name in helpful if self._stayed.get(name, 0) >= ANCHOR_ROUNDS]
         self._anchors = sorted(proven, key=lambda name: -self._stayed[name])[:ANCHORS]
         return dropped
+
+    def _note_taken_in(
+        self,
+        current: Collection[str],
+        weights: Mapping[str, float],
+        arrived: Collection[str] | None,
+    ) -> None:
+        """Remember, of the neighbours `current` now, whose models the node took in
+        (`arrived` this round; where not told, those the rule weighed) and the rule's
+        weight for each the last time it weighed it (what ranks a view's neighbours
+        where no screening records them)."""
+        taken = set(arrived) if arrived is not None else set(weights)
+        self._taken_in = (self._taken_in | taken) & set(current)
+        self._weights = {
+            name: weight for name, weight in {**self._weights, **weights}.items() if name in current
+        }

@@ -389,8 +389,14 @@ class Node:
         deadline = waiting_since + self.model_wait
         neighbours = {peer.public_key: peer.name for peer in self.endpoint.alive_peers()}
         alive = set(neighbours)
+        learning_from = self.view_keeper.learning_from(neighbours, round_no)
         blobs = self.exchange.collect(
-            round_no, kinds, alive, deadline, quorum=self.cfg.round_quorum
+            round_no,
+            kinds,
+            learning_from,
+            deadline,
+            quorum=self.cfg.round_quorum,
+            origins_only=learning_from != alive,
         )
         seconds["communicate"] = time.perf_counter() - clock
 

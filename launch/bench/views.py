@@ -2,7 +2,8 @@
 at random, on one mesh, alternately.
 
 Each repeat runs `meshfl launch --nodes N` twice, with `topology.select=benefit` and
-`topology.select=random`, the rest of the config alike (`--set` changes both), and
+`topology.select=random` (benefit first in the first repeat, the order swapped every
+other repeat), the rest of the config alike (`--set` changes both), and
 reads what the nodes wrote: the wall time of the run, its mean test accuracy, and the
 median over node-rounds of where a round's time went (metrics.jsonl `seconds`):
 training, the wait for the view to fill its free places (`view_wait`), the wait for
@@ -123,6 +124,13 @@ def describe(selection: str, wall: float, cpu: float, accuracy: float, out: Path
     )
 
 
+def run_order(repeat: int) -> tuple[str, ...]:
+    """The selections in the order repeat `repeat` (from 0) runs them: swapped every
+    other repeat, so that neither always runs first or after the other (on a busy
+    machine a run can be slower for the one before it)."""
+    return SELECTIONS if repeat % 2 == 0 else SELECTIONS[::-1]
+
+
 def main(argv: list[str]) -> int:
     parser = bench_parser("views", __doc__, preformatted=True)
     parser.add_argument("--nodes", type=positive(int), default=60, help="nodes (default: 60)")
@@ -146,7 +154,7 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="meshfl-views-") as scratch:
         runs = args.keep or Path(scratch)
         for repeat in range(args.repeats):
-            for selection in SELECTIONS:
+            for selection in run_order(repeat):
                 out = runs / f"{selection}{repeat}"
                 settings = [*args.assignments, f"topology.select={selection}"]
                 cpu_before = children_cpu_s()

@@ -5,7 +5,7 @@ reads a round.)"""
 
 from __future__ import annotations
 
-from meshfl.launch.bench.views import cpu_by_thread, trial_wait
+from meshfl.launch.bench.views import cpu_by_thread, run_order, trial_wait
 from meshfl.node.metrics import RoundRecord
 
 
@@ -36,3 +36,8 @@ def test_a_runs_cpu_is_summed_by_thread_over_its_node_rounds():
         RoundRecord(round=3),  # a record from before the counters
     ]
     assert cpu_by_thread(rows) == {"node": 3.0, "endpoint": 0.5}
+
+
+def test_neither_selection_always_runs_first():
+    orders = [run_order(repeat) for repeat in range(4)]
+    assert orders == [("benefit", "random"), ("random", "benefit")] * 2

@@ -41,7 +41,7 @@ def test_each_node_learns_from_a_bounded_changing_set_of_neighbours(tmp_path):
     # Unscreened: on shards this small (36 val samples) screening's records shun honest
     # peers too, and a 10-node mesh runs out of candidates; this test is about views.
     run_launch(tmp_path, 240, rounds=6, algorithm={"name": "fedavg", "screen": False})
-    drops = explorers = 0
+    drops = explorers = past_places = 0
     for i in range(NODES):
         history = records(tmp_path / "run", f"node{i}")
         rounds = [record["round"] for record in history]
@@ -53,6 +53,13 @@ def test_each_node_learns_from_a_bounded_changing_set_of_neighbours(tmp_path):
             assert set(record["dropped"]) <= set(record["neighbours_at_end"])
             assert len(record["neighbours_at_end"]) <= MOST
             assert len(record["received"]) <= MOST
+            if len(record["neighbours"]) > NEIGHBOURS:  # past its places: learns from 3 of them
+                past_places += 1
+                learned_from = set(record["neighbours"]) - set(record["past_places"])
+                assert len(learned_from) == NEIGHBOURS, record
+                assert set(record["received"]) <= learned_from, record
+            else:
+                assert record["past_places"] == [], record
             assert record["connections"] <= MOST + 2  # a link in the making, one going
         later = set().union(*(record["neighbours"] for record in history[1:]))
         explorers += bool(later - set(history[0]["neighbours"]))
@@ -64,6 +71,7 @@ def test_each_node_learns_from_a_bounded_changing_set_of_neighbours(tmp_path):
     # Exploring never stops: full views drop one neighbour in a few rounds, and another
     # is tried in its place.
     assert drops >= NODES and explorers >= NODES // 2, (drops, explorers)
+    assert past_places, "no view grew past its places: the cap went untested"
     assert_anchors_stayed(tmp_path / "run")
 
 

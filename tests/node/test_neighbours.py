@@ -11,6 +11,7 @@ from meshfl.node.neighbours import (
     EXPLORE_EVERY,
     MOST_DROPPED,
     MOST_DROPPED_SEARCHING,
+    MeshKeeper,
     ViewKeeper,
     caught_copying,
     neighbours_to_drop,
@@ -131,6 +132,8 @@ class _Endpoint:
 
 
 class _Rule:
+    ranks_offers = False
+
     def benefits(self, peers, weights):
         return {peer: weights.get(peer, 0.0) for peer in peers}
 
@@ -162,6 +165,48 @@ def test_a_newcomer_whose_model_the_rule_did_not_get_is_kept_for_its_next_round(
 
     assert drops(["good", "new"]) == 30
     assert drops(["good"]) <= 30 * (1 / EXPLORE_EVERY + 0.2)
+
+
+def test_a_view_past_its_places_learns_from_its_best_then_from_its_newcomers():
+    keeper = _keeper()  # two places
+    keys = {b"G": "good", b"F": "fair", b"B": "bad"}
+    assert len(keeper.learning_from(keys, 1)) == 2
+    current = {name: key for key, name in keys.items()}
+    keeper.drop(1, list(current), current, {"good": 0.9, "fair": 0.2, "bad": -0.5}, arrived=[])
+    assert keeper.learning_from(keys, 2) == set(keys) - {b"B"}, "untried: by weight"
+    keeper.drop(2, list(current), current, {"good": 0.9, "fair": 0.2, "bad": -0.5})
+    assert keeper.learning_from(keys, 3) == {b"G", b"F"}
+    assert keeper.learning_from({**keys, b"N": "new"}, 3) == {b"G", b"F"}, "the proven first"
+    keeper.drop(3, list(current), current, {"good": 0.9, "fair": 0.0, "bad": -0.5})
+    with_new = {**keys, b"N": "new"}
+    assert keeper.learning_from(with_new, 4) == {b"G", b"N"}, "of those level, the untried"
+    assert keeper.learning_from({b"G": "good", b"B": "bad"}, 3) == {b"G", b"B"}, "not past"
+
+
+def test_a_neighbour_past_the_places_without_a_record_of_help_goes_as_idle():
+    # Two places, three neighbours; the one that did nothing when last taken in is
+    # passed over, did nothing again, and goes: the view comes back to its places.
+    keeper = _keeper()
+    current = {"good": b"G", "fair": b"F", "least": b"L"}
+    keys = {key: name for name, key in current.items()}
+    keeper.drop(1, list(current), current, {"good": 0.5, "fair": 0.3, "least": 0.0})
+    keeper.record(keys, current, [])  # as a round's record does: no newcomer from now on
+    assert keeper.learning_from(keys, 2) == {b"G", b"F"}
+    assert keeper.record(keys, current, [])["past_places"] == ["least"]
+    weights = {"good": 0.5, "fair": 0.3}
+    assert keeper.drop(2, list(current), current, weights, arrived=list(weights)) == ["least"]
+
+
+def test_random_views_full_meshes_and_top_k_rules_learn_from_every_neighbour():
+    keys = {b"G": "good", b"F": "fair", b"N": "new"}
+    keeper = _keeper()
+    keeper.cfg = apply_overrides(keeper.cfg, ["topology.select=random"])
+    assert keeper.learning_from(keys, 2) == set(keys)
+    keeper = _keeper()
+    keeper.algorithm.ranks_offers = True
+    assert keeper.learning_from(keys, 2) == set(keys)
+    mesh = MeshKeeper(_Endpoint(), _Rule(), keeper.cfg, "me")
+    assert mesh.learning_from(keys, 2) == set(keys)
 
 
 def test_the_copies_a_round_caught_are_read_from_its_screening():
