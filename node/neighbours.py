@@ -206,11 +206,8 @@ class ViewKeeper(MeshKeeper):
         self._last_neighbours: set[str] = set()  # when the last round began
         self._stayed: dict[str, int] = {}  # neighbour -> rounds in a row it was one
         self._anchors: list[str] = []
-        # Of the neighbours now: those whose models the node has taken in, and the rule
-        # weight each got the last time; those the round began with and passed over.
-        self._taken_in: set[str] = set()
-        self._weights: dict[str, float] = {}
-        self._past_places: set[str] = set()
+        self._weights: dict[str, float] = {}  # the rule's, of the last round
+        self._past_places: set[str] = set()  # of this round's neighbours, passed over
 
     @property
     def patience(self) -> float:
@@ -235,8 +232,8 @@ class ViewKeeper(MeshKeeper):
     def learning_from(self, neighbours: Mapping[bytes, str], round_no: int) -> set[bytes]:
         """Every neighbour, but where a view chosen by benefit begins a round with more
         than its places (greeters past them), as many as its places: the best by
-        benefit, and of those level (a newcomer has no record yet) the ones not yet
-        taken in; ties drawn at random. A contested place goes to the proven before the
+        benefit, and of those level (a newcomer has no record yet) the ones new since
+        the last round; ties drawn at random. A contested place goes to the proven before the
         newly arrived: many identities can greet, few can prove help. The rest did
         nothing this round: one without a record of help goes as an idle neighbour
         does, and the view, back at its places, goes on searching (kept, they stalled
@@ -260,7 +257,7 @@ class ViewKeeper(MeshKeeper):
             by_name,
             key=lambda key: (
                 -benefit[neighbours[key]],
-                neighbours[key] in self._taken_in,
+                neighbours[key] in self._last_neighbours,
                 rng.random(),
             ),
         )
@@ -311,7 +308,7 @@ class ViewKeeper(MeshKeeper):
         shunned = {name for name in current if self.endpoint.shuns(name)}
         still = [name for name in began_with if name in current]
         self._stayed = {name: self._stayed.get(name, 0) + 1 for name in still}
-        self._note_taken_in(current, weights, arrived)
+        self._weights = dict(weights)
         benefit = self.algorithm.benefits(still, weights)
         explore = len(current) >= views.neighbours and self.endpoint.greetable_candidates() > 0
         rng = random.Random(draw_seed(self.cfg.seed, self.name, round_no, "neighbours"))
@@ -330,19 +327,3 @@ class ViewKeeper(MeshKeeper):
         proven = [name for name in helpful if self._stayed.get(name, 0) >= ANCHOR_ROUNDS]
         self._anchors = sorted(proven, key=lambda name: -self._stayed[name])[:ANCHORS]
         return dropped
-
-    def _note_taken_in(
-        self,
-        current: Collection[str],
-        weights: Mapping[str, float],
-        arrived: Collection[str] | None,
-    ) -> None:
-        """Remember, of the neighbours `current` now, whose models the node took in
-        (`arrived` this round; where not told, those the rule weighed) and the rule's
-        weight for each the last time it weighed it (what ranks a view's neighbours
-        where no screening records them)."""
-        taken = set(arrived) if arrived is not None else set(weights)
-        self._taken_in = (self._taken_in | taken) & set(current)
-        self._weights = {
-            name: weight for name, weight in {**self._weights, **weights}.items() if name in current
-        }

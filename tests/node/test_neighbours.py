@@ -168,18 +168,18 @@ def test_a_newcomer_whose_model_the_rule_did_not_get_is_kept_for_its_next_round(
 
 
 def test_a_view_past_its_places_learns_from_its_best_then_from_its_newcomers():
-    keeper = _keeper()  # two places
+    keeper = _keeper()  # two places; without screening, the rule's weights rate them
     keys = {b"G": "good", b"F": "fair", b"B": "bad"}
-    assert len(keeper.learning_from(keys, 1)) == 2
     current = {name: key for key, name in keys.items()}
-    keeper.drop(1, list(current), current, {"good": 0.9, "fair": 0.2, "bad": -0.5}, arrived=[])
-    assert keeper.learning_from(keys, 2) == set(keys) - {b"B"}, "untried: by weight"
-    keeper.drop(2, list(current), current, {"good": 0.9, "fair": 0.2, "bad": -0.5})
-    assert keeper.learning_from(keys, 3) == {b"G", b"F"}
-    assert keeper.learning_from({**keys, b"N": "new"}, 3) == {b"G", b"F"}, "the proven first"
-    keeper.drop(3, list(current), current, {"good": 0.9, "fair": 0.0, "bad": -0.5})
+    assert len(keeper.learning_from(keys, 1)) == 2
+    keeper.drop(1, list(current), current, {"good": 0.9, "fair": 0.2, "bad": -0.5})
+    keeper.record(keys, current, [])
+    assert keeper.learning_from(keys, 2) == {b"G", b"F"}
     with_new = {**keys, b"N": "new"}
-    assert keeper.learning_from(with_new, 4) == {b"G", b"N"}, "of those level, the untried"
+    assert keeper.learning_from(with_new, 2) == {b"G", b"F"}, "the proven first"
+    keeper.drop(2, list(current), current, {"good": 0.9, "fair": 0.0, "bad": -0.5})
+    keeper.record(keys, current, [])
+    assert keeper.learning_from(with_new, 3) == {b"G", b"N"}, "of those level, the new"
     assert keeper.learning_from({b"G": "good", b"B": "bad"}, 3) == {b"G", b"B"}, "not past"
 
 
